@@ -1,0 +1,98 @@
+"""The GPT-OSS transformer as linen modules, and `forward`, the cache-free entry point.
+
+Parameters are a plain pytree passed to `apply` (see params.py for how they are declared):
+    {"embedding": [V, D], "block_0": {"attn": {...}, "mlp": {...}}, ..., "norm": {"scale": [D]},
+     "unembedding": [D, V]}
+Activations follow the parameters' dtype (float32 or bfloat16); RMSNorm, attention scores and
+softmax, the router and the final logits are float32 whatever the parameter dtype.
+
+Legend: B = batch, T = positions, D = embed, V = vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .attention import AttentionBlock
+from .config import ModelConfig
+from .layers import RMSNorm
+from .moe import MLPBlock
+from .params import Params, Weight, declare
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which implementation runs where; results agree to rounding whichever is chosen."""
+
+    attention: str = "blockwise"  # "blockwise" (memory linear in T) or "reference" ([T, T] scores)
+    attention_block: int = 512  # query and key block size of the blockwise attention
+    moe: str = "auto"  # "auto", "gather" or "grouped" (see moe.py)
+    moe_gather_max_pairs: int = 64  # auto: gather when tokens * experts_per_token <= this
+    moe_block: int = 64  # rows per expert block on the grouped path
+
+
+class TransformerBlock(nn.Module):
+    config: ModelConfig
+    layer: int
+    param_dtype: jnp.dtype = jnp.bfloat16
+    kernels: Kernels = Kernels()
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        k = self.kernels
+        with jax.named_scope("attention"):
+            x = x + AttentionBlock(self.config, self.layer, self.param_dtype, impl=k.attention,
+                                   block_size=k.attention_block, name="attn")(x, positions)
+        with jax.named_scope("moe"):
+            x = x + MLPBlock(self.config, self.param_dtype, impl=k.moe, gather_max_pairs=k.moe_gather_max_pairs,
+                             block=k.moe_block, name="mlp")(x)
+        return x
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+    param_dtype: jnp.dtype = jnp.bfloat16
+    kernels: Kernels = Kernels()
+    WEIGHTS: ClassVar = {
+        "embedding": Weight(("vocab", "embed")),
+        "unembedding": Weight(("embed", "vocab")),
+    }
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int32 -> logits [B, T, V] float32."""
+        cfg = self.config
+        embedding = declare(self, "embedding")
+        x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        for i in range(cfg.num_hidden_layers):
+            with jax.named_scope(f"block_{i}"):
+                x = TransformerBlock(cfg, i, self.param_dtype, self.kernels, name=f"block_{i}")(x, positions)
+        x = RMSNorm(cfg, name="norm")(x)
+        return jnp.einsum("btd,dv->btv", x, declare(self, "unembedding"), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"))
+def _forward(config: ModelConfig, params: Params, tokens: jax.Array, kernels: Kernels) -> jax.Array:
+    return Transformer(config, kernels=kernels).apply({"params": params}, tokens)
+
+
+def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = Kernels()) -> jax.Array:
+    """Logits [B, T, V] (float32) of int32 tokens [B, T] for a fresh sequence (positions 0..T-1), no cache."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+        lo, hi = int(np.min(tokens)), int(np.max(tokens))
+        if lo < 0 or hi >= config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {config.vocab_size}); got min {lo}, max {hi}")
+    return _forward(config, params, tokens.astype(jnp.int32), kernels)
