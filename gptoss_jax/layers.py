@@ -33,25 +33,24 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[float, np.ndarray]:
-    """(concentration, inverse frequencies [H/2]) of YaRN with NTK-by-parts interpolation.
+    """(concentration, inverse frequencies [H/2] float32) of YaRN with NTK-by-parts interpolation.
 
-    Computed in float32 in the same order as both references, so the frequencies agree to the bit
-    (a last-bit difference in a frequency shifts the angle at position 131072 measurably).
+    The formula is evaluated in float64 and rounded once, so each frequency is the float32 nearest
+    the exact value. The references evaluate it in float32 (torch's pow is not correctly rounded) and
+    land within 1 ulp of it; at position p a 1-ulp frequency difference moves an angle by about
+    p * 6e-8 * freq, which is the references' own sensitivity (see tests/test_layers.py).
     """
     d = config.head_dim
-    f32 = np.float32
-    freq = f32(config.rope_theta) ** (np.arange(0, d, 2, dtype=f32) / f32(d))  # [H/2]
+    freq = config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [H/2]
     s = config.rope_scaling_factor
     if s <= 1.0:
-        return 1.0, (f32(1.0) / freq).astype(f32)
+        return 1.0, (1.0 / freq).astype(np.float32)
     low, high = config.yarn_ramp_bounds()
-    interpolation = f32(1.0) / (f32(s) * freq)
-    extrapolation = f32(1.0) / freq
-    ramp = (np.arange(d // 2, dtype=f32) - f32(low)) / f32(high - low)
-    mask = f32(1.0) - np.clip(ramp, f32(0.0), f32(1.0))  # 1 = keep the original frequency
-    inv_freq = interpolation * (f32(1.0) - mask) + extrapolation * mask
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    # ramp 0: keep the original frequency (fast dims); ramp 1: divide it by s (slow dims).
+    inv_freq = (1.0 / (s * freq)) * ramp + (1.0 / freq) * (1.0 - ramp)
     concentration = 0.1 * math.log(s) + 1.0
-    return concentration, inv_freq.astype(f32)
+    return concentration, inv_freq.astype(np.float32)
 
 
 def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -58,27 +58,38 @@ def _experts_gather(x, idx, w, act):
     return jnp.einsum("naf,nafd->nad", a, w["mlp2_weight"][idx]) + w["mlp2_bias"][idx]
 
 
-def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
-    """x [N, D], idx [N, A] -> per-pair outputs [N, A, D], one expert per `block` rows."""
-    N, A = idx.shape
-    D = x.shape[-1]
-    P = N * A
+def group_by_expert(idx: jax.Array, num_experts: int, block: int):
+    """Lay the pairs of idx [N, A] out in blocks of `block` rows, each block holding one expert's pairs.
+
+    Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair,
+    block_expert [num_blocks], used_blocks: how many leading blocks hold pairs). num_blocks is the
+    static bound ceil((P + E * (block - 1)) / block); only the first used_blocks are computed.
+    """
+    P = idx.size
     flat_expert = idx.reshape(P)
-    order = jnp.argsort(flat_expert, stable=True)  # pairs sorted by expert
+    order = jnp.argsort(flat_expert, stable=True)
     sorted_expert = flat_expert[order]
     counts = jnp.bincount(flat_expert, length=num_experts)  # [E]
     padded = (counts + block - 1) // block * block
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     start = jnp.cumsum(counts) - counts
-    # Row of each sorted pair in the padded layout: its expert's padded start + rank within the expert.
-    dest = padded_start[sorted_expert] + jnp.arange(P) - start[sorted_expert]  # [P]
-    num_blocks = -(-(P + num_experts * (block - 1)) // block)  # static upper bound on used blocks
+    # Padded row of each sorted pair: its expert's padded start + its rank within the expert.
+    dest = padded_start[sorted_expert] + jnp.arange(P) - start[sorted_expert]
+    num_blocks = -(-(P + num_experts * (block - 1)) // block)
+    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
+                               num_experts - 1)
+    return order, dest, block_expert, padded_end[-1] // block
+
+
+def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
+    """x [N, D], idx [N, A] -> per-pair outputs [N, A, D], one expert per `block` rows."""
+    N, A = idx.shape
+    D = x.shape[-1]
+    order, dest, block_expert, used_blocks = group_by_expert(idx, num_experts, block)
+    num_blocks = block_expert.shape[0]
     rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A])
     rows = rows.reshape(num_blocks, block, D)
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
-                               num_experts - 1)  # [num_blocks]
-    used_blocks = padded_end[-1] // block
 
     def one_block(args):
         b, xb = args
@@ -91,7 +102,7 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         return jax.lax.cond(b < used_blocks, compute, jnp.zeros_like, xb)
 
     out = jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D)
-    per_pair = jnp.zeros((P, D), out.dtype).at[order].set(out[dest])
+    per_pair = jnp.zeros((N * A, D), out.dtype).at[order].set(out[dest])
     return per_pair.reshape(N, A, D)
 
 

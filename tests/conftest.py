@@ -1,0 +1,40 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # for refs.py
+
+import gptoss_jax as gj  # noqa: E402
+from gptoss_jax.testing import random_params  # noqa: E402
+
+
+def rel_err(actual, reference) -> float:
+    """max |actual - reference| / max |reference|, the measure the parity tolerances are stated in."""
+    actual = np.asarray(actual, np.float64)
+    reference = np.asarray(reference, np.float64)
+    assert actual.shape == reference.shape, (actual.shape, reference.shape)
+    assert np.all(np.isfinite(actual)), "non-finite values in the result"
+    return float(np.abs(actual - reference).max() / np.abs(reference).max())
+
+
+def assert_rel_close(actual, reference, *, rtol: float) -> None:
+    err = rel_err(actual, reference)
+    assert err <= rtol, f"max|diff|/max|ref| = {err:.3g} > {rtol:.3g}"
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return gj.ModelConfig.tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny):
+    return random_params(tiny, seed=0)
+
+
+@pytest.fixture(scope="session")
+def long_tokens(tiny):
+    # 300 tokens: 18x the tiny window (16) and past its YaRN initial context (256).
+    return np.random.default_rng(1).integers(0, tiny.vocab_size, size=(1, 300)).astype(np.int32)

@@ -1,0 +1,88 @@
+"""Attention kernels against each other and the attention block against OpenAI's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_rel_close
+from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference
+from refs import openai_model
+
+
+def _qkv(rng, B, T, K, G, H, dtype=np.float32):
+    q = rng.standard_normal((B, T, K, G, H)).astype(dtype)
+    k = rng.standard_normal((B, T, K, H)).astype(dtype)
+    v = rng.standard_normal((B, T, K, H)).astype(dtype)
+    sinks = rng.standard_normal((K, G)).astype(dtype)
+    return q, k, v, sinks
+
+
+@pytest.mark.parametrize("T, window, block", [
+    (1, None, 8), (1, 4, 8),
+    (37, None, 8), (37, 5, 8), (37, 16, 8),  # T not a multiple of the block; windows below and at 2x block
+    (100, 16, 16), (100, 3, 32), (100, None, 128),  # one block holding everything
+    (130, 128, 32),  # window longer than several blocks
+])
+def test_blockwise_equals_reference(T, window, block):
+    rng = np.random.default_rng(T + (window or 0) + block)
+    q, k, v, sinks = _qkv(rng, 2, T, 2, 3, 8)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (2, T))
+    ref = attention_reference(q, k, v, sinks, positions, positions, window=window)
+    out = attention_blockwise(q, k, v, sinks, window=window, q_block=block, kv_block=block)
+    assert_rel_close(out, ref, rtol=1e-5)
+
+
+def test_blockwise_with_query_offset_equals_reference_rows():
+    # Queries that start later (as in a chunked prompt) see the same keys as those rows of the full result.
+    rng = np.random.default_rng(0)
+    q, k, v, sinks = _qkv(rng, 1, 90, 2, 2, 8)
+    positions = np.arange(90, dtype=np.int32)[None]
+    ref = attention_reference(q, k, v, sinks, positions, positions, window=7)
+    out = attention_blockwise(q[:, 50:], k, v, sinks, window=7, q_offset=50, q_block=16, kv_block=16)
+    assert_rel_close(out, ref[:, 50:], rtol=1e-5)
+
+
+def test_sink_only_enlarges_the_denominator():
+    # One visible key (the first query): out = v0 * 1 / (1 + exp(sink - s00)) = v0 * sigmoid(s00 - sink).
+    rng = np.random.default_rng(0)
+    q, k, v, sinks = _qkv(rng, 1, 1, 1, 1, 4)
+    pos = np.zeros((1, 1), np.int32)
+    out = attention_reference(q, k, v, sinks, pos, pos, window=None)
+    s00 = (q[0, 0, 0, 0] @ k[0, 0, 0]) / 2.0
+    expected = v[0, 0, 0] / (1 + np.exp(sinks[0, 0] - s00))
+    np.testing.assert_allclose(np.asarray(out)[0, 0, 0, 0], expected, rtol=1e-5, atol=0)
+
+
+def _temp_bytes(fn, T, K=2, G=4, H=32):
+    q = jax.ShapeDtypeStruct((1, T, K, G, H), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, T, K, H), jnp.float32)
+    s = jax.ShapeDtypeStruct((K, G), jnp.float32)
+    return jax.jit(fn).lower(q, kv, kv, s).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_blockwise_memory_grows_linearly(window):
+    pos = lambda T: jnp.arange(T)[None]  # noqa: E731
+    ref = [_temp_bytes(lambda q, k, v, s: attention_reference(q, k, v, s, pos(q.shape[1]), pos(q.shape[1]),
+                                                              window=window), T) for T in (1024, 2048, 4096)]
+    blk = [_temp_bytes(lambda q, k, v, s: attention_blockwise(q, k, v, s, window=window, q_block=256,
+                                                              kv_block=256), T) for T in (1024, 2048, 4096)]
+    # Doubling T: quadratic growth multiplies the increment by ~4, linear growth by ~2.
+    assert (ref[2] - ref[1]) / (ref[1] - ref[0]) > 3.5
+    assert (blk[2] - blk[1]) / (blk[1] - blk[0]) < 2.5
+    assert blk[2] < ref[2] / 10
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_attention_block_matches_openai(tiny, tiny_params, long_tokens, layer, impl):
+    ref_model = openai_model(tiny, tiny_params)
+    x = np.random.default_rng(layer).standard_normal((1, 300, tiny.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        ref = ref_model.block[layer].attn(torch.from_numpy(x[0])).numpy() - x[0]  # it returns x + attention
+    positions = jnp.arange(300)[None]
+    block = AttentionBlock(tiny, layer, impl=impl, block_size=32)
+    out = block.apply({"params": tiny_params[f"block_{layer}"]["attn"]}, jnp.asarray(x), positions)
+    assert_rel_close(out[0], ref, rtol=1e-5)

@@ -1,0 +1,108 @@
+"""Router, clamped SwiGLU and both expert dispatch paths against the references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_rel_close
+from gptoss_jax.moe import MLPBlock, _experts_gather, _experts_grouped, group_by_expert, route, swiglu
+from refs import hf_model, openai_model, t
+
+
+def _normed_inputs(config, n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, config.hidden_size)).astype(np.float32)
+
+
+def test_router_matches_hf(tiny, tiny_params):
+    model = hf_model(tiny, tiny_params)
+    x = _normed_inputs(tiny, 64)
+    m = tiny_params["block_0"]["mlp"]
+    weights, idx = route(jnp.asarray(x), m["router_weight"], m["router_bias"], tiny.experts_per_token)
+    with torch.no_grad():
+        _, ref_w, ref_idx = model.model.layers[0].mlp.router(t(x))
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx.numpy())
+    assert_rel_close(weights, ref_w.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_swiglu_matches_both_references():
+    from gpt_oss.torch.model import swiglu as openai_swiglu
+
+    h = np.linspace(-12, 12, 2 * 241, dtype=np.float32).reshape(1, -1)  # crosses both clamps
+    h = np.random.default_rng(0).permutation(h, axis=1)
+    ours = swiglu(jnp.asarray(h), alpha=1.702, limit=7.0)
+    ref = openai_swiglu(t(h), alpha=1.702, limit=7.0).numpy()
+    assert_rel_close(ours, ref, rtol=1e-6)
+    # Interleaving matters: swapping the halves gives a different function.
+    swapped = h.reshape(1, -1, 2)[..., ::-1].reshape(1, -1)
+    assert not np.allclose(swiglu(jnp.asarray(swapped), alpha=1.702, limit=7.0), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("path", ["gather", "grouped"])
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_expert_paths_match_hf_experts(tiny, tiny_params, path, n):
+    model = hf_model(tiny, tiny_params)
+    m = tiny_params["block_1"]["mlp"]
+    x = 2 * _normed_inputs(tiny, n, seed=n)
+    weights, idx = route(jnp.asarray(x), m["router_weight"], m["router_bias"], tiny.experts_per_token)
+
+    def act(h):
+        return swiglu(h, alpha=tiny.swiglu_alpha, limit=tiny.swiglu_limit)
+
+    if path == "gather":
+        y = _experts_gather(jnp.asarray(x), idx, m, act)
+    else:
+        y = _experts_grouped(jnp.asarray(x), idx, m, act, num_experts=tiny.num_experts, block=4)
+    ours = jnp.einsum("nad,na->nd", y, weights)
+    experts = model.model.layers[1].mlp.experts
+    with torch.no_grad():
+        ref = experts(t(x), torch.from_numpy(np.array(idx)).long(), t(weights)).numpy()
+    assert_rel_close(ours, ref, rtol=1e-5)
+    # The clamp at +-7 is exercised by these inputs.
+    h = np.einsum("nd,nadf->naf", x, np.asarray(m["mlp1_weight"])[np.asarray(idx)])
+    assert np.mean(np.abs(h) > 7) > 0.01
+
+
+@pytest.mark.parametrize("impl", ["gather", "grouped"])
+def test_mlp_block_matches_openai(tiny, tiny_params, impl):
+    ref_model = openai_model(tiny, tiny_params)
+    x = np.random.default_rng(3).standard_normal((1, 50, tiny.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        ref = ref_model.block[2].mlp(torch.from_numpy(x[0])).numpy() - x[0]  # it returns x + moe(x)
+    out = MLPBlock(tiny, impl=impl, block=8).apply({"params": tiny_params["block_2"]["mlp"]}, jnp.asarray(x))
+    assert_rel_close(out[0], ref, rtol=1e-5)
+
+
+def _gather_flops(num_experts, tokens):
+    import gptoss_jax as gj
+
+    config = gj.ModelConfig.tiny().replace(num_experts=num_experts, hidden_size=256, intermediate_size=256)
+    shapes = jax.eval_shape(lambda: MLPBlock(config, jnp.float32).init(jax.random.key(0),
+                                                                       jnp.zeros((1, tokens, 256))))
+    fn = jax.jit(lambda p, x: MLPBlock(config, impl="gather").apply(p, x))
+    x = jax.ShapeDtypeStruct((1, tokens, 256), jnp.float32)
+    return fn.lower(shapes, x).compile().cost_analysis()["flops"]
+
+
+def test_gather_work_does_not_scale_with_the_number_of_experts():
+    # Dense dispatch would cost ~E/A times the selected work: 8 -> 64 experts would multiply it by ~8.
+    small, large = _gather_flops(8, 4), _gather_flops(64, 4)
+    assert large < 1.2 * small, (small, large)
+
+
+@pytest.mark.parametrize("num_experts, n, block", [(8, 1, 4), (8, 50, 4), (32, 300, 16), (128, 7, 64)])
+def test_grouped_layout_computes_only_selected_pairs(num_experts, n, block):
+    rng = np.random.default_rng(n)
+    idx = np.stack([rng.choice(num_experts, 4, replace=False) for _ in range(n)]).astype(np.int32)
+    order, dest, block_expert, used = (np.asarray(a) for a in group_by_expert(jnp.asarray(idx), num_experts, block))
+    P = idx.size
+    counts = np.bincount(idx.ravel(), minlength=num_experts)
+    # Exactly the padded groups are computed: selected pairs plus < block padding rows per used expert.
+    assert used * block == sum(-(-c // block) * block for c in counts)
+    assert used * block < P + np.count_nonzero(counts) * block
+    assert len(block_expert) * block >= used * block
+    # Every pair lands in a distinct row of a block that belongs to its expert.
+    assert len(set(dest.tolist())) == P
+    np.testing.assert_array_equal(block_expert[dest // block], idx.ravel()[order])
