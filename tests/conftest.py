@@ -1,6 +1,7 @@
 import os
 import sys
 
+import chex
 import numpy as np
 import pytest
 
@@ -14,8 +15,8 @@ def rel_err(actual, reference) -> float:
     """max |actual - reference| / max |reference|, the measure the parity tolerances are stated in."""
     actual = np.asarray(actual, np.float64)
     reference = np.asarray(reference, np.float64)
-    assert actual.shape == reference.shape, (actual.shape, reference.shape)
-    assert np.all(np.isfinite(actual)), "non-finite values in the result"
+    chex.assert_equal_shape([actual, reference])
+    chex.assert_tree_all_finite(actual)
     return float(np.abs(actual - reference).max() / np.abs(reference).max())
 
 
