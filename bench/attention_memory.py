@@ -25,6 +25,15 @@ def temp_mib(fn, T: int, config: gj.ModelConfig) -> float:
     return jax.jit(fn).lower(q, kv, kv, sinks).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
+def _reference(T: int, window: int | None):
+    pos = jnp.arange(T)[None]
+    return lambda q, k, v, s: attention_reference(q, k, v, s, pos, pos, window=window)
+
+
+def _blockwise(window: int | None, block: int):
+    return lambda q, k, v, s: attention_blockwise(q, k, v, s, window=window, q_block=block, kv_block=block)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768",
@@ -37,12 +46,8 @@ def main() -> None:
     print("| prompt tokens | reference, full | blockwise, full | reference, sliding 128 | blockwise, sliding 128 |")
     print("|---:|---:|---:|---:|---:|")
     for T in (int(x) for x in args.lengths.split(",")):
-        pos = jnp.arange(T)[None]
-        row = []
-        for window in (None, config.sliding_window):
-            row.append(temp_mib(lambda q, k, v, s: attention_reference(q, k, v, s, pos, pos, window=window), T, config))
-            row.append(temp_mib(lambda q, k, v, s: attention_blockwise(q, k, v, s, window=window, q_block=args.block,
-                                                                       kv_block=args.block), T, config))
+        row = [temp_mib(fn, T, config) for window in (None, config.sliding_window)
+               for fn in (_reference(T, window), _blockwise(window, args.block))]
         ref_full, blk_full, ref_slide, blk_slide = row
         print(f"| {T} | {ref_full:,.0f} | {blk_full:,.0f} | {ref_slide:,.0f} | {blk_slide:,.0f} |")
 

@@ -30,8 +30,8 @@ def main() -> None:
     rows = []
     for T in (int(x) for x in args.lengths.split(",")):
         tokens = np.random.default_rng(T).integers(0, config.vocab_size, size=(1, T)).astype(np.int32)
-        for name, kernels in (("auto", gj.Kernels()), ("gather" if T <= 16 else "grouped-128",
-                                                       gj.Kernels(moe="gather") if T <= 16 else gj.Kernels(moe_block=128))):
+        other = ("gather", gj.Kernels(moe="gather")) if T <= 16 else ("grouped-128", gj.Kernels(moe_block=128))
+        for name, kernels in (("auto", gj.Kernels()), other):
             t0 = time.perf_counter()
             logits = jax.block_until_ready(gj.forward(config, params, tokens, kernels=kernels))
             first = time.perf_counter() - t0

@@ -36,6 +36,17 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Arra
     return keep
 
 
+def key_block_range(first_q, q_block: int, kv_block: int, num_keys: int, window: int | None):
+    """(lo, hi), inclusive: the key blocks holding any key visible to queries [first_q, first_q + q_block).
+
+    Causality bounds hi; on sliding layers the window bounds lo, so blocks wholly before the window
+    are never visited.
+    """
+    lo = 0 if window is None else jnp.maximum(first_q - window + 1, 0) // kv_block
+    hi = jnp.minimum(first_q + q_block - 1, num_keys - 1) // kv_block
+    return lo, hi
+
+
 def attention_reference(q, k, v, sinks, q_pos, k_pos, *, window: int | None) -> jax.Array:
     """q [B, T, K, G, H], k and v [B, S, K, H], sinks [K, G], positions [B, T] and [B, S] -> [B, T, K, G, H].
 
@@ -57,8 +68,8 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_offset=0,
     """Same contract as `attention_reference` for queries at positions q_offset + [0, T) and keys at [0, S).
 
     Queries are processed a block at a time (lax.map), each visiting only the key blocks that can be
-    visible to it (a dynamic-bound loop), with a running max m, denominator l and accumulator acc.
-    The sink is folded in exactly by starting every row at m = sink, l = 1, acc = 0.
+    visible to it (a dynamic-bound loop), with a running max m, denominator denom and accumulator acc.
+    The sink is folded in exactly by starting every row at m = sink, denom = 1, acc = 0.
     """
     B, T, K, G, H = q.shape
     S = k.shape[1]
@@ -74,13 +85,11 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_offset=0,
     def one_query_block(args):
         qi, q_blk = args
         first_q = q_offset + qi * bq  # position of the block's first query
-        last_q = first_q + bq - 1
-        lo = 0 if window is None else jnp.maximum(first_q - window + 1, 0) // bk
-        hi = jnp.minimum(last_q, S - 1) // bk  # inclusive
+        lo, hi = key_block_range(first_q, bq, bk, S, window)
         q_pos = first_q + jnp.arange(bq)
 
         def visit(j, carry):
-            m, l, acc = carry
+            m, denom, acc = carry
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [B, bk, K, H]
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
             k_pos = j * bk + jnp.arange(bk)
@@ -90,14 +99,14 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_offset=0,
             m_new = jnp.maximum(m, s.max(axis=-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
-            l = l * alpha + p.sum(axis=-1)
+            denom = denom * alpha + p.sum(axis=-1)
             pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
-            return m_new, l, acc * alpha[..., None] + pv
+            return m_new, denom, acc * alpha[..., None] + pv
 
         m0 = jnp.broadcast_to(sink, (B, K, G, bq))
         carry = (m0, jnp.ones_like(m0), jnp.zeros((B, K, G, bq, H), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(lo, hi + 1, visit, carry)
-        return (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, bq, K, G, H]
+        _, denom, acc = jax.lax.fori_loop(lo, hi + 1, visit, carry)
+        return (acc / denom[..., None]).transpose(0, 3, 1, 2, 4)  # [B, bq, K, G, H]
 
     out = jax.lax.map(one_query_block, (jnp.arange(nq), q_blocks))  # [nq, B, bq, K, G, H]
     out = out.swapaxes(0, 1).reshape(B, nq * bq, K, G, H)[:, :T]

@@ -68,16 +68,19 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> Para
     return nn.unbox(boxed["params"])
 
 
+def _abstract_boxed(config: ModelConfig, dtype) -> Params:
+    """Abstract parameters still boxed with their logical axis names (one trace, no allocation)."""
+    return jax.eval_shape(lambda: _model(config, dtype).init(jax.random.key(0), _init_tokens()))["params"]
+
+
 def abstract_params(config: ModelConfig, dtype=jnp.bfloat16) -> Params:
     """`jax.ShapeDtypeStruct` for every parameter; nothing is allocated."""
-    boxed = jax.eval_shape(lambda: _model(config, dtype).init(jax.random.key(0), _init_tokens()))
-    return nn.unbox(boxed["params"])
+    return nn.unbox(_abstract_boxed(config, dtype))
 
 
 def logical_axes(config: ModelConfig) -> Params:
     """A pytree of `jax.sharding.PartitionSpec` of logical axis names, shaped like the params."""
-    boxed = jax.eval_shape(lambda: _model(config, jnp.float32).init(jax.random.key(0), _init_tokens()))
-    return nn.get_partition_spec(boxed["params"])
+    return nn.get_partition_spec(_abstract_boxed(config, jnp.float32))
 
 
 def param_count(params: Params) -> int:

@@ -26,7 +26,7 @@ _INPUT_AXES = {"mlp2_weight": {"mlp"}, "out_weight": {"q_heads", "head_dim"}}
 
 def _fan_in(name: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> int:
     inputs = _INPUT_AXES.get(name, {"embed"})
-    return int(np.prod([n for a, n in zip(axes, shape) if a in inputs])) or 1
+    return int(np.prod([n for a, n in zip(axes, shape, strict=True) if a in inputs])) or 1
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Params:

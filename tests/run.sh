@@ -2,7 +2,6 @@
 # Install what the tests need, then run them. The README's test command; .ci/run calls it as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --upgrade pip
 # CPU build of torch first (a local wheel on the project's machines), so that the test extra's
 # torch requirement is already met and pip does not pull a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_rel_close
-from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference
+from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference, key_block_range
 from refs import openai_model
 
 
@@ -42,6 +42,22 @@ def test_blockwise_with_query_offset_equals_reference_rows():
     ref = attention_reference(q, k, v, sinks, positions, positions, window=7)
     out = attention_blockwise(q[:, 50:], k, v, sinks, window=7, q_offset=50, q_block=16, kv_block=16)
     assert_rel_close(out, ref[:, 50:], rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+@pytest.mark.parametrize("bq, bk", [(8, 8), (16, 8), (8, 32)])
+def test_blockwise_visits_exactly_the_key_blocks_with_visible_keys(window, bq, bk):
+    # Brute force over positions: a skipped block must hold no visible key (else results would be
+    # wrong, which the equality tests catch) and a visited block must hold one (else sliding layers
+    # would do work outside the window, which only this test catches).
+    S = 100
+    for first_q in range(0, S, bq):
+        lo, hi = (int(x) for x in key_block_range(first_q, bq, bk, S, window))
+        queries = np.arange(first_q, first_q + bq)[:, None]
+        keys = np.arange(S)[None, :]
+        visible = (keys <= queries) & ((keys > queries - window) if window else True)
+        needed = sorted(set((np.nonzero(visible.any(axis=0))[0] // bk).tolist()))
+        assert list(range(lo, hi + 1)) == needed, (first_q, lo, hi, needed)
 
 
 def test_sink_only_enlarges_the_denominator():

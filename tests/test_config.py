@@ -41,7 +41,8 @@ def test_init_params_matches_the_abstract_shapes(tiny):
 def test_logical_axes_cover_every_weight(tiny):
     shapes, axes = gj.abstract_params(tiny), gj.logical_axes(tiny)
     assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple))
-    for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+    specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for leaf, spec in zip(jax.tree.leaves(shapes), specs, strict=True):
         assert len(spec) == len(leaf.shape)
 
 
@@ -113,7 +114,8 @@ def test_from_json_rejects_bad_original_configs(tmp_path, mutate, message):
 
 def test_from_json_rejects_bad_hf_configs(tmp_path):
     with pytest.raises(ValueError, match="truncate"):
-        gj.ModelConfig.from_json(_write(tmp_path, dict(HF_20B, rope_scaling=dict(HF_20B["rope_scaling"], truncate=True))))
+        truncated = dict(HF_20B, rope_scaling=dict(HF_20B["rope_scaling"], truncate=True))
+        gj.ModelConfig.from_json(_write(tmp_path, truncated))
     with pytest.raises(ValueError, match="model_type"):
         gj.ModelConfig.from_json(_write(tmp_path, dict(HF_20B, model_type="llama")))
     with pytest.raises(ValueError, match="num_local_experts"):

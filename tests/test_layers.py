@@ -1,6 +1,5 @@
 """RMSNorm and RoPE/YaRN against both references."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ import gptoss_jax as gj
 from conftest import assert_rel_close
 from gptoss_jax import layers
 from gptoss_jax.layers import RMSNorm, apply_rope, rope_inv_freq, rope_tables
-from refs import hf_config, openai_config, t
+from refs import hf_config, t
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
