@@ -7,6 +7,7 @@
 """
 
 from .attention import attention_blockwise, attention_reference
+from .checkpoint import load_checkpoint
 from .config import PRESETS, ModelConfig
 from .model import Kernels, Transformer, forward
 from .params import Weight, abstract_params, init_params, logical_axes, param_count
@@ -24,6 +25,7 @@ __all__ = [
     "attention_reference",
     "forward",
     "init_params",
+    "load_checkpoint",
     "logical_axes",
     "param_count",
 ]

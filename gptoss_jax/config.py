@@ -173,6 +173,36 @@ class ModelConfig:
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{path}: {e}") from None
 
+    def to_original_json(self) -> dict[str, Any]:
+        """The original checkpoint's config.json (exactly the reference ModelConfig's fields)."""
+        if self.layer_types != ModelConfig(num_hidden_layers=self.num_hidden_layers).layer_types:
+            raise ValueError("the original config format cannot express a custom layer_types pattern")
+        return {name: getattr(self, name) for name in _ORIGINAL_FIELDS}
+
+    def to_hf_json(self, *, mxfp4: bool) -> dict[str, Any]:
+        """A Hugging Face config.json (transformers 5 `rope_parameters` form)."""
+        out = {
+            "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+            "num_hidden_layers": self.num_hidden_layers, "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.experts_per_token, "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "swiglu_limit": self.swiglu_limit, "swiglu_alpha": self.swiglu_alpha, "head_dim": self.head_dim,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "sliding_window": self.sliding_window, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_context_length, "layer_types": list(self.layer_types),
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": self.rope_theta,
+                                "factor": self.rope_scaling_factor, "beta_fast": self.rope_ntk_beta,
+                                "beta_slow": self.rope_ntk_alpha, "truncate": False,
+                                "original_max_position_embeddings": self.initial_context_length},
+        }
+        if mxfp4:
+            out["quantization_config"] = {
+                "quant_method": "mxfp4",
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                           "model.embed_tokens", "lm_head"]}
+        return out
+
     def to_json_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["layer_types"] = list(self.layer_types)
@@ -186,6 +216,11 @@ PRESETS = {
 }
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+# The fields of OpenAI's reference ModelConfig, which is what the original config.json holds.
+_ORIGINAL_FIELDS = ("num_hidden_layers", "num_experts", "experts_per_token", "vocab_size", "hidden_size",
+                    "intermediate_size", "swiglu_limit", "head_dim", "num_attention_heads",
+                    "num_key_value_heads", "sliding_window", "initial_context_length", "rope_theta",
+                    "rope_scaling_factor", "rope_ntk_alpha", "rope_ntk_beta")
 
 
 def _from_original(raw: dict[str, Any]) -> ModelConfig:

@@ -34,3 +34,8 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16"
     with np.errstate(over="ignore"):
         values = np.ldexp(FP4_VALUES[codes], scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*blocks.shape[:-2], -1).astype(_DTYPES[dtype])
+
+
+def unpack_experts(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
+    """Packed expert weights [E, out, in/32, 16] + [E, out, in/32] -> decoded [E, in, out] (our layout)."""
+    return np.ascontiguousarray(np.swapaxes(decode_mxfp4(blocks, scales, dtype), -1, -2))

@@ -1,54 +1,148 @@
-"""Synthetic weights for tests, demos and benchmarks (no real checkpoint is needed).
+"""Synthetic weights and checkpoints for tests, demos and benchmarks (no real checkpoint is needed).
 
 Unlike `init_params` (a training-style init whose tiny activations never reach the SwiGLU clamp or
-make the router's choice matter), `random_params` draws weights whose activations have the
-magnitudes a trained model shows: unit-scale residual stream, expert pre-activations that often pass
-the clamp at +-7, sinks of order 1, non-trivial norm scales and biases.
+make the router's choice matter), the weights here have the magnitudes a trained model shows:
+unit-scale residual stream, expert pre-activations that often pass the clamp at +-7, sinks of
+order 1, non-trivial norm scales and biases.
+
+`write_synthetic_checkpoint` writes the same kind of weights in any of the three published layouts
+(see formats.py), streaming one tensor at a time so a full-size 20b checkpoint needs little memory.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from . import formats
 from .config import ModelConfig
 from .params import Params, abstract_params, logical_axes
 
-# Per-weight scale of a standard normal draw, by the weight's last path component.
-# Matrices get gain / sqrt(fan_in) with fan_in the product of their input axes.
+# Matrices get gain / sqrt(fan_in), fan_in the product of their input axes ("embed" unless listed).
 _GAINS = {"mlp1_weight": 4.0, "router_weight": 2.0}
-
-
-# The input axes of each matrix; "embed" unless listed.
 _INPUT_AXES = {"mlp2_weight": {"mlp"}, "out_weight": {"q_heads", "head_dim"}}
+_FP4_RMS = math.sqrt(np.mean(np.array([0, .5, 1, 1.5, 2, 3, 4, 6]) ** 2))  # of a uniformly random code
 
 
-def _fan_in(name: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> int:
+def _matrix_std(name: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> float:
     inputs = _INPUT_AXES.get(name, {"embed"})
-    return int(np.prod([n for a, n in zip(axes, shape, strict=True) if a in inputs])) or 1
+    fan_in = int(np.prod([n for a, n in zip(axes, shape, strict=True) if a in inputs])) or 1
+    return _GAINS.get(name, 1.0) / math.sqrt(fan_in)
+
+
+def draw_weight(rng: np.random.Generator, name: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """One float32 weight, by its parameter name, with realistic magnitude."""
+    z = rng.standard_normal(shape, dtype=np.float32)
+    if name == "scale":  # RMSNorm
+        return 1.0 + 0.2 * z
+    if name.endswith("_bias"):
+        return 0.1 * z
+    if name in ("sinks", "embedding"):
+        return z
+    return z * np.float32(_matrix_std(name, axes, shape))
 
 
 def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Params:
     """Random parameters with realistic activation magnitudes, drawn on the host with numpy."""
     rng = np.random.default_rng(seed)
-    shapes = abstract_params(config, jnp.float32)
-    axes = logical_axes(config)
 
     def draw(path, leaf, spec):
         name = str(path[-1].key)
-        z = rng.standard_normal(leaf.shape, dtype=np.float32)
-        if name == "scale":  # RMSNorm
-            value = 1.0 + 0.2 * z
-        elif name == "sinks":
-            value = z
-        elif name.endswith("_bias"):
-            value = 0.1 * z
-        elif name == "embedding":
-            value = z
-        else:
-            value = z * (_GAINS.get(name, 1.0) / np.sqrt(_fan_in(name, tuple(spec), leaf.shape)))
-        keep_f32 = name == "scale"
-        return jnp.asarray(value, jnp.float32 if keep_f32 else dtype)
+        value = draw_weight(rng, name, tuple(spec), leaf.shape)
+        return jnp.asarray(value, jnp.float32 if name == "scale" else dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, shapes, axes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return jax.tree_util.tree_map_with_path(draw, abstract_params(config, jnp.float32), logical_axes(config),
+                                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _path_specs(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """"/"-joined parameter path -> (logical axes, shape)."""
+    shapes = abstract_params(config, jnp.float32)
+    axes = logical_axes(config)
+    out = {}
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(shapes),
+                                  jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), strict=True):
+        out["/".join(str(p.key) for p in path)] = (tuple(spec), leaf.shape)
+    return out
+
+
+def _draw_packed(rng, rule: formats.Rule, std: float) -> tuple[np.ndarray, np.ndarray]:
+    """Random MXFP4 blocks, with scales putting the decoded weights' RMS near `std`."""
+    blocks_src, scales_src = rule.sources
+    blocks = rng.integers(0, 256, size=blocks_src.shape, dtype=np.uint8)
+    exponent = 127 + round(math.log2(std / _FP4_RMS))
+    scales = (exponent + rng.integers(-1, 2, size=scales_src.shape)).astype(np.uint8)
+    return blocks, scales
+
+
+def _rule_tensors(rng, rule: formats.Rule, specs) -> list[np.ndarray]:
+    if rule.packed:
+        target = rule.targets[0]
+        axes, shape = specs[target]
+        return list(_draw_packed(rng, rule, _matrix_std(target.split("/")[-1], axes, shape)))
+    ours = [draw_weight(rng, t.split("/")[-1], *specs[t]) for t in rule.targets]
+    return [x.astype(ml_dtypes.bfloat16) for x in rule.from_ours(*ours)]
+
+
+_ST_DTYPES = {formats.FLOAT: ("BF16", 2), formats.UINT8: ("U8", 1)}
+
+
+def _write_safetensors(path: str, rules: list[formats.Rule], produce) -> None:
+    """Write a safetensors file whose header is known up front, producing one rule's tensors at a time."""
+    header, offset = {}, 0
+    for rule in rules:
+        for src in rule.sources:
+            dtype, size = _ST_DTYPES[src.kind]
+            nbytes = int(np.prod(src.shape, dtype=np.int64)) * size
+            header[src.name] = {"dtype": dtype, "shape": list(src.shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for rule in rules:
+            for src, array in zip(rule.sources, produce(rule), strict=True):
+                assert array.shape == src.shape, (src.name, array.shape, src.shape)
+                f.write(np.ascontiguousarray(array).tobytes())
+
+
+def write_synthetic_checkpoint(config: ModelConfig, directory: str | os.PathLike, layout: str, *,
+                               seed: int = 0) -> None:
+    """A checkpoint folder in `layout` ("original", "hf-mxfp4" or "hf-bf16") with random weights.
+
+    Float tensors are bfloat16, as published. "original" is one model.safetensors; the Hugging Face
+    layouts are sharded (one file per layer, plus one for the rest) with an index.
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    specs = _path_specs(config)
+    rules = formats.rules(config, layout)
+
+    def produce(rule):
+        return _rule_tensors(rng, rule, specs)
+
+    if layout == formats.ORIGINAL:
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config.to_original_json(), f, indent=2)
+        _write_safetensors(os.path.join(directory, "model.safetensors"), rules, produce)
+        return
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config.to_hf_json(mxfp4=layout == formats.HF_MXFP4), f, indent=2)
+    items = list(dict.fromkeys(rule.item for rule in rules))
+    weight_map = {}
+    for i, item in enumerate(items):
+        name = f"model-{i + 1:05d}-of-{len(items):05d}.safetensors"
+        item_rules = [r for r in rules if r.item == item]
+        _write_safetensors(os.path.join(directory, name), item_rules, produce)
+        weight_map.update({src.name: name for r in item_rules for src in r.sources})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
