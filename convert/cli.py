@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 DESCRIPTION = """\
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
+
+    def interrupt(signum, frame):  # a kill (SIGTERM) cleans up like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
     from .pipeline import ConversionError, check_output, plan_conversion, write_checkpoint
 

@@ -5,7 +5,8 @@ Three source layouts:
   (`.blocks` / `.scales`), one `model.safetensors`.
 - "hf-mxfp4": the Hugging Face repository. Separate q/k/v/o projections, experts MXFP4
   (`_blocks` / `_scales`), sharded files with `model.safetensors.index.json`.
-- "hf-bf16": a dequantized Hugging Face checkpoint; experts bf16 and stored [E, in, out].
+- "hf-bf16": a dequantized Hugging Face checkpoint; experts bf16 and stored [E, in, out]
+  (transposed against the published blocks and against ours, which are [E, out, in]).
 
 Each `Rule` names its source tensors with their shapes (from the config), the parameters it
 produces, and both directions of the transform, so that the converter (to ours), the synthetic
@@ -155,9 +156,9 @@ def _hf_rules(c: ModelConfig, packed: bool) -> list[Rule]:
         if packed:
             rules += [_packed(c, e + "gate_up_proj_blocks", e + "gate_up_proj_scales", t + "mlp/mlp1_weight", 2 * F, D),
                       _packed(c, e + "down_proj_blocks", e + "down_proj_scales", t + "mlp/mlp2_weight", D, F)]
-        else:  # dequantized experts are stored [E, in, out], as ours
-            rules += [_rule(Source(e + "gate_up_proj", (E, D, 2 * F)), t + "mlp/mlp1_weight"),
-                      _rule(Source(e + "down_proj", (E, F, D)), t + "mlp/mlp2_weight")]
+        else:  # dequantized experts are stored [E, in, out]; ours are [E, out, in]
+            rules += [_rule(Source(e + "gate_up_proj", (E, D, 2 * F)), t + "mlp/mlp1_weight", _transpose, _transpose),
+                      _rule(Source(e + "down_proj", (E, F, D)), t + "mlp/mlp2_weight", _transpose, _transpose)]
     return rules
 
 

@@ -53,9 +53,9 @@ def swiglu(h: jax.Array, *, alpha: float, limit: float) -> jax.Array:
 
 def _experts_gather(x, idx, w, act):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D]."""
-    h = jnp.einsum("nd,nadf->naf", x, w["mlp1_weight"][idx]) + w["mlp1_bias"][idx]
+    h = jnp.einsum("nd,nafd->naf", x, w["mlp1_weight"][idx]) + w["mlp1_bias"][idx]
     a = act(h)
-    return jnp.einsum("naf,nafd->nad", a, w["mlp2_weight"][idx]) + w["mlp2_bias"][idx]
+    return jnp.einsum("naf,nadf->nad", a, w["mlp2_weight"][idx]) + w["mlp2_bias"][idx]
 
 
 def group_by_expert(idx: jax.Array, num_experts: int, block: int):
@@ -96,8 +96,8 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         e = block_expert[b]
 
         def compute(xb):
-            h = xb @ w["mlp1_weight"][e] + w["mlp1_bias"][e]  # [block, 2F]
-            return act(h) @ w["mlp2_weight"][e] + w["mlp2_bias"][e]  # [block, D]
+            h = jnp.einsum("bd,fd->bf", xb, w["mlp1_weight"][e]) + w["mlp1_bias"][e]  # [block, 2F]
+            return jnp.einsum("bf,df->bd", act(h), w["mlp2_weight"][e]) + w["mlp2_bias"][e]  # [block, D]
 
         return jax.lax.cond(b < used_blocks, compute, jnp.zeros_like, xb)
 
@@ -117,9 +117,11 @@ class MLPBlock(nn.Module):
     WEIGHTS: ClassVar = {
         "router_weight": Weight(("embed", "experts")),
         "router_bias": Weight(("experts",)),
-        "mlp1_weight": Weight(("experts", "embed", "mlp_fused")),
+        # Expert matrices are [E, out, in], as published, unlike the other matrices ([in, out]):
+        # MXFP4 packs along `in`, so packed experts decode in place, with no transposition.
+        "mlp1_weight": Weight(("experts", "mlp_fused", "embed")),
         "mlp1_bias": Weight(("experts", "mlp_fused"), init="zeros"),
-        "mlp2_weight": Weight(("experts", "mlp", "embed")),
+        "mlp2_weight": Weight(("experts", "embed", "mlp")),
         "mlp2_bias": Weight(("experts", "embed"), init="zeros"),
     }
 

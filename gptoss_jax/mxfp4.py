@@ -9,6 +9,8 @@ as in both references.
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -19,8 +21,26 @@ BYTES_PER_BLOCK = 16
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_table(dtype: str) -> np.ndarray:
+    """[256 scales * 256 bytes] -> the byte's two decoded values, packed in one integer (low = even).
+
+    Built with the plain formula (ldexp in float32, then a cast), so a lookup gives exactly its result.
+    """
+    byte = np.arange(256)
+    pair = np.stack([FP4_VALUES[byte & 0x0F], FP4_VALUES[byte >> 4]], axis=-1)  # [256 bytes, 2]
+    exponent = (np.arange(256) - 127).astype(np.int32)[:, None, None]  # [256 scales, 1, 1]
+    with np.errstate(over="ignore"):
+        values = np.ldexp(pair[None], exponent).astype(_DTYPES[dtype])  # [256, 256, 2]
+    return np.ascontiguousarray(values).view(np.uint32 if dtype == "bfloat16" else np.uint64).reshape(-1)
+
+
 def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> dtype [..., G * 32], vectorized."""
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> dtype [..., G * 32], vectorized.
+
+    One table lookup per byte (scale and byte index a 64K-entry table of value pairs), which is
+    several times faster than decoding nibble by nibble and needs no float32 temporaries.
+    """
     blocks, scales = np.asarray(blocks), np.asarray(scales)
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
@@ -29,6 +49,13 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16"
                          f"(expected [..., G, {BYTES_PER_BLOCK}] and [..., G])")
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported MXFP4 decode dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    index = (scales.astype(np.uint16)[..., None] << 8) | blocks  # [..., G, 16]
+    pairs = _pair_table(dtype)[index]  # [..., G, 16] of (even, odd) value pairs
+    return pairs.view(_DTYPES[dtype]).reshape(*blocks.shape[:-2], -1)
+
+
+def decode_mxfp4_reference(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
+    """The formula as written, nibble by nibble: what the table lookup is tested against."""
     # [..., G, 16, 2]: (low nibble, high nibble) = (even, odd) element of each byte.
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], VALUES_PER_BLOCK)
     with np.errstate(over="ignore"):
@@ -37,5 +64,12 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16"
 
 
 def unpack_experts(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat16") -> np.ndarray:
-    """Packed expert weights [E, out, in/32, 16] + [E, out, in/32] -> decoded [E, in, out] (our layout)."""
-    return np.ascontiguousarray(np.swapaxes(decode_mxfp4(blocks, scales, dtype), -1, -2))
+    """Packed experts [E, out, in/32, 16] + [E, out, in/32] -> decoded [E, out, in] (our layout).
+
+    Decoded one expert at a time into the output, so temporaries stay at one expert's size.
+    """
+    E, out, groups = scales.shape
+    result = np.empty((E, out, groups * VALUES_PER_BLOCK), _DTYPES[dtype])
+    for e in range(E):
+        result[e] = decode_mxfp4(blocks[e], scales[e], dtype)
+    return result

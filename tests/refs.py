@@ -29,14 +29,14 @@ def openai_config(config: ModelConfig):
 def _state_dict(config: ModelConfig, params, layout: str) -> dict[str, np.ndarray]:
     """Our pytree in a layout's tensor names, through the converter's own rules (formats.py) run backwards.
 
-    MXFP4 experts are given decoded, as the reference modules hold them: [E, out, in].
+    MXFP4 experts are given decoded, as the reference modules hold them: [E, out, in], like ours.
     """
     flat = {"/".join(str(k.key) for k in path): np.asarray(leaf, np.float32)
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
     sd = {}
     for rule in formats.rules(config, layout):
         if rule.packed:
-            sd[rule.sources[0].name.removesuffix(".blocks")] = flat[rule.targets[0]].transpose(0, 2, 1)
+            sd[rule.sources[0].name.removesuffix(".blocks")] = flat[rule.targets[0]]
             continue
         for src, value in zip(rule.sources, rule.from_ours(*(flat[t] for t in rule.targets)), strict=True):
             sd[src.name] = value

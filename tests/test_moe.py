@@ -61,7 +61,7 @@ def test_expert_paths_match_hf_experts(tiny, tiny_params, path, n):
         ref = experts(t(x), torch.from_numpy(np.array(idx)).long(), t(weights)).numpy()
     assert_rel_close(ours, ref, rtol=1e-5)
     # The clamp at +-7 is exercised by these inputs.
-    h = np.einsum("nd,nadf->naf", x, np.asarray(m["mlp1_weight"])[np.asarray(idx)])
+    h = np.einsum("nd,nafd->naf", x, np.asarray(m["mlp1_weight"])[np.asarray(idx)])
     assert np.mean(np.abs(h) > 7) > 0.01
 
 

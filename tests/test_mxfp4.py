@@ -71,3 +71,17 @@ def test_decode_values_and_layout():
 def test_decode_rejects_bad_inputs(blocks, scales, message):
     with pytest.raises(ValueError, match=message):
         decode_mxfp4(blocks, scales)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_table_lookup_equals_the_formula_for_every_scale_and_byte(dtype):
+    from gptoss_jax.mxfp4 import decode_mxfp4_reference, unpack_experts
+
+    # All 256 x 256 (scale, byte) combinations, bit for bit.
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1)).reshape(256, 16, 16)
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+    fast, slow = decode_mxfp4(blocks, scales, dtype), decode_mxfp4_reference(blocks, scales, dtype)
+    width = np.int16 if dtype == "bfloat16" else np.int32
+    np.testing.assert_array_equal(fast.view(width), slow.view(width))
+    # unpack_experts decodes expert by expert into [E, out, in].
+    np.testing.assert_array_equal(unpack_experts(blocks[None], scales[None], dtype).view(width), fast[None].view(width))

@@ -1,0 +1,68 @@
+"""Convert a full-size synthetic gpt-oss-20b checkpoint (original layout, ~13 GB) and report wall time
+and peak RSS, for the default (experts kept MXFP4) and for --dtype bfloat16.
+
+    python bench/convert_20b.py --workdir /tmp/gptoss-bench [--keep]
+
+The synthetic source is written once (streamed, a tensor at a time) and reused. Each conversion runs
+as its own process through `python -m convert`, so its peak RSS is the process's own high-water mark.
+Needs ~13 GB + ~13 GB + ~42 GB of disk (each output is deleted after it is measured unless --keep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import gptoss_jax as gj
+from gptoss_jax.testing import write_synthetic_checkpoint
+
+_MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+            "code = subprocess.run(sys.argv[1:]).returncode; wall = time.perf_counter() - t; "
+            "print({'code': code, 'wall_s': wall, "
+            "'peak_rss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss})")
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="scratch folder for the source and outputs")
+    parser.add_argument("--preset", default="gpt-oss-20b")
+    parser.add_argument("--dtypes", default="mxfp4,bfloat16")
+    parser.add_argument("--keep", action="store_true", help="keep the converted outputs")
+    args = parser.parse_args()
+    config = gj.ModelConfig.preset(args.preset)
+    source = os.path.join(args.workdir, f"{args.preset}-original")
+    if not os.path.isfile(os.path.join(source, "model.safetensors")):
+        t = time.perf_counter()
+        write_synthetic_checkpoint(config, source + ".tmp", "original", seed=0)
+        os.replace(source + ".tmp", source)
+        print(f"wrote synthetic source in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"source: {source}, {_du(source) / 1e9:.2f} GB; {os.cpu_count()} CPUs", flush=True)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        output = os.path.join(args.workdir, f"out-{dtype}")
+        shutil.rmtree(output, ignore_errors=True)
+        cmd = [sys.executable, "-c", _MEASURE, sys.executable, "-m", "convert", source, output, "--dtype", dtype]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        print(result.stderr[-2000:], flush=True)
+        stats = eval(result.stdout.strip().splitlines()[-1])  # the dict printed by _MEASURE
+        rows.append((dtype, stats["code"], stats["wall_s"], stats["peak_rss_kib"] / 2**20, _du(output) / 1e9))
+        if not args.keep:
+            shutil.rmtree(output, ignore_errors=True)
+    print(json.dumps(rows))
+    print("| --dtype | exit | wall time | peak RSS | output size |")
+    print("|---|---:|---:|---:|---:|")
+    for dtype, code, wall, rss, size in rows:
+        print(f"| {dtype} | {code} | {wall / 60:.1f} min ({wall:.0f} s) | {rss:.2f} GiB | {size:.1f} GB |")
+
+
+if __name__ == "__main__":
+    main()
