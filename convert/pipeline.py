@@ -119,7 +119,7 @@ def _convert_rule(rule: formats.Rule, arrays: list[np.ndarray], storage: str) ->
     converted = []
     for target, out in zip(rule.targets, outputs, strict=True):
         dtype = np.float32 if target.endswith("/scale") else _STORE_DTYPE[storage]  # norm scales: float32
-        converted.append((target, np.ascontiguousarray(out.astype(dtype))))
+        converted.append((target, np.ascontiguousarray(out.astype(dtype, copy=False))))
     return converted
 
 
@@ -158,6 +158,7 @@ def _write_all(plan: Plan, directory: str, progress: Callable[[int], None]) -> S
                 progress(info.nbytes)
             for target, value in _convert_rule(rule, arrays, plan.storage):
                 _insert(tree, target, value)
+            del arrays  # the sources are no longer needed: free them before the item is saved
         expected = _shapes(item_spec(plan.config, plan.storage, name))
         if _shapes(tree) != expected:
             raise ConversionError(f"item {name}: converted tensors {_shapes(tree)} do not match {expected}")

@@ -70,6 +70,7 @@ def save_item(directory: str, name: str, tree: Params) -> None:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(directory, "params", name)), tree)
     checkpointer.wait_until_finished()
+    checkpointer.close()
 
 
 def write_metadata(directory: str, config: ModelConfig, **fields: Any) -> None:
