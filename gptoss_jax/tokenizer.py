@@ -1,0 +1,186 @@
+"""The o200k_harmony tokenizer, loaded offline from a hash-checked vocabulary file, and the harmony
+chat format (rendering and parsing through OpenAI's `openai-harmony` package, the reference).
+
+Where the vocabulary comes from, in order: an explicit path (`--tokenizer PATH`);
+`$TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken` (what openai-harmony reads); tiktoken's own cache,
+`$TIKTOKEN_CACHE_DIR/<sha1 of the download URL>`. Its sha256 must be o200k_base's.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import os
+import tempfile
+
+import tiktoken
+
+O200K_BASE_URL = "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken"
+O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+VOCAB_FILE = "o200k_base.tiktoken"
+VOCAB_SIZE = 201088
+
+# Special tokens of o200k_harmony that generation needs by id.
+END_OF_TEXT, RETURN, CHANNEL, START, END, MESSAGE, CALL = 199999, 200002, 200005, 200006, 200007, 200008, 200012
+STOP_TOKENS = (RETURN, CALL, END_OF_TEXT)  # end of a final answer, a tool call, end of text
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+class TokenizerError(ValueError):
+    """The vocabulary file is missing or is not o200k_base; the message names the file."""
+
+
+def _cache_name() -> str:
+    return hashlib.sha1(O200K_BASE_URL.encode()).hexdigest()
+
+
+def find_vocab(path: str | os.PathLike | None = None) -> str:
+    """The vocabulary file to use (see the module docstring), checked to exist."""
+    if path is not None:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, VOCAB_FILE)
+        if not os.path.isfile(path):
+            raise TokenizerError(f"{path}: tokenizer vocabulary file not found")
+        return path
+    candidates = []
+    if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+        candidates.append(os.path.join(os.environ["TIKTOKEN_ENCODINGS_BASE"], VOCAB_FILE))
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    candidates.append(os.path.join(cache_dir, _cache_name()))
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    raise TokenizerError(f"no o200k_base vocabulary found (looked in {', '.join(candidates)}); pass --tokenizer "
+                         f"PATH to {VOCAB_FILE} or set TIKTOKEN_ENCODINGS_BASE to its folder")
+
+
+def _check_hash(path: str) -> None:
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != O200K_BASE_SHA256:
+        raise TokenizerError(f"{path}: sha256 {digest[:12]}... is not o200k_base's ({O200K_BASE_SHA256[:12]}...); "
+                             f"the file is corrupt or a different vocabulary")
+
+
+@contextlib.contextmanager
+def _vocab_dir(path: str, name: str):
+    """A temporary folder holding `path` under `name` (a symlink), for libraries that look files up by name."""
+    with tempfile.TemporaryDirectory() as d:
+        os.symlink(os.path.abspath(path), os.path.join(d, name))
+        yield d
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> tiktoken.Encoding:
+    _check_hash(path)
+    # tiktoken's own o200k_harmony definition, fed from its cache layout, so nothing is hand-copied.
+    with _vocab_dir(path, _cache_name()) as d, _env(TIKTOKEN_CACHE_DIR=d):
+        return tiktoken.get_encoding("o200k_harmony")
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> tiktoken.Encoding:
+    """tiktoken's `o200k_harmony` encoding (vocab 201088), offline, from a hash-checked vocabulary."""
+    return _load(os.path.abspath(find_vocab(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def _harmony(path: str):
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    _check_hash(path)
+    with _vocab_dir(path, VOCAB_FILE) as d, _env(TIKTOKEN_ENCODINGS_BASE=d):
+        return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def harmony_encoding(path: str | os.PathLike | None = None):
+    """openai-harmony's GPT-OSS encoding, loaded from the same hash-checked vocabulary."""
+    return _harmony(os.path.abspath(find_vocab(path)))
+
+
+def render_chat(turns: list[tuple[str, str]], *, reasoning_effort: str = "medium", instructions: str | None = None,
+                vocab: str | os.PathLike | None = None) -> list[int]:
+    """Prompt tokens for the assistant's next reply, in the harmony format.
+
+    turns: ("user" | "assistant", text) pairs, oldest first; earlier assistant turns are rendered as
+    final answers. The system message carries the reasoning effort; `instructions` (what other
+    chat APIs call the system prompt) go in the developer message, as harmony specifies.
+    """
+    from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent
+
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning effort must be one of {', '.join(REASONING_EFFORTS)}, got {reasoning_effort!r}")
+    effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+    messages = [Message.from_role_and_content(Role.SYSTEM,
+                                              SystemContent.new().with_reasoning_effort(effort[reasoning_effort]))]
+    if instructions:
+        messages.append(Message.from_role_and_content(Role.DEVELOPER,
+                                                      DeveloperContent.new().with_instructions(instructions)))
+    for role, text in turns:
+        if role == "user":
+            messages.append(Message.from_role_and_content(Role.USER, text))
+        elif role == "assistant":
+            messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("final"))
+        else:
+            raise ValueError(f"chat turns are 'user' or 'assistant', got {role!r}")
+    conversation = Conversation.from_messages(messages)
+    return list(harmony_encoding(vocab).render_conversation_for_completion(conversation, Role.ASSISTANT))
+
+
+@dataclasses.dataclass
+class Reply:
+    analysis: str  # the reasoning channel, joined
+    final: str  # the answer shown to a user
+    messages: list  # openai_harmony Messages, for tool calls and other channels
+
+
+def parse_reply(tokens: list[int], *, vocab: str | os.PathLike | None = None) -> Reply:
+    """Split generated tokens (after the prompt's `<|start|>assistant`) into analysis and final channels.
+
+    A reply cut short (no closing token) is parsed as far as it goes.
+    """
+    from openai_harmony import Role, StreamableParser
+
+    parser = StreamableParser(harmony_encoding(vocab), role=Role.ASSISTANT)
+    for token in tokens:
+        parser.process(token)
+    messages = list(parser.messages)
+    channels: dict[str, list[str]] = {"analysis": [], "final": []}
+    for message in messages:
+        if message.channel in channels:
+            channels[message.channel].append("".join(c.text for c in message.content))
+    if parser.current_channel in channels and parser.current_content:  # unfinished last message
+        channels[parser.current_channel].append(parser.current_content)
+    return Reply("\n".join(channels["analysis"]), "\n".join(channels["final"]), messages)
+
+
+class StreamDecoder:
+    """Token ids in, text out, never emitting a broken UTF-8 sequence: bytes of a character split
+    across tokens are held back until the character is complete."""
+
+    def __init__(self, tokenizer: tiktoken.Encoding):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        return self._utf8.decode(self._tokenizer.decode_single_token_bytes(token))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
