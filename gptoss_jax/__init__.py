@@ -7,9 +7,10 @@
 """
 
 from .attention import attention_blockwise, attention_reference
+from .cache import init_cache
 from .checkpoint import load_checkpoint
 from .config import PRESETS, ModelConfig
-from .model import Kernels, Transformer, forward
+from .model import Kernels, Transformer, extend, forward
 from .params import Weight, abstract_params, init_params, logical_axes, param_count
 
 __version__ = "0.1.0"
@@ -23,7 +24,9 @@ __all__ = [
     "abstract_params",
     "attention_blockwise",
     "attention_reference",
+    "extend",
     "forward",
+    "init_cache",
     "init_params",
     "load_checkpoint",
     "logical_axes",

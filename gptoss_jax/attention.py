@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .cache import ring_positions
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, rope_tables
 from .params import Weight, declare
@@ -36,14 +37,14 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Arra
     return keep
 
 
-def key_block_range(first_q, q_block: int, kv_block: int, num_keys: int, window: int | None):
-    """(lo, hi), inclusive: the key blocks holding any key visible to queries [first_q, first_q + q_block).
+def key_block_range(first_q, last_q, kv_block: int, num_keys: int, window: int | None):
+    """(lo, hi), inclusive: the key blocks holding any key visible to queries at positions [first_q, last_q].
 
     Causality bounds hi; on sliding layers the window bounds lo, so blocks wholly before the window
-    are never visited.
+    are never visited. Key j sits at position j.
     """
     lo = 0 if window is None else jnp.maximum(first_q - window + 1, 0) // kv_block
-    hi = jnp.minimum(first_q + q_block - 1, num_keys - 1) // kv_block
+    hi = jnp.minimum(last_q, num_keys - 1) // kv_block
     return lo, hi
 
 
@@ -63,9 +64,12 @@ def attention_reference(q, k, v, sinks, q_pos, k_pos, *, window: int | None) -> 
     return out.astype(q.dtype)
 
 
-def attention_blockwise(q, k, v, sinks, *, window: int | None, q_offset=0,
+def attention_blockwise(q, k, v, sinks, *, window: int | None, q_pos=None, kv_len=None,
                         q_block: int = 512, kv_block: int = 512) -> jax.Array:
-    """Same contract as `attention_reference` for queries at positions q_offset + [0, T) and keys at [0, S).
+    """Same contract as `attention_reference`, for keys at positions [0, S) (key j at position j).
+
+    q_pos [B, T]: query positions, non-decreasing along T (default 0..T-1); kv_len [B]: keys at or
+    past it are invisible (default S), as in a KV cache holding kv_len positions.
 
     Queries are processed a block at a time (lax.map), each visiting only the key blocks that can be
     visible to it (a dynamic-bound loop), with a running max m, denominator denom and accumulator acc.
@@ -76,26 +80,29 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_offset=0,
     scale = 1.0 / math.sqrt(H)
     bq, bk = min(q_block, T), min(kv_block, S)
     nq, nk = -(-T // bq), -(-S // bk)
+    if q_pos is None:
+        q_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    kv_len = jnp.full((B,), S) if kv_len is None else kv_len
     q = jnp.pad(q, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0), (0, 0)))
+    q_pos = jnp.pad(q_pos, ((0, 0), (0, nq * bq - T)), mode="edge")  # padding rows repeat the last query
     k = jnp.pad(k, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0)))
     q_blocks = q.reshape(B, nq, bq, K, G, H).swapaxes(0, 1)  # [nq, B, bq, K, G, H]
+    pos_blocks = q_pos.reshape(B, nq, bq).swapaxes(0, 1)  # [nq, B, bq]
     sink = sinks.astype(jnp.float32)[None, :, :, None]  # [1, K, G, 1]
 
     def one_query_block(args):
-        qi, q_blk = args
-        first_q = q_offset + qi * bq  # position of the block's first query
-        lo, hi = key_block_range(first_q, bq, bk, S, window)
-        q_pos = first_q + jnp.arange(bq)
+        q_blk, pos_blk = args
+        lo, hi = key_block_range(pos_blk[:, 0].min(), pos_blk[:, -1].max(), bk, S, window)
 
         def visit(j, carry):
             m, denom, acc = carry
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [B, bk, K, H]
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
             k_pos = j * bk + jnp.arange(bk)
-            k_pos = jnp.where(k_pos < S, k_pos, -1)  # padding keys are never visible
+            k_pos = jnp.where(k_pos[None] < kv_len[:, None], k_pos[None], -1)  # [B, bk]; -1 never visible
             s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
-            s = jnp.where(_visible(q_pos, k_pos, window), s, _MASKED)
+            s = jnp.where(_visible(pos_blk, k_pos, window)[:, None, None], s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
@@ -108,7 +115,7 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_offset=0,
         _, denom, acc = jax.lax.fori_loop(lo, hi + 1, visit, carry)
         return (acc / denom[..., None]).transpose(0, 3, 1, 2, 4)  # [B, bq, K, G, H]
 
-    out = jax.lax.map(one_query_block, (jnp.arange(nq), q_blocks))  # [nq, B, bq, K, G, H]
+    out = jax.lax.map(one_query_block, (q_blocks, pos_blocks))  # [nq, B, bq, K, G, H]
     out = out.swapaxes(0, 1).reshape(B, nq * bq, K, G, H)[:, :T]
     return out.astype(q.dtype)
 
@@ -134,8 +141,12 @@ class AttentionBlock(nn.Module):
     }
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x [B, T, D], positions [B, T] (0, 1, ... for a fresh prompt) -> [B, T, D]."""
+    def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
+        """x [B, T, D], positions [B, T] -> [B, T, D].
+
+        With a cache: the T new tokens of each sequence continue it (positions = lengths + 0..T-1,
+        valid [B, T] marks real tokens, a prefix of each row); returns (out, updated layer cache).
+        """
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
         t = RMSNorm(cfg, name="norm")(x)
@@ -148,12 +159,45 @@ class AttentionBlock(nn.Module):
         q = q.reshape(B, T, cfg.num_key_value_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, K, G, H]
         sinks = w["sinks"].reshape(cfg.num_key_value_heads, cfg.q_per_kv)  # [K, G]
         window = cfg.sliding_window if cfg.is_sliding(self.layer) else None
-        if self.impl == "reference":
+        new_cache = None
+        if layer_cache is not None:
+            o, new_cache = self._cached(q, k, v, sinks, positions, layer_cache, lengths, valid, window)
+        elif self.impl == "reference":
             o = attention_reference(q, k, v, sinks, positions, positions, window=window)
         elif self.impl == "blockwise":
-            o = attention_blockwise(q, k, v, sinks, window=window,
+            o = attention_blockwise(q, k, v, sinks, window=window, q_pos=positions,
                                     q_block=self.block_size, kv_block=self.block_size)
         else:
             raise ValueError(f"unknown attention implementation {self.impl!r}")
         o = o.reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
-        return jnp.einsum("btnh,nhd->btd", o, w["out_weight"]) + w["out_bias"]
+        out = jnp.einsum("btnh,nhd->btd", o, w["out_weight"]) + w["out_bias"]
+        return out if layer_cache is None else (out, new_cache)
+
+    def _cached(self, q, k, v, sinks, positions, layer_cache, lengths, valid, window):
+        cache_k, cache_v = layer_cache["k"], layer_cache["v"]  # [B, S, K, H]
+        B, S = cache_k.shape[:2]
+        T = k.shape[1]
+        new_lengths = lengths + valid.sum(axis=1)
+        if window is None:
+            # Full attention: write the new keys at their positions (padding is dropped), then
+            # attend over the cache up to each sequence's new length.
+            rows = jnp.arange(B)[:, None]
+            at = jnp.where(valid, positions, S)  # out of range -> dropped
+            cache_k = cache_k.at[rows, at].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[rows, at].set(v.astype(cache_v.dtype), mode="drop")
+            o = attention_blockwise(q, cache_k, cache_v, sinks, window=None, q_pos=positions, kv_len=new_lengths,
+                                    q_block=self.block_size, kv_block=self.block_size)
+            return o, {"k": cache_k, "v": cache_v}
+        # Sliding window: the ring holds the last S positions before the new tokens; attend over
+        # ring + new tokens (at most S + T keys), then keep the last S positions in the ring.
+        ring_pos = ring_positions(lengths, S)
+        keys = jnp.concatenate([cache_k, k.astype(cache_k.dtype)], axis=1)
+        values = jnp.concatenate([cache_v, v.astype(cache_v.dtype)], axis=1)
+        key_pos = jnp.concatenate([ring_pos, jnp.where(valid, positions, -1)], axis=1)
+        o = attention_reference(q, keys, values, sinks, positions, key_pos, window=window)
+        new_pos = ring_positions(new_lengths, S)  # [B, S]
+        from_new = new_pos >= lengths[:, None]
+        index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)[..., None, None]  # [B, S, 1, 1]
+        ring_k = jnp.where(from_new[..., None, None], jnp.take_along_axis(k, index, axis=1), cache_k)
+        ring_v = jnp.where(from_new[..., None, None], jnp.take_along_axis(v, index, axis=1), cache_v)
+        return o, {"k": ring_k.astype(cache_k.dtype), "v": ring_v.astype(cache_v.dtype)}

@@ -45,15 +45,20 @@ class TransformerBlock(nn.Module):
     kernels: Kernels = Kernels()
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
         k = self.kernels
         with jax.named_scope("attention"):
-            x = x + AttentionBlock(self.config, self.layer, self.param_dtype, impl=k.attention,
-                                   block_size=k.attention_block, name="attn")(x, positions)
+            attn = AttentionBlock(self.config, self.layer, self.param_dtype, impl=k.attention,
+                                  block_size=k.attention_block, name="attn")
+            if layer_cache is None:
+                x = x + attn(x, positions)
+            else:
+                out, layer_cache = attn(x, positions, layer_cache, lengths, valid)
+                x = x + out
         with jax.named_scope("moe"):
             x = x + MLPBlock(self.config, self.param_dtype, impl=k.moe, gather_max_pairs=k.moe_gather_max_pairs,
                              block=k.moe_block, name="mlp")(x)
-        return x
+        return x if layer_cache is None else (x, layer_cache)
 
 
 class Transformer(nn.Module):
@@ -66,26 +71,37 @@ class Transformer(nn.Module):
     }
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] int32 -> logits [B, T, V] float32."""
+    def __call__(self, tokens: jax.Array, cache: dict | None = None, valid: jax.Array | None = None):
+        """tokens [B, T] int32 -> logits [B, T, V] float32.
+
+        With a cache (cache.py), the tokens continue each sequence (valid [B, T]: real tokens, a
+        prefix of each row; padding after them is ignored) and (logits, updated cache) is returned.
+        """
         cfg = self.config
         embedding = declare(self, "embedding")
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        if cache is None:
+            positions = jnp.broadcast_to(steps, tokens.shape)
+        else:
+            valid = jnp.ones(tokens.shape, bool) if valid is None else valid
+            lengths = cache["lengths"]
+            positions = lengths[:, None] + steps  # [B, T]
+            new_cache = {"lengths": lengths + valid.sum(axis=1, dtype=jnp.int32)}
         for i in range(cfg.num_hidden_layers):
-            with jax.named_scope(f"block_{i}"):
-                x = TransformerBlock(cfg, i, self.param_dtype, self.kernels, name=f"block_{i}")(x, positions)
+            name = f"block_{i}"
+            block = TransformerBlock(cfg, i, self.param_dtype, self.kernels, name=name)
+            with jax.named_scope(name):
+                if cache is None:
+                    x = block(x, positions)
+                else:
+                    x, new_cache[name] = block(x, positions, cache[name], lengths, valid)
         x = RMSNorm(cfg, name="norm")(x)
-        return jnp.einsum("btd,dv->btv", x, declare(self, "unembedding"), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", x, declare(self, "unembedding"), preferred_element_type=jnp.float32)
+        return logits if cache is None else (logits, new_cache)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels"))
-def _forward(config: ModelConfig, params: Params, tokens: jax.Array, kernels: Kernels) -> jax.Array:
-    return Transformer(config, kernels=kernels).apply({"params": params}, tokens)
-
-
-def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = Kernels()) -> jax.Array:
-    """Logits [B, T, V] (float32) of int32 tokens [B, T] for a fresh sequence (positions 0..T-1), no cache."""
+def _check_tokens(config: ModelConfig, tokens) -> jax.Array:
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
@@ -95,4 +111,32 @@ def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = K
         lo, hi = int(np.min(tokens)), int(np.max(tokens))
         if lo < 0 or hi >= config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {config.vocab_size}); got min {lo}, max {hi}")
-    return _forward(config, params, tokens.astype(jnp.int32), kernels)
+    return tokens.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"))
+def _forward(config: ModelConfig, params: Params, tokens: jax.Array, kernels: Kernels) -> jax.Array:
+    return Transformer(config, kernels=kernels).apply({"params": params}, tokens)
+
+
+def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = Kernels()) -> jax.Array:
+    """Logits [B, T, V] (float32) of int32 tokens [B, T] for a fresh sequence (positions 0..T-1), no cache."""
+    return _forward(config, params, _check_tokens(config, tokens), kernels)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
+def _extend(config, params, tokens, cache, valid, kernels):
+    return Transformer(config, kernels=kernels).apply({"params": params}, tokens, cache, valid)
+
+
+def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None, *,
+           kernels: Kernels = Kernels()) -> tuple[jax.Array, dict]:
+    """Append tokens [B, T] to each cached sequence -> (their logits [B, T, V], the updated cache).
+
+    One call serves a prompt (or a chunk of one) and a decode step alike. The cache is donated:
+    use only the returned one. valid [B, T] marks real tokens (a prefix of each row), so prompts of
+    different lengths share a batch.
+    """
+    tokens = _check_tokens(config, tokens)
+    valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    return _extend(config, params, tokens, cache, valid, kernels)

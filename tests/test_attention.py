@@ -34,14 +34,28 @@ def test_blockwise_equals_reference(T, window, block):
     assert_rel_close(out, ref, rtol=1e-5)
 
 
-def test_blockwise_with_query_offset_equals_reference_rows():
+def test_blockwise_with_later_queries_equals_reference_rows():
     # Queries that start later (as in a chunked prompt) see the same keys as those rows of the full result.
     rng = np.random.default_rng(0)
     q, k, v, sinks = _qkv(rng, 1, 90, 2, 2, 8)
     positions = np.arange(90, dtype=np.int32)[None]
     ref = attention_reference(q, k, v, sinks, positions, positions, window=7)
-    out = attention_blockwise(q[:, 50:], k, v, sinks, window=7, q_offset=50, q_block=16, kv_block=16)
+    out = attention_blockwise(q[:, 50:], k, v, sinks, window=7, q_pos=positions[:, 50:], q_block=16, kv_block=16)
     assert_rel_close(out, ref[:, 50:], rtol=1e-5)
+
+
+def test_blockwise_with_per_sequence_positions_and_lengths_equals_reference():
+    # A KV cache's view: each sequence's queries sit at its own positions, keys past its length are empty.
+    rng = np.random.default_rng(1)
+    q, k, v, sinks = _qkv(rng, 3, 64, 2, 2, 8)
+    q = q[:, :5]
+    lengths = np.array([5, 33, 64])
+    q_pos = (lengths[:, None] - 5 + np.arange(5)).astype(np.int32)  # the last 5 positions of each
+    k_pos = np.where(np.arange(64)[None] < lengths[:, None], np.arange(64)[None], -1).astype(np.int32)
+    for window in (None, 9):
+        ref = attention_reference(q, k, v, sinks, q_pos, k_pos, window=window)
+        out = attention_blockwise(q, k, v, sinks, window=window, q_pos=q_pos, kv_len=lengths, q_block=2, kv_block=8)
+        assert_rel_close(out, ref, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
@@ -52,7 +66,7 @@ def test_blockwise_visits_exactly_the_key_blocks_with_visible_keys(window, bq, b
     # would do work outside the window, which only this test catches).
     S = 100
     for first_q in range(0, S, bq):
-        lo, hi = (int(x) for x in key_block_range(first_q, bq, bk, S, window))
+        lo, hi = (int(x) for x in key_block_range(first_q, first_q + bq - 1, bk, S, window))
         queries = np.arange(first_q, first_q + bq)[:, None]
         keys = np.arange(S)[None, :]
         visible = (keys <= queries) & ((keys > queries - window) if window else True)
