@@ -1,0 +1,136 @@
+"""Generation: chunked prefill into a static KV cache, then a jitted decode step with the cache donated.
+
+    gen = Generator(config, params, max_len=4096)
+    for result in gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32, sampling=Sampling(temperature=0)):
+        print(result.output_ids)
+
+Prompts are right-padded to a shared length rounded up to a power of two (at least 16), then
+processed in chunks of at most `prefill_chunk` tokens, so a new prompt length inside a bucket
+compiles nothing new. The decode loop brings each step's tokens to the host only for stop checks and
+streaming; sequences that stop no longer grow (their cache length stays put).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import init_cache
+from .config import ModelConfig
+from .model import Kernels, Transformer
+from .params import Params
+from .sampling import Sampling, sample
+
+
+@dataclasses.dataclass
+class Result:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (a stop token, included in output_ids) or "length"
+    timings: dict
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
+def _prefill_chunk(config, kernels, params, tokens, valid, cache, last, last_index, start):
+    logits, cache = Transformer(config, kernels=kernels).apply({"params": params}, tokens, cache, valid)
+    # Keep, per sequence, the logits of its last prompt token if it falls in this chunk.
+    i = jnp.clip(last_index - start, 0, tokens.shape[1] - 1)
+    here = (last_index >= start) & (last_index < start + tokens.shape[1])
+    picked = jnp.take_along_axis(logits, i[:, None, None], axis=1)[:, 0]
+    return jnp.where(here[:, None], picked, last), cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "sampling"), donate_argnames=("cache",))
+def _decode_step(config, kernels, sampling, params, tokens, active, cache, key):
+    logits, cache = Transformer(config, kernels=kernels).apply({"params": params}, tokens[:, None], cache,
+                                                              active[:, None])
+    return sample(logits[:, 0], key, sampling), cache
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _sample(sampling, logits, key):
+    return sample(logits, key, sampling)
+
+
+class Generator:
+    def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
+                 prefill_chunk: int = 512):
+        if max_len > config.max_context_length:
+            raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
+        self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
+        self.prefill_chunk = prefill_chunk
+        self.dtype = params["embedding"].dtype
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+                 seed: int = 0, stop_tokens: Sequence[int] = (),
+                 on_token: Callable[[int, int], None] | None = None) -> list[Result]:
+        """Generate for a batch of prompts (lists of token ids); on_token(sequence, token) streams."""
+        B = len(prompts)
+        lengths = np.array([len(p) for p in prompts])
+        if B == 0 or lengths.min() == 0:
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        if lengths.max() + max_new_tokens > self.max_len:
+            raise ValueError(f"a prompt of {lengths.max()} tokens plus {max_new_tokens} new tokens exceeds the "
+                             f"max context of {self.max_len}")
+        vocab = self.config.vocab_size
+        for p in prompts:
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+
+        start_time = time.perf_counter()
+        padded = min(_bucket(int(lengths.max())), self.max_len)
+        chunk = min(self.prefill_chunk, padded)
+        padded = -(-padded // chunk) * chunk
+        tokens = np.zeros((B, padded), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = p
+        valid = np.arange(padded)[None] < lengths[:, None]
+        cache = init_cache(self.config, B, self.max_len, self.dtype)
+        last = jnp.zeros((B, vocab), jnp.float32)
+        for start in range(0, padded, chunk):
+            last, cache = _prefill_chunk(self.config, self.kernels, self.params, tokens[:, start:start + chunk],
+                                         valid[:, start:start + chunk], cache, last, jnp.asarray(lengths - 1),
+                                         start)
+        key = jax.random.key(seed)
+        key, sub = jax.random.split(key)
+        token = np.asarray(_sample(sampling, last, sub))
+        first_token_time = time.perf_counter()
+
+        stops = set(int(t) for t in stop_tokens)
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        active = np.ones(B, bool)
+        for step in range(max_new_tokens):
+            for b in np.nonzero(active)[0]:
+                outputs[b].append(int(token[b]))
+                if on_token:
+                    on_token(int(b), int(token[b]))
+                if int(token[b]) in stops:
+                    active[b], reasons[b] = False, "stop"
+            if step == max_new_tokens - 1 or not active.any():
+                break
+            key, sub = jax.random.split(key)
+            token, cache = _decode_step(self.config, self.kernels, sampling, self.params, jnp.asarray(token),
+                                        jnp.asarray(active), cache, sub)
+            token = np.asarray(token)
+        end = time.perf_counter()
+        decoded = sum(len(o) for o in outputs) - B  # tokens produced by decode steps (the first came from prefill)
+        timings = {
+            "time_to_first_token_s": first_token_time - start_time,
+            "prefill_tokens_per_s": float(lengths.sum()) / (first_token_time - start_time),
+            "decode_tokens_per_s": decoded / (end - first_token_time) if decoded else None,
+            "total_s": end - start_time,
+        }
+        return [Result(list(map(int, p)), outputs[b], reasons[b], timings) for b, p in enumerate(prompts)]

@@ -1,0 +1,55 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus) and min-p.
+
+Filters apply in that order to temperature-scaled logits; top-p keeps the smallest set of most
+likely tokens whose probability reaches p (always at least one); min-p drops tokens whose
+probability is below min_p times the most likely one's. Seeded through an explicit PRNG key.
+
+Legend: B = batch, V = vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0 (0 is off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
+
+
+def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
+    """logits [B, V] -> token ids [B] int32."""
+    logits = logits.astype(jnp.float32)
+    if params.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = jax.lax.top_k(logits, min(params.top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if params.min_p:
+        probs = jax.nn.softmax(logits, axis=-1)
+        logits = jnp.where(probs < params.min_p * probs.max(axis=-1, keepdims=True), -jnp.inf, logits)
+    if params.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
+        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the more likely tokens
+        drop_sorted = before >= params.top_p  # the first token always stays (before = 0)
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

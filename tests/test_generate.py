@@ -1,0 +1,99 @@
+"""Generation (prefill + decode loop) and sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gptoss_jax as gj
+from gptoss_jax.generate import Generator
+from gptoss_jax.sampling import Sampling, sample
+from gptoss_jax.testing import random_params
+
+GREEDY = Sampling(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def gen():
+    config = gj.ModelConfig.tiny().replace(sliding_window=128)
+    return Generator(config, random_params(config, seed=5), max_len=400, prefill_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def prompts(gen):
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, gen.config.vocab_size, n).tolist() for n in (3, 130, 250)]
+
+
+def test_greedy_equals_uncached_argmax_and_batch_equals_single(gen, prompts):
+    batch = gen.generate(prompts, max_new_tokens=12, sampling=GREEDY)
+    for prompt, result in zip(prompts, batch, strict=True):
+        seq = prompt + result.output_ids
+        logits = gj.forward(gen.config, gen.params, np.array([seq[:-1]]))
+        np.testing.assert_array_equal(np.asarray(logits[0, len(prompt) - 1:]).argmax(-1), result.output_ids)
+        alone = gen.generate([prompt], max_new_tokens=12, sampling=GREEDY)[0]
+        assert alone.output_ids == result.output_ids and result.finish_reason == "length"
+
+
+def test_stop_tokens_end_one_sequence_and_the_others_go_on(gen, prompts):
+    free = gen.generate(prompts, max_new_tokens=10, sampling=GREEDY)
+    stop = free[1].output_ids[3]
+    assert stop not in free[1].output_ids[:3]
+    stopped = gen.generate(prompts, max_new_tokens=10, sampling=GREEDY, stop_tokens=[stop])
+    assert stopped[1].output_ids == free[1].output_ids[:4] and stopped[1].finish_reason == "stop"
+    for b in (0, 2):  # unaffected unless they produce the same token
+        expected = free[b].output_ids
+        if stop in expected:
+            expected = expected[: expected.index(stop) + 1]
+        assert stopped[b].output_ids == expected
+
+
+def test_sampling_is_seeded(gen, prompts):
+    warm = Sampling(temperature=1.0)
+    a = gen.generate(prompts[:2], max_new_tokens=8, sampling=warm, seed=1)
+    b = gen.generate(prompts[:2], max_new_tokens=8, sampling=warm, seed=1)
+    c = gen.generate(prompts[:2], max_new_tokens=8, sampling=warm, seed=2)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert [r.output_ids for r in a] != [r.output_ids for r in c]
+
+
+def test_streaming_callback_sees_every_token(gen, prompts):
+    seen = []
+    results = gen.generate(prompts[:2], max_new_tokens=5, sampling=GREEDY, on_token=lambda b, t: seen.append((b, t)))
+    for b, r in enumerate(results):
+        assert [t for s, t in seen if s == b] == r.output_ids
+
+
+def test_generator_rejects_bad_requests(gen, prompts):
+    with pytest.raises(ValueError, match="exceeds the max context of 400"):
+        gen.generate([list(range(390))], max_new_tokens=20)
+    with pytest.raises(ValueError, match="at least one token"):
+        gen.generate([[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"\[0, 1024\)"):
+        gen.generate([[5000]], max_new_tokens=2)
+
+
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 2000)
+
+    def draws(params):
+        return np.asarray(jax.vmap(lambda k: sample(logits, k, params))(keys))[:, 0]
+
+    assert set(draws(Sampling(top_k=1))) == {0}
+    assert set(draws(Sampling(top_k=2))) == {0, 1}
+    assert set(draws(Sampling(top_p=0.5))) == {0}  # 0.5 alone reaches p
+    assert set(draws(Sampling(top_p=0.85))) == {0, 1, 2}
+    assert set(draws(Sampling(min_p=0.5))) == {0, 1}  # 0.15 < 0.5 * 0.5
+    counts = np.bincount(draws(Sampling()), minlength=4) / len(keys)
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.04)
+    assert int(sample(logits, keys[0], GREEDY)[0]) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top-p"), ({"top_p": 1.5}, "top-p"),
+    ({"top_k": -1}, "top-k"), ({"min_p": 1.0}, "min-p"),
+])
+def test_sampling_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Sampling(**kwargs)
