@@ -143,6 +143,11 @@ class ModelConfig:
                    max_context_length=8192)
 
     @classmethod
+    def demo(cls) -> "ModelConfig":
+        """The tiny model with the real 201088-token vocabulary, so real text can go through it."""
+        return cls.tiny().replace(vocab_size=201088)
+
+    @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         try:
             factory = PRESETS[name]
@@ -213,6 +218,7 @@ PRESETS = {
     "gpt-oss-20b": ModelConfig.gpt_oss_20b,
     "gpt-oss-120b": ModelConfig.gpt_oss_120b,
     "tiny": ModelConfig.tiny,
+    "demo": ModelConfig.demo,
 }
 
 _FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
