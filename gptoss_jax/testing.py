@@ -146,3 +146,25 @@ def write_synthetic_checkpoint(config: ModelConfig, directory: str | os.PathLike
         weight_map.update({src.name: name for r in item_rules for src in r.sources})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> Params:
+    """Like `random_params`, drawn on the default device in one jitted call (for full-size benchmarks)."""
+    shapes = abstract_params(config, jnp.float32)
+    specs = jax.tree.leaves(logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
+    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def draw(key):
+        out = []
+        for (path, leaf), spec, k in zip(leaves, specs, jax.random.split(key, len(leaves)), strict=True):
+            name = str(path[-1].key)
+            z = jax.random.normal(k, leaf.shape, jnp.float32)
+            if name == "scale":
+                out.append(1.0 + 0.2 * z)
+                continue
+            scale = (0.1 if name.endswith("_bias") else 1.0 if name in ("sinks", "embedding")
+                     else _matrix_std(name, tuple(spec), leaf.shape))
+            out.append((z * scale).astype(dtype))
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    return jax.jit(draw)(jax.random.key(seed, impl="rbg"))

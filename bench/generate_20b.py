@@ -1,0 +1,121 @@
+"""Generation speed of full-size gpt-oss-20b (synthetic bf16 weights) on one GPU, with Hugging Face
+transformers measured in the same run on the same GPU (one after the other, each alone on it).
+
+    python bench/generate_20b.py [--prefill 4096] [--decode 64] [--batches 1,8]
+
+Rates: prefill = prompt tokens / time to first token of a batch-1 prompt; decode = tokens produced
+after the first / the time they took (batch B produces B tokens per step). Each measurement follows
+a warm-up run of the same shapes, so compilation is excluded for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout without installing
+
+HF_SCRIPT = r'''
+import json, sys, time, torch
+from transformers import GptOssConfig, GptOssForCausalLM
+sys.path.insert(0, ".")
+from gptoss_jax import ModelConfig
+args = json.loads(sys.argv[1])
+torch.manual_seed(0)
+cfg = GptOssConfig(**ModelConfig.preset(args["preset"]).to_hf_json(mxfp4=False))
+torch.set_default_dtype(torch.bfloat16)
+dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+with torch.device(dev):
+    model = GptOssForCausalLM(cfg).eval()
+g = torch.Generator(device=dev).manual_seed(0)
+def timed(fn):
+    sync(); t = time.perf_counter(); fn(); sync(); return time.perf_counter() - t
+out = {"peer": f"transformers {__import__('transformers').__version__}, torch {torch.__version__}",
+       "attn": model.config._attn_implementation}
+prompt = torch.randint(0, cfg.vocab_size, (1, args["prefill"]), device=dev, generator=g)
+with torch.no_grad():
+    timed(lambda: model(prompt))
+    out["prefill_tokens_per_s"] = args["prefill"] / min(timed(lambda: model(prompt)) for _ in range(2))
+    for b in args["batches"]:
+        ids = torch.randint(0, cfg.vocab_size, (b, 128), device=dev, generator=g)
+        gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        timed(lambda: gen(2))
+        t1, tn = timed(lambda: gen(1)), timed(lambda: gen(args["decode"]))
+        out[f"decode_b{b}_tokens_per_s"] = b * (args["decode"] - 1) / (tn - t1)
+out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
+print("RESULT " + json.dumps(out))
+'''
+
+
+def run_jax(args) -> dict:
+    import jax
+    import numpy as np
+
+    import gptoss_jax as gj
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.sampling import Sampling
+    from gptoss_jax.testing import random_params_on_device
+
+    config = gj.ModelConfig.preset(args.preset)
+    t = time.perf_counter()
+    params = jax.block_until_ready(random_params_on_device(config, seed=0))
+    init_s = time.perf_counter() - t
+    gen = Generator(config, params, max_len=max(args.prefill, 128 + args.decode) + 16)
+    rng = np.random.default_rng(0)
+    greedy = Sampling(temperature=0)
+    out = {"jax": f"jax {jax.__version__}", "device": jax.devices()[0].device_kind, "init_s": init_s}
+    prompt = [rng.integers(0, config.vocab_size, args.prefill).tolist()]
+    for _ in range(2):
+        r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
+    out["prefill_tokens_per_s"] = r.timings["prefill_tokens_per_s"]
+    for b in args.batches:
+        prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(b)]
+        for _ in range(2):
+            r = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)[0]
+        out[f"decode_b{b}_tokens_per_s"] = r.timings["decode_tokens_per_s"]
+    out["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt-oss-20b")
+    parser.add_argument("--prefill", type=int, default=4096)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--only-jax", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.only_jax:
+        print("RESULT " + json.dumps(run_jax(args)), flush=True)
+        return
+    results = {}
+    # Each framework in its own process, so each has the GPU to itself.
+    jax_run = subprocess.run([sys.executable, __file__, "--only-jax", "--preset", args.preset, "--prefill",
+                              str(args.prefill), "--decode", str(args.decode), "--batches",
+                              ",".join(map(str, args.batches))], capture_output=True, text=True)
+    print(jax_run.stderr[-3000:], file=sys.stderr)
+    results["gptoss-jax"] = json.loads(jax_run.stdout.split("RESULT ")[-1]) if jax_run.returncode == 0 else None
+    if not args.skip_peer:
+        hf = subprocess.run([sys.executable, "-c", HF_SCRIPT, json.dumps(vars(args))], capture_output=True,
+                            text=True, cwd=ROOT)
+        print(hf.stderr[-3000:], file=sys.stderr)
+        results["transformers"] = json.loads(hf.stdout.split("RESULT ")[-1]) if hf.returncode == 0 else None
+    print(json.dumps(results, indent=1))
+    keys = ["prefill_tokens_per_s"] + [f"decode_b{b}_tokens_per_s" for b in args.batches] + ["peak_gib"]
+    print("| | " + " | ".join(keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for name, r in results.items():
+        cells = [f"{r[k]:,.1f}" if r and r.get(k) is not None else "failed" for k in keys]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
