@@ -97,3 +97,12 @@ def test_sampling_filters():
 def test_sampling_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
+
+
+def test_no_recompilation_for_a_new_prompt_length_inside_a_bucket(gen):
+    from gptoss_jax import generate as g
+
+    gen.generate([list(range(1, 21))], max_new_tokens=3, sampling=GREEDY)  # 20 tokens: the 32 bucket
+    sizes = (g._prefill_chunk._cache_size(), g._decode_step._cache_size(), g._sample._cache_size())
+    gen.generate([list(range(1, 27))], max_new_tokens=5, sampling=GREEDY)  # 26 tokens: same bucket
+    assert (g._prefill_chunk._cache_size(), g._decode_step._cache_size(), g._sample._cache_size()) == sizes

@@ -103,3 +103,14 @@ def test_unparseable_ids_are_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         run_inference.main(["--prompt-ids", "1,x"])
     assert info.value.code == 2 and "comma-separated integers" in capsys.readouterr().err
+
+
+def test_prompt_file_equals_prompt_ids(checkpoint, tmp_path, capsys):
+    common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "4",
+              "--json", "--max-context", "64"]
+    assert run_inference.main(common + ["--prompt-ids", "5,6,7"]) == 0
+    (by_ids,) = _json_lines(capsys.readouterr().out)
+    assert by_ids["finish_reason"] == "length" and by_ids["text"] is None  # a 1024-token test vocabulary
+    missing = tmp_path / "nope.txt"
+    assert run_inference.main(common + ["--prompt-file", str(missing)]) != 0
+    assert "error:" in capsys.readouterr().err
