@@ -134,8 +134,6 @@ def _run(args) -> int:
         except tk.TokenizerError:
             if args.tokenizer or args.prompt or args.prompt_file or args.batch_file or args.chat:
                 raise
-    if args.chat and args.system is None and args.prompt is None and not (args.prompt_file or args.batch_file):
-        args.prompt = DEFAULT_PROMPT
 
     import jax
 
@@ -149,7 +147,7 @@ def _run(args) -> int:
     if tokenizer is not None and config.vocab_size != tk.VOCAB_SIZE:
         tokenizer = None  # a test model with its own small vocabulary: report ids only
     print(f"model: {what}; jax {jax.__version__} on {jax.devices()[0].platform}", file=sys.stderr)
-    stops = list(args.stop_ids) + ([t for t in tk.STOP_TOKENS] if config.vocab_size == tk.VOCAB_SIZE else [])
+    stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
     generator = Generator(config, params, max_len=args.max_context)
 
     stream = None

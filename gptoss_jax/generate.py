@@ -105,7 +105,8 @@ class Generator:
                                          start)
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
-        token = np.asarray(_sample(sampling, last, sub))
+        token_dev = _sample(sampling, last, sub)  # stays on the device as the next step's input
+        token = np.asarray(token_dev)  # the host copy: stop checks and streaming
         first_token_time = time.perf_counter()
 
         stops = set(int(t) for t in stop_tokens)
@@ -122,9 +123,9 @@ class Generator:
             if step == max_new_tokens - 1 or not active.any():
                 break
             key, sub = jax.random.split(key)
-            token, cache = _decode_step(self.config, self.kernels, sampling, self.params, jnp.asarray(token),
-                                        jnp.asarray(active), cache, sub)
-            token = np.asarray(token)
+            token_dev, cache = _decode_step(self.config, self.kernels, sampling, self.params, token_dev,
+                                            jnp.asarray(active), cache, sub)
+            token = np.asarray(token_dev)
         end = time.perf_counter()
         decoded = sum(len(o) for o in outputs) - B  # tokens produced by decode steps (the first came from prefill)
         timings = {
