@@ -50,7 +50,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         output = os.path.join(args.workdir, f"out-{dtype}")
         shutil.rmtree(output, ignore_errors=True)
-        cmd = [sys.executable, "-c", _MEASURE, sys.executable, "-m", "convert", source, output, "--dtype", dtype]
+        cmd = [sys.executable, "-c", _MEASURE, sys.executable, "-m", "gptoss_jax.convert", source, output, "--dtype", dtype]
         result = subprocess.run(cmd, capture_output=True, text=True, check=True)
         print(result.stderr[-2000:], flush=True)
         stats = eval(result.stdout.strip().splitlines()[-1])  # the dict printed by _MEASURE

@@ -1,7 +1,2 @@
-"""Convert a published GPT-OSS checkpoint (original, Hugging Face MXFP4 or Hugging Face bf16) into a
-gptoss-jax Orbax checkpoint: `python -m convert SOURCE_DIR OUTPUT_DIR`."""
-
-from .pipeline import ConversionError, Summary, convert_checkpoint
-
-__version__ = "0.1.0"
-__all__ = ["ConversionError", "Summary", "convert_checkpoint", "__version__"]
+"""`python -m convert` from a checkout: the converter lives in `gptoss_jax.convert` (installed as
+the `gptoss-convert` command); this folder only keeps the short form working at the repository root."""

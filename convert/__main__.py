@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from gptoss_jax.convert.cli import main
 
-sys.exit(main())
+sys.exit(main(prog="python -m convert"))

@@ -4,31 +4,37 @@
     config = gj.ModelConfig.tiny()
     params = gj.init_params(config, jax.random.key(0), dtype=jnp.float32)
     logits = gj.forward(config, params, tokens)  # [batch, seq, vocab] float32
+
+The names below are imported on first use, so `import gptoss_jax` (and the command lines' argument
+checks) stay fast and do not start JAX.
 """
 
-from .attention import attention_blockwise, attention_reference
-from .cache import init_cache
-from .checkpoint import load_checkpoint
-from .config import PRESETS, ModelConfig
-from .model import Kernels, Transformer, extend, forward
-from .params import Weight, abstract_params, init_params, logical_axes, param_count
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Kernels",
-    "ModelConfig",
-    "PRESETS",
-    "Transformer",
-    "Weight",
-    "abstract_params",
-    "attention_blockwise",
-    "attention_reference",
-    "extend",
-    "forward",
-    "init_cache",
-    "init_params",
-    "load_checkpoint",
-    "logical_axes",
-    "param_count",
-]
+_EXPORTS = {
+    "attention_blockwise": "attention", "attention_reference": "attention",
+    "init_cache": "cache",
+    "load_checkpoint": "checkpoint",
+    "PRESETS": "config", "ModelConfig": "config",
+    "Kernels": "model", "Transformer": "model", "extend": "model", "forward": "model",
+    "Weight": "params", "abstract_params": "params", "init_params": "params", "logical_axes": "params",
+    "param_count": "params",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -13,8 +13,8 @@ and is decoded when loaded.
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 from typing import Any
 
 import jax
@@ -23,18 +23,13 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
+from .metadata import expand, item_names, read_metadata
 from .mxfp4 import unpack_experts
 from .params import Params, abstract_params
 
-FORMAT_VERSION = 1
-META_FILE = "gptoss_checkpoint.json"
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
 PACKED_WEIGHTS = ("mlp1_weight", "mlp2_weight")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-
-
-def item_names(config: ModelConfig) -> list[str]:
-    return ["embedding"] + [f"block_{n}" for n in range(config.num_hidden_layers)] + ["final"]
 
 
 def _item(params: Params, name: str) -> Params:
@@ -73,30 +68,6 @@ def save_item(directory: str, name: str, tree: Params) -> None:
     checkpointer.close()
 
 
-def write_metadata(directory: str, config: ModelConfig, **fields: Any) -> None:
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config.to_json_dict(), f, indent=2)
-    meta = {"format_version": FORMAT_VERSION, "items": item_names(config), **fields}
-    with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump(meta, f, indent=2)
-
-
-def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
-    path = os.fspath(path)
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: checkpoint directory not found")
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"{path}: not a gptoss-jax checkpoint (no {META_FILE}); convert a published "
-                         f"checkpoint first with `python -m convert`")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: format version {meta.get('format_version')!r}, "
-                         f"this gptoss-jax reads version {FORMAT_VERSION}")
-    return ModelConfig.from_json(os.path.join(path, "config.json")), meta
-
-
 def _to_param(path, stored, dtype: str):
     """A stored leaf (or packed {"blocks", "scales"} node) as the parameter of the given dtype."""
     name = str(path[-1].key)
@@ -107,33 +78,79 @@ def _to_param(path, stored, dtype: str):
     return jnp.asarray(np.asarray(stored).astype(_NP_DTYPES[dtype]))
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+def dtype_name(dtype) -> str:
+    """"bfloat16" or "float32", from a name or any dtype object (jnp.float32, np.dtype, ...)."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in _NP_DTYPES:
+        raise ValueError(f"dtype must be bfloat16 or float32 (a name or a dtype), got {dtype!r}")
+    return name
+
+
+def _spec_bytes(tree) -> int:
+    return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype=None, progress: bool = False) -> tuple[ModelConfig, Params]:
     """Restore a converted checkpoint -> (config, params), item by item, experts decoded.
 
-    dtype: "bfloat16" or "float32" for the parameters; None keeps what was stored (bfloat16 for
-    packed experts). Norm scales are float32 either way.
+    dtype: bfloat16 or float32 (a name or a dtype such as jnp.float32) for the parameters; None
+    keeps what was stored (bfloat16 for packed experts). Norm scales are float32 either way.
+    progress: show a bar over the items (bytes read, ETA) on stderr. `~` in `path` is expanded.
     """
     import orbax.checkpoint as ocp
+    from tqdm import tqdm
 
     config, meta = read_metadata(path)
+    path = expand(path)
     storage = meta["expert_storage"]
-    dtype = dtype or ("float32" if storage == "float32" else "bfloat16")
-    if dtype not in _NP_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_NP_DTYPES)}, got {dtype!r}")
+    dtype = dtype_name(dtype) if dtype is not None else ("float32" if storage == "float32" else "bfloat16")
+    names = item_names(config)
+    specs = {name: item_spec(config, storage, name) for name in names}
     checkpointer = ocp.StandardCheckpointer()
     params: Params = {}
-    for name in item_names(config):
-        item_dir = os.path.abspath(os.path.join(os.fspath(path), "params", name))
-        if not os.path.isdir(item_dir):
-            raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
-        expected = item_spec(config, storage, name)
-        stored = checkpointer.restore(item_dir)
-        got = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), stored)
-        want = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), expected)
-        if got != want:
-            raise ValueError(f"{item_dir}: contents do not match config.json (expected {want}, found {got})")
-        packed = jax.tree_util.tree_map_with_path(
-            lambda p, x: _to_param(p, x, dtype), stored,
-            is_leaf=lambda x: isinstance(x, dict) and set(x) == {"blocks", "scales"})
-        params.update(packed)
+    with tqdm(total=sum(_spec_bytes(s) for s in specs.values()), unit="B", unit_scale=True, desc="loading",
+              disable=not progress, file=sys.stderr, leave=False) as bar:
+        for i, name in enumerate(names):
+            bar.set_postfix_str(f"item {i + 1}/{len(names)} ({name})", refresh=False)
+            item_dir = os.path.abspath(os.path.join(path, "params", name))
+            if not os.path.isdir(item_dir):
+                raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
+            stored = _restore(checkpointer, item_dir, name)
+            got = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), stored)
+            want = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), specs[name])
+            if got != want:
+                raise ValueError(f"{item_dir}: contents do not match config.json (expected {want}, found {got})")
+            params.update(jax.tree_util.tree_map_with_path(
+                lambda p, x: _to_param(p, x, dtype), stored,
+                is_leaf=lambda x: isinstance(x, dict) and set(x) == {"blocks", "scales"}))
+            bar.update(_spec_bytes(specs[name]))
     return config, params
+
+
+def _restore(checkpointer, item_dir: str, name: str):
+    try:
+        return checkpointer.restore(item_dir)
+    except Exception as e:  # Orbax/TensorStore errors: one line naming the item
+        _quiet_late_reads()
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
+                         f"damaged? ({detail})") from None
+
+
+def _quiet_late_reads() -> None:
+    """After a failed restore, reads still in flight finish into Orbax's closed event loop and
+    would each print an "Event loop is closed" traceback at some later moment; drop exactly those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_gptoss_quiet", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._gptoss_quiet = True
+    sys.unraisablehook = hook

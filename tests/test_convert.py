@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 import gptoss_jax as gj
 from conftest import assert_rel_close
-from convert.cli import main as convert_main
+from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.testing import write_synthetic_checkpoint
 
 LAYOUTS = ("original", "hf-mxfp4", "hf-bf16")
@@ -141,22 +141,29 @@ def test_mxfp4_storage_of_decoded_source_is_refused(sources, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("failure", ["error", "interrupt"])
-def test_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch, capsys, failure):
-    import convert.pipeline as pipeline
+def test_failure_in_the_worker_is_one_line_and_leaves_nothing(sources, tmp_path):
+    from gptoss_jax.convert import ConversionError, plan_conversion, write_checkpoint
 
-    calls = []
+    source = _copy_source(sources / "original", tmp_path / "source")
+    plan = plan_conversion(source)
+    _truncate(source)  # the source changes after it was checked: the worker fails halfway
+    with pytest.raises(ConversionError, match="model.safetensors: unreadable safetensors file"):
+        write_checkpoint(plan, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
 
-    def failing_save(directory, name, tree):
-        calls.append(name)
-        if len(calls) == 3:  # after two items were written
-            raise KeyboardInterrupt if failure == "interrupt" else pipeline.ConversionError("disk full")
-        return original(directory, name, tree)
 
-    original = pipeline.save_item
-    monkeypatch.setattr(pipeline, "save_item", failing_save)
-    code = convert_main([str(sources / "original"), str(tmp_path / "out"), "--quiet"])
-    assert code == (130 if failure == "interrupt" else 1)
+def test_keyboard_interrupt_in_the_library_call_leaves_nothing(sources, tmp_path):
+    from gptoss_jax.convert import plan_conversion, write_checkpoint
+
+    seen = []
+
+    def progress(n):
+        seen.append(n)
+        if len(seen) == 5:  # a few tensors in
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(plan_conversion(sources / "original"), tmp_path / "out", progress=progress)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -171,6 +178,43 @@ def test_module_help_runs():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "convert", "--help"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(__file__)), check=True).stdout
-    assert "SOURCE_DIR" in out and "--overwrite" in out and "--dtype" in out
+    for module in ("convert", "gptoss_jax.convert"):  # the checkout's short form and the package's
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.dirname(__file__)), check=True).stdout
+        assert out.startswith(f"usage: python -m {module} ") and "--overwrite" in out and "--dtype" in out
+
+
+def test_paths_expand_home_and_dtypes_take_both_forms_and_output_permissions(sources, tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    umask = os.umask(0o027)
+    try:
+        assert convert_main([str(sources / "hf-bf16"), "~/ckpt", "--quiet"]) == 0
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "ckpt" / "gptoss_checkpoint.json").is_file()
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o750  # the umask's, not mkdtemp's 0700
+    _, by_name = gj.load_checkpoint("~/ckpt", dtype="float32")
+    for dtype in (jnp.float32, np.float32, np.dtype("float32")):
+        _, params = gj.load_checkpoint("~/ckpt", dtype=dtype)
+        chex.assert_trees_all_equal(params, by_name)
+    _, bf16 = gj.load_checkpoint("~/ckpt", dtype=jnp.bfloat16)
+    assert bf16["embedding"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float32"):
+        gj.load_checkpoint("~/ckpt", dtype=jnp.float16)
+
+
+def test_a_damaged_checkpoint_is_one_error_line(sources, tmp_path, capfd):
+    import subprocess
+    import sys
+
+    assert convert_main([str(sources / "original"), str(tmp_path / "ckpt"), "--quiet"]) == 0
+    data = max((tmp_path / "ckpt" / "params" / "block_1").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    capfd.readouterr()
+    code = "import gptoss_jax as gj, sys, time\ntry:\n gj.load_checkpoint(sys.argv[1])\n" \
+           "except ValueError as e:\n print(e, file=sys.stderr)\ntime.sleep(0.5)\n"  # late reads land here
+    err = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True).stderr
+    assert err.count("\n") == 1, err
+    assert "params/block_1: cannot read checkpoint item 'block_1'; is the checkpoint truncated" in err

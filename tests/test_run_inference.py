@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import run_inference
-from convert.cli import main as convert_main
+from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 

@@ -8,9 +8,15 @@ checkpoint behind.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import queue
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from typing import Callable
@@ -18,10 +24,11 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-import gptoss_jax
-from gptoss_jax import ModelConfig, formats
-from gptoss_jax.checkpoint import item_names, item_spec, save_item, write_metadata
-from gptoss_jax.mxfp4 import unpack_experts
+
+from .. import formats
+from ..config import ModelConfig
+from ..metadata import expand, item_names, write_metadata
+from ..mxfp4 import unpack_experts
 
 from .sources import SourceError, TensorInfo, read_config_json, read_tensor, scan
 
@@ -86,7 +93,7 @@ def _check_sources(plan_rules, tensors, config_path: str) -> None:
 
 def plan_conversion(source: str, dtype: str | None = None) -> Plan:
     """Read config.json and every header; check every tensor; decide the expert storage."""
-    source = os.path.abspath(source)
+    source = os.path.abspath(expand(source))
     if not os.path.isdir(source):
         raise ConversionError(f"{source}: source directory not found")
     try:
@@ -138,7 +145,10 @@ def _shapes(tree):
     return (tuple(tree.shape), np.dtype(tree.dtype))
 
 
-def _write_all(plan: Plan, directory: str, progress: Callable[[int], None]) -> Summary:
+def write_all(plan: Plan, directory: str, progress: Callable[[int], None]) -> Summary:
+    """Convert every item into `directory`, in this process (the worker's job; see write_checkpoint)."""
+    from ..checkpoint import item_spec, save_item  # JAX and Orbax: only the worker needs them
+
     start = time.perf_counter()
     by_item = defaultdict(list)
     for rule in plan.rules:
@@ -179,42 +189,147 @@ def _leaves(tree):
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
-    return f"convert {__version__} (gptoss_jax {gptoss_jax.__version__})"
+    return f"convert {__version__} (gptoss_jax {__version__})"
+
+
+class Interrupted(Exception):
+    """The conversion was cancelled (Ctrl-C or SIGTERM); nothing was written."""
 
 
 def check_output(output: str, overwrite: bool, source: str | None = None) -> str:
-    output = os.path.abspath(output)
-    if source is not None and os.path.commonpath([output, os.path.abspath(source)]) == os.path.abspath(source):
-        raise ConversionError(f"{output}: the output must not be inside the source folder")
+    output = os.path.abspath(expand(output))
+    if source is not None:
+        source = os.path.abspath(expand(source))
+        if os.path.commonpath([output, source]) == source:
+            raise ConversionError(f"{output}: the output must not be inside the source folder")
     if os.path.exists(output) and not overwrite:
         raise ConversionError(f"{output}: already exists; pass --overwrite to replace it")
     if os.path.exists(output) and not os.path.isdir(output):
         raise ConversionError(f"{output}: exists and is not a directory")
+    ancestor = os.path.dirname(output)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConversionError(f"cannot create {output}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConversionError(f"cannot create {output}: no permission to write in {ancestor}")
     return output
 
 
-def write_checkpoint(plan: Plan, output: str, *, overwrite: bool = False,
-                     progress: Callable[[int], None] = lambda n: None) -> Summary:
-    """Stream the plan into `output`, which appears only once complete."""
-    output = check_output(output, overwrite, plan.source)
+def _make_partial(output: str) -> str:
+    """The hidden sibling folder the output is assembled in, with the usual permissions (umask)."""
     parent = os.path.dirname(output)
-    os.makedirs(parent, exist_ok=True)
-    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
     try:
-        summary = _write_all(plan, partial, progress)
-        if os.path.exists(output):  # --overwrite: swap, then delete the old one
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.old-", dir=parent)
-            os.rename(output, os.path.join(old, "checkpoint"))
-            os.rename(partial, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(partial, output)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return summary
+        os.makedirs(parent, exist_ok=True)
+        partial = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
+    except OSError as e:
+        raise ConversionError(f"{parent}: cannot create the output folder there ({e.strerror})") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(partial, 0o777 & ~umask)  # mkdtemp makes it 0700
+    return partial
+
+
+def _finish(partial: str, output: str) -> None:
+    """Move the complete checkpoint into place (swapping out an old one for --overwrite)."""
+    if os.path.exists(output):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.old-", dir=os.path.dirname(output))
+        os.rename(output, os.path.join(old, "checkpoint"))
+        os.rename(partial, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(partial, output)
+
+
+def write_checkpoint(plan: Plan, output: str, *, overwrite: bool = False,
+                     progress: Callable[[int], None] = lambda n: None,
+                     cancelled: Callable[[], bool] = lambda: False) -> Summary:
+    """Stream the plan into `output`, which appears only once complete.
+
+    The writing runs in a worker process (gptoss_jax.convert.worker) in its own session, so that
+    however the conversion ends (an error, Ctrl-C, SIGTERM, the worker killed for memory) this
+    process can stop it outright, with none of Orbax's writer threads left running, and remove the
+    partial folder. `cancelled` is polled about ten times a second; when it returns True the worker
+    is killed and `Interrupted` raised. A KeyboardInterrupt cleans up the same way.
+    """
+    output = check_output(output, overwrite, plan.source)
+    partial = _make_partial(output)
+    worker = None
+    try:
+        worker = _Worker(plan, partial)
+        summary = worker.run(progress, cancelled)
+        if cancelled():
+            raise Interrupted
+        _finish(partial, output)
+        partial = None
+        return summary
+    finally:
+        if worker is not None:
+            worker.kill()
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+class _Worker:
+    """The worker process and the JSON lines it reports on its stdout."""
+
+    def __init__(self, plan: Plan, partial: str):
+        cmd = [sys.executable, "-m", "gptoss_jax.convert.worker", plan.source, partial, plan.storage]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_package_root(),
+                                                                        os.environ.get("PYTHONPATH")])))
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, env=env)
+        self.messages: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                self.messages.put(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.messages.put(None)  # end of output
+
+    def run(self, progress, cancelled) -> Summary:
+        while True:
+            if cancelled():
+                raise Interrupted
+            try:
+                message = self.messages.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if message is None:
+                break
+            if "progress" in message:
+                progress(message["progress"])
+            elif "error" in message:
+                raise ConversionError(message["error"])
+            elif "done" in message:
+                code = self.process.wait()
+                if code == 0:
+                    return Summary(**message["done"])
+        code = self.process.wait()
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+            raise ConversionError(f"the conversion worker was killed by {name}{hint}; nothing was written")
+        raise ConversionError(f"the conversion worker failed (exit code {code}); nothing was written")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+        self.process.stdout.close()
+
+
+def _package_root() -> str:
+    """The folder holding the gptoss_jax package, so the worker imports this very copy of it."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def convert_checkpoint(source: str, output: str, *, dtype: str | None = None, overwrite: bool = False,

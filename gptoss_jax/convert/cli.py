@@ -1,10 +1,12 @@
-"""`python -m convert SOURCE_DIR OUTPUT_DIR`: the command line of the converter."""
+"""`gptoss-convert SOURCE_DIR OUTPUT_DIR` (also `python -m convert` in a checkout): the converter's command line."""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
+
+from .. import __version__
 
 DESCRIPTION = """\
 Convert a published GPT-OSS checkpoint into a gptoss-jax (Orbax) checkpoint.
@@ -27,8 +29,39 @@ def _format_bytes(n: float) -> str:
     raise AssertionError
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m convert", description=DESCRIPTION,
+class _Signals:
+    """Ctrl-C and SIGTERM only raise a flag; the work in progress is stopped and cleaned up where
+    it is safe to (raising from a signal handler can land inside a library's callback, where the
+    exception is swallowed)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        self.received = self.received or signum
+
+    def __call__(self) -> bool:
+        return self.received is not None
+
+    def exit_code(self) -> int:
+        return 128 + int(self.received)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    signals = _Signals()  # first of all: an early Ctrl-C must not print a traceback either
+    try:
+        return _main(argv, prog, signals)
+    finally:
+        signals.restore()
+
+
+def _main(argv, prog, signals) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", metavar="SOURCE_DIR", help="folder with config.json and *.safetensors")
     parser.add_argument("output", metavar="OUTPUT_DIR", help="folder to create for the converted checkpoint")
@@ -38,31 +71,36 @@ def main(argv: list[str] | None = None) -> int:
                              "writes them decoded (float32 also stores every other weight in float32)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
 
-    def interrupt(signum, frame):  # a kill (SIGTERM) cleans up like Ctrl-C
-        raise KeyboardInterrupt
+    from .pipeline import ConversionError, Interrupted, check_output, plan_conversion, write_checkpoint
 
-    signal.signal(signal.SIGTERM, interrupt)
-
-    from .pipeline import ConversionError, check_output, plan_conversion, write_checkpoint
-
+    bar = None
     try:
         check_output(args.output, args.overwrite, args.source)
         plan = plan_conversion(args.source, args.dtype)
+        if signals():
+            raise Interrupted
         print(f"source: {plan.source} ({plan.layout} layout, {len(plan.tensors)} tensors, "
               f"{_format_bytes(plan.total_bytes)}); experts stored as {plan.storage}", file=sys.stderr)
-        with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting",
-                  disable=args.quiet, file=sys.stderr) as bar:
-            summary = write_checkpoint(plan, args.output, overwrite=args.overwrite, progress=bar.update)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=args.quiet,
+                   file=sys.stderr)
+        summary = write_checkpoint(plan, args.output, overwrite=args.overwrite, progress=bar.update,
+                                   cancelled=signals)
+        bar.close()
+    except (ConversionError, Interrupted, KeyboardInterrupt) as e:
+        if bar is not None:
+            bar.leave = False  # the error line replaces the bar
+            bar.close()
+        if isinstance(e, ConversionError):
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        what = "terminated" if signals.received == signal.SIGTERM else "interrupted"
+        print(f"error: {what}; nothing was written", file=sys.stderr)
+        return signals.exit_code() if signals() else 130
     print(f"wrote {args.output}: {summary.tensors} tensors, {_format_bytes(summary.bytes_read)} read, "
           f"{_format_bytes(summary.bytes_written)} written, {summary.seconds:.1f} s", file=sys.stderr)
     return 0

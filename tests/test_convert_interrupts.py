@@ -1,0 +1,107 @@
+"""Stopping a conversion at any moment: Ctrl-C and SIGTERM end it with one line, exit 130 or 143,
+and no output or partial folder; so does a worker killed from outside (as the kernel's
+out-of-memory killer would), with exit 1.
+
+The source is large enough (8 layers, 32 experts of 512 x 512) that converting it takes seconds,
+and the signals land throughout: while reading, decoding and during Orbax's saves.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gptoss_jax import ModelConfig
+from gptoss_jax.testing import write_synthetic_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DELAYS = (0.3, 0.6, 1.2, 1.8, 2.5, 3.2, 4.0, 5.0, 6.0)  # seconds after start; the run takes ~10 s
+# (Python's own start-up, the first ~0.1 s before any code of ours runs, is not ours to guard.)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    config = ModelConfig.tiny().replace(num_hidden_layers=8, hidden_size=512, intermediate_size=512,
+                                        num_experts=32, vocab_size=32768, head_dim=64)
+    path = tmp_path_factory.mktemp("medium") / "original"
+    write_synthetic_checkpoint(config, path, "original", seed=1)
+    return path
+
+
+def _start(source, out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "convert", str(source), str(out), "--dtype", "bfloat16", *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _saved_items(folder) -> int:
+    """How many items the hidden partial folder holds so far (0 if there is none yet)."""
+    partials = [p for p in folder.iterdir() if p.name.startswith(".out.partial-")]
+    return sum(len(os.listdir(p / "params")) for p in partials if (p / "params").is_dir())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_at_any_moment_leaves_nothing(source, tmp_path, signum):
+    midway = 0
+    for i, delay in enumerate(DELAYS if signum == signal.SIGINT else DELAYS[::2]):
+        folder = tmp_path / f"run{i}"
+        folder.mkdir()
+        process = _start(source, folder / "out", "--quiet")
+        time.sleep(delay)
+        midway += _saved_items(folder) > 0
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+        what = "interrupted" if signum == signal.SIGINT else "terminated"
+        assert process.returncode == 128 + signum, (delay, err)
+        assert err.strip().splitlines()[-1] == f"error: {what}; nothing was written", (delay, err)
+        assert "Traceback" not in err and "Exception ignored" not in err, (delay, err)
+        assert len([line for line in err.splitlines() if not line.startswith("source: ")]) == 1, (delay, err)
+        assert list(folder.iterdir()) == [], (delay, err)  # no output, no partial folder
+    assert midway >= 2  # several signals landed after items had been written, amid Orbax saves
+
+
+def test_interrupted_progress_bar_is_replaced_by_the_error_line(source, tmp_path):
+    process = _start(source, tmp_path / "out")
+    time.sleep(3)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and err.rstrip().endswith("error: interrupted; nothing was written")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _worker_pid(parent: int) -> int | None:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid == parent and b"gptoss_jax.convert.worker" in cmdline:
+            return int(pid)
+    return None
+
+
+def test_a_killed_worker_is_an_error_and_leaves_nothing(source, tmp_path):
+    process = _start(source, tmp_path / "out", "--quiet")
+    deadline = time.monotonic() + 30
+    while (pid := _worker_pid(process.pid)) is None or _saved_items(tmp_path) == 0:
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert err.strip().splitlines()[-1] == ("error: the conversion worker was killed by SIGKILL (out of memory?); "
+                                            "nothing was written")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_uncreatable_output_folder_is_one_line(source, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    process = subprocess.run([sys.executable, "-m", "convert", str(source), str(tmp_path / "file" / "out")],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert process.returncode == 1 and process.stderr.count("\n") == 1, process.stderr
+    assert process.stderr == f"error: cannot create {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder\n"
