@@ -63,6 +63,13 @@ def _sample(sampling, logits, key):
 
 
 class Generator:
+    """Generates for batches of prompts with one set of parameters and a static cache length.
+
+    Each compiled step (a prefill chunk shape, the decode step, the first sampling) is compiled
+    ahead of time once and kept, so that timings can tell compilation from prefill and decode, and
+    a new prompt length inside a bucket compiles nothing new.
+    """
+
     def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
                  prefill_chunk: int = 512):
         if max_len > config.max_context_length:
@@ -70,11 +77,30 @@ class Generator:
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
         self.prefill_chunk = prefill_chunk
         self.dtype = params["embedding"].dtype
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+        self._compile_s = 0.0
+
+    def _compiled(self, fn, statics: tuple, args: tuple):
+        """fn's executable for these static arguments and argument shapes, compiled once."""
+        shapes = jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), args)
+        key = (fn.__name__, statics, jax.tree.structure(args), tuple(jax.tree.leaves(shapes)))
+        if key not in self.executables:
+            start = time.perf_counter()
+            self.executables[key] = fn.lower(*statics, *args).compile()
+            self._compile_s += time.perf_counter() - start
+        return self.executables[key]
+
+    def _call(self, fn, statics: tuple, *args):
+        return self._compiled(fn, statics, args)(*args)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0, stop_tokens: Sequence[int] = (),
                  on_token: Callable[[int, int], None] | None = None) -> list[Result]:
-        """Generate for a batch of prompts (lists of token ids); on_token(sequence, token) streams."""
+        """Generate for a batch of prompts (lists of token ids); on_token(sequence, token) streams.
+
+        Each result's `timings` are its own: prompt and new tokens, the batch's compilation and
+        prefill (shared), its time to first token, and its decode time and rate up to its last token.
+        """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
         if B == 0 or lengths.min() == 0:
@@ -89,6 +115,7 @@ class Generator:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
 
+        self._compile_s = 0.0
         start_time = time.perf_counter()
         padded = min(_bucket(int(lengths.max())), self.max_len)
         chunk = min(self.prefill_chunk, padded)
@@ -99,23 +126,28 @@ class Generator:
         valid = np.arange(padded)[None] < lengths[:, None]
         cache = init_cache(self.config, B, self.max_len, self.dtype)
         last = jnp.zeros((B, vocab), jnp.float32)
+        model = (self.config, self.kernels)
         for start in range(0, padded, chunk):
-            last, cache = _prefill_chunk(self.config, self.kernels, self.params, tokens[:, start:start + chunk],
-                                         valid[:, start:start + chunk], cache, last, jnp.asarray(lengths - 1),
-                                         start)
+            last, cache = self._call(_prefill_chunk, model, self.params, tokens[:, start:start + chunk],
+                                     valid[:, start:start + chunk], cache, last, np.asarray(lengths - 1, np.int32),
+                                     np.int32(start))
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
-        token_dev = _sample(sampling, last, sub)  # stays on the device as the next step's input
+        token_dev = self._call(_sample, (sampling,), last, sub)  # stays on the device as the next step's input
         token = np.asarray(token_dev)  # the host copy: stop checks and streaming
         first_token_time = time.perf_counter()
+        prefill_compile_s = self._compile_s
 
         stops = set(int(t) for t in stop_tokens)
         outputs: list[list[int]] = [[] for _ in range(B)]
         reasons = ["length"] * B
+        finished = np.full(B, np.nan)  # when each sequence produced its last token
         active = np.ones(B, bool)
         for step in range(max_new_tokens):
+            now = time.perf_counter()
             for b in np.nonzero(active)[0]:
                 outputs[b].append(int(token[b]))
+                finished[b] = now
                 if on_token:
                     on_token(int(b), int(token[b]))
                 if int(token[b]) in stops:
@@ -123,15 +155,25 @@ class Generator:
             if step == max_new_tokens - 1 or not active.any():
                 break
             key, sub = jax.random.split(key)
-            token_dev, cache = _decode_step(self.config, self.kernels, sampling, self.params, token_dev,
-                                            jnp.asarray(active), cache, sub)
+            token_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
+                                          jnp.asarray(active), cache, sub)
             token = np.asarray(token_dev)
-        end = time.perf_counter()
-        decoded = sum(len(o) for o in outputs) - B  # tokens produced by decode steps (the first came from prefill)
-        timings = {
-            "time_to_first_token_s": first_token_time - start_time,
-            "prefill_tokens_per_s": float(lengths.sum()) / (first_token_time - start_time),
-            "decode_tokens_per_s": decoded / (end - first_token_time) if decoded else None,
-            "total_s": end - start_time,
-        }
-        return [Result(list(map(int, p)), outputs[b], reasons[b], timings) for b, p in enumerate(prompts)]
+        decode_compile_s = self._compile_s - prefill_compile_s
+        prefill_s = first_token_time - start_time - prefill_compile_s
+        results = []
+        for b, p in enumerate(prompts):
+            decoded = len(outputs[b]) - 1  # tokens from decode steps (the first came from prefill)
+            decode_s = max(finished[b] - first_token_time - decode_compile_s, 0.0) if decoded else 0.0
+            timings = {
+                "batch_size": B,
+                "prompt_tokens": len(p),
+                "new_tokens": len(outputs[b]),
+                "compile_s": self._compile_s,
+                "prefill_s": prefill_s,
+                "prefill_tokens_per_s": len(p) / prefill_s,
+                "time_to_first_token_s": first_token_time - start_time,
+                "decode_s": decode_s,
+                "decode_tokens_per_s": decoded / decode_s if decoded and decode_s > 0 else None,
+            }
+            results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
+        return results

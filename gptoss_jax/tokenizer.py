@@ -27,6 +27,8 @@ VOCAB_SIZE = 201088
 END_OF_TEXT, RETURN, CHANNEL, START, END, MESSAGE, CALL = 199999, 200002, 200005, 200006, 200007, 200008, 200012
 STOP_TOKENS = (RETURN, CALL, END_OF_TEXT)  # end of a final answer, a tool call, end of text
 REASONING_EFFORTS = ("low", "medium", "high")
+DOWNLOAD_HINT = (f"Download {VOCAB_FILE} once (3.6 MB) from {O200K_BASE_URL}, then pass --tokenizer PATH "
+                 f"(the file or its folder) or set TIKTOKEN_ENCODINGS_BASE to its folder")
 
 
 class TokenizerError(ValueError):
@@ -40,11 +42,11 @@ def _cache_name() -> str:
 def find_vocab(path: str | os.PathLike | None = None) -> str:
     """The vocabulary file to use (see the module docstring), checked to exist."""
     if path is not None:
-        path = os.fspath(path)
+        path = os.path.expanduser(os.fspath(path))
         if os.path.isdir(path):
             path = os.path.join(path, VOCAB_FILE)
         if not os.path.isfile(path):
-            raise TokenizerError(f"{path}: tokenizer vocabulary file not found")
+            raise TokenizerError(f"{path}: tokenizer vocabulary file not found. {DOWNLOAD_HINT}")
         return path
     candidates = []
     if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
@@ -54,8 +56,7 @@ def find_vocab(path: str | os.PathLike | None = None) -> str:
     for candidate in candidates:
         if os.path.isfile(candidate):
             return candidate
-    raise TokenizerError(f"no o200k_base vocabulary found (looked in {', '.join(candidates)}); pass --tokenizer "
-                         f"PATH to {VOCAB_FILE} or set TIKTOKEN_ENCODINGS_BASE to its folder")
+    raise TokenizerError(f"no o200k_base vocabulary found (looked in {', '.join(candidates)}). {DOWNLOAD_HINT}")
 
 
 def _check_hash(path: str) -> None:

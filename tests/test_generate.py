@@ -99,10 +99,30 @@ def test_sampling_rejects_bad_values(kwargs, message):
         Sampling(**kwargs)
 
 
-def test_no_recompilation_for_a_new_prompt_length_inside_a_bucket(gen):
-    from gptoss_jax import generate as g
+def test_no_recompilation_for_a_new_prompt_length_inside_a_bucket():
+    config = gj.ModelConfig.tiny().replace(sliding_window=128)
+    gen = Generator(config, random_params(config, seed=5), max_len=400, prefill_chunk=64)
+    first = gen.generate([list(range(1, 21))], max_new_tokens=3, sampling=GREEDY)[0]  # 20 tokens: the 32 bucket
+    compiled = set(gen.executables)
+    again = gen.generate([list(range(1, 27))], max_new_tokens=5, sampling=GREEDY)[0]  # 26 tokens: same bucket
+    assert set(gen.executables) == compiled and again.timings["compile_s"] == 0.0
+    gen.generate([list(range(1, 40))], max_new_tokens=3, sampling=GREEDY)  # 39 tokens: the 64 bucket
+    assert len(gen.executables) == len(compiled) + 1  # one new prefill chunk shape, nothing else
+    assert first.timings["prompt_tokens"] == 20 and first.timings["new_tokens"] == 3
 
-    gen.generate([list(range(1, 21))], max_new_tokens=3, sampling=GREEDY)  # 20 tokens: the 32 bucket
-    sizes = (g._prefill_chunk._cache_size(), g._decode_step._cache_size(), g._sample._cache_size())
-    gen.generate([list(range(1, 27))], max_new_tokens=5, sampling=GREEDY)  # 26 tokens: same bucket
-    assert (g._prefill_chunk._cache_size(), g._decode_step._cache_size(), g._sample._cache_size()) == sizes
+
+def test_timings_are_per_sequence_and_keep_compilation_apart(prompts):
+    config = gj.ModelConfig.tiny().replace(sliding_window=128)
+    fresh = Generator(config, random_params(config, seed=5), max_len=400, prefill_chunk=64)
+    free = fresh.generate(prompts, max_new_tokens=8, sampling=GREEDY)
+    stop = free[0].output_ids[1]  # the first sequence stops after 2 tokens, the others run on
+    results = fresh.generate(prompts, max_new_tokens=8, sampling=GREEDY, stop_tokens=[stop])
+    t = [r.timings for r in results]
+    assert free[0].timings["compile_s"] > 0 and t[0]["compile_s"] == 0.0  # the first call compiled, not this one
+    assert [x["prompt_tokens"] for x in t] == [3, 130, 250]
+    assert [x["new_tokens"] for x in t] == [len(r.output_ids) for r in results]
+    assert t[0]["new_tokens"] == 2 and t[0]["decode_s"] < max(x["decode_s"] for x in t[1:])
+    for x in t:
+        assert x["prefill_tokens_per_s"] == pytest.approx(x["prompt_tokens"] / x["prefill_s"])
+        assert x["decode_tokens_per_s"] == pytest.approx((x["new_tokens"] - 1) / x["decode_s"])
+        assert x["time_to_first_token_s"] >= x["prefill_s"] > 0

@@ -1,0 +1,146 @@
+"""What the generation command line shows a person: a harmony reply as it streams, and timings.
+
+A reply streams as it reads: the reasoning (the `analysis` channel) set apart, dimmed on a
+terminal and labelled, or hidden; the final answer plain; a tool call as a call. No control token
+is ever printed. A reply that is not harmony at all (a model with random weights, say) is shown as
+its raw text after a one-line notice.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from .. import tokenizer as tk
+
+DIM, RESET = "\033[2m", "\033[0m"
+_MAX_HEADER_TOKENS = 32  # a message header longer than this is not harmony: show the raw text
+
+
+class ChatPrinter:
+    """Feed generated tokens one at a time; it writes the reply for a reader to `out`."""
+
+    def __init__(self, tokenizer, vocab: str | None, *, show_reasoning: bool = True, out: TextIO | None = None,
+                 color: bool | None = None):
+        from openai_harmony import Role, StreamableParser
+
+        self.out = out or sys.stdout
+        self.color = self.out.isatty() if color is None else color
+        self.show_reasoning = show_reasoning
+        self._parser = StreamableParser(tk.harmony_encoding(vocab), role=Role.ASSISTANT)
+        self._raw = tk.StreamDecoder(tokenizer)
+        self._raw_text: list[str] = []
+        self._raw_mode = False
+        self._header_tokens = 0
+        self._open: tuple[str | None, str | None] | None = None  # (channel, recipient) of the message shown
+        self._wrote_any = False
+        self._at_line_start = True
+
+    def _write(self, text: str, dim: bool = False) -> None:
+        if not text:
+            return
+        self.out.write(f"{DIM}{text}{RESET}" if dim and self.color else text)
+        self.out.flush()
+        self._wrote_any = True
+        self._at_line_start = text.endswith("\n")
+
+    def _newline(self) -> None:
+        if not self._at_line_start:
+            self._write("\n")
+
+    def feed(self, token: int) -> None:
+        self._raw_text.append(self._raw.add(token))
+        if self._raw_mode:
+            self._write(self._raw_text[-1])
+            return
+        try:
+            self._parser.process(token)
+        except Exception:  # openai_harmony's HarmonyError: not a harmony reply
+            return self._to_raw()
+        state = self._parser.state.name
+        if state == "HEADER":
+            self._header_tokens += 1
+            if self._header_tokens > _MAX_HEADER_TOKENS:
+                self._to_raw()
+            return
+        self._header_tokens = 0
+        if state == "CONTENT":
+            message = (self._parser.current_channel, self._parser.current_recipient)
+            if self._open != message:
+                self._begin(*message)
+            self._content(self._parser.last_content_delta or "")
+        else:  # the message ended (<|end|>, <|return|>, <|call|>)
+            self._end()
+
+    def _begin(self, channel: str | None, recipient: str | None) -> None:
+        self._end()
+        self._open = (channel, recipient)
+        if recipient:
+            self._newline()
+            self._write(f"[tool call] {recipient}(", dim=channel == "analysis")
+        elif channel == "analysis":
+            if self.show_reasoning:
+                self._newline()
+                self._write("[reasoning] ", dim=True)
+        elif self._wrote_any:  # the answer (final, or a commentary preamble) after the reasoning
+            self._newline()
+            self._write("\n")
+
+    def _content(self, text: str) -> None:
+        channel, recipient = self._open or (None, None)
+        if channel == "analysis" and not recipient:
+            if self.show_reasoning:
+                self._write(text, dim=True)
+        else:
+            self._write(text)
+
+    def _end(self) -> None:
+        if self._open is not None and self._open[1]:
+            self._write(")")
+        if self._open is not None and (self.show_reasoning or self._open[0] != "analysis"):
+            self._newline()
+        self._open = None
+
+    def _to_raw(self) -> None:
+        self._raw_mode = True
+        self._newline()
+        self._write("[the reply is not in the harmony chat format; its raw text follows]\n", dim=True)
+        self._write("".join(self._raw_text))
+
+    def finish(self) -> None:
+        """The reply ended (or was cut short): close what is open and end the line."""
+        if self._raw_mode:
+            self._write(self._raw.flush())
+        elif self._header_tokens and not self._wrote_any:  # cut short inside a first header: not harmony
+            self._to_raw()
+            self._write(self._raw.flush())
+        elif self._open is not None and self._open[1]:
+            self._write(" ...")  # a tool call cut short
+        self._open = None
+        self._newline()
+
+
+def rate(count: int, seconds: float) -> str:
+    """`count / seconds` with the digits that mean something (never a bare 0.0)."""
+    if count == 0 or seconds <= 0:
+        return "n/a"
+    value = count / seconds
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def timing_line(timings: list[dict], peak: str) -> str:
+    """One line for a batch: compilation, then prefill and decode apart, from per-sequence timings."""
+    t = timings[0]  # compile_s, prefill_s and time to first token are the batch's
+    prompt = sum(x["prompt_tokens"] for x in timings)
+    decoded = sum(x["new_tokens"] - 1 for x in timings)
+    decode_s = max(x["decode_s"] for x in timings)
+    compiled = f"compilation {duration(t['compile_s'])}; " if t["compile_s"] > 0 else "no compilation (reused); "
+    decode = (f"decode {decoded} tokens in {duration(decode_s)} ({rate(decoded, decode_s)} tokens/s)"
+              if decoded else "decode: none (one new token, from prefill)")
+    return (f"{compiled}prefill {prompt} tokens in {duration(t['prefill_s'])} ({rate(prompt, t['prefill_s'])} "
+            f"tokens/s); {decode}; first token after {duration(t['time_to_first_token_s'])}; "
+            f"peak device memory {peak}")

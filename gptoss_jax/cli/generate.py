@@ -1,0 +1,284 @@
+"""The generation command line: `gptoss-generate` (and `python run_inference.py` in a checkout)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from .. import __version__
+from ..metadata import expand
+from .inputs import UsageError, check_flags, max_context, model_config, prompt_texts
+
+DESCRIPTION = """\
+Generate text with gpt-oss in JAX, from a raw prompt or a harmony chat, for one prompt or a batch.
+
+With no --checkpoint, a built-in tiny demo model with RANDOM weights runs instead (its output is
+meaningless), so the whole pipeline can be seen working in seconds on a CPU.
+
+examples:
+  %(prog)s                                                  # the demo model
+  %(prog)s --checkpoint CKPT --chat                         # talk with it (on a terminal)
+  %(prog)s --checkpoint CKPT --chat --prompt "What is JAX?" --reasoning-effort low
+  %(prog)s --checkpoint CKPT --batch-file prompts.txt --json
+  %(prog)s --checkpoint CKPT --prompt-ids 1,2,3 --temperature 0 --dtype float32 --json
+
+Convert a published checkpoint first: gptoss-convert SOURCE_DIR CKPT. The tokenizer vocabulary
+(o200k_base.tiktoken) is read offline: --tokenizer PATH, or $TIKTOKEN_ENCODINGS_BASE, or tiktoken's
+cache. Ctrl-C stops at once (exit 130); in the interactive chat it stops the reply being written.
+"""
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_IDS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", metavar="DIR", type=expand,
+                   help="a converted gptoss-jax checkpoint (default: the demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file (- for standard input)")
+    src.add_argument("--prompt-ids", metavar="IDS", type=parse_ids, help="the prompt as comma-separated token ids")
+    src.add_argument("--batch-file", metavar="PATH", help="one prompt per line (- for standard input); one batch")
+    p.add_argument("--chat", action="store_true",
+                   help="harmony chat: the prompt(s) become a user turn and the reply streams as a person reads "
+                        "it; with no prompt, on a terminal, an interactive conversation")
+    p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default=None,
+                   help="with --chat: the system message's reasoning effort (default: medium)")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: instructions (the harmony developer message)")
+    p.add_argument("--hide-reasoning", action="store_true", help="with --chat: show only the answer, not the reasoning")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default: 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--stop-ids", type=parse_ids, default=[], metavar="IDS",
+                   help="extra stop token ids (<|return|>, <|call|> and <|endoftext|> always stop)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="parameter and activation dtype (default: bfloat16; float32 for the demo model)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
+                        "context if shorter)")
+    p.add_argument("--tokenizer", metavar="PATH", type=expand, help="o200k_base.tiktoken (or its folder), hash-checked")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    p.add_argument("--quiet", action="store_true", help="no loading progress bar")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return p
+
+
+class _Signals:
+    """Ctrl-C and SIGTERM stop the run with one line. The handler raises KeyboardInterrupt; should
+    that land inside a callback that swallows it (JAX's garbage-collection hook), the flag it left
+    raises it again at the next token."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._drop_swallowed
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        raise KeyboardInterrupt
+
+    def _drop_swallowed(self, unraisable):
+        if not (self.received and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            self._unraisable(unraisable)
+
+    def check(self) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        sys.unraisablehook = self._unraisable
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    signals = _Signals()
+    try:
+        args = build_parser(prog).parse_args(argv)
+        return _run(args, signals)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        what = "terminated" if signals.received == signal.SIGTERM else "interrupted"
+        print(f"\nerror: {what}", file=sys.stderr)
+        return 128 + (signals.received or signal.SIGINT)
+    finally:
+        signals.restore()
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _prompts(args, tokenizer, texts) -> list[list[int]]:
+    from .. import tokenizer as tk
+
+    if args.prompt_ids is not None:
+        return [args.prompt_ids]
+    if texts is None:
+        if tokenizer is None:
+            return [DEFAULT_IDS]
+        texts = [DEFAULT_PROMPT]
+    if tokenizer is None:
+        raise UsageError("text prompts need the tokenizer: pass --tokenizer PATH to o200k_base.tiktoken "
+                         "(or set TIKTOKEN_ENCODINGS_BASE), or give --prompt-ids")
+    if args.chat:
+        return [tk.render_chat([("user", t)], reasoning_effort=args.reasoning_effort or "medium",
+                               instructions=args.system, vocab=args.tokenizer) for t in texts]
+    return [tokenizer.encode(t, disallowed_special=()) for t in texts]
+
+
+def _run(args, signals: _Signals) -> int:
+    from .. import tokenizer as tk
+    from ..sampling import Sampling
+
+    # Everything that can be checked without the model, first: flags, files, the model's limits.
+    check_flags(args, _warn)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    texts = prompt_texts(args)
+    if args.batch_file is not None and not texts:
+        raise UsageError(f"--batch-file {args.batch_file}: no prompts (every line is blank)")
+    config, what = model_config(args)
+    max_len = max_context(args, config)
+    interactive = args.chat and texts is None and args.prompt_ids is None and sys.stdin.isatty()
+    tokenizer = None
+    needs_text = texts is not None or args.chat or not args.json
+    if args.tokenizer or needs_text:
+        try:
+            tokenizer = tk.load_tokenizer(args.tokenizer)
+        except tk.TokenizerError:
+            if args.tokenizer or texts is not None or args.chat:
+                raise
+    if tokenizer is not None and config.vocab_size != tk.VOCAB_SIZE:
+        if args.chat or texts is not None:
+            raise UsageError(f"this model's vocabulary has {config.vocab_size} tokens, not o200k_harmony's "
+                             f"{tk.VOCAB_SIZE}: give --prompt-ids")
+        tokenizer = None  # a test model with its own small vocabulary: report ids only
+    prompts = None if interactive else _prompts(args, tokenizer, texts)
+    if prompts is not None:
+        longest = max(len(p) for p in prompts)
+        if longest + args.max_new_tokens > max_len:
+            raise UsageError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} exceeds "
+                             f"the max context of {max_len} (--max-context)")
+
+    import jax
+
+    from ..generate import Generator
+
+    params = _load_params(args, config)
+    if tokenizer is None and not args.json:
+        print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
+              file=sys.stderr)
+    print(f"model: {what}; jax {jax.__version__} on {jax.devices()[0].platform}; max context {max_len}",
+          file=sys.stderr)
+    stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
+    generator = Generator(config, params, max_len=max_len)
+    if interactive:
+        from .repl import chat_loop
+
+        return chat_loop(args, generator, tokenizer, sampling, stops, signals)
+    run_batch(args, generator, tokenizer, prompts, sampling, stops, signals)
+    return 0
+
+
+def _load_params(args, config):
+    import jax.numpy as jnp
+
+    from ..checkpoint import load_checkpoint
+    from ..testing import random_params
+
+    if args.checkpoint:
+        return load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", progress=not args.quiet)[1]
+    return random_params(config, seed=0, dtype=jnp.dtype(args.dtype or "float32"))
+
+
+def peak_memory() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
+    return f"n/a on {device.platform}"
+
+
+def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, printer=None):
+    """Generate for the prompts; stream one prompt's reply, or print each (text or JSON) at the end."""
+    from .. import tokenizer as tk
+    from .display import ChatPrinter, timing_line
+
+    stream = not args.json and len(prompts) == 1
+    if stream and printer is None:
+        if args.chat and tokenizer is not None:
+            printer = ChatPrinter(tokenizer, args.tokenizer, show_reasoning=not args.hide_reasoning)
+        else:
+            printer = _PlainPrinter(tokenizer)
+
+    def on_token(b, token):
+        signals.check()
+        if stream:
+            printer.feed(token)
+
+    results = generator.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                                 stop_tokens=stops, on_token=on_token)
+    if stream:
+        printer.finish()
+    for r in results:
+        text = tokenizer.decode(r.output_ids) if tokenizer else None
+        record = {"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "text": text,
+                  "finish_reason": r.finish_reason, "timings": r.timings}
+        if args.chat and tokenizer:
+            reply = tk.parse_reply(r.output_ids, vocab=args.tokenizer)
+            record.update(analysis=reply.analysis, final=reply.final)
+        if args.json:
+            print(json.dumps(record))
+        elif not stream:
+            print(text if text is not None else " ".join(map(str, r.output_ids)))
+            print("---")
+    sys.stdout.flush()
+    print(timing_line([r.timings for r in results], peak_memory()), file=sys.stderr)
+    return results
+
+
+class _PlainPrinter:
+    """Raw text (or token ids, without a tokenizer) as it is generated."""
+
+    def __init__(self, tokenizer):
+        from .. import tokenizer as tk
+
+        self._decoder = tk.StreamDecoder(tokenizer) if tokenizer else None
+
+    def feed(self, token: int) -> None:
+        sys.stdout.write(self._decoder.add(token) if self._decoder else f"{token} ")
+        sys.stdout.flush()
+
+    def finish(self) -> None:
+        sys.stdout.write((self._decoder.flush() if self._decoder else "") + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog=os.path.basename(sys.argv[0])))

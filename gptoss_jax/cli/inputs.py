@@ -1,0 +1,97 @@
+"""Everything the generation command line checks before a model is loaded (no JAX here).
+
+Flags that do not fit together, prompt files that are missing, empty, folders or binary, and a
+--max-context beyond the model's are refused at once with one line naming the flag or file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..config import ModelConfig
+from ..metadata import expand, read_metadata
+
+
+class UsageError(ValueError):
+    """A flag or argument that cannot work (exit code 2); the message names it."""
+
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+def read_text(path: str, flag: str) -> str:
+    """A prompt file's text (`-` is standard input); one-line errors naming the flag and file."""
+    if path == "-":
+        data = sys.stdin.buffer.read()
+        where = f"{flag} - (standard input)"
+    else:
+        path = expand(path)
+        where = f"{flag} {path}"
+        if os.path.isdir(path):
+            raise UsageError(f"{where}: is a folder, not a file")
+        if not os.path.exists(path):
+            raise UsageError(f"{where}: no such file")
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise UsageError(f"{where}: cannot read it ({e.strerror})") from None
+    if b"\0" in data:
+        raise UsageError(f"{where}: looks binary (it holds NUL bytes); a prompt file is UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{where}: is not UTF-8 text (byte {e.start}); a prompt file is UTF-8 text") from None
+    if not text.strip():
+        raise UsageError(f"{where}: is empty")
+    return text
+
+
+def prompt_texts(args) -> list[str] | None:
+    """The prompt texts the flags give (None: none given, or token ids instead)."""
+    if args.batch_file is not None:
+        texts = [line.rstrip("\r") for line in read_text(args.batch_file, "--batch-file").split("\n")]
+        return [t for t in texts if t.strip()]
+    if args.prompt_file is not None:
+        return [read_text(args.prompt_file, "--prompt-file")]
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt: is empty")
+        return [args.prompt]
+    return None
+
+
+def check_flags(args, warn) -> None:
+    """Flag combinations, before anything is read or loaded."""
+    if args.chat and args.prompt_ids is not None:
+        raise UsageError("--chat needs text (--prompt, --prompt-file or --batch-file), not --prompt-ids")
+    if not args.chat:
+        if args.system is not None:
+            warn("--system has no effect without --chat")
+        if args.reasoning_effort is not None:
+            warn("--reasoning-effort has no effect without --chat")
+        if args.hide_reasoning:
+            warn("--hide-reasoning has no effect without --chat")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.max_context is not None and args.max_context < 2:
+        raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
+
+
+def model_config(args) -> tuple[ModelConfig, str]:
+    """The model's config and a description, from the checkpoint's JSON alone (or the demo's)."""
+    if args.checkpoint:
+        config, _ = read_metadata(args.checkpoint)
+        return config, f"checkpoint {expand(args.checkpoint)}"
+    return ModelConfig.demo(), "built-in tiny demo model with RANDOM weights (its output is meaningless)"
+
+
+def max_context(args, config: ModelConfig) -> int:
+    """--max-context, checked against the model; by default min(4096, the model's context)."""
+    if args.max_context is None:
+        return min(DEFAULT_MAX_CONTEXT, config.max_context_length)
+    if args.max_context > config.max_context_length:
+        raise UsageError(f"--max-context {args.max_context} exceeds the model's context of "
+                         f"{config.max_context_length} tokens")
+    return args.max_context

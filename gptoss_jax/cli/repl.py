@@ -1,0 +1,61 @@
+"""The interactive chat: `--chat` with no prompt, on a terminal.
+
+Each turn renders the whole conversation again in the harmony format, earlier assistant turns as
+their final answers only (harmony drops the reasoning of earlier turns), and generates with the
+same loaded model and Generator, so the compiled steps are reused from turn to turn.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import tokenizer as tk
+from .display import ChatPrinter
+
+HELP = "type a message; /reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+
+
+def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) -> int:
+    from .generate import run_batch
+
+    history: list[tuple[str, str]] = []
+    print(f"chat: {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly
+            print(file=sys.stderr)
+            return 130
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history.clear()
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if text.startswith("/"):
+            print(f"unknown command {text.split()[0]}: {HELP}", file=sys.stderr)
+            continue
+        turns = history + [("user", line)]
+        prompt = tk.render_chat(turns, reasoning_effort=args.reasoning_effort or "medium",
+                                instructions=args.system, vocab=args.tokenizer)
+        if len(prompt) + args.max_new_tokens > generator.max_len:
+            print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {args.max_new_tokens} no longer "
+                  f"fits --max-context {generator.max_len}: /reset to start a new one", file=sys.stderr)
+            continue
+        printer = ChatPrinter(tokenizer, args.tokenizer, show_reasoning=not args.hide_reasoning)
+        try:
+            (result,) = run_batch(args, generator, tokenizer, [prompt], sampling, stops, signals, printer=printer)
+        except KeyboardInterrupt:
+            if signals.received != 2:  # SIGTERM ends the program
+                raise
+            signals.received = None
+            printer.finish()
+            print("(reply stopped; it is not kept in the conversation)", file=sys.stderr)
+            continue
+        history = turns + [("assistant", tk.parse_reply(result.output_ids, vocab=args.tokenizer).final)]
