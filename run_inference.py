@@ -3,9 +3,7 @@
 installed `gptoss-generate` (gptoss_jax/cli/generate.py). `python run_inference.py --help` lists
 every flag; with no --checkpoint it runs a built-in tiny demo model with random weights."""
 
-import sys
-
-from gptoss_jax.cli.generate import main
+from gptoss_jax.cli.generate import entry, main  # noqa: F401  (main: for callers and tests)
 
 if __name__ == "__main__":
-    sys.exit(main(prog="run_inference.py"))
+    entry(prog="run_inference.py")

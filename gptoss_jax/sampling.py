@@ -10,9 +10,10 @@ Legend: B = batch, V = vocab.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
+if TYPE_CHECKING:
+    import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Sampling:
 
 def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
     """logits [B, V] -> token ids [B] int32."""
+    import jax  # here, not at the top: `Sampling` alone checks flags before JAX starts
+    import jax.numpy as jnp
+
     logits = logits.astype(jnp.float32)
     if params.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

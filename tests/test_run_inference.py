@@ -1,7 +1,12 @@
 """run_inference.py end to end: the demo, greedy parity with transformers' generate, batches, errors."""
 
+import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,15 +17,16 @@ from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 
-VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizer", "o200k_base.tiktoken")
-needs_vocab = pytest.mark.skipif(not os.path.isfile(VOCAB), reason=f"genuine vocabulary not at {VOCAB}")
+from test_display import VOCAB, needs_vocab
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny model (window 128) as a dequantized HF checkpoint, and its conversion."""
     root = tmp_path_factory.mktemp("ckpt")
-    config = ModelConfig.tiny().replace(sliding_window=128)
+    config = ModelConfig.tiny().replace(sliding_window=128, max_context_length=2048)
     write_synthetic_checkpoint(config, root / "hf", "hf-bf16", seed=6)
     assert convert_main([str(root / "hf"), str(root / "converted"), "--quiet"]) == 0
     return root
@@ -36,7 +42,9 @@ def test_demo_runs_without_a_tokenizer(capsys, monkeypatch):
     assert run_inference.main(["--max-new-tokens", "3"]) == 0
     captured = capsys.readouterr()
     assert "RANDOM weights" in captured.err and "token ids" in captured.err
-    assert "decode" in captured.err and "tokens/s" in captured.err
+    timing = captured.err.strip().splitlines()[-1]
+    assert timing.startswith("compilation ") and "; prefill 8 tokens in " in timing
+    assert "; decode 2 tokens in " in timing and "0.0 tokens/s" not in timing
 
 
 def test_greedy_matches_transformers_generate(checkpoint, capsys):
@@ -48,7 +56,8 @@ def test_greedy_matches_transformers_generate(checkpoint, capsys):
     assert run_inference.main(argv) == 0
     (record,) = _json_lines(capsys.readouterr().out)
     assert record["prompt_ids"] == prompt and len(record["output_ids"]) == 64
-    assert set(record["timings"]) >= {"time_to_first_token_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert set(record["timings"]) >= {"compile_s", "prefill_s", "decode_s", "time_to_first_token_s",
+                                      "prefill_tokens_per_s", "decode_tokens_per_s"}
     model = GptOssForCausalLM.from_pretrained(str(checkpoint / "hf"), dtype=torch.float32,
                                               attn_implementation="eager").eval()
     with torch.no_grad():
@@ -64,6 +73,9 @@ def test_batch_file_gives_one_json_object_per_prompt_and_batch_equals_single(tmp
     assert run_inference.main(["--batch-file", str(tmp_path / "batch.txt")] + common) == 0
     batch = _json_lines(capsys.readouterr().out)
     assert len(batch) == 3 and all(isinstance(r["text"], str) for r in batch)
+    timings = [r["timings"] for r in batch]  # each prompt its own
+    assert [t["prompt_tokens"] for t in timings] == [len(r["prompt_ids"]) for r in batch]
+    assert len({t["prompt_tokens"] for t in timings}) == 3
     assert run_inference.main(["--prompt", prompts[1]] + common) == 0
     (single,) = _json_lines(capsys.readouterr().out)
     assert single["output_ids"] == batch[1]["output_ids"]
@@ -85,11 +97,96 @@ def test_chat_json_has_channels(capsys):
     (["--prompt-ids", "1,2", "--top-p", "1.5", "--json"], "top-p must be in (0, 1]"),
     (["--prompt-ids", "1,2", "--temperature", "-1", "--json"], "temperature must be >= 0"),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1", "--json"], "checkpoint directory not found"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "0", "--json"], "at least 1"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "0", "--json"], "--max-new-tokens must be at least 1"),
 ])
 def test_bad_input_exits_non_zero_with_a_message(capsys, argv, message):
     assert run_inference.main(argv) != 0
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+# Each case must fail (or warn) before anything is loaded: one process runs them all and checks that
+# JAX was never imported, let alone a model loaded.
+_CHECKS = """
+import json, sys, time
+import run_inference
+results = []
+for argv in json.loads(sys.argv[1]):
+    start = time.perf_counter()
+    code = run_inference.main(argv)
+    results.append([code, time.perf_counter() - start])
+assert "jax" not in sys.modules, "JAX was imported"
+print(json.dumps(results))
+"""
+
+
+def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "batch.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    ckpt = str(checkpoint / "converted")
+    cases = [  # (argv, exit code, what the one error line says)
+        (["--chat", "--prompt-ids", "1,2"], 2, "--chat needs text (--prompt, --prompt-file or --batch-file), not --prompt-ids"),
+        (["--prompt-file", str(tmp_path / "missing.txt")], 2, f"--prompt-file {tmp_path}/missing.txt: no such file"),
+        (["--prompt-file", str(tmp_path / "empty.txt")], 2, f"--prompt-file {tmp_path}/empty.txt: is empty"),
+        (["--batch-file", str(tmp_path / "batch.txt")], 2, f"--batch-file {tmp_path}/batch.txt: is empty"),
+        (["--prompt-file", str(tmp_path)], 2, f"--prompt-file {tmp_path}: is a folder, not a file"),
+        (["--batch-file", str(tmp_path)], 2, f"--batch-file {tmp_path}: is a folder, not a file"),
+        (["--prompt-file", str(tmp_path / "binary.txt")], 2, "binary.txt: looks binary (it holds NUL bytes)"),
+        (["--prompt-file", str(tmp_path / "latin1.txt")], 2, "latin1.txt: is not UTF-8 text (byte 3)"),
+        (["--checkpoint", ckpt, "--prompt-ids", "1", "--max-context", "4096"], 2,
+         "--max-context 4096 exceeds the model's context of 2048 tokens"),
+        (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
+        (["--checkpoint", str(tmp_path / "nowhere"), "--prompt-ids", "1"], 1, "checkpoint directory not found"),
+        (["--checkpoint", str(tmp_path), "--prompt-ids", "1"], 1, "not a gptoss-jax checkpoint"),
+    ]
+    run = subprocess.run([sys.executable, "-c", _CHECKS, json.dumps([argv for argv, _, _ in cases])], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    errors = run.stderr.strip().splitlines()
+    assert len(errors) == len(cases), run.stderr  # one line each
+    for (argv, code, message), (got, seconds), line in zip(cases, json.loads(run.stdout), errors, strict=True):
+        assert got == code and line.startswith("error: ") and message in line, (argv, got, line)
+
+
+def test_chat_only_flags_warn_without_chat(checkpoint, capsys):
+    argv = ["--checkpoint", str(checkpoint / "converted"), "--prompt-ids", "5,6", "--max-new-tokens", "2",
+            "--json", "--system", "Be brief.", "--reasoning-effort", "high"]
+    assert run_inference.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: --system has no effect without --chat" in err
+    assert "warning: --reasoning-effort has no effect without --chat" in err
+
+
+def test_default_max_context_is_the_models_when_shorter(checkpoint, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    os.symlink(checkpoint / "converted", tmp_path / "ckpt")
+    assert run_inference.main(["--checkpoint", "~/ckpt", "--prompt-ids", "5,6", "--max-new-tokens", "2",
+                               "--json"]) == 0  # ~ is expanded
+    assert "max context 2048" in capsys.readouterr().err
+
+
+@needs_vocab
+def test_prompt_file_dash_reads_standard_input_and_paths_expand_home(checkpoint, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "3", "--json",
+              "--tokenizer", "~/vocab"]
+    (tmp_path / "vocab").mkdir()
+    os.symlink(os.path.abspath(VOCAB), tmp_path / "vocab" / "o200k_base.tiktoken")
+    (tmp_path / "prompt.txt").write_text("hello")
+    assert run_inference.main(common + ["--prompt-ids", "1,2"]) == 0  # the tokenizer is found under ~
+    capsys.readouterr()
+    assert run_inference.main(common + ["--prompt", "hi"]) == 2  # a 1024-token test vocabulary takes ids only
+    assert "give --prompt-ids" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello")))
+    assert run_inference.main(["--prompt-file", "-", "--tokenizer", "~/vocab", "--max-new-tokens", "2", "--json",
+                               "--temperature", "0"]) == 0
+    from_stdin = _json_lines(capsys.readouterr().out)[0]
+    assert run_inference.main(["--prompt-file", "~/prompt.txt", "--tokenizer", "~/vocab", "--max-new-tokens", "2",
+                               "--json", "--temperature", "0"]) == 0
+    from_file = _json_lines(capsys.readouterr().out)[0]
+    assert from_stdin["prompt_ids"] == from_file["prompt_ids"] and from_file["output_ids"] == from_stdin["output_ids"]
 
 
 def test_tokenizer_with_the_wrong_hash_is_refused(tmp_path, capsys):
@@ -114,3 +211,83 @@ def test_prompt_file_equals_prompt_ids(checkpoint, tmp_path, capsys):
     missing = tmp_path / "nope.txt"
     assert run_inference.main(common + ["--prompt-file", str(missing)]) != 0
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 1.0), (signal.SIGINT, 3.0), (signal.SIGINT, 7.0),
+                                           (signal.SIGTERM, 7.0)])
+def test_a_signal_during_compilation_or_generation_is_one_line(signum, delay):
+    # The demo model: ~2 s to start, a few seconds compiling, then 3000 tokens take far longer than 7 s.
+    process = subprocess.Popen([sys.executable, "run_inference.py", "--max-new-tokens", "3000"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    assert process.returncode == 128 + signum, err
+    assert err.rstrip().splitlines()[-1] == f"error: {what}" and "Traceback" not in err and "Exception" not in err, err
+
+
+def _fake_terminal(lines):
+    stdin = io.StringIO("".join(line + "\n" for line in lines))
+    stdin.isatty = lambda: True
+    return stdin
+
+
+@needs_vocab
+def test_interactive_chat_keeps_the_model_and_compiled_steps_across_turns(monkeypatch, capsys):
+    from gptoss_jax import tokenizer as tk
+    from gptoss_jax.generate import Generator
+
+    calls = []
+    generate = Generator.generate
+
+    def recording(self, prompts, **kwargs):
+        results = generate(self, prompts, **kwargs)
+        calls.append((id(self), prompts[0], results[0]))
+        return results
+
+    monkeypatch.setattr(Generator, "generate", recording)
+    monkeypatch.setattr(sys, "stdin", _fake_terminal(["What is 2+2?", "/reset", "What is 2+2?", "And 3+3?",
+                                                      "/nonsense", "/exit"]))
+    argv = ["--chat", "--tokenizer", VOCAB, "--temperature", "0", "--max-new-tokens", "6", "--system", "Be brief."]
+    assert run_inference.main(argv) == 0
+    err = capsys.readouterr().err
+    assert len(calls) == 3 and len({generator for generator, _, _ in calls}) == 1  # one model, one Generator
+    (_, first, r1), (_, again, r2), (_, third, r3) = calls
+    assert again == first and r2.output_ids == r1.output_ids  # /reset: the same conversation from scratch
+    assert r2.timings["compile_s"] == 0.0  # the compiled steps were kept
+    final = tk.parse_reply(r2.output_ids, vocab=VOCAB).final  # earlier turns: their final answer only
+    assert third == tk.render_chat([("user", "What is 2+2?"), ("assistant", final), ("user", "And 3+3?")],
+                                   instructions="Be brief.", vocab=VOCAB)
+    assert "unknown command /nonsense" in err and "(a new conversation)" in err
+
+
+@needs_vocab
+def test_interactive_chat_on_a_real_terminal():
+    import pty
+    import select
+
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen([sys.executable, "run_inference.py", "--chat", "--tokenizer", VOCAB, "--max-new-tokens",
+                                "4", "--temperature", "0"], cwd=ROOT, stdin=terminal, stdout=terminal,
+                               stderr=terminal, close_fds=True)
+    os.close(terminal)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float = 120):
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while marker not in seen:
+            assert time.monotonic() < deadline, seen.decode(errors="replace")
+            if select.select([controller], [], [], 0.5)[0]:
+                seen += os.read(controller, 4096)
+        found = seen
+        seen = b""
+        return found.decode(errors="replace")
+
+    assert "/reset starts a new conversation" in read_until(b"\n> ")
+    os.write(controller, b"What is 2+2?\n")
+    assert "decode 3 tokens" in read_until(b"\n> ")
+    os.write(controller, b"/exit\n")
+    assert process.wait(timeout=60) == 0
+    os.close(controller)

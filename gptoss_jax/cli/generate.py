@@ -123,10 +123,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except KeyboardInterrupt:
         sys.stdout.flush()
         what = "terminated" if signals.received == signal.SIGTERM else "interrupted"
-        print(f"\nerror: {what}", file=sys.stderr)
+        end_line = "\n" if sys.stdout.isatty() else ""  # end a reply streamed to this terminal
+        print(f"{end_line}error: {what}", file=sys.stderr)
         return 128 + (signals.received or signal.SIGINT)
     finally:
         signals.restore()
+
+
+def entry(prog: str | None = None) -> None:
+    """The program's entry point (`gptoss-generate`, run_inference.py): main(), then exit.
+
+    After an interrupt the process leaves at once, without the interpreter's clean-up: tearing down
+    the XLA runtime while an interrupted step's arrays are still alive can crash it (seen with
+    jaxlib 0.10 on CPU), and nothing is left to save.
+    """
+    code = main(prog=prog or os.path.basename(sys.argv[0]))
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _warn(message: str) -> None:
@@ -159,8 +175,6 @@ def _run(args, signals: _Signals) -> int:
     check_flags(args, _warn)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     texts = prompt_texts(args)
-    if args.batch_file is not None and not texts:
-        raise UsageError(f"--batch-file {args.batch_file}: no prompts (every line is blank)")
     config, what = model_config(args)
     max_len = max_context(args, config)
     interactive = args.chat and texts is None and args.prompt_ids is None and sys.stdin.isatty()
@@ -281,4 +295,4 @@ class _PlainPrinter:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog=os.path.basename(sys.argv[0])))
+    entry()
