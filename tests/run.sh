@@ -1,10 +1,43 @@
 #!/usr/bin/env bash
-# Install what the tests need, then run them. The README's test command; .ci/run calls it as is.
+# Install what the tests need, then run them: the README's test command (.ci/run calls it as is).
+#
+# What it installs, in order, saying so as it goes:
+#   1. torch 2.13.0, the CPU build where one can be had: one already installed is kept; with
+#      TORCH_INDEX_URL set, from that wheel index (e.g. PyTorch's CPU index); else what pip finds
+#      (a local CPU wheel if pip is configured with one). When that would be the CUDA build (PyPI's
+#      Linux default: several GB of nvidia-* packages) it says so first.
+#   2. this package with its `test` extra (pytest, transformers, accelerate), editable;
+#   3. OpenAI's reference, gpt-oss 0.0.9, without its serving dependencies (--no-deps; it declares
+#      Python >= 3.12 but its torch model runs on 3.11, hence --ignore-requires-python).
+# Then pytest, with any arguments given to this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# CPU build of torch first (a local wheel on the project's machines), so that the test extra's
-# torch requirement is already met and pip does not pull a multi-GB CUDA build.
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
-python -m pip install -q --no-deps --ignore-requires-python "gpt-oss==0.0.9"
-python -m pytest -q "$@"
+PY=${PYTHON:-python}
+TORCH_SPEC="torch==2.13.0"
+say() { echo "tests/run.sh: $*" >&2; }
+
+have_torch=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+if [[ "${have_torch%%+*}" == "2.13.0" ]]; then
+  say "torch $have_torch is already installed; keeping it"
+elif [[ -n "${TORCH_INDEX_URL:-}" ]]; then
+  say "installing $TORCH_SPEC (CPU build) from TORCH_INDEX_URL=$TORCH_INDEX_URL"
+  "$PY" -m pip install -q "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"
+else
+  plan=$("$PY" -m pip install -q --dry-run --report - "$TORCH_SPEC" 2>/dev/null \
+         | "$PY" -c 'import json, sys; print(" ".join(i["metadata"]["name"] for i in json.load(sys.stdin)["install"]))' \
+         || true)
+  if [[ " $plan " == *" nvidia-"* ]]; then
+    say "no CPU build of $TORCH_SPEC is available to pip for $("$PY" -V); installing the default build," \
+        "which is the CUDA one with nvidia-* packages (several GB). To get the CPU build, set" \
+        "TORCH_INDEX_URL to a CPU wheel index (the README's 'Running the tests' says how)."
+  else
+    say "installing $TORCH_SPEC (CPU build)"
+  fi
+  "$PY" -m pip install -q "$TORCH_SPEC"
+fi
+say "installing gptoss-jax (editable) with its test extra: pytest, transformers, accelerate"
+"$PY" -m pip install -q -e ".[test]"
+say "installing OpenAI's reference gpt-oss==0.0.9 (--no-deps --ignore-requires-python)"
+"$PY" -m pip install -q --no-deps --ignore-requires-python "gpt-oss==0.0.9"
+say "running pytest $*"
+"$PY" -m pytest -q "$@"
