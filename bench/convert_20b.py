@@ -4,7 +4,8 @@ and peak RSS, for the default (experts kept MXFP4) and for --dtype bfloat16.
     python bench/convert_20b.py --workdir /tmp/gptoss-bench [--keep]
 
 The synthetic source is written once (streamed, a tensor at a time) and reused. Each conversion runs
-as its own process through `python -m convert`, so its peak RSS is the process's own high-water mark.
+as its own process through `python -m gptoss_jax.convert`; its peak RSS is the high-water mark of that
+process and its worker (the largest of them).
 Needs ~13 GB + ~13 GB + ~42 GB of disk (each output is deleted after it is measured unless --keep).
 """
 
