@@ -218,3 +218,15 @@ def test_a_damaged_checkpoint_is_one_error_line(sources, tmp_path, capfd):
     err = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ckpt")], capture_output=True, text=True).stderr
     assert err.count("\n") == 1, err
     assert "params/block_1: cannot read checkpoint item 'block_1'; is the checkpoint truncated" in err
+
+
+def test_loading_shows_a_progress_bar_over_the_items_on_stderr(sources, tmp_path, capsys):
+    assert convert_main([str(sources / "original"), str(tmp_path / "ckpt"), "--quiet"]) == 0
+    capsys.readouterr()
+    config, _ = gj.load_checkpoint(tmp_path / "ckpt", progress=True)
+    captured = capsys.readouterr()
+    items = config.num_hidden_layers + 2
+    assert captured.out == "" and "loading" in captured.err and f"/{items} (" in captured.err  # item i/N
+    assert "B/s" in captured.err  # bytes, with a rate and ETA
+    gj.load_checkpoint(tmp_path / "ckpt")
+    assert capsys.readouterr().err == ""  # the library is quiet unless asked

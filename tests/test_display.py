@@ -1,16 +1,12 @@
 """How a chat reply streams to a reader, and the timing line."""
 
 import io
-import os
 
 import pytest
 
+from conftest import VOCAB, needs_vocab
 from gptoss_jax.cli.display import DIM, ChatPrinter, rate, timing_line
 
-VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizer", "o200k_base.tiktoken")
-needs_vocab = pytest.mark.skipif(not os.path.isfile(VOCAB), reason=(
-    f"the genuine o200k_base vocabulary is not at {VOCAB}: download o200k_base.tiktoken (see the README, "
-    f"'Getting started') and put it there"))
 
 REPLY = ("<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|>"
          "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4 🎉<|return|>")

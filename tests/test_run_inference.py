@@ -17,7 +17,7 @@ from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 
-from test_display import VOCAB, needs_vocab
+from conftest import VOCAB, needs_vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

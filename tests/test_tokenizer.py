@@ -6,10 +6,10 @@ import os
 import pytest
 import tiktoken
 
+from conftest import VOCAB, needs_vocab
 from gptoss_jax import tokenizer as tk
 
-VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizer", "o200k_base.tiktoken")
-pytestmark = pytest.mark.skipif(not os.path.isfile(VOCAB), reason=f"genuine vocabulary not at {VOCAB}")
+pytestmark = needs_vocab
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "def f(x):\n    return x ** 2  # code",
          "naïve café, Größe, 日本語のテキスト, русский, العربية", "emoji 🎉🚀👩‍💻 and math ∑∫√",
@@ -114,8 +114,9 @@ def test_bad_vocabulary_files(tmp_path, monkeypatch):
         tk.load_tokenizer(tmp_path / "missing.tiktoken")
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
-    with pytest.raises(tk.TokenizerError, match="no o200k_base vocabulary found"):
+    with pytest.raises(tk.TokenizerError, match="no o200k_base vocabulary found") as missing:
         tk.load_tokenizer()
+    assert f"Download o200k_base.tiktoken once (3.6 MB) from {tk.O200K_BASE_URL}" in str(missing.value)
     # The environment variables are honoured.
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", os.path.dirname(VOCAB))
     assert tk.load_tokenizer().n_vocab == 201088
