@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 import jax
 import jax.numpy as jnp

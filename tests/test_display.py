@@ -2,8 +2,6 @@
 
 import io
 
-import pytest
-
 from conftest import VOCAB, needs_vocab
 from gptoss_jax.cli.display import DIM, ChatPrinter, rate, timing_line
 
