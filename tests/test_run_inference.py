@@ -269,8 +269,8 @@ def test_interactive_chat_on_a_real_terminal():
 
     controller, terminal = pty.openpty()
     process = subprocess.Popen([sys.executable, "run_inference.py", "--chat", "--tokenizer", VOCAB, "--max-new-tokens",
-                                "4", "--temperature", "0"], cwd=ROOT, stdin=terminal, stdout=terminal,
-                               stderr=terminal, close_fds=True)
+                                "3000", "--temperature", "0"], cwd=ROOT, stdin=terminal,
+                               stdout=terminal, stderr=terminal, close_fds=True)
     os.close(terminal)
     seen = b""
 
@@ -286,8 +286,12 @@ def test_interactive_chat_on_a_real_terminal():
         return found.decode(errors="replace")
 
     assert "/reset starts a new conversation" in read_until(b"\n> ")
-    os.write(controller, b"What is 2+2?\n")
-    assert "decode 3 tokens" in read_until(b"\n> ")
+    os.write(controller, b"Tell me a long story.\n")
+    read_until(b"[the reply is not in the harmony chat format")  # the demo's random reply is streaming
+    process.send_signal(signal.SIGINT)  # Ctrl-C stops this reply, not the program
+    assert "(reply stopped; it is not kept in the conversation)" in read_until(b"\n> ")
+    os.write(controller, b"/reset\n")
+    assert "(a new conversation)" in read_until(b"\n> ")
     os.write(controller, b"/exit\n")
     assert process.wait(timeout=60) == 0
     os.close(controller)

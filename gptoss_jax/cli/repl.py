@@ -7,6 +7,7 @@ same loaded model and Generator, so the compiled steps are reused from turn to t
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from .. import tokenizer as tk
@@ -52,7 +53,7 @@ def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) 
         try:
             (result,) = run_batch(args, generator, tokenizer, [prompt], sampling, stops, signals, printer=printer)
         except KeyboardInterrupt:
-            if signals.received != 2:  # SIGTERM ends the program
+            if signals.received != signal.SIGINT:  # SIGTERM ends the program
                 raise
             signals.received = None
             printer.finish()
