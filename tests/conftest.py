@@ -1,5 +1,7 @@
 import os
+import signal
 import sys
+import time
 
 import chex
 import numpy as np
@@ -45,3 +47,16 @@ def tiny_params(tiny):
 def long_tokens(tiny):
     # 300 tokens: 18x the tiny window (16) and past its YaRN initial context (256).
     return np.random.default_rng(1).integers(0, tiny.vocab_size, size=(1, 300)).astype(np.int32)
+
+
+def wait_for_signal_handlers(process, timeout: float = 30) -> None:
+    """Until the command has installed its SIGINT/SIGTERM handlers (Python alone catches no SIGTERM):
+    before that, only Python's own start-up runs, which no program can guard."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        with open(f"/proc/{process.pid}/status") as f:
+            caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.01)
+    raise AssertionError("the command never installed its signal handlers")

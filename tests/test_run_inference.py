@@ -17,7 +17,7 @@ from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 
-from conftest import VOCAB, needs_vocab
+from conftest import VOCAB, needs_vocab, wait_for_signal_handlers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -213,12 +213,13 @@ def test_prompt_file_equals_prompt_ids(checkpoint, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 1.0), (signal.SIGINT, 3.0), (signal.SIGINT, 7.0),
-                                           (signal.SIGTERM, 7.0)])
+@pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 0.0), (signal.SIGINT, 1.0), (signal.SIGINT, 3.0),
+                                           (signal.SIGINT, 7.0), (signal.SIGTERM, 7.0)])
 def test_a_signal_during_compilation_or_generation_is_one_line(signum, delay):
     # The demo model: ~2 s to start, a few seconds compiling, then 3000 tokens take far longer than 7 s.
     process = subprocess.Popen([sys.executable, "run_inference.py", "--max-new-tokens", "3000"], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_signal_handlers(process)
     time.sleep(delay)
     process.send_signal(signum)
     _, err = process.communicate(timeout=60)
