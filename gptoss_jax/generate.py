@@ -81,9 +81,14 @@ class Generator:
         self._compile_s = 0.0
 
     def _compiled(self, fn, statics: tuple, args: tuple):
-        """fn's executable for these static arguments and argument shapes, compiled once."""
-        shapes = jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), args)
-        key = (fn.__name__, statics, jax.tree.structure(args), tuple(jax.tree.leaves(shapes)))
+        """fn's executable for these static arguments and argument shapes, compiled once.
+
+        The key holds the shapes of the array arguments only: the parameters are this Generator's,
+        and the cache's shapes follow from the batch size, which the token arrays carry. Hashing
+        those two pytrees (hundreds of leaves) on every decode step would cost milliseconds.
+        """
+        key = (fn.__name__, statics,
+               tuple((a.shape, a.dtype) for a in args if not isinstance(a, dict)))
         if key not in self.executables:
             start = time.perf_counter()
             self.executables[key] = fn.lower(*statics, *args).compile()

@@ -10,7 +10,8 @@ import sys
 
 from .. import __version__
 from ..metadata import expand
-from .inputs import UsageError, check_flags, max_context, model_config, prompt_texts
+from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
+from .signals import Signals
 
 DESCRIPTION = """\
 Generate text with gpt-oss in JAX, from a raw prompt or a harmony chat, for one prompt or a batch.
@@ -80,37 +81,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-class _Signals:
-    """Ctrl-C and SIGTERM stop the run with one line. The handler raises KeyboardInterrupt; should
-    that land inside a callback that swallows it (JAX's garbage-collection hook), the flag it left
-    raises it again at the next token."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        self._unraisable = sys.unraisablehook
-        sys.unraisablehook = self._drop_swallowed
-
-    def _handle(self, signum, frame):
-        self.received = signum
-        raise KeyboardInterrupt
-
-    def _drop_swallowed(self, unraisable):
-        if not (self.received and isinstance(unraisable.exc_value, KeyboardInterrupt)):
-            self._unraisable(unraisable)
-
-    def check(self) -> None:
-        if self.received:
-            raise KeyboardInterrupt
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        sys.unraisablehook = self._unraisable
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    signals = _Signals()
+    signals = Signals(raising=True)
     try:
         args = build_parser(prog).parse_args(argv)
         return _run(args, signals)
@@ -122,10 +94,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         sys.stdout.flush()
-        what = "terminated" if signals.received == signal.SIGTERM else "interrupted"
         end_line = "\n" if sys.stdout.isatty() else ""  # end a reply streamed to this terminal
-        print(f"{end_line}error: {what}", file=sys.stderr)
-        return 128 + (signals.received or signal.SIGINT)
+        print(f"{end_line}error: {signals.what}", file=sys.stderr)
+        return signals.exit_code
     finally:
         signals.restore()
 
@@ -167,7 +138,7 @@ def _prompts(args, tokenizer, texts) -> list[list[int]]:
     return [tokenizer.encode(t, disallowed_special=()) for t in texts]
 
 
-def _run(args, signals: _Signals) -> int:
+def _run(args, signals: Signals) -> int:
     from .. import tokenizer as tk
     from ..sampling import Sampling
 
@@ -177,7 +148,7 @@ def _run(args, signals: _Signals) -> int:
     texts = prompt_texts(args)
     config, what = model_config(args)
     max_len = max_context(args, config)
-    interactive = args.chat and texts is None and args.prompt_ids is None and sys.stdin.isatty()
+    interactive = args.chat and texts is None and sys.stdin.isatty()
     tokenizer = None
     needs_text = texts is not None or args.chat or not args.json
     if args.tokenizer or needs_text:
@@ -193,10 +164,7 @@ def _run(args, signals: _Signals) -> int:
         tokenizer = None  # a test model with its own small vocabulary: report ids only
     prompts = None if interactive else _prompts(args, tokenizer, texts)
     if prompts is not None:
-        longest = max(len(p) for p in prompts)
-        if longest + args.max_new_tokens > max_len:
-            raise UsageError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} exceeds "
-                             f"the max context of {max_len} (--max-context)")
+        check_fits(max(len(p) for p in prompts), args, max_len)
 
     import jax
 

@@ -95,3 +95,10 @@ def max_context(args, config: ModelConfig) -> int:
         raise UsageError(f"--max-context {args.max_context} exceeds the model's context of "
                          f"{config.max_context_length} tokens")
     return args.max_context
+
+
+def check_fits(prompt_tokens: int, args, max_len: int) -> None:
+    """The prompt plus --max-new-tokens must fit the KV cache (checked before the model loads)."""
+    if prompt_tokens + args.max_new_tokens > max_len:
+        raise UsageError(f"a prompt of {prompt_tokens} tokens plus --max-new-tokens {args.max_new_tokens} exceeds "
+                         f"the max context of {max_len} (--max-context)")

@@ -12,6 +12,7 @@ import sys
 
 from .. import tokenizer as tk
 from .display import ChatPrinter
+from .inputs import UsageError, check_fits
 
 HELP = "type a message; /reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -45,9 +46,10 @@ def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) 
         turns = history + [("user", line)]
         prompt = tk.render_chat(turns, reasoning_effort=args.reasoning_effort or "medium",
                                 instructions=args.system, vocab=args.tokenizer)
-        if len(prompt) + args.max_new_tokens > generator.max_len:
-            print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {args.max_new_tokens} no longer "
-                  f"fits --max-context {generator.max_len}: /reset to start a new one", file=sys.stderr)
+        try:
+            check_fits(len(prompt), args, generator.max_len)
+        except UsageError as e:
+            print(f"{e}: /reset to start a new conversation", file=sys.stderr)
             continue
         printer = ChatPrinter(tokenizer, args.tokenizer, show_reasoning=not args.hide_reasoning)
         try:

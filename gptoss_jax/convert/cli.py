@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from .. import __version__
+from ..cli.signals import Signals
 
 DESCRIPTION = """\
 Convert a published GPT-OSS checkpoint into a gptoss-jax (Orbax) checkpoint.
@@ -29,31 +29,8 @@ def _format_bytes(n: float) -> str:
     raise AssertionError
 
 
-class _Signals:
-    """Ctrl-C and SIGTERM only raise a flag; the work in progress is stopped and cleaned up where
-    it is safe to (raising from a signal handler can land inside a library's callback, where the
-    exception is swallowed)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame):
-        self.received = self.received or signum
-
-    def __call__(self) -> bool:
-        return self.received is not None
-
-    def exit_code(self) -> int:
-        return 128 + int(self.received)
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    signals = _Signals()  # first of all: an early Ctrl-C must not print a traceback either
+    signals = Signals(raising=False)  # first of all: an early Ctrl-C must not print a traceback either
     try:
         return _main(argv, prog, signals)
     finally:
@@ -91,16 +68,15 @@ def _main(argv, prog, signals) -> int:
         summary = write_checkpoint(plan, args.output, overwrite=args.overwrite, progress=bar.update,
                                    cancelled=signals)
         bar.close()
-    except (ConversionError, Interrupted, KeyboardInterrupt) as e:
+    except (ConversionError, Interrupted) as e:
         if bar is not None:
             bar.leave = False  # the error line replaces the bar
             bar.close()
         if isinstance(e, ConversionError):
             print(f"error: {e}", file=sys.stderr)
             return 1
-        what = "terminated" if signals.received == signal.SIGTERM else "interrupted"
-        print(f"error: {what}; nothing was written", file=sys.stderr)
-        return signals.exit_code() if signals() else 130
+        print(f"error: {signals.what}; nothing was written", file=sys.stderr)
+        return signals.exit_code
     print(f"wrote {args.output}: {summary.tensors} tensors, {_format_bytes(summary.bytes_read)} read, "
           f"{_format_bytes(summary.bytes_written)} written, {summary.seconds:.1f} s", file=sys.stderr)
     return 0

@@ -24,12 +24,10 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-
-from .. import formats
+from .. import __version__, formats
 from ..config import ModelConfig
 from ..metadata import expand, item_names, write_metadata
 from ..mxfp4 import unpack_experts
-
 from .sources import SourceError, TensorInfo, read_config_json, read_tensor, scan
 
 _FLOAT_DTYPES = {"BF16", "F32"}
@@ -174,7 +172,7 @@ def write_all(plan: Plan, directory: str, progress: Callable[[int], None]) -> Su
             raise ConversionError(f"item {name}: converted tensors {_shapes(tree)} do not match {expected}")
         bytes_written += sum(x.nbytes for x in _leaves(tree))
         save_item(directory, name, tree)
-    write_metadata(directory, plan.config, converter_version=_version(), source_layout=plan.layout,
+    write_metadata(directory, plan.config, converter_version=f"gptoss-convert {__version__}", source_layout=plan.layout,
                    expert_storage=plan.storage, source=plan.source)
     return Summary(plan.layout, plan.storage, len(plan.tensors), bytes_read, bytes_written,
                    time.perf_counter() - start)
@@ -186,12 +184,6 @@ def _leaves(tree):
             yield from _leaves(v)
     else:
         yield tree
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return f"convert {__version__} (gptoss_jax {__version__})"
 
 
 class Interrupted(Exception):
