@@ -36,6 +36,25 @@ class Result:
     timings: dict
 
 
+def batch_timings(results: Sequence[Result]) -> dict:
+    """The batch's figures from its results' own timings: all prompt tokens over the shared prefill,
+    and all decoded tokens over the time until the last sequence finished."""
+    t = results[0].timings  # compile_s, prefill_s and time_to_first_token_s are the batch's
+    prompt = sum(r.timings["prompt_tokens"] for r in results)
+    decoded = sum(r.timings["new_tokens"] - 1 for r in results)  # the first token came from prefill
+    decode_s = max(r.timings["decode_s"] for r in results)
+    return {
+        "compile_s": t["compile_s"],
+        "time_to_first_token_s": t["time_to_first_token_s"],
+        "prompt_tokens": prompt,
+        "prefill_s": t["prefill_s"],
+        "prefill_tokens_per_s": prompt / t["prefill_s"],
+        "decode_tokens": decoded,
+        "decode_s": decode_s,
+        "decode_tokens_per_s": decoded / decode_s if decoded and decode_s > 0 else None,
+    }
+
+
 def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 

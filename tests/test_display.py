@@ -59,8 +59,8 @@ def test_a_reply_that_is_not_harmony_is_shown_raw_after_a_notice():
 
 def test_rates_never_read_zero():
     assert rate(1, 40.0) == "0.025" and rate(8, 0.004) == "2,000" and rate(0, 1.0) == "n/a"
-    t = {"prompt_tokens": 1, "new_tokens": 1, "compile_s": 30.0, "prefill_s": 0.002,
+    t = {"prompt_tokens": 1, "decode_tokens": 0, "compile_s": 30.0, "prefill_s": 0.002,
          "time_to_first_token_s": 30.01, "decode_s": 0.0}
-    line = timing_line([t], "n/a on cpu")
+    line = timing_line(t, "n/a on cpu")
     assert "compilation 30.00 s" in line and "prefill 1 tokens in 2 ms (500 tokens/s)" in line
     assert "0.0 tokens/s" not in line and "decode: none" in line

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from gptoss_jax.generate import Generator
+from gptoss_jax.generate import Generator, batch_timings
 from gptoss_jax.sampling import Sampling, sample
 from gptoss_jax.testing import random_params
 
@@ -126,3 +126,8 @@ def test_timings_are_per_sequence_and_keep_compilation_apart(prompts):
         assert x["prefill_tokens_per_s"] == pytest.approx(x["prompt_tokens"] / x["prefill_s"])
         assert x["decode_tokens_per_s"] == pytest.approx((x["new_tokens"] - 1) / x["decode_s"])
         assert x["time_to_first_token_s"] >= x["prefill_s"] > 0
+    batch = batch_timings(results)  # the whole batch: every decoded token over the longest decode
+    assert batch["prompt_tokens"] == 383 and batch["decode_tokens"] == sum(x["new_tokens"] - 1 for x in t)
+    assert batch["decode_s"] == max(x["decode_s"] for x in t)
+    assert batch["decode_tokens_per_s"] == pytest.approx(batch["decode_tokens"] / batch["decode_s"])
+    assert batch["decode_tokens_per_s"] > max(x["decode_tokens_per_s"] for x in t)

@@ -132,15 +132,12 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def timing_line(timings: list[dict], peak: str) -> str:
-    """One line for a batch: compilation, then prefill and decode apart, from per-sequence timings."""
-    t = timings[0]  # compile_s, prefill_s and time to first token are the batch's
-    prompt = sum(x["prompt_tokens"] for x in timings)
-    decoded = sum(x["new_tokens"] - 1 for x in timings)
-    decode_s = max(x["decode_s"] for x in timings)
-    compiled = f"compilation {duration(t['compile_s'])}; " if t["compile_s"] > 0 else "no compilation (reused); "
-    decode = (f"decode {decoded} tokens in {duration(decode_s)} ({rate(decoded, decode_s)} tokens/s)"
+def timing_line(batch: dict, peak: str) -> str:
+    """One line for a batch (`generate.batch_timings`): compilation, then prefill and decode apart."""
+    compiled = f"compilation {duration(batch['compile_s'])}; " if batch["compile_s"] > 0 else "no compilation (reused); "
+    prompt, decoded = batch["prompt_tokens"], batch["decode_tokens"]
+    decode = (f"decode {decoded} tokens in {duration(batch['decode_s'])} ({rate(decoded, batch['decode_s'])} tokens/s)"
               if decoded else "decode: none (one new token, from prefill)")
-    return (f"{compiled}prefill {prompt} tokens in {duration(t['prefill_s'])} ({rate(prompt, t['prefill_s'])} "
-            f"tokens/s); {decode}; first token after {duration(t['time_to_first_token_s'])}; "
-            f"peak device memory {peak}")
+    return (f"{compiled}prefill {prompt} tokens in {duration(batch['prefill_s'])} "
+            f"({rate(prompt, batch['prefill_s'])} tokens/s); {decode}; first token after "
+            f"{duration(batch['time_to_first_token_s'])}; peak device memory {peak}")

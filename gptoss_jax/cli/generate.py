@@ -210,6 +210,7 @@ def peak_memory() -> str:
 def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, printer=None):
     """Generate for the prompts; stream one prompt's reply, or print each (text or JSON) at the end."""
     from .. import tokenizer as tk
+    from ..generate import batch_timings
     from .display import ChatPrinter, timing_line
 
     stream = not args.json and len(prompts) == 1
@@ -241,7 +242,7 @@ def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, pri
             print(text if text is not None else " ".join(map(str, r.output_ids)))
             print("---")
     sys.stdout.flush()
-    print(timing_line([r.timings for r in results], peak_memory()), file=sys.stderr)
+    print(timing_line(batch_timings(results), peak_memory()), file=sys.stderr)
     return results
 
 
