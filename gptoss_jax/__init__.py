@@ -23,6 +23,7 @@ _EXPORTS = {
     "Kernels": "model", "Transformer": "model", "extend": "model", "forward": "model",
     "Weight": "params", "abstract_params": "params", "init_params": "params", "logical_axes": "params",
     "param_count": "params",
+    "make_mesh": "sharding", "param_shardings": "sharding", "RULES": "sharding",
 }
 
 __all__ = sorted(_EXPORTS)

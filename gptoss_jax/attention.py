@@ -18,11 +18,13 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from .cache import ring_positions
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope, rope_tables
 from .params import Weight, declare
+from .sharding import CACHE_AXES, constrain
 
 _MASKED = -1e30  # finite, so a fully masked block gives exp(-huge) = 0 rather than NaN
 
@@ -128,6 +130,7 @@ class AttentionBlock(nn.Module):
     param_dtype: jnp.dtype = jnp.bfloat16
     impl: str = "blockwise"  # "blockwise" or "reference"
     block_size: int = 512
+    mesh: Mesh | None = None
     WEIGHTS: ClassVar = {
         "q_weight": Weight(("embed", "q_heads", "head_dim")),
         "q_bias": Weight(("q_heads", "head_dim"), init="zeros"),
@@ -187,7 +190,7 @@ class AttentionBlock(nn.Module):
             cache_v = cache_v.at[rows, at].set(v.astype(cache_v.dtype), mode="drop")
             o = attention_blockwise(q, cache_k, cache_v, sinks, window=None, q_pos=positions, kv_len=new_lengths,
                                     q_block=self.block_size, kv_block=self.block_size)
-            return o, {"k": cache_k, "v": cache_v}
+            return o, self._pin({"k": cache_k, "v": cache_v})
         # Sliding window: the ring holds the last S positions before the new tokens; attend over
         # ring + new tokens (at most S + T keys), then keep the last S positions in the ring.
         ring_pos = ring_positions(lengths, S)
@@ -200,4 +203,8 @@ class AttentionBlock(nn.Module):
         index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)[..., None, None]  # [B, S, 1, 1]
         ring_k = jnp.where(from_new[..., None, None], jnp.take_along_axis(k, index, axis=1), cache_k)
         ring_v = jnp.where(from_new[..., None, None], jnp.take_along_axis(v, index, axis=1), cache_v)
-        return o, {"k": ring_k.astype(cache_k.dtype), "v": ring_v.astype(cache_v.dtype)}
+        return o, self._pin({"k": ring_k.astype(cache_k.dtype), "v": ring_v.astype(cache_v.dtype)})
+
+    def _pin(self, layer_cache: dict) -> dict:
+        """Keep the updated cache in the layout it came in, so that donating it reuses its buffers."""
+        return {name: constrain(a, CACHE_AXES, self.mesh) for name, a in layer_cache.items()}

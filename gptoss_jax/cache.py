@@ -23,13 +23,29 @@ def slots(config: ModelConfig, layer: int, max_len: int) -> int:
     return min(config.sliding_window, max_len) if config.is_sliding(layer) else max_len
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
-    """An empty cache for `batch` sequences of up to `max_len` positions each."""
-    cache: dict = {"lengths": jnp.zeros((batch,), jnp.int32)}
+def cache_shapes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
+    """The cache's `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    cache: dict = {"lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
     for n in range(config.num_hidden_layers):
         shape = (batch, slots(config, n, max_len), config.num_key_value_heads, config.head_dim)
-        cache[f"block_{n}"] = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        cache[f"block_{n}"] = {"k": jax.ShapeDtypeStruct(shape, dtype), "v": jax.ShapeDtypeStruct(shape, dtype)}
     return cache
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, mesh=None) -> dict:
+    """An empty cache for `batch` sequences of up to `max_len` positions each.
+
+    With a mesh, it is made in place on its devices: sequences on `data`, KV heads on `tensor`
+    (each where they divide; see sharding.py).
+    """
+    shapes = cache_shapes(config, batch, max_len, dtype)
+    out_shardings = None
+    if mesh is not None:
+        from .sharding import cache_shardings
+
+        out_shardings = cache_shardings(shapes, mesh)
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                   out_shardings=out_shardings)()
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:

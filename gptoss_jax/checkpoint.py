@@ -23,6 +23,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .metadata import expand, item_names, read_metadata
+from .moe import EXPERT_WEIGHTS
 from .mxfp4 import unpack_experts
 from .params import Params, abstract_params
 
@@ -58,11 +59,21 @@ def item_spec(config: ModelConfig, storage: str, name: str) -> Params:
 
 
 def save_item(directory: str, name: str, tree: Params) -> None:
-    """Write one item (numpy arrays) as its own Orbax checkpoint, synchronously."""
+    """Write one item (numpy arrays) as its own Orbax checkpoint, synchronously.
+
+    Expert weights (and their packed blocks and scales) are stored one expert per chunk, so that a
+    process holding some of the experts reads only theirs (see `load_checkpoint(mesh=...)`).
+    """
     import orbax.checkpoint as ocp
 
+    def save_args(path, x):
+        if {str(getattr(p, "key", "")) for p in path} & set(EXPERT_WEIGHTS) and x.shape[0] > 1:
+            return ocp.SaveArgs(chunk_byte_size=max(x.nbytes // x.shape[0], 1), shard_axes=(0,))
+        return ocp.SaveArgs()
+
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(os.path.join(directory, "params", name)), tree)
+    checkpointer.save(os.path.abspath(os.path.join(directory, "params", name)), tree,
+                      save_args=jax.tree_util.tree_map_with_path(save_args, tree))
     checkpointer.wait_until_finished()
     checkpointer.close()
 
@@ -92,11 +103,16 @@ def _spec_bytes(tree) -> int:
     return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype=None, progress: bool = False) -> tuple[ModelConfig, Params]:
+def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
+                    progress: bool = False) -> tuple[ModelConfig, Params]:
     """Restore a converted checkpoint -> (config, params), item by item, experts decoded.
 
     dtype: bfloat16 or float32 (a name or a dtype such as jnp.float32) for the parameters; None
     keeps what was stored (bfloat16 for packed experts). Norm scales are float32 either way.
+    mesh: lay the parameters out on this mesh (sharding.make_mesh), as the rules in sharding.py
+    say. Each item goes straight into its sharded layout: every process reads only the slices its
+    own devices hold, and no device ever holds a whole parameter that the rules split.
+    Without a mesh, everything goes to the default device.
     progress: show a bar over the items (bytes read, ETA) on stderr. `~` in `path` is expanded.
     """
     import orbax.checkpoint as ocp
@@ -108,6 +124,11 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, progress: bool = Fal
     dtype = dtype_name(dtype) if dtype is not None else ("float32" if storage == "float32" else "bfloat16")
     names = item_names(config)
     specs = {name: item_spec(config, storage, name) for name in names}
+    shardings = None
+    if mesh is not None:
+        from .sharding import param_shardings
+
+        shardings = param_shardings(config, mesh)  # checks the mesh against the model before any read
     checkpointer = ocp.StandardCheckpointer()
     params: Params = {}
     with tqdm(total=sum(_spec_bytes(s) for s in specs.values()), unit="B", unit_scale=True, desc="loading",
@@ -117,16 +138,114 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, progress: bool = Fal
             item_dir = os.path.abspath(os.path.join(path, "params", name))
             if not os.path.isdir(item_dir):
                 raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
-            stored = _restore(checkpointer, item_dir, name)
-            got = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), stored)
-            want = jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), specs[name])
-            if got != want:
-                raise ValueError(f"{item_dir}: contents do not match config.json (expected {want}, found {got})")
-            params.update(jax.tree_util.tree_map_with_path(
-                lambda p, x: _to_param(p, x, dtype), stored,
-                is_leaf=lambda x: isinstance(x, dict) and set(x) == {"blocks", "scales"}))
+            if shardings is None:
+                stored = _restore(checkpointer, item_dir, name)
+                _check_layout(stored, specs[name], item_dir)
+                params.update(jax.tree_util.tree_map_with_path(
+                    lambda p, x: _to_param(p, x, dtype), stored, is_leaf=_is_packed))
+            else:
+                _check_layout(_stored_layout(checkpointer, item_dir, name), specs[name], item_dir)
+                params.update(_restore_sharded(checkpointer, item_dir, name, specs[name],
+                                               _item(shardings, name), dtype))
             bar.update(_spec_bytes(specs[name]))
     return config, params
+
+
+def _is_packed(x) -> bool:
+    return isinstance(x, dict) and set(x) == {"blocks", "scales"}
+
+
+def _layout(tree):
+    return jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), tree)
+
+
+def _check_layout(stored, spec, item_dir: str) -> None:
+    got, want = _layout(stored), _layout(spec)
+    if got != want:
+        raise ValueError(f"{item_dir}: contents do not match config.json (expected {want}, found {got})")
+
+
+def _stored_layout(checkpointer, item_dir: str, name: str):
+    """The stored arrays' shapes and dtypes, from the item's metadata (no array is read)."""
+    try:
+        meta = checkpointer.metadata(item_dir)
+    except Exception as e:
+        raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
+                         f"damaged? ({_first_line(e)})") from None
+    meta = getattr(meta, "item_metadata", meta)
+    return getattr(meta, "tree", meta)
+
+
+def _packed_sharding(param_sharding, groups: int, scales: bool):
+    """Blocks [E, out, G, 16] / scales [E, out, G] of an expert weight [E, out, in]: split as the
+    weight on E and out; on G only where the weight's `in` split falls on whole 32-value blocks."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = param_sharding.mesh
+    e, out, inp = tuple(param_sharding.spec) + (None,) * (3 - len(param_sharding.spec))
+    if inp is not None and groups % mesh.shape[inp]:
+        inp = None
+    return NamedSharding(mesh, PartitionSpec(e, out, inp) if scales else PartitionSpec(e, out, inp, None))
+
+
+def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shardings: Params, dtype: str):
+    """One item restored into its sharded layout: Orbax reads each device's slice; packed experts
+    are decoded shard by shard on the host (the exact table decoder) and placed on their devices."""
+    def target(path, leaf):
+        param_sharding = _at(shardings, path)
+        if _is_packed(leaf):
+            groups = leaf["scales"].shape[-1]
+            return {"blocks": jax.ShapeDtypeStruct(leaf["blocks"].shape, jnp.uint8,
+                                                   sharding=_packed_sharding(param_sharding, groups, False)),
+                    "scales": jax.ShapeDtypeStruct(leaf["scales"].shape, jnp.uint8,
+                                                   sharding=_packed_sharding(param_sharding, groups, True))}
+        want = jnp.float32 if str(path[-1].key) == "scale" else jnp.dtype(_NP_DTYPES[dtype])
+        return jax.ShapeDtypeStruct(leaf.shape, want, sharding=param_sharding)
+
+    targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=_is_packed)
+    try:
+        stored = checkpointer.restore(item_dir, targets)
+    except Exception as e:  # Orbax/TensorStore errors: one line naming the item
+        _quiet_late_reads()
+        raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
+                         f"damaged? ({_first_line(e)})") from None
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _unpack_sharded(x, _at(shardings, p), dtype) if _is_packed(x) else x, stored, is_leaf=_is_packed)
+
+
+def _unpack_sharded(packed: dict, param_sharding, dtype: str) -> jax.Array:
+    """Decode sharded packed experts into the weight [E, out, in] with the given sharding.
+
+    Each device's blocks cover its experts and output rows (and its input columns, or all of them);
+    a device's slice is decoded from its own blocks, once per distinct slice.
+    """
+    E, out, groups = packed["scales"].shape
+    shape = (E, out, groups * 32)
+    blocks = {s.device: s for s in packed["blocks"].addressable_shards}
+    scales = {s.device: s for s in packed["scales"].addressable_shards}
+    decoded: dict = {}
+    arrays = []
+    for device, index in param_sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((i.start, i.stop) for i in index)
+        if key not in decoded:
+            b, s = blocks[device], scales[device]
+            values = unpack_experts(np.asarray(b.data), np.asarray(s.data), dtype)  # [E_l, out_l, cols]
+            first_col = b.index[2].start or 0
+            cols = index[2]
+            decoded[key] = values[:, :, (cols.start or 0) - first_col * 32:
+                                  (cols.stop if cols.stop is not None else shape[2]) - first_col * 32]
+        arrays.append(jax.device_put(decoded[key], device))
+    return jax.make_array_from_single_device_arrays(shape, param_sharding, arrays)
+
+
+def _at(tree, path):
+    for p in path:
+        tree = tree[p.key]
+    return tree
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _restore(checkpointer, item_dir: str, name: str):
@@ -134,9 +253,8 @@ def _restore(checkpointer, item_dir: str, name: str):
         return checkpointer.restore(item_dir)
     except Exception as e:  # Orbax/TensorStore errors: one line naming the item
         _quiet_late_reads()
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
-                         f"damaged? ({detail})") from None
+                         f"damaged? ({_first_line(e)})") from None
 
 
 def _quiet_late_reads() -> None:

@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .params import Params
 from .sampling import Sampling, sample
+from .sharding import mesh_of, replicated
 
 
 @dataclasses.dataclass
@@ -59,9 +60,9 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
-def _prefill_chunk(config, kernels, params, tokens, valid, cache, last, last_index, start):
-    logits, cache = Transformer(config, kernels=kernels).apply({"params": params}, tokens, cache, valid)
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
+def _prefill_chunk(config, kernels, mesh, params, tokens, valid, cache, last, last_index, start):
+    logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
     # Keep, per sequence, the logits of its last prompt token if it falls in this chunk.
     i = jnp.clip(last_index - start, 0, tokens.shape[1] - 1)
     here = (last_index >= start) & (last_index < start + tokens.shape[1])
@@ -69,16 +70,21 @@ def _prefill_chunk(config, kernels, params, tokens, valid, cache, last, last_ind
     return jnp.where(here[:, None], picked, last), cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "sampling"), donate_argnames=("cache",))
-def _decode_step(config, kernels, sampling, params, tokens, active, cache, key):
-    logits, cache = Transformer(config, kernels=kernels).apply({"params": params}, tokens[:, None], cache,
-                                                              active[:, None])
-    return sample(logits[:, 0], key, sampling), cache
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
+def _decode_step(config, kernels, mesh, sampling, params, tokens, active, cache, key_data):
+    logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens[:, None],
+                                                                         cache, active[:, None])
+    return _everywhere(sample(logits[:, 0], jax.random.wrap_key_data(key_data), sampling), mesh), cache
 
 
-@functools.partial(jax.jit, static_argnames=("sampling",))
-def _sample(sampling, logits, key):
-    return sample(logits, key, sampling)
+@functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
+def _sample(mesh, sampling, logits, key_data):
+    return _everywhere(sample(logits, jax.random.wrap_key_data(key_data), sampling), mesh)
+
+
+def _everywhere(tokens, mesh):
+    """Sampled tokens go to every device, so that every process can read them."""
+    return tokens if mesh is None else jax.lax.with_sharding_constraint(tokens, replicated(mesh))
 
 
 class Generator:
@@ -96,6 +102,7 @@ class Generator:
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
         self.prefill_chunk = prefill_chunk
         self.dtype = params["embedding"].dtype
+        self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self._compile_s = 0.0
 
@@ -113,6 +120,12 @@ class Generator:
             self.executables[key] = fn.lower(*statics, *args).compile()
             self._compile_s += time.perf_counter() - start
         return self.executables[key]
+
+    def _put(self, x):
+        """A host value as a step's input: on a mesh, the same value on every device (every process
+        passes the same one), as multi-process jit needs; otherwise left to jit."""
+        x = np.asarray(x)
+        return x if self.mesh is None else jax.device_put(x, replicated(self.mesh))
 
     def _call(self, fn, statics: tuple, *args):
         return self._compiled(fn, statics, args)(*args)
@@ -148,16 +161,18 @@ class Generator:
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p
         valid = np.arange(padded)[None] < lengths[:, None]
-        cache = init_cache(self.config, B, self.max_len, self.dtype)
-        last = jnp.zeros((B, vocab), jnp.float32)
-        model = (self.config, self.kernels)
+        cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
+        put = self._put
+        last = put(np.zeros((B, vocab), np.float32))
+        model = (self.config, self.kernels, self.mesh)
         for start in range(0, padded, chunk):
-            last, cache = self._call(_prefill_chunk, model, self.params, tokens[:, start:start + chunk],
-                                     valid[:, start:start + chunk], cache, last, np.asarray(lengths - 1, np.int32),
-                                     np.int32(start))
+            last, cache = self._call(_prefill_chunk, model, self.params, put(tokens[:, start:start + chunk]),
+                                     put(valid[:, start:start + chunk]), cache, last,
+                                     put(np.asarray(lengths - 1, np.int32)), put(np.int32(start)))
         key = jax.random.key(seed)
         key, sub = jax.random.split(key)
-        token_dev = self._call(_sample, (sampling,), last, sub)  # stays on the device as the next step's input
+        # Stays on the devices as the next step's input.
+        token_dev = self._call(_sample, (self.mesh, sampling), last, put(jax.random.key_data(sub)))
         token = np.asarray(token_dev)  # the host copy: stop checks and streaming
         first_token_time = time.perf_counter()
         prefill_compile_s = self._compile_s
@@ -180,7 +195,7 @@ class Generator:
                 break
             key, sub = jax.random.split(key)
             token_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                          jnp.asarray(active), cache, sub)
+                                          put(active), cache, put(jax.random.key_data(sub)))
             token = np.asarray(token_dev)
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s

@@ -19,12 +19,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from .attention import AttentionBlock
 from .config import ModelConfig
 from .layers import RMSNorm
 from .moe import MLPBlock
 from .params import Params, Weight, declare
+from .sharding import constrain, mesh_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +45,14 @@ class TransformerBlock(nn.Module):
     layer: int
     param_dtype: jnp.dtype = jnp.bfloat16
     kernels: Kernels = Kernels()
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
         k = self.kernels
         with jax.named_scope("attention"):
             attn = AttentionBlock(self.config, self.layer, self.param_dtype, impl=k.attention,
-                                  block_size=k.attention_block, name="attn")
+                                  block_size=k.attention_block, mesh=self.mesh, name="attn")
             if layer_cache is None:
                 x = x + attn(x, positions)
             else:
@@ -57,7 +60,7 @@ class TransformerBlock(nn.Module):
                 x = x + out
         with jax.named_scope("moe"):
             x = x + MLPBlock(self.config, self.param_dtype, impl=k.moe, gather_max_pairs=k.moe_gather_max_pairs,
-                             block=k.moe_block, name="mlp")(x)
+                             block=k.moe_block, mesh=self.mesh, name="mlp")(x)
         return x if layer_cache is None else (x, layer_cache)
 
 
@@ -65,6 +68,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     param_dtype: jnp.dtype = jnp.bfloat16
     kernels: Kernels = Kernels()
+    mesh: Mesh | None = None  # the mesh the parameters are laid out on (sharding.py); None: one device
     WEIGHTS: ClassVar = {
         "embedding": Weight(("vocab", "embed")),
         "unembedding": Weight(("embed", "vocab")),
@@ -79,7 +83,7 @@ class Transformer(nn.Module):
         """
         cfg = self.config
         embedding = declare(self, "embedding")
-        x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+        x = constrain(jnp.take(embedding, tokens, axis=0), ("batch", "seq", "act_embed"), self.mesh)  # [B, T, D]
         steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         if cache is None:
             positions = jnp.broadcast_to(steps, tokens.shape)
@@ -90,7 +94,7 @@ class Transformer(nn.Module):
             new_cache = {"lengths": lengths + valid.sum(axis=1, dtype=jnp.int32)}
         for i in range(cfg.num_hidden_layers):
             name = f"block_{i}"
-            block = TransformerBlock(cfg, i, self.param_dtype, self.kernels, name=name)
+            block = TransformerBlock(cfg, i, self.param_dtype, self.kernels, self.mesh, name=name)
             with jax.named_scope(name):
                 if cache is None:
                     x = block(x, positions)
@@ -114,19 +118,23 @@ def _check_tokens(config: ModelConfig, tokens) -> jax.Array:
     return tokens.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels"))
-def _forward(config: ModelConfig, params: Params, tokens: jax.Array, kernels: Kernels) -> jax.Array:
-    return Transformer(config, kernels=kernels).apply({"params": params}, tokens)
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"))
+def _forward(config: ModelConfig, params: Params, tokens: jax.Array, kernels: Kernels, mesh) -> jax.Array:
+    return Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens)
 
 
 def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = Kernels()) -> jax.Array:
-    """Logits [B, T, V] (float32) of int32 tokens [B, T] for a fresh sequence (positions 0..T-1), no cache."""
-    return _forward(config, params, _check_tokens(config, tokens), kernels)
+    """Logits [B, T, V] (float32) of int32 tokens [B, T] for a fresh sequence (positions 0..T-1), no cache.
+
+    Parameters laid out on a mesh (sharding.py) run sharded on it; the logits come back sharded
+    (batch on `data`, vocabulary on `tensor`).
+    """
+    return _forward(config, params, _check_tokens(config, tokens), kernels, mesh_of(params))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
-def _extend(config, params, tokens, cache, valid, kernels):
-    return Transformer(config, kernels=kernels).apply({"params": params}, tokens, cache, valid)
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
+def _extend(config, params, tokens, cache, valid, kernels, mesh):
+    return Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
 
 
 def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None, *,
@@ -139,4 +147,4 @@ def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None,
     """
     tokens = _check_tokens(config, tokens)
     valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
-    return _extend(config, params, tokens, cache, valid, kernels)
+    return _extend(config, params, tokens, cache, valid, kernels, mesh_of(params))

@@ -22,10 +22,14 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
 from .layers import RMSNorm
 from .params import Weight, declare
+from .sharding import spec
+
+EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
 
 
 def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -61,34 +65,38 @@ def _experts_gather(x, idx, w, act):
 def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     """Lay the pairs of idx [N, A] out in blocks of `block` rows, each block holding one expert's pairs.
 
-    Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair,
-    block_expert [num_blocks], used_blocks: how many leading blocks hold pairs). num_blocks is the
-    static bound ceil((P + E * (block - 1)) / block); only the first used_blocks are computed.
+    Pairs whose expert lies outside [0, num_experts) (experts held by other devices) are dropped.
+    Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair (past the
+    end for dropped pairs), block_expert [num_blocks], used_blocks: how many leading blocks hold
+    pairs). num_blocks is the static bound ceil((P + E * (block - 1)) / block); only the first
+    used_blocks are computed.
     """
     P = idx.size
-    flat_expert = idx.reshape(P)
+    flat = idx.reshape(P)
+    flat_expert = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: dropped
     order = jnp.argsort(flat_expert, stable=True)
     sorted_expert = flat_expert[order]
-    counts = jnp.bincount(flat_expert, length=num_experts)  # [E]
+    counts = jnp.bincount(flat_expert, length=num_experts + 1)[:num_experts]  # [E]
     padded = (counts + block - 1) // block * block
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     start = jnp.cumsum(counts) - counts
-    # Padded row of each sorted pair: its expert's padded start + its rank within the expert.
-    dest = padded_start[sorted_expert] + jnp.arange(P) - start[sorted_expert]
     num_blocks = -(-(P + num_experts * (block - 1)) // block)
+    # Padded row of each sorted pair: its expert's padded start + its rank within the expert.
+    e = jnp.minimum(sorted_expert, num_experts - 1)
+    dest = jnp.where(sorted_expert < num_experts, padded_start[e] + jnp.arange(P) - start[e], num_blocks * block)
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
                                num_experts - 1)
     return order, dest, block_expert, padded_end[-1] // block
 
 
 def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
-    """x [N, D], idx [N, A] -> per-pair outputs [N, A, D], one expert per `block` rows."""
+    """x [N, D], idx [N, A] -> per-pair outputs [N, A, D] (zero for dropped pairs), one expert per `block` rows."""
     N, A = idx.shape
     D = x.shape[-1]
     order, dest, block_expert, used_blocks = group_by_expert(idx, num_experts, block)
     num_blocks = block_expert.shape[0]
-    rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A])
+    rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
     rows = rows.reshape(num_blocks, block, D)
 
     def one_block(args):
@@ -102,8 +110,25 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         return jax.lax.cond(b < used_blocks, compute, jnp.zeros_like, xb)
 
     out = jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D)
-    per_pair = jnp.zeros((N * A, D), out.dtype).at[order].set(out[dest])
+    picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
+    per_pair = jnp.zeros((N * A, D), out.dtype).at[order].set(picked)
     return per_pair.reshape(N, A, D)
+
+
+def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str, block: int):
+    """The weighted sum [N, D] (float32) over the pairs whose expert this device holds.
+
+    w holds experts [first, first + E_local); pairs of other experts contribute nothing (their
+    devices add them). With every expert local (first = 0) this is the whole MoE output.
+    """
+    num_local = w["mlp1_weight"].shape[0]
+    local = idx - first
+    mine = (local >= 0) & (local < num_local)
+    if impl == "gather":
+        y = _experts_gather(x, jnp.where(mine, local, 0), w, act)
+    else:
+        y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
+    return jnp.einsum("nad,na->nd", y.astype(jnp.float32), jnp.where(mine, weights, 0.0))
 
 
 class MLPBlock(nn.Module):
@@ -114,6 +139,7 @@ class MLPBlock(nn.Module):
     impl: str = "auto"  # "auto", "gather" or "grouped"
     gather_max_pairs: int = 64
     block: int = 64
+    mesh: Mesh | None = None  # None: one device
     WEIGHTS: ClassVar = {
         "router_weight": Weight(("embed", "experts")),
         "router_bias": Weight(("experts",)),
@@ -140,11 +166,35 @@ class MLPBlock(nn.Module):
         impl = self.impl
         if impl == "auto":
             impl = "gather" if idx.size <= self.gather_max_pairs else "grouped"
-        if impl == "gather":
-            y = _experts_gather(t, idx, w, act)
-        elif impl == "grouped":
-            y = _experts_grouped(t, idx, w, act, num_experts=cfg.num_experts, block=self.block)
-        else:
+        if impl not in ("gather", "grouped"):
             raise ValueError(f"unknown MoE implementation {self.impl!r}")
-        out = jnp.einsum("nad,na->nd", y.astype(jnp.float32), weights)
+        experts = {name: w[name] for name in EXPERT_WEIGHTS}
+        if self.mesh is None:
+            out = local_experts(t, weights, idx, experts, act, first=0, impl=impl, block=self.block)
+        else:
+            out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, impl=impl, block=self.block)
         return out.astype(x.dtype).reshape(B, T, D)
+
+
+def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, impl: str, block: int):
+    """The MoE on a mesh: every device computes its own experts' share of every token, then one
+    all-reduce (psum over expert and tensor) of the [N, D] result. No expert weight moves.
+
+    Under `tensor`, a device holds F / tensor of each expert's intermediate units (whole gate and
+    linear pairs), so its mlp2 product is a partial sum over F; the mlp2 bias is added once, by the
+    devices at tensor index 0.
+    """
+    token_spec = spec(("batch", "act_embed"), x.shape, mesh)
+    pair_spec = PartitionSpec(token_spec[0], None)  # [N, A]: tokens as x
+    w_specs = {name: spec(MLPBlock.WEIGHTS[name].axes, w[name].shape, mesh, what=f"mlp/{name}") for name in w}
+
+    def per_device(x, weights, idx, w):
+        num_local = w["mlp1_weight"].shape[0]
+        first = jax.lax.axis_index("expert") * num_local
+        bias_once = (jax.lax.axis_index("tensor") == 0).astype(w["mlp2_bias"].dtype)
+        w = dict(w, mlp2_bias=w["mlp2_bias"] * bias_once)
+        out = local_experts(x, weights, idx, w, act, first=first, impl=impl, block=block)
+        return jax.lax.psum(out, ("expert", "tensor"))
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(token_spec, pair_spec, pair_spec, w_specs),
+                         out_specs=token_spec, check_vma=False)(x, weights, idx, w)

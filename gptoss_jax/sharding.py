@@ -1,0 +1,207 @@
+"""Sharding, declared once: logical axis names -> mesh axes, and everything derived from that table.
+
+The mesh has three axes:
+- `data`:   the batch (sequences) is split; everything else is replicated along it.
+- `expert`: the experts are split (each device holds num_experts / expert of them).
+- `tensor`: attention heads, the expert intermediate dimension and the vocabulary are split.
+
+Every weight names its axes (params.py); activations and the KV cache name theirs where they are
+created. `RULES` maps each logical name to a mesh axis (or to None: replicated). Shardings of
+parameters, cache and activations all come from `spec()`; no PartitionSpec is written by hand.
+
+Axes in `WHERE_DIVISIBLE` fall back to replication when the mesh axis does not divide them (a batch
+of 1 on data=2, 8 KV heads on tensor=16); any other axis that does not divide is an error, raised
+by `check_mesh` before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .config import ModelConfig
+from .layout import MESH_AXES, check_sizes, format_sizes
+
+# Logical axis -> mesh axis (None: replicated). Parameters use the names of ModelConfig.axis_sizes();
+# activations and the KV cache add batch, seq, cache_slots and act_embed.
+RULES: dict[str, str | None] = {
+    "batch": "data",
+    "seq": None,
+    "cache_slots": None,
+    "vocab": "tensor",
+    "embed": None,
+    "act_embed": None,
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "experts": "expert",
+    "mlp_fused": "tensor",
+    "mlp": "tensor",
+}
+WHERE_DIVISIBLE = frozenset({"batch", "kv_heads"})
+
+
+def _rule(name: str) -> str | None:
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"logical axis {name!r} has no sharding rule (known: {', '.join(RULES)})") from None
+
+
+def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str = "array") -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes and shape on this mesh.
+
+    Raises ValueError when a mesh axis does not divide the dimension it splits (except for the
+    axes in WHERE_DIVISIBLE, which are then replicated) or when two axes map to one mesh axis.
+    """
+    out: list[str | None] = []
+    for name, size in zip(axes, shape, strict=True):
+        mesh_axis = _rule(name)
+        if mesh_axis is None or mesh.shape[mesh_axis] == 1:
+            out.append(None)
+            continue
+        n = mesh.shape[mesh_axis]
+        if size % n:
+            if name in WHERE_DIVISIBLE:
+                out.append(None)
+                continue
+            raise ValueError(f"{mesh_axis}={n} does not divide the {size} {name} of {what}")
+        if mesh_axis in out:
+            raise ValueError(f"{what}: two of its axes ({', '.join(axes)}) map to the mesh axis {mesh_axis!r}")
+        out.append(mesh_axis)
+    return PartitionSpec(*out)
+
+
+def sharding(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str = "array") -> NamedSharding:
+    return NamedSharding(mesh, spec(axes, shape, mesh, what=what))
+
+
+def constrain(x: jax.Array, axes: Sequence[str], mesh: Mesh | None) -> jax.Array:
+    """Pin an activation's layout inside jit (a no-op without a mesh)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding(axes, x.shape, mesh))
+
+
+# Meshes ---------------------------------------------------------------------------------------------
+
+def make_mesh(data: int | None = None, expert: int | None = None, tensor: int | None = None, *,
+              devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, expert, tensor) mesh over `devices` (default: every device of every process).
+
+    Axes not given are 1, except that with none given every device goes to `tensor`. The product
+    must equal the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {"data": data, "expert": expert, "tensor": tensor}
+    if all(v is None for v in sizes.values()):
+        sizes["tensor"] = len(devices)
+    sizes = {k: 1 if v is None else v for k, v in sizes.items()}
+    check_sizes(sizes, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+
+
+def check_mesh(config: ModelConfig, sizes: dict[str, int]) -> None:
+    """Every parameter can be split as the rules say on a mesh of these sizes (ValueError otherwise).
+
+    Needs only the config, so the command line checks a --mesh before anything is loaded.
+    """
+    from .params import abstract_params, logical_axes  # traces the model: JAX starts here
+
+    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    axes = logical_axes(config)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config)):
+        names = _at(axes, path)
+        spec(names, leaf.shape, mesh, what=path_name(path))
+
+
+def _at(tree, path):
+    for p in path:
+        tree = tree[p.key]
+    return tuple(tree)
+
+
+def path_name(path) -> str:
+    return "/".join(str(p.key) for p in path)
+
+
+# Parameters and cache -----------------------------------------------------------------------------
+
+def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
+    """A NamedSharding for every parameter, shaped like the params (from their logical axes)."""
+    from .params import abstract_params, logical_axes
+
+    axes = logical_axes(config)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: sharding(_at(axes, path), leaf.shape, mesh, what=path_name(path)),
+        abstract_params(config))
+
+
+CACHE_AXES = ("batch", "cache_slots", "kv_heads", "head_dim")
+
+
+def cache_shardings(cache_shapes: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a KV cache pytree (cache.py): lengths on `data`, k and v by CACHE_AXES."""
+    def one(path, leaf):
+        axes = ("batch",) if path[-1].key == "lengths" else CACHE_AXES
+        return sharding(axes, leaf.shape, mesh, what=f"KV cache {path_name(path)}")
+
+    return jax.tree_util.tree_map_with_path(one, cache_shapes)
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+    """The mesh a pytree of arrays is laid out on (None: one device, or not laid out on a mesh)."""
+    leaves = jax.tree.leaves(tree)
+    s = getattr(leaves[0], "sharding", None) if leaves else None
+    return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
+
+
+def bytes_per_device(tree: Any) -> dict[Any, int]:
+    """Bytes each device holds of a pytree of arrays (its addressable shards)."""
+    out: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.size * shard.data.dtype.itemsize
+    return out
+
+
+def describe(mesh: Mesh) -> str:
+    """One line: "data=1,expert=1,tensor=2 over 2 gpu devices (1 process)"."""
+    sizes = {a: mesh.shape[a] for a in MESH_AXES}
+    platform = mesh.devices.flat[0].platform
+    processes = len({d.process_index for d in mesh.devices.flat})
+    return (f"{format_sizes(sizes)} over {mesh.size} {platform} device{'s' * (mesh.size != 1)} "
+            f"({processes} process{'es' * (processes != 1)})")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+
+# Diagnostics --------------------------------------------------------------------------------------
+
+_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def collectives(hlo_text: str) -> list[tuple[str, int, str]]:
+    """(op, result bytes, result type) of every collective in compiled HLO text, largest first."""
+    import re
+
+    found = []
+    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        types = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        size = sum(_DTYPE_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in types)
+        found.append((m.group(2), size, m.group(1).strip()))
+    return sorted(found, key=lambda f: -f[1])
