@@ -4,8 +4,13 @@ import sys
 import time
 
 import chex
+import jax
 import numpy as np
 import pytest
+
+# 8 CPU devices for the sharded tests (tests/test_sharding.py); everything else runs on the first.
+# A config option rather than XLA_FLAGS, so that the commands the tests start see one device.
+jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, os.path.dirname(__file__))  # for refs.py
 

@@ -10,6 +10,7 @@ import sys
 
 from .. import __version__
 from ..metadata import expand
+from . import devices
 from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
 from .signals import Signals
 
@@ -78,6 +79,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     p.add_argument("--quiet", action="store_true", help="no loading progress bar")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    devices.add_flags(p)
     return p
 
 
@@ -144,11 +146,16 @@ def _run(args, signals: Signals) -> int:
 
     # Everything that can be checked without the model, first: flags, files, the model's limits.
     check_flags(args, _warn)
+    processes = devices.process_settings(args)
+    mesh_sizes = devices.mesh_sizes(args)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     texts = prompt_texts(args)
     config, what = model_config(args)
     max_len = max_context(args, config)
     interactive = args.chat and texts is None and sys.stdin.isatty()
+    if interactive and processes is not None:
+        raise UsageError("the interactive chat runs in one process; give the prompt with --prompt, --prompt-file "
+                         "or --batch-file")
     tokenizer = None
     needs_text = texts is not None or args.chat or not args.json
     if args.tokenizer or needs_text:
@@ -169,13 +176,19 @@ def _run(args, signals: Signals) -> int:
     import jax
 
     from ..generate import Generator
+    from ..sharding import describe
 
-    params = _load_params(args, config)
-    if tokenizer is None and not args.json:
+    devices.start_processes(processes)
+    mesh = devices.choose_mesh(mesh_sizes, config)  # checked against the devices and the model: nothing read yet
+    main_process = devices.quiet_other_processes()
+    args.quiet = args.quiet or not main_process
+    if main_process:
+        print(f"model: {what}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
+        print(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
+    params = _load_params(args, config, mesh)
+    if tokenizer is None and not args.json and main_process:
         print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
               file=sys.stderr)
-    print(f"model: {what}; jax {jax.__version__} on {jax.devices()[0].platform}; max context {max_len}",
-          file=sys.stderr)
     stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
     generator = Generator(config, params, max_len=max_len)
     if interactive:
@@ -186,29 +199,34 @@ def _run(args, signals: Signals) -> int:
     return 0
 
 
-def _load_params(args, config):
+def _load_params(args, config, mesh):
+    import jax
     import jax.numpy as jnp
 
     from ..checkpoint import load_checkpoint
+    from ..sharding import param_shardings
     from ..testing import random_params
 
     if args.checkpoint:
-        return load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", progress=not args.quiet)[1]
-    return random_params(config, seed=0, dtype=jnp.dtype(args.dtype or "float32"))
+        return load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", mesh=mesh, progress=not args.quiet)[1]
+    params = random_params(config, seed=0, dtype=jnp.dtype(args.dtype or "float32"))
+    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh))
 
 
 def peak_memory() -> str:
     import jax
 
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        return f"{stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
-    return f"n/a on {device.platform}"
+    local = jax.local_devices()
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in local]
+    if None in peaks:
+        return f"n/a on {local[0].platform}"
+    return f"{max(peaks) / 2**30:.2f} GiB" + (f" (the most on one of {len(local)} devices)" if len(local) > 1 else "")
 
 
 def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, printer=None):
     """Generate for the prompts; stream one prompt's reply, or print each (text or JSON) at the end."""
+    import jax
+
     from .. import tokenizer as tk
     from ..generate import batch_timings
     from .display import ChatPrinter, timing_line
@@ -242,7 +260,8 @@ def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, pri
             print(text if text is not None else " ".join(map(str, r.output_ids)))
             print("---")
     sys.stdout.flush()
-    print(timing_line(batch_timings(results), peak_memory()), file=sys.stderr)
+    if jax.process_index() == 0:
+        print(timing_line(batch_timings(results), peak_memory()), file=sys.stderr)
     return results
 
 
