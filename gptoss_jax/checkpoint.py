@@ -68,7 +68,7 @@ def save_item(directory: str, name: str, tree: Params) -> None:
 
     def save_args(path, x):
         if {str(getattr(p, "key", "")) for p in path} & set(EXPERT_WEIGHTS) and x.shape[0] > 1:
-            return ocp.SaveArgs(chunk_byte_size=max(x.nbytes // x.shape[0], 1), shard_axes=(0,))
+            return ocp.SaveArgs(shard_axes=(0,))  # chunks of size 1 along the experts axis
         return ocp.SaveArgs()
 
     checkpointer = ocp.StandardCheckpointer()

@@ -11,6 +11,7 @@ order 1, non-trivial norm scales and biases.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -148,23 +149,41 @@ def write_synthetic_checkpoint(config: ModelConfig, directory: str | os.PathLike
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
-def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16) -> Params:
-    """Like `random_params`, drawn on the default device in one jitted call (for full-size benchmarks)."""
+def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, *, mesh=None) -> Params:
+    """Like `random_params`, drawn on the devices (for full-size benchmarks).
+
+    Each weight is drawn by its own jitted call straight into its layout: on the default device, or
+    sharded on `mesh` by the rules in sharding.py, so that no device ever holds a weight the rules
+    split (threefry keys are partitionable: each device draws only its own slice).
+    """
     shapes = abstract_params(config, jnp.float32)
     specs = jax.tree.leaves(logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    if mesh is None:
+        shardings = [None] * len(leaves)
+    else:
+        from .sharding import param_shardings
 
-    def draw(key):
-        out = []
-        for (path, leaf), spec, k in zip(leaves, specs, jax.random.split(key, len(leaves)), strict=True):
-            name = str(path[-1].key)
-            z = jax.random.normal(k, leaf.shape, jnp.float32)
-            if name == "scale":
-                out.append(1.0 + 0.2 * z)
-                continue
+        shardings = jax.tree.leaves(param_shardings(config, mesh))
+    key = jax.random.key(seed)
+    draws: dict = {}
+    out = []
+    for i, ((path, leaf), spec, sharding) in enumerate(zip(leaves, specs, shardings, strict=True)):
+        name = str(path[-1].key)
+        if name == "scale":
+            kind, scale, want = "scale", 0.2, jnp.float32
+        else:
             scale = (0.1 if name.endswith("_bias") else 1.0 if name in ("sinks", "embedding")
                      else _matrix_std(name, tuple(spec), leaf.shape))
-            out.append((z * scale).astype(dtype))
-        return jax.tree_util.tree_unflatten(tree, out)
+            kind, want = "plain", jnp.dtype(dtype)
+        signature = (leaf.shape, kind, scale, want, sharding)
+        if signature not in draws:
+            draws[signature] = jax.jit(functools.partial(_draw_one, shape=leaf.shape, kind=kind, scale=scale,
+                                                         dtype=want), out_shardings=sharding)
+        out.append(draws[signature](jax.random.fold_in(key, i)))
+    return jax.tree_util.tree_unflatten(tree, out)
 
-    return jax.jit(draw)(jax.random.key(seed, impl="rbg"))
+
+def _draw_one(key, *, shape, kind, scale, dtype):
+    z = jax.random.normal(key, shape, jnp.float32)
+    return (1.0 + scale * z if kind == "scale" else z * scale).astype(dtype)
