@@ -67,7 +67,7 @@ def _prefill_chunk(config, kernels, mesh, params, tokens, valid, cache, last, la
     i = jnp.clip(last_index - start, 0, tokens.shape[1] - 1)
     here = (last_index >= start) & (last_index < start + tokens.shape[1])
     picked = jnp.take_along_axis(logits, i[:, None, None], axis=1)[:, 0]
-    return jnp.where(here[:, None], picked, last), cache
+    return _everywhere(jnp.where(here[:, None], picked, last), mesh), cache
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
@@ -83,7 +83,8 @@ def _sample(mesh, sampling, logits, key_data):
 
 
 def _everywhere(tokens, mesh):
-    """Sampled tokens go to every device, so that every process can read them."""
+    """Sampled tokens (and the logits they are drawn from) go to every device: every process can read
+    them, and each step's inputs keep one layout from call to call."""
     return tokens if mesh is None else jax.lax.with_sharding_constraint(tokens, replicated(mesh))
 
 

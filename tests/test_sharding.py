@@ -103,7 +103,9 @@ def test_sharded_matches_one_device(checkpoint, single, sizes):
     # float32 logits of a batch of 8 x 160 tokens, and greedy generation for prompts of 1-150 tokens.
     logits = gj.forward(config, params, single["tokens"])
     assert_rel_close(logits, single["logits"], rtol=1e-5)
-    results = Generator(config, params, max_len=192).generate(single["prompts"], max_new_tokens=10, sampling=GREEDY)
+    # Prompts up to 150 tokens in chunks of 64: three prefill steps chained.
+    results = Generator(config, params, max_len=192, prefill_chunk=64).generate(single["prompts"], max_new_tokens=10,
+                                                                               sampling=GREEDY)
     assert [r.output_ids for r in results] == single["greedy"]
 
 
