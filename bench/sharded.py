@@ -42,7 +42,7 @@ try:
     # What from_pretrained(device_map="auto") does, with random weights made on each GPU in place.
     with init_empty_weights():
         model = GptOssForCausalLM(cfg).eval()
-    memory = {i: torch.cuda.mem_get_info(i)[0] - (6 << 30) for i in range(gpus)} or {"cpu": 64 << 30}
+    memory = {i: torch.cuda.mem_get_info(i)[0] - (16 << 30) for i in range(gpus)} or {"cpu": 64 << 30}
     device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=model._no_split_modules,
                                        dtype=torch.bfloat16)
     out["device_map"] = sorted({str(v) for v in device_map.values()})
