@@ -40,6 +40,7 @@ out = {"peer": f"transformers {__import__('transformers').__version__}, torch {t
                f"device_map='auto' over {gpus or 1} {'GPUs' if gpus else 'CPU'}"}
 try:
     # What from_pretrained(device_map="auto") does, with random weights made on each GPU in place.
+    torch.set_default_dtype(torch.bfloat16)  # else the empty model is float32 and every weight is cast up
     with init_empty_weights():
         model = GptOssForCausalLM(cfg).eval()
     memory = {i: torch.cuda.mem_get_info(i)[0] - (16 << 30) for i in range(gpus)} or {"cpu": 64 << 30}
@@ -60,7 +61,7 @@ try:
             value.zero_()
         else:
             value.normal_(0.0, 0.02)
-        set_module_tensor_to_device(model, name, dev, value=value)
+        set_module_tensor_to_device(model, name, dev, value=value, dtype=torch.bfloat16)
     model = dispatch_model(model, device_map=device_map)
     first = "cuda:0" if gpus else "cpu"
     def timed(fn):
