@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=4096)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--results", default="bench-results")
+    parser.add_argument("--axis", choices=["expert", "tensor"], help="jax-120b: every GPU on this mesh axis "
+                        "(default: the default layout)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: JSON arguments of one JAX run
     args = parser.parse_args()
     os.makedirs(args.results, exist_ok=True)
@@ -195,8 +197,9 @@ def main() -> None:
         print("RESULT " + json.dumps(run_jax(**spec)), flush=True)
         return
     if args.part == "jax-120b":
-        spec = dict(preset=args.big, axis=None, prefill=args.prefill, decode=args.decode, batches=[1, 8])
-        _save(args.results, "jax-120b", _one_jax_run(spec, os.path.join(args.results, "partial.json")))
+        spec = dict(preset=args.big, axis=args.axis, prefill=args.prefill, decode=args.decode, batches=[1, 8])
+        name = "jax-120b" + (f"-{args.axis}" if args.axis else "")
+        _save(args.results, name, _one_jax_run(spec, os.path.join(args.results, "partial.json")))
     elif args.part == "jax-20b":
         runs = {}
         for name, axis in (("1 device", None), ("tensor", "tensor"), ("expert", "expert")):

@@ -166,10 +166,11 @@ def test_default_layout_and_flag_parsing(tiny):
     assert parse_mesh("tensor=4") == {"data": 1, "expert": 1, "tensor": 4}
     config20b = gj.ModelConfig.gpt_oss_20b()
     assert default_sizes(config20b, 1, 1) == {"data": 1, "expert": 1, "tensor": 1}
-    assert default_sizes(config20b, 8, 8) == {"data": 1, "expert": 1, "tensor": 8}
-    assert default_sizes(config20b, 16, 8) == {"data": 1, "expert": 2, "tensor": 8}  # 2 hosts of 8
-    assert default_sizes(config20b, 128, 8) == {"data": 1, "expert": 16, "tensor": 8}
-    assert default_sizes(tiny, 8, 8) == {"data": 1, "expert": 1, "tensor": 8}
+    assert default_sizes(config20b, 8, 8) == {"data": 1, "expert": 8, "tensor": 1}
+    assert default_sizes(config20b, 64, 8) == {"data": 2, "expert": 32, "tensor": 1}  # 8 hosts of 8
+    assert default_sizes(gj.ModelConfig.gpt_oss_120b(), 2, 2) == {"data": 1, "expert": 2, "tensor": 1}
+    assert default_sizes(tiny, 16, 16) == {"data": 1, "expert": 8, "tensor": 2}
+    assert default_sizes(tiny, 3, 3) == {"data": 3, "expert": 1, "tensor": 1}
 
 
 # Two processes ------------------------------------------------------------------------------------
