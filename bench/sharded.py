@@ -230,10 +230,11 @@ def print_table(results_dir: str) -> None:
     def cell(r, key, fmt="{:,.1f}"):
         return fmt.format(r[key]) if r.get(key) is not None else r.get("error", "not run")[:60]
 
-    big, peer = load("jax-120b"), load("peer-120b")
     print("| 120b | prefill 4k, tokens/s | decode b1, tokens/s | decode b8, tokens/s | peak memory per GPU |")
     print("|---|---:|---:|---:|---:|")
-    for name, r, peak in (("gptoss-jax", big, "peak_gib_per_device"), ("transformers", peer, "peak_gib_per_gpu")):
+    rows = [(f"gptoss-jax, {load(n).get('mesh', n)}", load(n), "peak_gib_per_device")
+            for n in ("jax-120b", "jax-120b-tensor", "jax-120b-expert") if load(n)]
+    for name, r, peak in rows + [("transformers, device_map='auto'", load("peer-120b"), "peak_gib_per_gpu")]:
         print(f"| {name} | {cell(r, 'prefill_tokens_per_s')} | {cell(r, 'decode_b1_tokens_per_s')} | "
               f"{cell(r, 'decode_b8_tokens_per_s')} | {cell(r, peak, '{:.1f} GiB')} |")
     small = load("jax-20b")
