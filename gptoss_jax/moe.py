@@ -11,6 +11,11 @@ dense product over all experts):
   the last used one are skipped. Work is the selected pairs plus at most `block - 1` padding rows
   per expert. `auto` picks it for prefill-sized inputs.
 
+On a mesh (sharding.py), each device runs both paths on its own experts only (`local_experts`):
+every token's pairs with other devices' experts contribute nothing there, and one all-reduce over
+`expert` and `tensor` adds the devices' partial outputs. No expert weight moves between devices
+(docs/architecture.md says why this rather than an all-to-all).
+
 Legend: N = tokens, D = embed, E = experts, A = active experts per token, F = intermediate,
 P = (token, expert) pairs = N * A.
 """

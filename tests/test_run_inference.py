@@ -136,6 +136,13 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
         (["--checkpoint", str(tmp_path / "nowhere"), "--prompt-ids", "1"], 1, "checkpoint directory not found"),
         (["--checkpoint", str(tmp_path), "--prompt-ids", "1"], 1, "not a gptoss-jax checkpoint"),
+        (["--mesh", "gpus=2"], 2, "--mesh gpus=2: unknown mesh axis 'gpus'; the axes are data, expert, tensor"),
+        (["--mesh", "tensor=0"], 2, "--mesh tensor=0: mesh axis tensor must be at least 1, got 0"),
+        (["--coordinator", "10.0.0.1:1234"], 2, "--coordinator needs --num-processes and --process-id too"),
+        (["--coordinator", "10.0.0.1", "--num-processes", "2", "--process-id", "0"], 2,
+         "--coordinator: expected HOST:PORT, got '10.0.0.1'"),
+        (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], 2,
+         "--process-id must lie in [0, 1] for 2 processes, got 2"),
     ]
     run = subprocess.run([sys.executable, "-c", _CHECKS, json.dumps([argv for argv, _, _ in cases])], cwd=ROOT,
                          capture_output=True, text=True)

@@ -147,8 +147,14 @@ def test_bad_meshes_are_refused_with_the_reason(single, sizes, message):
         gj.make_mesh(**sizes)
 
 
-def test_bad_mesh_flags_fail_before_loading(checkpoint):
-    """One error line, exit 2, nothing read: the checkpoint's weights are removed first."""
+def test_bad_mesh_flags_fail_before_loading(checkpoint, tmp_path):
+    """One error line, exit 2, nothing read: the checkpoint has no weights at all, only its JSON, so
+    reaching the loader would fail differently."""
+    import shutil
+
+    for name in ("gptoss_checkpoint.json", "config.json"):
+        shutil.copy(checkpoint / name, tmp_path / name)
+    checkpoint = tmp_path
     cases = [("expert=4,tensor=2", "spans 8 devices, but there is 1"), ("expert=3", "expert=3 does not divide"),
              ("gpus=2", "unknown mesh axis 'gpus'"), ("expert=two", "expected an integer")]
     for flag, message in cases:
@@ -244,3 +250,37 @@ def _expert_share(checkpoint) -> float:
              for p, leaf in jax.tree_util.tree_leaves_with_path(spec)}
     experts = sum(v for k, v in sizes.items() if "/mlp/mlp" in k)
     return experts / sum(sizes.values())
+
+
+def test_extend_on_a_mesh_matches_one_device(single):
+    """The library's own cached path: a sharded cache from init_cache(mesh=...), a 150-token prompt
+    (past the window), then three one-token steps, each step's logits against one device's."""
+    config = single["config"]
+    mesh = gj.make_mesh(expert=4, tensor=2)
+    params = jax.device_put(single["params"], sh.param_shardings(config, mesh))
+    tokens = single["tokens"][:2, :150]
+    runs = []
+    for p, m in ((single["params"], None), (params, mesh)):
+        cache = gj.init_cache(config, 2, 160, "float32", mesh=m)
+        logits, cache = gj.extend(config, p, tokens, cache)
+        steps = [logits]
+        for t in range(3):
+            logits, cache = gj.extend(config, p, single["tokens"][:2, 150 + t:151 + t], cache)
+            steps.append(logits)
+        runs.append(steps)
+    kv_on_tensor = jax.sharding.NamedSharding(mesh, PartitionSpec(None, None, "tensor", None))
+    assert cache["block_1"]["k"].sharding.is_equivalent_to(kv_on_tensor, 4)
+    for sharded, ref in zip(runs[1], runs[0], strict=True):
+        assert_rel_close(sharded, ref, rtol=1e-5)
+
+
+def test_random_weights_are_drawn_in_place(tiny):
+    from gptoss_jax.testing import random_params_on_device
+
+    mesh = gj.make_mesh(expert=4, tensor=2)
+    params = random_params_on_device(tiny, seed=0, dtype="float32", mesh=mesh)
+    want = sh.param_shardings(tiny, mesh)
+    for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        assert got.sharding == expected
+    mlp1 = params["block_0"]["mlp"]["mlp1_weight"]
+    assert {s.data.shape for s in mlp1.addressable_shards} == {(2, 96, 64)}  # 8 experts / 4, 192 units / 2
