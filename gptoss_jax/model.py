@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .layers import RMSNorm
 from .moe import MLPBlock
 from .params import Params, Weight, declare
-from .sharding import constrain, mesh_of
+from .sharding import constrain, mesh_of, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,8 @@ def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = K
     Parameters laid out on a mesh (sharding.py) run sharded on it; the logits come back sharded
     (batch on `data`, vocabulary on `tensor`).
     """
-    return _forward(config, params, _check_tokens(config, tokens), kernels, mesh_of(params))
+    mesh = mesh_of(params)
+    return _forward(config, params, _on(mesh, _check_tokens(config, tokens)), kernels, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
@@ -147,4 +148,10 @@ def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None,
     """
     tokens = _check_tokens(config, tokens)
     valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
-    return _extend(config, params, tokens, cache, valid, kernels, mesh_of(params))
+    mesh = mesh_of(params)
+    return _extend(config, params, _on(mesh, tokens), cache, _on(mesh, valid), kernels, mesh)
+
+
+def _on(mesh, x):
+    """A host input on every device of the mesh: with several processes, jit takes no other."""
+    return x if mesh is None else jax.device_put(np.asarray(x), replicated(mesh))

@@ -17,7 +17,7 @@ by `check_mesh` before anything is loaded.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -51,19 +51,22 @@ def _rule(name: str) -> str | None:
         raise ValueError(f"logical axis {name!r} has no sharding rule (known: {', '.join(RULES)})") from None
 
 
-def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str = "array") -> PartitionSpec:
-    """The PartitionSpec of an array with these logical axes and shape on this mesh.
+def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | Mapping[str, int], *,
+         what: str = "array") -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes and shape on this mesh (or on a mesh of
+    these axis sizes).
 
     Raises ValueError when a mesh axis does not divide the dimension it splits (except for the
     axes in WHERE_DIVISIBLE, which are then replicated) or when two axes map to one mesh axis.
     """
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     out: list[str | None] = []
     for name, size in zip(axes, shape, strict=True):
         mesh_axis = _rule(name)
-        if mesh_axis is None or mesh.shape[mesh_axis] == 1:
+        if mesh_axis is None or sizes[mesh_axis] == 1:
             out.append(None)
             continue
-        n = mesh.shape[mesh_axis]
+        n = sizes[mesh_axis]
         if size % n:
             if name in WHERE_DIVISIBLE:
                 out.append(None)
@@ -113,11 +116,9 @@ def check_mesh(config: ModelConfig, sizes: dict[str, int]) -> None:
     """
     from .params import abstract_params, logical_axes  # traces the model: JAX starts here
 
-    mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
     axes = logical_axes(config)
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config)):
-        names = _at(axes, path)
-        spec(names, leaf.shape, mesh, what=path_name(path))
+        spec(_at(axes, path), leaf.shape, sizes, what=path_name(path))
 
 
 def _at(tree, path):
