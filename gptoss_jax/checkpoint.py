@@ -6,9 +6,10 @@
       params/embedding/        Orbax checkpoints of {"embedding"}, {"block_N": ...} for each layer,
       params/block_N/          and {"norm", "unembedding"}: the converter streams item by item, so
       params/final/            memory stays near one layer's size
-Expert weights are stored either decoded ([E, in, out], like the parameters) or, by default, packed
+Expert weights are stored either decoded ([E, out, in], like the parameters) or, by default, packed
 as published: `mlp1_weight` becomes {"blocks": uint8 [E, out, in/32, 16], "scales": uint8 [E, out, in/32]}
-and is decoded when loaded.
+and is decoded when loaded. Expert arrays are stored one expert per chunk, so that loading onto a
+mesh reads, in each process, only the experts its devices hold.
 """
 
 from __future__ import annotations

@@ -20,15 +20,15 @@ ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAX_COORDINATOR_ADDRESS", 
 def add_flags(parser) -> None:
     group = parser.add_argument_group(
         "several devices and hosts",
-        "Every device of every process is used. With several processes (hosts), start the same command "
-        "on each, with --coordinator, --num-processes and --process-id (or the environment variables "
-        f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}), or with --distributed where JAX "
-        "finds them itself (Cloud TPU VMs, SLURM, Open MPI). Only process 0 prints.")
+        "Every device of every process is used. With several processes (hosts), start the same command on\n"
+        "each, with --coordinator, --num-processes and --process-id (or the environment variables\n"
+        f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}), or with --distributed\n"
+        "where JAX finds them itself (Cloud TPU VMs, SLURM, Open MPI). Only process 0 prints.")
     group.add_argument("--mesh", metavar="AXES",
                        help=f"device layout as {','.join(a + '=N' for a in MESH_AXES)} (axes left out are 1; the "
                             "product must be the device count). data splits the batch, expert the experts, "
-                            "tensor the heads, the expert intermediate size and the vocabulary. Default: tensor "
-                            "over each host's devices, expert across hosts")
+                            "tensor the heads, the expert intermediate size and the vocabulary. Default: the "
+                            "experts split first, then tensor within each host, then data")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, reachable from every process")
     group.add_argument("--num-processes", type=int, metavar="N", help="how many processes take part")
     group.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1")
