@@ -219,10 +219,12 @@ def test_two_processes_generate_as_one_and_read_only_their_slices(wide_checkpoin
     assert one.returncode == 0, one.stderr
     port = _free_port()
     env["JAX_NUM_CPU_DEVICES"] = "4"
+    # Process 0 is told by flags, process 1 by the environment variables.
+    how = [(["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"], env),
+           ([], dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1"))]
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / f"p{i}.json")] + argv +
-                              ["--mesh", "expert=8", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+                              ["--mesh", "expert=8"] + flags, cwd=ROOT, env=process_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i, (flags, process_env) in enumerate(how)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
