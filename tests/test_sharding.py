@@ -166,6 +166,17 @@ def test_bad_mesh_flags_fail_before_loading(checkpoint, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: --mesh") and message in lines[0], run.stderr
 
 
+def test_a_batch_that_does_not_split_over_data_is_said(checkpoint, capfd):
+    from gptoss_jax.cli.generate import main
+
+    argv = ["--checkpoint", str(checkpoint), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json",
+            "--mesh", "data=2,expert=4"]
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert "warning: a batch of 1 does not split over data=2" in err
+    assert "devices: data=2,expert=4,tensor=1 over 8 cpu devices (1 process)" in err
+
+
 def test_default_layout_and_flag_parsing(tiny):
     from gptoss_jax.layout import default_sizes, parse_mesh
 

@@ -182,6 +182,10 @@ def _run(args, signals: Signals) -> int:
     mesh = devices.choose_mesh(mesh_sizes, config)  # checked against the devices and the model: nothing read yet
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
+    data = mesh.shape["data"] if mesh else 1
+    batch = 1 if prompts is None else len(prompts)
+    if batch % data and main_process:
+        _warn(f"a batch of {batch} does not split over data={data}: every data slice computes all of it")
     if main_process:
         print(f"model: {what}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
         print(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
