@@ -43,7 +43,7 @@ with torch.no_grad():
     timed(lambda: model(prompt))
     out["prefill_tokens_per_s"] = args["prefill"] / min(timed(lambda: model(prompt)) for _ in range(2))
     for b in args["batches"]:
-        ids = torch.randint(0, cfg.vocab_size, (b, 128), device=dev, generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (b, args["decode_prompt"]), device=dev, generator=g)
         gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
         timed(lambda: gen(2))
         t1, tn = timed(lambda: gen(1)), timed(lambda: gen(args["decode"]))
@@ -66,19 +66,23 @@ def run_jax(args) -> dict:
     t = time.perf_counter()
     params = jax.block_until_ready(random_params_on_device(config, seed=0))
     init_s = time.perf_counter() - t
-    gen = Generator(config, params, max_len=max(args.prefill, 128 + args.decode) + 16)
+    gen = Generator(config, params, max_len=max(args.prefill, args.decode_prompt + args.decode) + 16)
     rng = np.random.default_rng(0)
     greedy = Sampling(temperature=0)
     out = {"jax": f"jax {jax.__version__}", "device": jax.devices()[0].device_kind, "init_s": init_s}
     prompt = [rng.integers(0, config.vocab_size, args.prefill).tolist()]
-    for _ in range(2):
-        r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
+    t = time.perf_counter()
+    r = gen.generate(prompt, max_new_tokens=2, sampling=greedy)[0]
+    out["first_run_s"], out["first_run_compile_s"] = time.perf_counter() - t, r.timings["compile_s"]
+    r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
     out["prefill_tokens_per_s"] = r.timings["prefill_tokens_per_s"]
     for b in args.batches:
-        prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(b)]
+        prompts = [rng.integers(0, config.vocab_size, args.decode_prompt).tolist() for _ in range(b)]
         for _ in range(2):
             results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
         out[f"decode_b{b}_tokens_per_s"] = batch_timings(results)["decode_tokens_per_s"]  # the whole batch's
+        out[f"peak_gib_after_b{b}"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+        print(f"batch {b}: {out[f'decode_b{b}_tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
     out["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
     return out
 
@@ -89,6 +93,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=4096)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--decode-prompt", type=int, default=128, help="prompt length of the decode runs")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--only-jax", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -99,7 +104,8 @@ def main() -> None:
     results = {}
     # Each framework in its own process, so each has the GPU to itself.
     jax_run = subprocess.run([sys.executable, __file__, "--only-jax", "--preset", args.preset, "--prefill",
-                              str(args.prefill), "--decode", str(args.decode), "--batches",
+                              str(args.prefill), "--decode", str(args.decode), "--decode-prompt",
+                              str(args.decode_prompt), "--batches",
                               ",".join(map(str, args.batches))], capture_output=True, text=True)
     print(jax_run.stderr[-3000:], file=sys.stderr)
     results["gptoss-jax"] = json.loads(jax_run.stdout.split("RESULT ")[-1]) if jax_run.returncode == 0 else None

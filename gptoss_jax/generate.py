@@ -62,11 +62,11 @@ def _bucket(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
 def _prefill_chunk(config, kernels, mesh, params, tokens, valid, cache, last, last_index, start):
-    logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
-    # Keep, per sequence, the logits of its last prompt token if it falls in this chunk.
+    # Logits of each sequence's last prompt token only, kept if that token falls in this chunk.
     i = jnp.clip(last_index - start, 0, tokens.shape[1] - 1)
     here = (last_index >= start) & (last_index < start + tokens.shape[1])
-    picked = jnp.take_along_axis(logits, i[:, None, None], axis=1)[:, 0]
+    picked, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid,
+                                                                         logits_at=i)
     return _everywhere(jnp.where(here[:, None], picked, last), mesh), cache
 
 

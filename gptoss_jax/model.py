@@ -75,11 +75,14 @@ class Transformer(nn.Module):
     }
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, cache: dict | None = None, valid: jax.Array | None = None):
+    def __call__(self, tokens: jax.Array, cache: dict | None = None, valid: jax.Array | None = None,
+                 logits_at: jax.Array | None = None):
         """tokens [B, T] int32 -> logits [B, T, V] float32.
 
         With a cache (cache.py), the tokens continue each sequence (valid [B, T]: real tokens, a
         prefix of each row; padding after them is ignored) and (logits, updated cache) is returned.
+        logits_at [B] int32: only the logits at that index of each row, [B, V] (a prompt needs its
+        last position's alone; [B, T, V] float32 for a 512-token chunk at batch 64 is 26 GB).
         """
         cfg = self.config
         embedding = declare(self, "embedding")
@@ -100,8 +103,12 @@ class Transformer(nn.Module):
                     x = block(x, positions)
                 else:
                     x, new_cache[name] = block(x, positions, cache[name], lengths, valid)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = RMSNorm(cfg, name="norm")(x)
         logits = jnp.einsum("btd,dv->btv", x, declare(self, "unembedding"), preferred_element_type=jnp.float32)
+        if logits_at is not None:
+            logits = logits[:, 0]  # [B, V]
         return logits if cache is None else (logits, new_cache)
 
 

@@ -1,6 +1,7 @@
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import chex
@@ -11,6 +12,9 @@ import pytest
 # 8 CPU devices for the sharded tests (tests/test_sharding.py); everything else runs on the first.
 # A config option rather than XLA_FLAGS, so that the commands the tests start see one device.
 jax.config.update("jax_num_cpu_devices", 8)
+# The command line keeps compiled steps in the user's cache folder; the tests' go to a folder of their
+# own (the commands they start inherit it), never into the home of whoever runs them.
+os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.mkdtemp(prefix="gptoss-tests-"), "cache")
 
 sys.path.insert(0, os.path.dirname(__file__))  # for refs.py
 

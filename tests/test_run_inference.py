@@ -153,6 +153,22 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         assert got == code and line.startswith("error: ") and message in line, (argv, got, line)
 
 
+def test_a_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
+    """Two separate processes: the second finds every step that took more than 0.5 s to compile in the
+    persistent cache, and gives the same tokens."""
+    argv = [sys.executable, "run_inference.py", "--checkpoint", str(checkpoint / "converted"), "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "4", "--json", "--quiet", "--compile-cache", str(tmp_path / "xla")]
+    runs = [subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    first, second = (json.loads(run.stdout) for run in runs)
+    assert first["output_ids"] == second["output_ids"]
+    assert any((tmp_path / "xla").iterdir())
+    assert second["timings"]["compile_s"] < first["timings"]["compile_s"] / 2, (first["timings"], second["timings"])
+    off = subprocess.run(argv[:-2] + ["--compile-cache", "none"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0 and json.loads(off.stdout)["output_ids"] == first["output_ids"], off.stderr
+
+
 def test_chat_only_flags_warn_without_chat(checkpoint, capsys):
     argv = ["--checkpoint", str(checkpoint / "converted"), "--prompt-ids", "5,6", "--max-new-tokens", "2",
             "--json", "--system", "Be brief.", "--reasoning-effort", "high"]

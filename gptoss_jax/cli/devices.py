@@ -29,6 +29,9 @@ def add_flags(parser) -> None:
                             "product must be the device count). data splits the batch, expert the experts, "
                             "tensor the heads, the expert intermediate size and the vocabulary. Default: the "
                             "experts split first, then tensor within each host, then data")
+    group.add_argument("--compile-cache", metavar="DIR", default=default_compile_cache(),
+                       help="keep compiled steps here, so that the next start with the same model, shapes and "
+                            "devices skips compilation; 'none' turns it off (default: %(default)s)")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0, reachable from every process")
     group.add_argument("--num-processes", type=int, metavar="N", help="how many processes take part")
     group.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 to N-1")
@@ -84,6 +87,27 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError:
         raise UsageError(f"${name}: expected an integer, got {value!r}") from None
+
+
+def default_compile_cache() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return os.path.join(base, "gptoss-jax", "xla")
+
+
+def use_compile_cache(folder: str) -> None:
+    """JAX's persistent compilation cache in `folder` (created if needed; 'none': off)."""
+    if folder.lower() == "none":
+        return
+    import jax
+
+    folder = os.path.expanduser(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--compile-cache {folder}: cannot create it ({e.strerror}); pass another folder "
+                         f"or 'none'") from None
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def start_processes(settings: dict | None) -> None:

@@ -178,6 +178,7 @@ def _run(args, signals: Signals) -> int:
     from ..generate import Generator
     from ..sharding import describe
 
+    devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
     mesh = devices.choose_mesh(mesh_sizes, config)  # checked against the devices and the model: nothing read yet
     main_process = devices.quiet_other_processes()
