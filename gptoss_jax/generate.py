@@ -5,7 +5,8 @@
         print(result.output_ids)
 
 Prompts are right-padded to a shared length rounded up to a power of two (at least 16), then
-processed in chunks of at most `prefill_chunk` tokens, so a new prompt length inside a bucket
+processed in chunks of at most `prefill_chunk` tokens per sequence and `prefill_tokens` for the whole batch
+(attention's temporaries grow with both), so a new prompt length inside a bucket
 compiles nothing new. The decode loop brings each step's tokens to the host only for stop checks and
 streaming; sequences that stop no longer grow (their cache length stays put).
 """
@@ -97,11 +98,11 @@ class Generator:
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, prefill_tokens: int = 8192):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.dtype = params["embedding"].dtype
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}
@@ -156,7 +157,9 @@ class Generator:
         self._compile_s = 0.0
         start_time = time.perf_counter()
         padded = min(_bucket(int(lengths.max())), self.max_len)
-        chunk = min(self.prefill_chunk, padded)
+        # The largest power of two (at least 16) that keeps batch x chunk within prefill_tokens.
+        per_sequence = max(16, 1 << max(self.prefill_tokens // B, 1).bit_length() - 1)
+        chunk = min(self.prefill_chunk, per_sequence, padded)
         padded = -(-padded // chunk) * chunk
         tokens = np.zeros((B, padded), np.int32)
         for b, p in enumerate(prompts):
