@@ -87,8 +87,8 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_pos=None, kv_le
     kv_len = jnp.full((B,), S) if kv_len is None else kv_len
     q = jnp.pad(q, ((0, 0), (0, nq * bq - T), (0, 0), (0, 0), (0, 0)))
     q_pos = jnp.pad(q_pos, ((0, 0), (0, nq * bq - T)), mode="edge")  # padding rows repeat the last query
-    k = jnp.pad(k, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, nk * bk - S), (0, 0), (0, 0)))
+    # Keys are not padded (that would copy a whole KV cache every step): the last block starts at
+    # S - bk instead, and its keys before j * bk, which the previous block already counted, are masked.
     q_blocks = q.reshape(B, nq, bq, K, G, H).swapaxes(0, 1)  # [nq, B, bq, K, G, H]
     pos_blocks = q_pos.reshape(B, nq, bq).swapaxes(0, 1)  # [nq, B, bq]
     sink = sinks.astype(jnp.float32)[None, :, :, None]  # [1, K, G, 1]
@@ -99,10 +99,12 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_pos=None, kv_le
 
         def visit(j, carry):
             m, denom, acc = carry
-            k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [B, bk, K, H]
-            v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
-            k_pos = j * bk + jnp.arange(bk)
-            k_pos = jnp.where(k_pos[None] < kv_len[:, None], k_pos[None], -1)  # [B, bk]; -1 never visible
+            first = jnp.minimum(j * bk, S - bk)
+            k_blk = jax.lax.dynamic_slice_in_dim(k, first, bk, axis=1)  # [B, bk, K, H]
+            v_blk = jax.lax.dynamic_slice_in_dim(v, first, bk, axis=1)
+            k_pos = first + jnp.arange(bk)
+            seen = (k_pos[None] < kv_len[:, None]) & (k_pos[None] >= j * bk)
+            k_pos = jnp.where(seen, k_pos[None], -1)  # [B, bk]; -1 never visible
             s = jnp.einsum("bqkgh,bskh->bkgqs", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
             s = jnp.where(_visible(pos_blk, k_pos, window)[:, None, None], s, _MASKED)
             m_new = jnp.maximum(m, s.max(axis=-1))
