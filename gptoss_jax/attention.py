@@ -81,7 +81,7 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_pos=None, kv_le
     S = k.shape[1]
     scale = 1.0 / math.sqrt(H)
     bq, bk = min(q_block, T), min(kv_block, S)
-    nq, nk = -(-T // bq), -(-S // bk)
+    nq = -(-T // bq)
     if q_pos is None:
         q_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     kv_len = jnp.full((B,), S) if kv_len is None else kv_len

@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .metadata import expand, item_names, read_metadata
 from .moe import EXPERT_WEIGHTS
 from .mxfp4 import unpack_experts
-from .params import Params, abstract_params
+from .params import Params, abstract_params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
 PACKED_WEIGHTS = ("mlp1_weight", "mlp2_weight")
@@ -171,8 +171,7 @@ def _stored_layout(checkpointer, item_dir: str, name: str):
     try:
         meta = checkpointer.metadata(item_dir)
     except Exception as e:
-        raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
-                         f"damaged? ({_first_line(e)})") from None
+        raise _unreadable(item_dir, name, e) from None
     meta = getattr(meta, "item_metadata", meta)
     return getattr(meta, "tree", meta)
 
@@ -193,7 +192,7 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
     """One item restored into its sharded layout: Orbax reads each device's slice; packed experts
     are decoded shard by shard on the host (the exact table decoder) and placed on their devices."""
     def target(path, leaf):
-        param_sharding = _at(shardings, path)
+        param_sharding = at_path(shardings, path)
         if _is_packed(leaf):
             groups = leaf["scales"].shape[-1]
             return {"blocks": jax.ShapeDtypeStruct(leaf["blocks"].shape, jnp.uint8,
@@ -204,14 +203,9 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
         return jax.ShapeDtypeStruct(leaf.shape, want, sharding=param_sharding)
 
     targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=_is_packed)
-    try:
-        stored = checkpointer.restore(item_dir, targets)
-    except Exception as e:  # Orbax/TensorStore errors: one line naming the item
-        _quiet_late_reads()
-        raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
-                         f"damaged? ({_first_line(e)})") from None
+    stored = _restore(checkpointer, item_dir, name, targets)
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: _unpack_sharded(x, _at(shardings, p), dtype) if _is_packed(x) else x, stored, is_leaf=_is_packed)
+        lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if _is_packed(x) else x, stored, is_leaf=_is_packed)
 
 
 def _unpack_sharded(packed: dict, param_sharding, dtype: str) -> jax.Array:
@@ -239,23 +233,18 @@ def _unpack_sharded(packed: dict, param_sharding, dtype: str) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, param_sharding, arrays)
 
 
-def _at(tree, path):
-    for p in path:
-        tree = tree[p.key]
-    return tree
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def _restore(checkpointer, item_dir: str, name: str):
+def _restore(checkpointer, item_dir: str, name: str, targets=None):
     try:
-        return checkpointer.restore(item_dir)
+        return checkpointer.restore(item_dir, targets)
     except Exception as e:  # Orbax/TensorStore errors: one line naming the item
         _quiet_late_reads()
-        raise ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
-                         f"damaged? ({_first_line(e)})") from None
+        raise _unreadable(item_dir, name, e) from None
+
+
+def _unreadable(item_dir: str, name: str, e: Exception) -> ValueError:
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
+                      f"damaged? ({detail})")
 
 
 def _quiet_late_reads() -> None:

@@ -27,7 +27,7 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .params import Params
 from .sampling import Sampling, sample
-from .sharding import mesh_of, replicated
+from .sharding import mesh_of, on_every_device, replicated
 
 
 @dataclasses.dataclass
@@ -72,15 +72,21 @@ def _prefill_chunk(config, kernels, mesh, params, tokens, valid, cache, last, la
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
-def _decode_step(config, kernels, mesh, sampling, params, tokens, active, cache, key_data):
+def _decode_step(config, kernels, mesh, sampling, params, tokens, active, cache, key_data, step):
     logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens[:, None],
                                                                          cache, active[:, None])
-    return _everywhere(sample(logits[:, 0], jax.random.wrap_key_data(key_data), sampling), mesh), cache
+    return _everywhere(sample(logits[:, 0], _step_key(key_data, step), sampling), mesh), cache
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
 def _sample(mesh, sampling, logits, key_data):
-    return _everywhere(sample(logits, jax.random.wrap_key_data(key_data), sampling), mesh)
+    return _everywhere(sample(logits, _step_key(key_data, 0), sampling), mesh)
+
+
+def _step_key(key_data, step):
+    """Step `step`'s sampling key, from the seed's key (made on the device: no key crosses to the
+    host during decoding)."""
+    return jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
 
 
 def _everywhere(tokens, mesh):
@@ -123,12 +129,6 @@ class Generator:
             self._compile_s += time.perf_counter() - start
         return self.executables[key]
 
-    def _put(self, x):
-        """A host value as a step's input: on a mesh, the same value on every device (every process
-        passes the same one), as multi-process jit needs; otherwise left to jit."""
-        x = np.asarray(x)
-        return x if self.mesh is None else jax.device_put(x, replicated(self.mesh))
-
     def _call(self, fn, statics: tuple, *args):
         return self._compiled(fn, statics, args)(*args)
 
@@ -166,17 +166,16 @@ class Generator:
             tokens[b, : len(p)] = p
         valid = np.arange(padded)[None] < lengths[:, None]
         cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
-        put = self._put
+        put = functools.partial(on_every_device, mesh=self.mesh)
         last = put(np.zeros((B, vocab), np.float32))
         model = (self.config, self.kernels, self.mesh)
         for start in range(0, padded, chunk):
             last, cache = self._call(_prefill_chunk, model, self.params, put(tokens[:, start:start + chunk]),
                                      put(valid[:, start:start + chunk]), cache, last,
                                      put(np.asarray(lengths - 1, np.int32)), put(np.int32(start)))
-        key = jax.random.key(seed)
-        key, sub = jax.random.split(key)
+        key_data = put(jax.random.key_data(jax.random.key(seed)))
         # Stays on the devices as the next step's input.
-        token_dev = self._call(_sample, (self.mesh, sampling), last, put(jax.random.key_data(sub)))
+        token_dev = self._call(_sample, (self.mesh, sampling), last, key_data)
         token = np.asarray(token_dev)  # the host copy: stop checks and streaming
         first_token_time = time.perf_counter()
         prefill_compile_s = self._compile_s
@@ -197,9 +196,8 @@ class Generator:
                     active[b], reasons[b] = False, "stop"
             if step == max_new_tokens - 1 or not active.any():
                 break
-            key, sub = jax.random.split(key)
             token_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                          put(active), cache, put(jax.random.key_data(sub)))
+                                          put(active), cache, key_data, put(np.int32(step + 1)))
             token = np.asarray(token_dev)
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s

@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .layers import RMSNorm
 from .moe import MLPBlock
 from .params import Params, Weight, declare
-from .sharding import constrain, mesh_of, replicated
+from .sharding import constrain, mesh_of, on_every_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = K
     (batch on `data`, vocabulary on `tensor`).
     """
     mesh = mesh_of(params)
-    return _forward(config, params, _on(mesh, _check_tokens(config, tokens)), kernels, mesh)
+    return _forward(config, params, on_every_device(_check_tokens(config, tokens), mesh), kernels, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
@@ -156,9 +156,4 @@ def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None,
     tokens = _check_tokens(config, tokens)
     valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
     mesh = mesh_of(params)
-    return _extend(config, params, _on(mesh, tokens), cache, _on(mesh, valid), kernels, mesh)
-
-
-def _on(mesh, x):
-    """A host input on every device of the mesh: with several processes, jit takes no other."""
-    return x if mesh is None else jax.device_put(np.asarray(x), replicated(mesh))
+    return _extend(config, params, on_every_device(tokens, mesh), cache, on_every_device(valid, mesh), kernels, mesh)

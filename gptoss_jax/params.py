@@ -86,3 +86,15 @@ def logical_axes(config: ModelConfig) -> Params:
 def param_count(params: Params) -> int:
     """Number of scalars in a (possibly abstract) parameter pytree."""
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+def at_path(tree: Any, path) -> Any:
+    """The subtree of `tree` at a key path (as jax.tree_util's *_with_path functions give them)."""
+    for p in path:
+        tree = tree[p.key]
+    return tree
+
+
+def path_name(path) -> str:
+    """A key path as "block_0/mlp/mlp1_weight"."""
+    return "/".join(str(p.key) for p in path)

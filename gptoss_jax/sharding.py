@@ -17,13 +17,15 @@ by `check_mesh` before anything is loaded.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import ModelConfig
-from .layout import MESH_AXES, check_sizes, format_sizes
+from .layout import MESH_AXES, check_sizes, default_sizes, format_sizes
 
 # Logical axis -> mesh axis (None: replicated). Parameters use the names of ModelConfig.axis_sizes();
 # activations and the KV cache add batch, seq, cache_slots and act_embed.
@@ -92,16 +94,19 @@ def constrain(x: jax.Array, axes: Sequence[str], mesh: Mesh | None) -> jax.Array
 # Meshes ---------------------------------------------------------------------------------------------
 
 def make_mesh(data: int | None = None, expert: int | None = None, tensor: int | None = None, *,
-              devices: Sequence[Any] | None = None) -> Mesh:
+              config: ModelConfig | None = None, devices: Sequence[Any] | None = None) -> Mesh:
     """A (data, expert, tensor) mesh over `devices` (default: every device of every process).
 
-    Axes not given are 1, except that with none given every device goes to `tensor`. The product
-    must equal the number of devices.
+    Axes not given are 1; with none given, `config` picks the default layout (layout.default_sizes:
+    the same one the command line uses). The product must equal the number of devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "expert": expert, "tensor": tensor}
     if all(v is None for v in sizes.values()):
-        sizes["tensor"] = len(devices)
+        if config is None:
+            raise ValueError("make_mesh needs axis sizes (data=, expert=, tensor=) or a config for the default layout")
+        local = sum(d.process_index == devices[0].process_index for d in devices)
+        sizes = default_sizes(config, len(devices), local)
     sizes = {k: 1 if v is None else v for k, v in sizes.items()}
     check_sizes(sizes, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
@@ -109,38 +114,30 @@ def make_mesh(data: int | None = None, expert: int | None = None, tensor: int | 
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
-def check_mesh(config: ModelConfig, sizes: dict[str, int]) -> None:
-    """Every parameter can be split as the rules say on a mesh of these sizes (ValueError otherwise).
+def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int]) -> Any:
+    """A PartitionSpec for every parameter, shaped like the params (from their logical axes).
 
-    Needs only the config, so the command line checks a --mesh before anything is loaded.
+    Given axis sizes rather than a mesh, it only checks that the rules can split every parameter
+    (ValueError otherwise), which is how the command line checks a --mesh before anything is loaded.
     """
-    from .params import abstract_params, logical_axes  # traces the model: JAX starts here
+    from .params import abstract_params, at_path, logical_axes, path_name  # traces the model
 
     axes = logical_axes(config)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(config)):
-        spec(_at(axes, path), leaf.shape, sizes, what=path_name(path))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: spec(tuple(at_path(axes, path)), leaf.shape, mesh, what=path_name(path)),
+        abstract_params(config))
 
 
-def _at(tree, path):
-    for p in path:
-        tree = tree[p.key]
-    return tuple(tree)
-
-
-def path_name(path) -> str:
-    return "/".join(str(p.key) for p in path)
+def check_mesh(config: ModelConfig, sizes: Mapping[str, int]) -> None:
+    param_specs(config, sizes)
 
 
 # Parameters and cache -----------------------------------------------------------------------------
 
 def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
-    """A NamedSharding for every parameter, shaped like the params (from their logical axes)."""
-    from .params import abstract_params, logical_axes
-
-    axes = logical_axes(config)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: sharding(_at(axes, path), leaf.shape, mesh, what=path_name(path)),
-        abstract_params(config))
+    """A NamedSharding for every parameter, shaped like the params."""
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs(config, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 CACHE_AXES = ("batch", "cache_slots", "kv_heads", "head_dim")
@@ -150,7 +147,7 @@ def cache_shardings(cache_shapes: Any, mesh: Mesh) -> Any:
     """NamedShardings for a KV cache pytree (cache.py): lengths on `data`, k and v by CACHE_AXES."""
     def one(path, leaf):
         axes = ("batch",) if path[-1].key == "lengths" else CACHE_AXES
-        return sharding(axes, leaf.shape, mesh, what=f"KV cache {path_name(path)}")
+        return sharding(axes, leaf.shape, mesh, what=f"KV cache {'/'.join(str(p.key) for p in path)}")
 
     return jax.tree_util.tree_map_with_path(one, cache_shapes)
 
@@ -184,6 +181,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def on_every_device(x, mesh: Mesh | None):
+    """A host value (numpy, a scalar) as a jitted step's input. On a mesh it goes to every device
+    (every process passes the same value), since with several processes jit takes no host value;
+    without one, jit places it."""
+    x = np.asarray(x)
+    return x if mesh is None else jax.device_put(x, replicated(mesh))
+
 
 # Diagnostics --------------------------------------------------------------------------------------
 
@@ -194,8 +198,6 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16
 
 def collectives(hlo_text: str) -> list[tuple[str, int, str]]:
     """(op, result bytes, result type) of every collective in compiled HLO text, largest first."""
-    import re
-
     found = []
     pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
     for line in hlo_text.splitlines():

@@ -166,24 +166,22 @@ def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat
 
         shardings = jax.tree.leaves(param_shardings(config, mesh))
     key = jax.random.key(seed)
-    draws: dict = {}
     out = []
     for i, ((path, leaf), spec, sharding) in enumerate(zip(leaves, specs, shardings, strict=True)):
         name = str(path[-1].key)
-        if name == "scale":
-            kind, scale, want = "scale", 0.2, jnp.float32
+        if name == "scale":  # RMSNorm: 1 + 0.2 z, float32 always
+            offset, scale, want = 1.0, 0.2, jnp.float32
         else:
+            offset, want = 0.0, jnp.dtype(dtype)
             scale = (0.1 if name.endswith("_bias") else 1.0 if name in ("sinks", "embedding")
                      else _matrix_std(name, tuple(spec), leaf.shape))
-            kind, want = "plain", jnp.dtype(dtype)
-        signature = (leaf.shape, kind, scale, want, sharding)
-        if signature not in draws:
-            draws[signature] = jax.jit(functools.partial(_draw_one, shape=leaf.shape, kind=kind, scale=scale,
-                                                         dtype=want), out_shardings=sharding)
-        out.append(draws[signature](jax.random.fold_in(key, i)))
+        out.append(_draw(jax.random.fold_in(key, i), shape=leaf.shape, offset=offset, scale=scale, dtype=want,
+                         sharding=sharding))
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def _draw_one(key, *, shape, kind, scale, dtype):
-    z = jax.random.normal(key, shape, jnp.float32)
-    return (1.0 + scale * z if kind == "scale" else z * scale).astype(dtype)
+@functools.partial(jax.jit, static_argnames=("shape", "offset", "scale", "dtype", "sharding"))
+def _draw(key, *, shape, offset, scale, dtype, sharding):
+    """offset + scale * N(0, 1), drawn in the layout `sharding` (None: the default device)."""
+    x = (offset + scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
