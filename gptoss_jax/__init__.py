@@ -20,7 +20,7 @@ _EXPORTS = {
     "init_cache": "cache",
     "load_checkpoint": "checkpoint",
     "PRESETS": "config", "ModelConfig": "config",
-    "Kernels": "model", "Transformer": "model", "extend": "model", "forward": "model",
+    "Kernels": "kernels", "Transformer": "model", "extend": "model", "forward": "model",
     "Weight": "params", "abstract_params": "params", "init_params": "params", "logical_axes": "params",
     "param_count": "params",
     "make_mesh": "sharding", "param_shardings": "sharding", "RULES": "sharding",

@@ -11,7 +11,6 @@ Legend: B = batch, T = positions, D = embed, V = vocab.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import ClassVar
 
@@ -23,21 +22,11 @@ from jax.sharding import Mesh
 
 from .attention import AttentionBlock
 from .config import ModelConfig
+from .kernels import Kernels
 from .layers import RMSNorm
 from .moe import MLPBlock
 from .params import Params, Weight, declare
 from .sharding import constrain, mesh_of, on_every_device
-
-
-@dataclasses.dataclass(frozen=True)
-class Kernels:
-    """Which implementation runs where; results agree to rounding whichever is chosen."""
-
-    attention: str = "blockwise"  # "blockwise" (memory linear in T) or "reference" ([T, T] scores)
-    attention_block: int = 512  # query and key block size of the blockwise attention
-    moe: str = "auto"  # "auto", "gather" or "grouped" (see moe.py)
-    moe_gather_max_pairs: int = 64  # auto: gather when tokens * experts_per_token <= this
-    moe_block: int = 64  # rows per expert block on the grouped path
 
 
 class TransformerBlock(nn.Module):
@@ -49,18 +38,15 @@ class TransformerBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
-        k = self.kernels
         with jax.named_scope("attention"):
-            attn = AttentionBlock(self.config, self.layer, self.param_dtype, impl=k.attention,
-                                  block_size=k.attention_block, mesh=self.mesh, name="attn")
+            attn = AttentionBlock(self.config, self.layer, self.param_dtype, self.kernels, self.mesh, name="attn")
             if layer_cache is None:
                 x = x + attn(x, positions)
             else:
                 out, layer_cache = attn(x, positions, layer_cache, lengths, valid)
                 x = x + out
         with jax.named_scope("moe"):
-            x = x + MLPBlock(self.config, self.param_dtype, impl=k.moe, gather_max_pairs=k.moe_gather_max_pairs,
-                             block=k.moe_block, mesh=self.mesh, name="mlp")(x)
+            x = x + MLPBlock(self.config, self.param_dtype, self.kernels, self.mesh, name="mlp")(x)
         return x if layer_cache is None else (x, layer_cache)
 
 

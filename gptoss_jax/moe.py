@@ -1,15 +1,17 @@
 """The mixture-of-experts block: a float32 top-k router and dropless experts with a clamped SwiGLU.
 
-Two dispatch paths compute exactly the selected (token, expert) pairs, never every expert for
-every token (`jax.lax.ragged_dot` is not used: on CPU and on CUDA GPUs in jaxlib 0.10 it lowers to a
-dense product over all experts):
-- "gather": gathers each pair's expert weights and contracts them with an einsum. Its temporary
-  memory grows with the number of pairs (one expert's matrices per pair), so it serves decode-sized
-  inputs: `auto` picks it when tokens * experts_per_token <= `gather_max_pairs`.
-- "grouped": sorts the pairs by expert, pads each expert's group to a multiple of `block` rows and
-  loops over the blocks, one [block, D] x [D, F] product with that block's expert each; blocks past
-  the last used one are skipped. Work is the selected pairs plus at most `block - 1` padding rows
-  per expert. `auto` picks it for prefill-sized inputs.
+Every path computes exactly the selected (token, expert) pairs, never every expert for every token
+(`jax.lax.ragged_dot` is not used: on CPU and on CUDA GPUs it lowers to a dense product over all
+experts). The kernel layer (kernels/) picks one per call, by backend and number of pairs:
+- "gather" (jnp): gathers each pair's expert weights and contracts them with an einsum; its
+  temporary memory is one expert's matrices per pair, so it serves decode-sized inputs.
+- "triton" (GPU, decode): the same per-pair products by a Pallas Triton kernel reading each pair's
+  expert in place (kernels/triton.py).
+- "grouped" (jnp, prompts): sorts the pairs by expert, pads each expert's group to a multiple of
+  `block` rows and loops over the blocks, one [block, D] x [D, F] product with that block's expert
+  each. Work is the selected pairs plus at most `block - 1` padding rows per expert.
+- "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
+  matmul (ragged dot) per projection that skips empty experts (kernels/gpu.py, kernels/tpu.py).
 
 On a mesh (sharding.py), each device runs both paths on its own experts only (`local_experts`):
 every token's pairs with other devices' experts contribute nothing there, and one all-reduce over
@@ -22,6 +24,7 @@ P = (token, expert) pairs = N * A.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
+from .kernels import Kernels
 from .layers import RMSNorm
 from .params import Weight, declare
 from .sharding import spec
@@ -73,8 +77,7 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     Pairs whose expert lies outside [0, num_experts) (experts held by other devices) are dropped.
     Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair (past the
     end for dropped pairs), block_expert [num_blocks], used_blocks: how many leading blocks hold
-    pairs). num_blocks is the static bound ceil((P + E * (block - 1)) / block); only the first
-    used_blocks are computed.
+    pairs). num_blocks is the static bound ceil((P + E * (block - 1)) / block).
     """
     P = idx.size
     flat = idx.reshape(P)
@@ -99,7 +102,9 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D] (zero for dropped pairs), one expert per `block` rows."""
     N, A = idx.shape
     D = x.shape[-1]
-    order, dest, block_expert, used_blocks = group_by_expert(idx, num_experts, block)
+    # Every block of the static bound is computed (blocks past the used ones hold zero rows): a
+    # lax.cond skipping them would cost a host round trip per block on a GPU.
+    order, dest, block_expert, _ = group_by_expert(idx, num_experts, block)
     num_blocks = block_expert.shape[0]
     rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
     rows = rows.reshape(num_blocks, block, D)
@@ -108,11 +113,8 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         b, xb = args
         e = block_expert[b]
 
-        def compute(xb):
-            h = jnp.einsum("bd,fd->bf", xb, w["mlp1_weight"][e]) + w["mlp1_bias"][e]  # [block, 2F]
-            return jnp.einsum("bf,df->bd", act(h), w["mlp2_weight"][e]) + w["mlp2_bias"][e]  # [block, D]
-
-        return jax.lax.cond(b < used_blocks, compute, jnp.zeros_like, xb)
+        h = jnp.einsum("bd,fd->bf", xb, w["mlp1_weight"][e]) + w["mlp1_bias"][e]  # [block, 2F]
+        return jnp.einsum("bf,df->bd", act(h), w["mlp2_weight"][e]) + w["mlp2_bias"][e]  # [block, D]
 
     out = jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D)
     picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
@@ -120,7 +122,36 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     return per_pair.reshape(N, A, D)
 
 
-def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str, block: int):
+def _experts_pairwise(x, idx, w, act, *, interpret: bool):
+    """The gather path's contract, by the Pallas Triton kernel: each pair's expert rows read in place."""
+    from .kernels.triton import pair_matvec
+
+    N, A = idx.shape
+    flat = idx.reshape(N * A)
+    h = pair_matvec(jnp.repeat(x, A, axis=0), flat, w["mlp1_weight"], interpret=interpret) + w["mlp1_bias"][flat]
+    y = pair_matvec(act(h), flat, w["mlp2_weight"], interpret=interpret) + w["mlp2_bias"][flat]
+    return y.reshape(N, A, -1)
+
+
+def _experts_ragged(x, idx, w, act, *, ragged_dot):
+    """x [N, D], idx [N, A] (negative or >= E: dropped) -> [N, A, D]: the pairs sorted by expert, then
+    one grouped matmul per projection (ragged_dot(rows, w [E, out, in], group_sizes [E]))."""
+    N, A = idx.shape
+    E = w["mlp1_weight"].shape[0]
+    flat = idx.reshape(N * A)
+    flat = jnp.where((flat >= 0) & (flat < E), flat, E)  # E: dropped, sorted last
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    sizes = jnp.bincount(flat, length=E + 1)[:E]
+    e = jnp.minimum(expert, E - 1)
+    h = ragged_dot(x[order // A], w["mlp1_weight"], sizes) + w["mlp1_bias"][e]  # [P, 2F]
+    y = ragged_dot(act(h), w["mlp2_weight"], sizes) + w["mlp2_bias"][e]  # [P, D]
+    y = jnp.where((expert < E)[:, None], y, 0)  # rows past the groups are undefined
+    return jnp.zeros_like(y).at[order].set(y).reshape(N, A, -1)
+
+
+def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str, block: int,
+                  interpret: bool = False):
     """The weighted sum [N, D] (float32) over the pairs whose expert this device holds.
 
     w holds experts [first, first + E_local); pairs of other experts contribute nothing (their
@@ -131,8 +162,21 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
     mine = (local >= 0) & (local < num_local)
     if impl == "gather":
         y = _experts_gather(x, jnp.where(mine, local, 0), w, act)
-    else:
+    elif impl == "triton":
+        y = _experts_pairwise(x, jnp.where(mine, local, 0), w, act, interpret=interpret)
+    elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
+    elif impl == "tokamax":
+        from .kernels import gpu
+
+        y = _experts_ragged(x, jnp.where(mine, local, -1), w, act, ragged_dot=gpu.ragged_dot)
+    elif impl == "megablox":
+        from .kernels import tpu
+
+        y = _experts_ragged(x, jnp.where(mine, local, -1), w, act,
+                            ragged_dot=functools.partial(tpu.ragged_dot, interpret=interpret))
+    else:
+        raise ValueError(f"unknown MoE implementation {impl!r}")
     return jnp.einsum("nad,na->nd", y.astype(jnp.float32), jnp.where(mine, weights, 0.0))
 
 
@@ -141,9 +185,7 @@ class MLPBlock(nn.Module):
 
     config: ModelConfig
     param_dtype: jnp.dtype = jnp.bfloat16
-    impl: str = "auto"  # "auto", "gather" or "grouped"
-    gather_max_pairs: int = 64
-    block: int = 64
+    kernels: Kernels = Kernels()
     mesh: Mesh | None = None  # None: one device
     WEIGHTS: ClassVar = {
         "router_weight": Weight(("embed", "experts")),
@@ -168,20 +210,17 @@ class MLPBlock(nn.Module):
         def act(h):
             return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
-        impl = self.impl
-        if impl == "auto":
-            impl = "gather" if idx.size <= self.gather_max_pairs else "grouped"
-        if impl not in ("gather", "grouped"):
-            raise ValueError(f"unknown MoE implementation {self.impl!r}")
+        run = functools.partial(local_experts, impl=self.kernels.moe_for(idx.size), block=self.kernels.moe_block,
+                                interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         if self.mesh is None:
-            out = local_experts(t, weights, idx, experts, act, first=0, impl=impl, block=self.block)
+            out = run(t, weights, idx, experts, act, first=0)
         else:
-            out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, impl=impl, block=self.block)
+            out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run)
         return out.astype(x.dtype).reshape(B, T, D)
 
 
-def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, impl: str, block: int):
+def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run):
     """The MoE on a mesh: every device computes its own experts' share of every token, then one
     all-reduce (psum over expert and tensor) of the [N, D] result. No expert weight moves.
 
@@ -198,7 +237,7 @@ def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, impl: str, block: i
         first = jax.lax.axis_index("expert") * num_local
         bias_once = (jax.lax.axis_index("tensor") == 0).astype(w["mlp2_bias"].dtype)
         w = dict(w, mlp2_bias=w["mlp2_bias"] * bias_once)
-        out = local_experts(x, weights, idx, w, act, first=first, impl=impl, block=block)
+        out = run(x, weights, idx, w, act, first=first)
         return jax.lax.psum(out, ("expert", "tensor"))
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=(token_spec, pair_spec, pair_spec, w_specs),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_rel_close
+from gptoss_jax.kernels import Kernels
 from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference, key_block_range
 from refs import openai_model
 
@@ -113,6 +114,6 @@ def test_attention_block_matches_openai(tiny, tiny_params, long_tokens, layer, i
     with torch.no_grad():
         ref = ref_model.block[layer].attn(torch.from_numpy(x[0])).numpy() - x[0]  # it returns x + attention
     positions = jnp.arange(300)[None]
-    block = AttentionBlock(tiny, layer, impl=impl, block_size=32)
+    block = AttentionBlock(tiny, layer, kernels=Kernels(attention=impl, attention_block=32))
     out = block.apply({"params": tiny_params[f"block_{layer}"]["attn"]}, jnp.asarray(x), positions)
     assert_rel_close(out[0], ref, rtol=1e-5)

@@ -109,7 +109,7 @@ def test_bfloat16_attention_block(tiny, layer):
     with torch.no_grad():
         want = ref32.block[layer].attn(torch.tensor(x[0])).numpy() - x[0]
         theirs = (ref16.block[layer].attn(torch.tensor(x[0]).bfloat16()).float().numpy() - x[0])
-    ours = AttentionBlock(tiny, layer, block_size=32).apply(
+    ours = AttentionBlock(tiny, layer, kernels=gj.Kernels(attention_block=32)).apply(
         {"params": params[f"block_{layer}"]["attn"]}, jnp.asarray(x, jnp.bfloat16), jnp.arange(300)[None])
     assert ours.dtype == jnp.bfloat16
     # bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3); q, k, v, the rotated q and k,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_rel_close
+from gptoss_jax.kernels import Kernels
 from gptoss_jax.moe import MLPBlock, _experts_gather, _experts_grouped, group_by_expert, route, swiglu
 from refs import hf_model, openai_model, t
 
@@ -65,13 +66,14 @@ def test_expert_paths_match_hf_experts(tiny, tiny_params, path, n):
     assert np.mean(np.abs(h) > 7) > 0.01
 
 
-@pytest.mark.parametrize("impl", ["gather", "grouped"])
+@pytest.mark.parametrize("impl", ["gather", "grouped", "triton", "megablox"])  # the last two: Pallas interpret mode
 def test_mlp_block_matches_openai(tiny, tiny_params, impl):
     ref_model = openai_model(tiny, tiny_params)
     x = np.random.default_rng(3).standard_normal((1, 50, tiny.hidden_size)).astype(np.float32)
     with torch.no_grad():
         ref = ref_model.block[2].mlp(torch.from_numpy(x[0])).numpy() - x[0]  # it returns x + moe(x)
-    out = MLPBlock(tiny, impl=impl, block=8).apply({"params": tiny_params["block_2"]["mlp"]}, jnp.asarray(x))
+    out = MLPBlock(tiny, kernels=Kernels(moe=impl, moe_block=8, interpret=True))
+    out = out.apply({"params": tiny_params["block_2"]["mlp"]}, jnp.asarray(x))
     assert_rel_close(out[0], ref, rtol=1e-5)
 
 
@@ -81,7 +83,7 @@ def _gather_flops(num_experts, tokens):
     config = gj.ModelConfig.tiny().replace(num_experts=num_experts, hidden_size=256, intermediate_size=256)
     shapes = jax.eval_shape(lambda: MLPBlock(config, jnp.float32).init(jax.random.key(0),
                                                                        jnp.zeros((1, tokens, 256))))
-    fn = jax.jit(lambda p, x: MLPBlock(config, impl="gather").apply(p, x))
+    fn = jax.jit(lambda p, x: MLPBlock(config, kernels=Kernels(moe="gather")).apply(p, x))
     x = jax.ShapeDtypeStruct((1, tokens, 256), jnp.float32)
     return fn.lower(shapes, x).compile().cost_analysis()["flops"]
 

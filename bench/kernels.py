@@ -1,0 +1,135 @@
+"""The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
+reference, then timed. Prints a table last.
+
+    python bench/kernels.py [--quick]
+
+Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gptoss_jax.kernels import gpu, xla
+from gptoss_jax.kernels.combine import combine
+
+K, G, H, D, F2, E = 8, 8, 64, 2880, 5760, 32
+ROWS = []
+
+
+def timed(name, fn, *args, n=20, ref=None, check=None, **extra):
+    f = jax.jit(fn)
+    try:
+        out = jax.block_until_ready(f(*args))
+    except Exception as e:  # noqa: BLE001 -- a variant that does not run is a row of the table
+        ROWS.append({"op": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        print(ROWS[-1], flush=True)
+        return None
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    row = {"op": name, "ms": round(1e3 * float(np.median(times)), 3), **extra}
+    if ref is not None:
+        a = np.asarray(check(out) if check else out, np.float32)
+        b = np.asarray(ref, np.float32)
+        row["rel_err"] = float(np.abs(a - b).max() / np.abs(b).max())
+    ROWS.append(row)
+    print(row, flush=True)
+    return out
+
+
+def attention(rng, quick):
+    key = jax.random.key(0)
+    kq, kk, kv, ks = jax.random.split(key, 4)
+    for T, window in ((4096, None), (4096, 128)):
+        q = jax.random.normal(kq, (1, T, K, G, H), jnp.bfloat16)
+        k = jax.random.normal(kk, (1, T, K, H), jnp.bfloat16)
+        v = jax.random.normal(kv, (1, T, K, H), jnp.bfloat16)
+        sinks = jax.random.normal(ks, (K, G), jnp.float32)
+        pos = jnp.arange(T)[None]
+        ref = jax.jit(lambda q, k, v, s: combine([xla.dense(q, k, v, xla.visible(pos, pos, window))], s, jnp.float32))(
+            q, k, v, sinks)
+        flops = 4 * T * T * K * G * H / (2 if window is None else T / window)
+        tag = f"attention causal T={T} window={window}"
+        for name, fn in (("xla blockwise", lambda q, k, v, s: combine([xla.causal(q, k, v, window=window, block=512)],
+                                                                      s, q.dtype)),
+                         ("tokamax", lambda q, k, v, s: combine([gpu.causal(q, k, v, window=window)], s, q.dtype))):
+            timed(f"{tag} {name}", fn, q, k, v, sinks, ref=ref, flops=flops)
+    S = 4224
+    for B, T in ((1, 1), (64, 1), (1, 512), (8, 512)):
+        q = jax.random.normal(kq, (B, T, K, G, H), jnp.bfloat16)
+        k = jax.random.normal(kk, (B, S, K, H), jnp.bfloat16)
+        v = jax.random.normal(kv, (B, S, K, H), jnp.bfloat16)
+        sinks = jax.random.normal(ks, (K, G), jnp.float32)
+        kv_len = jnp.full((B,), 4100 if T == 1 else 3584, jnp.int32)
+        mask = jnp.broadcast_to((jnp.arange(S)[None] < kv_len[:, None])[:, None], (B, T, S))
+        ref = jax.jit(lambda q, k, v, s: combine([xla.dense(q, k, v, mask)], s, jnp.float32))(q, k, v, sinks)
+        tag = f"attention prefix B={B} T={T} S={S}"
+        kv_bytes = 2 * B * int(kv_len[0]) * K * H * 2
+        for name, fn in (("xla", lambda q, k, v, s: combine([xla.prefix(q, k, v, kv_len, block=512)], s, q.dtype)),
+                         ("tokamax", lambda q, k, v, s: combine([gpu.prefix(q, k, v, kv_len)], s, q.dtype))):
+            timed(f"{tag} {name}", fn, q, k, v, sinks, ref=ref, kv_bytes=kv_bytes)
+
+
+def ragged(rng, quick):
+    import tokamax
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    w = jax.random.normal(jax.random.key(1), (E, F2, D), jnp.bfloat16) * 0.02  # [E, out, in] as the model holds
+    wt = jnp.swapaxes(w, 1, 2)  # [E, in, out]: tokamax's preferred layout
+    for M, experts in ((4, 4), (32, 32), (256, 32), (2048, 32), (16384, 32)):
+        chosen = rng.choice(E, size=experts, replace=False)
+        sizes = np.zeros(E, np.int32)
+        np.add.at(sizes, rng.choice(chosen, size=M - experts), 1)
+        sizes[chosen] += 1
+        sizes = jnp.asarray(sizes)
+        x = jax.random.normal(jax.random.key(2), (M, D), jnp.bfloat16)
+        groups = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=M)
+        ref = jax.jit(lambda x, w: jnp.einsum("md,mfd->mf", x, w[groups], preferred_element_type=jnp.float32))(x, w) \
+            if M <= 2048 else None
+        bytes_read = experts * F2 * D * 2
+        tag = f"ragged M={M} experts={experts}"
+        timed(f"{tag} tokamax [E,F,D]", lambda x, w: gpu.ragged_dot(x, w, sizes), x, w, ref=ref, weight_bytes=bytes_read)
+        timed(f"{tag} tokamax [E,D,F]", lambda x, wt: tokamax.ragged_dot(x, wt, sizes, implementation="mosaic"),
+              x, wt, ref=ref, weight_bytes=bytes_read)
+        timed(f"{tag} jax mgpu transpose_rhs", lambda x, w: ragged_dot_mgpu.ragged_dot(
+            x, w, group_sizes=sizes, block_m=64 if M > 64 else 64, block_n=128, block_k=64, max_concurrent_steps=4,
+            grid_block_n=1, transpose_rhs=True), x, w, ref=ref, weight_bytes=bytes_read)
+        if M <= 256:
+            timed(f"{tag} xla gather", lambda x, w: jnp.einsum("md,mfd->mf", x, w[groups]), x, w, ref=ref,
+                  weight_bytes=bytes_read)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--part", choices=["all", "attention", "ragged"], default="all")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    if args.part in ("all", "attention"):
+        attention(rng, args.quick)
+    if args.part in ("all", "ragged"):
+        ragged(rng, args.quick)
+    print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
+    for r in ROWS:
+        note = r.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("op", "ms", "rel_err"))
+        if "flops" in r:
+            note = f"{r['flops'] / r['ms'] / 1e9:.0f} TFLOP/s"
+        for key in ("kv_bytes", "weight_bytes"):
+            if key in r:
+                note = f"{r[key] / r['ms'] / 1e6:.0f} GB/s"
+        print(f"| {r['op']} | {r.get('ms', '-')} | {r.get('rel_err', float('nan')):.2g} | {note} |")
+    print(json.dumps(ROWS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The kernel layer: the model asks for attention and for expert matmuls; `Kernels` picks who computes them.
+
+| op | "auto" on an NVIDIA GPU | "auto" on a TPU | "auto" elsewhere (the readable reference) |
+|---|---|---|---|
+| attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
+| attention, decode | jnp over the filled cache ("blockwise") | same | same |
+| experts, prompts | tokamax ragged dot ("tokamax") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
+| experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
+
+tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp code.
+The Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
+code: on CPU in Pallas interpret mode (`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
+
+Attention kernels compute sink-free attention over one set of keys with its softmax statistics, and
+combine.py folds the sinks in exactly (see there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash")
+MOE = ("auto", "gather", "grouped", "tokamax", "triton", "megablox")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """Which implementation runs where; results agree to rounding whichever is chosen."""
+
+    attention: str = "auto"  # one of ATTENTION
+    attention_block: int = 512  # query and key block size of the blockwise (jnp) attention
+    moe: str = "auto"  # one of MOE; "auto" picks by backend and by the number of (token, expert) pairs
+    moe_gather_max_pairs: int = 64  # auto: a decode path when tokens * experts_per_token <= this
+    moe_block: int = 64  # rows per expert block on the grouped (jnp) path
+    interpret: bool = False  # run the Pallas kernels in interpret mode (tests on CPU)
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"unknown attention kernel {self.attention!r}; choose from {', '.join(ATTENTION)}")
+        if self.moe not in MOE:
+            raise ValueError(f"unknown MoE kernel {self.moe!r}; choose from {', '.join(MOE)}")
+
+    def attention_for(self, queries: int) -> str:
+        """The attention kernel for a call with this many query positions per sequence."""
+        if self.attention != "auto":
+            return self.attention
+        if queries > 16:
+            backend = jax.default_backend()
+            if backend == "gpu" and _tokamax_available():
+                return "tokamax"
+            if backend == "tpu":
+                return "splash"
+        return "blockwise"
+
+    def moe_for(self, pairs: int) -> str:
+        """The expert kernel for a call with this many (token, expert) pairs."""
+        if self.moe != "auto":
+            return self.moe
+        backend = jax.default_backend()
+        if pairs <= self.moe_gather_max_pairs:
+            return "triton" if backend == "gpu" else "gather"
+        if backend == "gpu" and _tokamax_available():
+            return "tokamax"
+        if backend == "tpu":
+            return "megablox"
+        return "grouped"
+
+    def describe(self) -> str:
+        """For start-up messages: what "auto" means on this backend."""
+        return (f"attention {self.attention_for(4096)} (prompts) / {self.attention_for(1)} (decode), "
+                f"experts {self.moe_for(1 << 20)} (prompts) / {self.moe_for(1)} (decode)")
+
+
+def _tokamax_available() -> bool:
+    from . import gpu
+
+    return gpu.available()

@@ -1,0 +1,43 @@
+"""Attention sinks and split attention, folded in exactly through the softmax statistics.
+
+A head's sink is one more logit in every row's softmax whose value is dropped. Attention over
+several disjoint sets of keys (a cache's earlier positions, the new tokens, a sliding ring) gives,
+per set i, the output o_i normalised over its keys and lse_i = log(sum over its keys of exp(s)).
+Then, with M = max(sink, lse_i ...) for stability:
+
+    out = sum_i o_i * exp(lse_i - M) / (exp(sink - M) + sum_i exp(lse_i - M))
+
+which is softmax([all scores, sink]) @ [values, 0] exactly. Fused kernels that know nothing of
+sinks return (o_i, lse_i) (or the row max m and sum l, lse = m + log l), so sinks cost nothing
+inside them.
+
+Legend: B = batch, T = queries, K = KV heads, G = query heads per KV head, H = head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def combine(parts: Sequence[tuple[jax.Array, jax.Array]], sinks: jax.Array, dtype) -> jax.Array:
+    """parts: (o [B, T, K, G, H], lse [B, T, K, G] float32, -inf where a row saw no key); sinks [K, G]
+    -> [B, T, K, G, H] in dtype."""
+    sink = sinks.astype(jnp.float32)
+    m = jnp.broadcast_to(sink, parts[0][1].shape)
+    for _, lse in parts:
+        m = jnp.maximum(m, lse)
+    denom = jnp.exp(sink - m)
+    out = 0.0
+    for o, lse in parts:
+        w = jnp.exp(lse - m)  # 0 for a row that saw none of these keys
+        out = out + jnp.where(w[..., None] > 0, o.astype(jnp.float32) * w[..., None], 0.0)
+        denom = denom + w
+    return (out / denom[..., None]).astype(dtype)
+
+
+def lse_of(m: jax.Array, l: jax.Array) -> jax.Array:
+    """A kernel's row max and sum (natural base) -> log-sum-exp, -inf where the sum is 0."""
+    return jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)

@@ -1,0 +1,76 @@
+"""Fused kernels for NVIDIA GPUs (Ampere, Hopper, Blackwell) from tokamax, Google DeepMind's kernel
+library: `pip install -e ".[cuda]"` (Python >= 3.12). Nothing here is imported without a GPU.
+
+- Attention: tokamax's Mosaic GPU flash attention (sm80/sm90/sm100). It takes no sinks; it returns
+  the softmax statistics (row max and sum), and combine.py folds the sinks in from them. Key blocks
+  outside the causal band, the window or a cache's filled length are skipped inside the kernel.
+- Experts: tokamax's Mosaic GPU ragged dot, one grouped matmul over rows sorted by expert, each
+  expert's weights read in place (no gathered copy), empty experts skipped.
+
+Legend: B = batch, T = queries, S = keys, N = query heads, K = KV heads, G = N / K, H = head dim,
+M = rows, G_e = experts, F = output features, D = input features.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .combine import lse_of
+
+
+@functools.cache
+def _tokamax():
+    try:
+        import tokamax  # noqa: F401
+        from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+        from tokamax._src.ops.ragged_dot import base as ragged_base
+    except ImportError as e:  # tokamax itself, or a dependency of it
+        raise ImportError(f"the GPU kernels need tokamax (pip install -e \".[cuda]\", Python >= 3.12): {e}") from e
+    return base, pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(), ragged_base
+
+
+def available() -> bool:
+    try:
+        _tokamax()
+    except ImportError:
+        return False
+    return True
+
+
+def _flash(q, k, v, mask) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, K, G, H], k and v [B, S, K, H] -> (o [B, T, K, G, H], lse [B, T, K, G])."""
+    B, T, K, G, H = q.shape
+    _, op, _ = _tokamax()
+    # Query head n reads KV head n // G, tokamax's grouping too.
+    o, (m, l) = op(q.reshape(B, T, K * G, H), k, v, mask=mask, return_residuals=True)
+    lse = lse_of(m, l).swapaxes(1, 2).reshape(B, T, K, G)  # [B, N, T] -> [B, T, K, G]
+    return o.reshape(B, T, K, G, H), lse
+
+
+def causal(q, k, v, *, window: int | None) -> tuple[jax.Array, jax.Array]:
+    """Queries and keys of the same positions, causal (and windowed: i - window < j <= i)."""
+    base, _, _ = _tokamax()
+    mask = base.Mask(None, is_causal=True)
+    if window is not None:
+        mask &= base.CausalMask(offset=0, window_size=window)
+    return _flash(q, k, v, mask)
+
+
+def prefix(q, k, v, kv_len) -> tuple[jax.Array, jax.Array]:
+    """Every query sees keys [0, kv_len[b]) (a cache's earlier positions); blocks past it are skipped."""
+    base, _, _ = _tokamax()
+    return _flash(q, k, v, base.Mask(None, k_end=kv_len.astype(jnp.int32)[:, None, None]))
+
+
+def ragged_dot(x, w, group_sizes) -> jax.Array:
+    """x [M, D] with rows sorted by expert, w [G_e, F, D] (as the model holds experts: out, in),
+    group_sizes [G_e] -> [M, F]; rows past sum(group_sizes) are left undefined."""
+    import tokamax
+
+    _, _, ragged_base = _tokamax()
+    return tokamax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32),
+                                      ragged_dot_dimension_numbers=ragged_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
+                                      preferred_element_type=x.dtype, implementation="mosaic")
