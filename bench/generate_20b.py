@@ -42,12 +42,25 @@ prompt = torch.randint(0, cfg.vocab_size, (1, args["prefill"]), device=dev, gene
 with torch.no_grad():
     timed(lambda: model(prompt))
     out["prefill_tokens_per_s"] = args["prefill"] / min(timed(lambda: model(prompt)) for _ in range(2))
-    for b in args["batches"]:
-        ids = torch.randint(0, cfg.vocab_size, (b, args["decode_prompt"]), device=dev, generator=g)
-        gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        timed(lambda: gen(2))
-        t1, tn = timed(lambda: gen(1)), timed(lambda: gen(args["decode"]))
-        out[f"decode_b{b}_tokens_per_s"] = b * (args["decode"] - 1) / (tn - t1)
+    for n in args["prefill_long"]:
+        try:
+            long = torch.randint(0, cfg.vocab_size, (1, n), device=dev, generator=g)
+            out[f"prefill_{n}_tokens_per_s"] = n / timed(lambda: model(long, logits_to_keep=1))
+        except torch.OutOfMemoryError:
+            out[f"prefill_{n}_tokens_per_s"] = "out of memory"
+        torch.cuda.empty_cache() if dev == "cuda" else None
+    cases = [(b, args["decode_prompt"], f"decode_b{b}") for b in args["batches"]]
+    cases += [(b, p, f"decode_b{b}_prompt{p}") for b, p in args["long"]]
+    for b, p, name in cases:
+        try:
+            ids = torch.randint(0, cfg.vocab_size, (b, p), device=dev, generator=g)
+            gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            timed(lambda: gen(2))
+            t1, tn = timed(lambda: gen(1)), timed(lambda: gen(args["decode"]))
+            out[f"{name}_tokens_per_s"] = b * (args["decode"] - 1) / (tn - t1)
+        except torch.OutOfMemoryError:
+            out[f"{name}_tokens_per_s"] = "out of memory"
+        torch.cuda.empty_cache() if dev == "cuda" else None
 out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0
 print("RESULT " + json.dumps(out))
 '''
@@ -63,27 +76,49 @@ def run_jax(args) -> dict:
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
+    kernels = gj.Kernels(**dict(kv.split("=") for kv in args.kernels.split(",") if kv))
     t = time.perf_counter()
     params = jax.block_until_ready(random_params_on_device(config, seed=0))
     init_s = time.perf_counter() - t
-    gen = Generator(config, params, max_len=max(args.prefill, args.decode_prompt + args.decode) + 16)
     rng = np.random.default_rng(0)
     greedy = Sampling(temperature=0)
-    out = {"jax": f"jax {jax.__version__}", "device": jax.devices()[0].device_kind, "init_s": init_s}
+    out = {"jax": f"jax {jax.__version__}", "device": jax.devices()[0].device_kind, "init_s": init_s,
+           "kernels": kernels.describe()}
+
+    def peak():
+        return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+
+    gen = Generator(config, params, max_len=args.prefill + 16, kernels=kernels)
     prompt = [rng.integers(0, config.vocab_size, args.prefill).tolist()]
     t = time.perf_counter()
     r = gen.generate(prompt, max_new_tokens=2, sampling=greedy)[0]
     out["first_run_s"], out["first_run_compile_s"] = time.perf_counter() - t, r.timings["compile_s"]
     r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
     out["prefill_tokens_per_s"] = r.timings["prefill_tokens_per_s"]
-    for b in args.batches:
-        prompts = [rng.integers(0, config.vocab_size, args.decode_prompt).tolist() for _ in range(b)]
+    for n in args.prefill_long:
+        gen = Generator(config, params, max_len=n + 16, kernels=kernels)
+        prompt = [rng.integers(0, config.vocab_size, n).tolist()]
         for _ in range(2):
-            results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
-        out[f"decode_b{b}_tokens_per_s"] = batch_timings(results)["decode_tokens_per_s"]  # the whole batch's
-        out[f"peak_gib_after_b{b}"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
-        print(f"batch {b}: {out[f'decode_b{b}_tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
-    out["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+            r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
+        out[f"prefill_{n}_tokens_per_s"] = r.timings["prefill_tokens_per_s"]
+        print(f"prefill {n}: {out[f'prefill_{n}_tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+    cases = [(b, args.decode_prompt, f"decode_b{b}") for b in args.batches]
+    cases += [(b, p, f"decode_b{b}_prompt{p}") for b, p in args.long]
+    for b, p, name in cases:
+        gen = Generator(config, params, max_len=p + args.decode + 16, kernels=kernels)
+        prompts = [rng.integers(0, config.vocab_size, p).tolist() for _ in range(b)]
+        try:
+            for _ in range(2):
+                results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
+        except jax.errors.JaxRuntimeError as e:
+            out[f"{name}_tokens_per_s"] = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e)[:200]
+            continue
+        timing = batch_timings(results)
+        out[f"{name}_tokens_per_s"] = timing["decode_tokens_per_s"]  # the whole batch's
+        out[f"{name}_step_ms"] = 1e3 * timing["decode_s"] / (args.decode - 1)
+        out[f"peak_gib_after_{name}"] = peak()
+        print(f"{name}: {out[f'{name}_tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+    out["peak_gib"] = peak()
     return out
 
 
@@ -94,32 +129,40 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--decode-prompt", type=int, default=128, help="prompt length of the decode runs")
+    parser.add_argument("--long", default="", help="decode runs with long prompts, e.g. 64x4096 (batch x prompt)")
+    parser.add_argument("--prefill-long", default="", help="further prefill lengths, e.g. 32768")
+    parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-jax", action="store_true", help="the peer alone (a run longer than one sitting)")
     parser.add_argument("--only-jax", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.long = [tuple(int(x) for x in case.split("x")) for case in args.long.split(",") if case]
+    args.prefill_long = [int(n) for n in args.prefill_long.split(",") if n]
     if args.only_jax:
         print("RESULT " + json.dumps(run_jax(args)), flush=True)
         return
     results = {}
     # Each framework in its own process, so each has the GPU to itself.
-    jax_run = subprocess.run([sys.executable, __file__, "--only-jax", "--preset", args.preset, "--prefill",
-                              str(args.prefill), "--decode", str(args.decode), "--decode-prompt",
-                              str(args.decode_prompt), "--batches",
-                              ",".join(map(str, args.batches))], capture_output=True, text=True)
-    print(jax_run.stderr[-3000:], file=sys.stderr)
-    results["gptoss-jax"] = json.loads(jax_run.stdout.split("RESULT ")[-1]) if jax_run.returncode == 0 else None
+    if not args.skip_jax:
+        jax_run = subprocess.run([sys.executable, __file__, "--only-jax"] + sys.argv[1:], capture_output=True,
+                                 text=True)
+        print(jax_run.stderr[-3000:], file=sys.stderr)
+        results["gptoss-jax"] = json.loads(jax_run.stdout.split("RESULT ")[-1]) if jax_run.returncode == 0 else None
     if not args.skip_peer:
         hf = subprocess.run([sys.executable, "-c", HF_SCRIPT, json.dumps(vars(args))], capture_output=True,
                             text=True, cwd=ROOT)
         print(hf.stderr[-3000:], file=sys.stderr)
         results["transformers"] = json.loads(hf.stdout.split("RESULT ")[-1]) if hf.returncode == 0 else None
     print(json.dumps(results, indent=1))
-    keys = ["prefill_tokens_per_s"] + [f"decode_b{b}_tokens_per_s" for b in args.batches] + ["peak_gib"]
+    keys = (["prefill_tokens_per_s"] + [f"prefill_{n}_tokens_per_s" for n in args.prefill_long]
+            + [f"decode_b{b}_tokens_per_s" for b in args.batches]
+            + [f"decode_b{b}_prompt{p}_tokens_per_s" for b, p in args.long] + ["peak_gib"])
     print("| | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
     for name, r in results.items():
-        cells = [f"{r[k]:,.1f}" if r and r.get(k) is not None else "failed" for k in keys]
+        cells = [(f"{r[k]:,.1f}" if isinstance(r[k], float) else str(r[k])) if r and r.get(k) is not None
+                 else "failed" for k in keys]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -5,8 +5,8 @@
         print(result.output_ids)
 
 Prompts are right-padded to a shared length rounded up to a power of two (at least 16), then
-processed in chunks of at most `prefill_chunk` tokens per sequence and `prefill_tokens` for the whole batch
-(attention's temporaries grow with both), so a new prompt length inside a bucket
+processed in chunks of at most `prefill_chunk` tokens per sequence (512, or 4096 with a fused attention
+kernel) and `prefill_tokens` for the whole batch (attention's and the experts' temporaries grow with both), so a new prompt length inside a bucket
 compiles nothing new. The decode loop brings each step's tokens to the host only for stop checks and
 streaming; sequences that stop no longer grow (their cache length stays put).
 """
@@ -104,10 +104,12 @@ class Generator:
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
-                 prefill_chunk: int = 512, prefill_tokens: int = 8192):
+                 prefill_chunk: int | None = None, prefill_tokens: int = 8192):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
+        if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
+            prefill_chunk = 4096 if kernels.attention_for(4096) in ("tokamax", "splash") else 512
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.dtype = params["embedding"].dtype
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
