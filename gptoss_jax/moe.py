@@ -10,7 +10,7 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
 - "grouped" (jnp, prompts): sorts the pairs by expert, pads each expert's group to a multiple of
   `block` rows and loops over the blocks, one [block, D] x [D, F] product with that block's expert
   each. Work is the selected pairs plus at most `block - 1` padding rows per expert.
-- "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
+- "mosaic_gpu" or "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
   matmul (ragged dot) per projection that skips empty experts (kernels/gpu.py, kernels/tpu.py).
 
 On a mesh (sharding.py), each device runs both paths on its own experts only (`local_experts`):
@@ -166,10 +166,11 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
         y = _experts_pairwise(x, jnp.where(mine, local, 0), w, act, interpret=interpret)
     elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
-    elif impl == "tokamax":
+    elif impl in ("mosaic_gpu", "tokamax"):
         from .kernels import gpu
 
-        y = _experts_ragged(x, jnp.where(mine, local, -1), w, act, ragged_dot=gpu.ragged_dot)
+        y = _experts_ragged(x, jnp.where(mine, local, -1), w, act,
+                            ragged_dot=gpu.mosaic_ragged_dot if impl == "mosaic_gpu" else gpu.ragged_dot)
     elif impl == "megablox":
         from .kernels import tpu
 
@@ -210,8 +211,8 @@ class MLPBlock(nn.Module):
         def act(h):
             return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
-        run = functools.partial(local_experts, impl=self.kernels.moe_for(idx.size), block=self.kernels.moe_block,
-                                interpret=self.kernels.interpret)
+        impl = self.kernels.moe_for(idx.size, w["mlp1_weight"].dtype)
+        run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         if self.mesh is None:
             out = run(t, weights, idx, experts, act, first=0)

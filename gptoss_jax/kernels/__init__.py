@@ -4,11 +4,11 @@
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | jnp over the filled cache ("blockwise") | same | same |
-| experts, prompts | tokamax ragged dot ("tokamax") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
+| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
-tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp code.
-The Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
+tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
+attention. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
 code: on CPU in Pallas interpret mode (`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
 
 Attention kernels compute sink-free attention over one set of keys with its softmax statistics, and
@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash")
-MOE = ("auto", "gather", "grouped", "tokamax", "triton", "megablox")
+MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "megablox")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +55,20 @@ class Kernels:
                 return "splash"
         return "blockwise"
 
-    def moe_for(self, pairs: int) -> str:
-        """The expert kernel for a call with this many (token, expert) pairs."""
+    def moe_for(self, pairs: int, dtype=jnp.bfloat16) -> str:
+        """The expert kernel for a call with this many (token, expert) pairs, weights of this dtype."""
         if self.moe != "auto":
             return self.moe
         backend = jax.default_backend()
         if pairs <= self.moe_gather_max_pairs:
             return "triton" if backend == "gpu" else "gather"
-        if backend == "gpu" and _tokamax_available():
-            return "tokamax"
+        if backend == "gpu":
+            from . import gpu
+
+            if gpu.is_hopper() and jnp.dtype(dtype).itemsize == 2:  # its wgmma path takes 16-bit inputs
+                return "mosaic_gpu"
+            if gpu.available():
+                return "tokamax"
         if backend == "tpu":
             return "megablox"
         return "grouped"

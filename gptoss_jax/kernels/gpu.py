@@ -4,8 +4,11 @@ library: `pip install -e ".[cuda]"` (Python >= 3.12). Nothing here is imported w
 - Attention: tokamax's Mosaic GPU flash attention (sm80/sm90/sm100). It takes no sinks; it returns
   the softmax statistics (row max and sum), and combine.py folds the sinks in from them. Key blocks
   outside the causal band, the window or a cache's filled length are skipped inside the kernel.
-- Experts: tokamax's Mosaic GPU ragged dot, one grouped matmul over rows sorted by expert, each
-  expert's weights read in place (no gathered copy), empty experts skipped.
+- Experts: one grouped matmul (ragged dot) over rows sorted by expert, each expert's weights read in
+  place (no gathered copy). On Hopper, the Mosaic GPU ragged dot that ships with JAX reads the
+  model's [E, out, in] experts directly (`mosaic_ragged_dot`); tokamax's (`ragged_dot`) wants
+  [E, in, out] and so transposes each call's weights first, about twice as slow here (one H100:
+  0.53 vs 1.41 ms for 32 rows over 32 experts, 2.5 vs 3.0 ms for 16,384 rows; docs/benchmarks.md).
 
 Legend: B = batch, T = queries, S = keys, N = query heads, K = KV heads, G = N / K, H = head dim,
 M = rows, G_e = experts, F = output features, D = input features.
@@ -74,3 +77,20 @@ def ragged_dot(x, w, group_sizes) -> jax.Array:
     return tokamax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32),
                                       ragged_dot_dimension_numbers=ragged_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
                                       preferred_element_type=x.dtype, implementation="mosaic")
+
+
+def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
+    """As `ragged_dot`, by the Mosaic GPU kernel in JAX's Pallas ops (Hopper), reading w [E, F, D]
+    tiles transposed in shared memory rather than transposing w."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    F, D = w.shape[1:]
+    block_k = 64 if D % 64 == 0 else 32
+    block_n = 128 if F % 128 == 0 else 64
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=block_n,
+                                      block_k=block_k, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+
+
+def is_hopper() -> bool:
+    devices = jax.devices()
+    return devices[0].platform == "gpu" and getattr(devices[0], "compute_capability", "") == "9.0"

@@ -1,0 +1,91 @@
+"""Every GPU kernel against the jnp code it replaces, on a reduced config: `pytest -m gpu` on a machine
+with an NVIDIA GPU (tokamax installed for its attention: pip install -e ".[cuda]").
+
+Deselected by default (pyproject's addopts); on a machine without a GPU these tests fail rather than
+pass vacuously.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gptoss_jax as gj
+from conftest import rel_err
+from gptoss_jax.generate import Generator
+from gptoss_jax.kernels import gpu, xla
+from gptoss_jax.kernels.combine import combine
+from gptoss_jax.moe import MLPBlock
+from gptoss_jax.sampling import Sampling
+from gptoss_jax.testing import random_params
+
+pytestmark = pytest.mark.gpu
+BF16_RTOL = 2e-2  # as the bf16 tests of test_model.py: a few roundings of 2^-9
+
+# The tiny model's features at head and feature sizes the kernels tile (head_dim 64, multiples of 64).
+CONFIG = gj.ModelConfig.tiny().replace(hidden_size=256, intermediate_size=320, head_dim=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _on_gpu():
+    assert jax.default_backend() == "gpu", "these tests need an NVIDIA GPU"
+
+
+def _qkv(T, S, dtype, seed=0):
+    r = [jax.random.normal(k, s, dtype) for k, s in zip(jax.random.split(jax.random.key(seed), 4), [
+        (2, T, 2, 4, 64), (2, S, 2, 64), (2, S, 2, 64), (2, 4)])]
+    return r[0], r[1], r[2], r[3].astype(jnp.float32)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_flash_attention_and_its_statistics(window):
+    q, k, v, sinks = _qkv(300, 300, jnp.bfloat16)
+    o, lse = gpu.causal(q, k, v, window=window)
+    o_ref, lse_ref = xla.causal(q, k, v, window=window, block=64)
+    # The statistics: float32, natural log, every row saw its own key.
+    assert lse.dtype == jnp.float32 and lse.shape == lse_ref.shape
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=0.05)
+    assert rel_err(o.astype(jnp.float32), o_ref) <= BF16_RTOL
+    with_sinks = combine([(o, lse)], sinks, jnp.float32)
+    assert rel_err(with_sinks, combine([(o_ref, lse_ref)], sinks, jnp.float32)) <= BF16_RTOL
+
+
+def test_flash_attention_over_a_cache_prefix():
+    q, k, v, sinks = _qkv(40, 384, jnp.bfloat16, seed=1)
+    kv_len = jnp.array([0, 250], jnp.int32)  # an empty prefix gives lse = -inf and no contribution
+    o, lse = gpu.prefix(q, k, v, kv_len)
+    o_ref, lse_ref = xla.prefix(q, k, v, kv_len, block=64)
+    assert bool(jnp.all(jnp.isneginf(lse[0])))
+    got, want = combine([(o, lse)], sinks, jnp.float32), combine([(o_ref, lse_ref)], sinks, jnp.float32)
+    assert rel_err(got, want) <= BF16_RTOL
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu", "tokamax"])
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_expert_kernels_equal_the_gather_path(impl, tokens):
+    params = random_params(CONFIG, seed=0, dtype=jnp.bfloat16)["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, CONFIG.hidden_size), jnp.bfloat16)
+    want = MLPBlock(CONFIG, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": params}, x)
+    got = MLPBlock(CONFIG, jnp.bfloat16, gj.Kernels(moe=impl)).apply({"params": params}, x)
+    assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= BF16_RTOL
+
+
+def test_greedy_tokens_equal_the_jnp_kernels_in_float32():
+    params = random_params(CONFIG, seed=1, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 150, 300)]  # beyond the window
+
+    def tokens(kernels):
+        gen = Generator(CONFIG, params, max_len=400, kernels=kernels, prefill_chunk=128)
+        return [r.output_ids for r in gen.generate(prompts, max_new_tokens=12, sampling=Sampling(temperature=0))]
+
+    reference = tokens(gj.Kernels(attention="blockwise", moe="grouped"))
+    assert tokens(gj.Kernels(attention="tokamax", moe="triton")) == reference
+    assert tokens(gj.Kernels()) == reference  # auto (the Mosaic GPU ragged dot takes 16-bit weights only)
+
+
+def test_auto_picks_the_gpu_kernels():
+    k = gj.Kernels()
+    assert k.moe_for(4) == "triton"
+    assert k.moe_for(4096) in ("mosaic_gpu", "tokamax")
+    assert k.attention_for(4096) == ("tokamax" if gpu.available() else "blockwise")
