@@ -100,7 +100,7 @@ class AttentionBlock(nn.Module):
         q = q.reshape(B, T, cfg.num_key_value_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, K, G, H]
         sinks = w["sinks"].reshape(cfg.num_key_value_heads, cfg.q_per_kv)  # [K, G]
         window = cfg.sliding_window if cfg.is_sliding(self.layer) else None
-        impl = self.kernels.attention_for(T)
+        impl = self.kernels.attention_for(T, q.dtype)
         new_cache = None
         if layer_cache is not None:
             o, new_cache = self._cached(impl, q, k, v, sinks, positions, layer_cache, lengths, valid, window)

@@ -108,8 +108,9 @@ class Generator:
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
+        self.dtype = params["embedding"].dtype
         if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
-            prefill_chunk = 4096 if kernels.attention_for(4096) in ("tokamax", "splash") else 512
+            prefill_chunk = 4096 if kernels.attention_for(4096, self.dtype) in ("tokamax", "splash") else 512
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.dtype = params["embedding"].dtype
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow

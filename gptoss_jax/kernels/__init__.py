@@ -43,13 +43,14 @@ class Kernels:
         if self.moe not in MOE:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose from {', '.join(MOE)}")
 
-    def attention_for(self, queries: int) -> str:
-        """The attention kernel for a call with this many query positions per sequence."""
+    def attention_for(self, queries: int, dtype=jnp.bfloat16) -> str:
+        """The attention kernel for a call with this many query positions per sequence, of this dtype."""
         if self.attention != "auto":
             return self.attention
         if queries > 16:
             backend = jax.default_backend()
-            if backend == "gpu" and _tokamax_available():
+            # tokamax's GPU attention takes 16-bit inputs (float32 would be TF32 there).
+            if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
                 return "tokamax"
             if backend == "tpu":
                 return "splash"

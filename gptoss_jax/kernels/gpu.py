@@ -85,10 +85,10 @@ def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     F, D = w.shape[1:]
-    block_k = 64 if D % 64 == 0 else 32
-    block_n = 128 if F % 128 == 0 else 64
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=block_n,
-                                      block_k=block_k, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+    if F % 128 or D % 64:  # its tiles; other shapes (gpt-oss's mlp2, F = 2880) go to tokamax
+        return ragged_dot(x, w, group_sizes)
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=128,
+                                      block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
 
 
 def is_hopper() -> bool:
