@@ -112,7 +112,6 @@ class Generator:
         if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
             prefill_chunk = 4096 if kernels.attention_for(4096, self.dtype) in ("tokamax", "splash") else 512
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
-        self.dtype = params["embedding"].dtype
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self._compile_s = 0.0

@@ -1,0 +1,70 @@
+"""The kernel layer on CPU: sinks folded in through the statistics, and the TPU and Triton kernels in
+Pallas interpret mode against the jnp code."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gptoss_jax as gj
+from conftest import assert_rel_close
+from gptoss_jax.attention import attention_reference
+from gptoss_jax.kernels import tpu, triton, xla
+from gptoss_jax.kernels.combine import combine
+
+
+def _qkv(rng, B, T, K, G, H):
+    q = rng.standard_normal((B, T, K, G, H)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    return q, k, v, rng.standard_normal((K, G)).astype(np.float32)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_parts_with_sinks_equal_the_whole(window):
+    # A cache's first 50 positions as one part and the next 40 as another equal attention over all 90.
+    rng = np.random.default_rng(0)
+    q, k, v, sinks = _qkv(rng, 2, 90, 2, 3, 8)
+    pos = np.broadcast_to(np.arange(90), (2, 90))
+    ref = attention_reference(q, k, v, sinks, pos, pos, window=window)[:, 50:]
+    old_mask = xla.visible(pos[:, 50:], pos[:, :50], window)
+    old = xla.dense(q[:, 50:], k[:, :50], v[:, :50], old_mask)
+    new = xla.causal(q[:, 50:], k[:, 50:], v[:, 50:], window=window, block=16)
+    assert_rel_close(combine([old, new], sinks, jnp.float32), ref, rtol=1e-5)
+
+
+def test_a_part_that_sees_nothing_contributes_nothing():
+    rng = np.random.default_rng(1)
+    q, k, v, sinks = _qkv(rng, 2, 20, 1, 2, 8)
+    empty = xla.prefix(q, k, v, jnp.array([0, 0]), block=8)
+    assert bool(jnp.all(jnp.isneginf(empty[1])))
+    alone = xla.causal(q, k, v, window=None, block=8)
+    assert_rel_close(combine([empty, alone], sinks, jnp.float32), combine([alone], sinks, jnp.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_splash_attention_in_interpret_mode(window):
+    rng = np.random.default_rng(2)
+    q, k, v, _ = _qkv(rng, 1, 256, 2, 2, 64)
+    o, lse = tpu.causal(q, k, v, window=window, interpret=True)
+    o_ref, lse_ref = xla.causal(q, k, v, window=window, block=64)
+    assert_rel_close(o, o_ref, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-4)
+
+
+def test_triton_matvec_in_interpret_mode():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 128)).astype(np.float32)
+    w = rng.standard_normal((4, 192, 128)).astype(np.float32)
+    idx = np.array([3, 0, 2, 2, 1, 0])
+    got = triton.pair_matvec(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), interpret=True)
+    assert_rel_close(got, np.einsum("pd,pfd->pf", x, w[idx]), rtol=1e-5)
+
+
+def test_kernel_choice_on_cpu_and_bad_names():
+    k = gj.Kernels()
+    assert (k.attention_for(4096), k.attention_for(1), k.moe_for(1 << 16), k.moe_for(4)) == (
+        "blockwise", "blockwise", "grouped", "gather")
+    with pytest.raises(ValueError, match="unknown MoE kernel 'fast'"):
+        gj.Kernels(moe="fast")
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        gj.Kernels(attention="flash")
