@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--quick]
+    python bench/kernels.py [--part attention|ragged]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -47,7 +47,7 @@ def timed(name, fn, *args, n=20, ref=None, check=None, **extra):
     return out
 
 
-def attention(rng, quick):
+def attention():
     key = jax.random.key(0)
     kq, kk, kv, ks = jax.random.split(key, 4)
     for T, window in ((4096, None), (4096, 128)):
@@ -80,7 +80,7 @@ def attention(rng, quick):
             timed(f"{tag} {name}", fn, q, k, v, sinks, ref=ref, kv_bytes=kv_bytes)
 
 
-def ragged(rng, quick):
+def ragged(rng):
     import tokamax
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
@@ -113,15 +113,14 @@ def ragged(rng, quick):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--part", choices=["all", "attention", "ragged"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     if args.part in ("all", "attention"):
-        attention(rng, args.quick)
+        attention()
     if args.part in ("all", "ragged"):
-        ragged(rng, args.quick)
+        ragged(rng)
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
     for r in ROWS:
         note = r.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("op", "ms", "rel_err"))

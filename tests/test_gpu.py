@@ -89,6 +89,8 @@ def test_greedy_tokens_equal_the_jnp_kernels_in_float32():
 def test_auto_picks_the_gpu_kernels():
     k = gj.Kernels()
     assert k.moe_for(4) == "triton"
-    assert k.moe_for(4096) in ("mosaic_gpu", "tokamax")
-    assert k.attention_for(4096) == ("tokamax" if gpu.available() else "blockwise")
+    fused = gpu.available()
+    assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
+    assert k.moe_for(4096, jnp.float32) == "grouped"
+    assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "blockwise"

@@ -4,11 +4,11 @@
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | jnp over the filled cache ("blockwise") | same | same |
-| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
+| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax) | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
-attention. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
+attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
 code: on CPU in Pallas interpret mode (`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
 
 Attention kernels compute sink-free attention over one set of keys with its softmax statistics, and
@@ -63,13 +63,12 @@ class Kernels:
         backend = jax.default_backend()
         if pairs <= self.moe_gather_max_pairs:
             return "triton" if backend == "gpu" else "gather"
-        if backend == "gpu":
+        # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot
+        # hands shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
+        if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
             from . import gpu
 
-            if gpu.is_hopper() and jnp.dtype(dtype).itemsize == 2:  # its wgmma path takes 16-bit inputs
-                return "mosaic_gpu"
-            if gpu.available():
-                return "tokamax"
+            return "mosaic_gpu" if gpu.is_hopper() else "tokamax"
         if backend == "tpu":
             return "megablox"
         return "grouped"

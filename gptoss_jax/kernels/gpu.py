@@ -27,12 +27,12 @@ from .combine import lse_of
 @functools.cache
 def _tokamax():
     try:
-        import tokamax  # noqa: F401
+        import tokamax
         from tokamax._src.ops.attention import base, pallas_mosaic_gpu
         from tokamax._src.ops.ragged_dot import base as ragged_base
     except ImportError as e:  # tokamax itself, or a dependency of it
         raise ImportError(f"the GPU kernels need tokamax (pip install -e \".[cuda]\", Python >= 3.12): {e}") from e
-    return base, pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(), ragged_base
+    return tokamax, base, pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(), ragged_base
 
 
 def available() -> bool:
@@ -46,7 +46,7 @@ def available() -> bool:
 def _flash(q, k, v, mask) -> tuple[jax.Array, jax.Array]:
     """q [B, T, K, G, H], k and v [B, S, K, H] -> (o [B, T, K, G, H], lse [B, T, K, G])."""
     B, T, K, G, H = q.shape
-    _, op, _ = _tokamax()
+    _, _, op, _ = _tokamax()
     # Query head n reads KV head n // G, tokamax's grouping too.
     o, (m, l) = op(q.reshape(B, T, K * G, H), k, v, mask=mask, return_residuals=True)
     lse = lse_of(m, l).swapaxes(1, 2).reshape(B, T, K, G)  # [B, N, T] -> [B, T, K, G]
@@ -55,7 +55,7 @@ def _flash(q, k, v, mask) -> tuple[jax.Array, jax.Array]:
 
 def causal(q, k, v, *, window: int | None) -> tuple[jax.Array, jax.Array]:
     """Queries and keys of the same positions, causal (and windowed: i - window < j <= i)."""
-    base, _, _ = _tokamax()
+    _, base, _, _ = _tokamax()
     mask = base.Mask(None, is_causal=True)
     if window is not None:
         mask &= base.CausalMask(offset=0, window_size=window)
@@ -64,16 +64,14 @@ def causal(q, k, v, *, window: int | None) -> tuple[jax.Array, jax.Array]:
 
 def prefix(q, k, v, kv_len) -> tuple[jax.Array, jax.Array]:
     """Every query sees keys [0, kv_len[b]) (a cache's earlier positions); blocks past it are skipped."""
-    base, _, _ = _tokamax()
+    _, base, _, _ = _tokamax()
     return _flash(q, k, v, base.Mask(None, k_end=kv_len.astype(jnp.int32)[:, None, None]))
 
 
 def ragged_dot(x, w, group_sizes) -> jax.Array:
     """x [M, D] with rows sorted by expert, w [G_e, F, D] (as the model holds experts: out, in),
     group_sizes [G_e] -> [M, F]; rows past sum(group_sizes) are left undefined."""
-    import tokamax
-
-    _, _, ragged_base = _tokamax()
+    tokamax, _, _, ragged_base = _tokamax()
     return tokamax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32),
                                       ragged_dot_dimension_numbers=ragged_base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
                                       preferred_element_type=x.dtype, implementation="mosaic")

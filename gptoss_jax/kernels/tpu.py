@@ -40,7 +40,7 @@ def causal(q, k, v, *, window: int | None, interpret: bool = False) -> tuple[jax
     B, T, K, G, H = q.shape
     kernel = _splash(T, K * G, window, interpret)
     qh = q.reshape(B, T, K * G, H).transpose(0, 2, 1, 3) * np.float32(1 / np.sqrt(H)).astype(q.dtype)  # [B, N, T, H]
-    kh, vh = (jnp.repeat(x.transpose(0, 2, 1, 3), G, axis=1) for x in (k, v))  # [B, N, T, H]
+    kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, T, H]: splash groups q heads n // G itself
     o, (lse,) = jax.vmap(kernel)(qh, kh, vh)
     return (o.transpose(0, 2, 1, 3).reshape(B, T, K, G, H),
             lse.transpose(0, 2, 1).reshape(B, T, K, G).astype(jnp.float32))
