@@ -1,7 +1,9 @@
 """Generation speed of full-size gpt-oss-20b (synthetic bf16 weights) on one GPU, with Hugging Face
 transformers measured in the same run on the same GPU (one after the other, each alone on it).
 
-    python bench/generate_20b.py [--prefill 4096] [--decode 64] [--batches 1,8]
+    python bench/generate_20b.py [--prefill 4096] [--decode 64] [--batches 1,8] [--long 64x4096]
+        [--prefill-long 32768] [--fit 4096:256,288] [--profile DIR]
+    python bench/generate_20b.py --startup DIR   (cold start, then second start with the cache in DIR)
 
 Rates: prefill = prompt tokens / time to first token of a batch-1 prompt; decode = tokens produced
 after the first / the time they took (batch B produces B tokens per step). Each measurement follows
@@ -95,11 +97,17 @@ def run_jax(args) -> dict:
     out["first_run_s"], out["first_run_compile_s"] = time.perf_counter() - t, r.timings["compile_s"]
     r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
     out["prefill_tokens_per_s"] = r.timings["prefill_tokens_per_s"]
+    if args.profile:
+        with jax.profiler.trace(os.path.join(args.profile, "prefill"), create_perfetto_trace=True):
+            gen.generate(prompt, max_new_tokens=1, sampling=greedy)
+    print(f"prefill {args.prefill}: {out['prefill_tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+    del gen
     for n in args.prefill_long:
         gen = Generator(config, params, max_len=n + 16, kernels=kernels)
         prompt = [rng.integers(0, config.vocab_size, n).tolist()]
         for _ in range(2):
             r = gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0]
+        del gen
         out[f"prefill_{n}_tokens_per_s"] = r.timings["prefill_tokens_per_s"]
         print(f"prefill {n}: {out[f'prefill_{n}_tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
     cases = [(b, args.decode_prompt, f"decode_b{b}") for b in args.batches]
@@ -108,18 +116,59 @@ def run_jax(args) -> dict:
         gen = Generator(config, params, max_len=p + args.decode + 16, kernels=kernels)
         prompts = [rng.integers(0, config.vocab_size, p).tolist() for _ in range(b)]
         try:
-            for _ in range(2):
-                results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
+            results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)  # compiles
+            if args.profile:
+                folder = os.path.join(args.profile, name)
+                with jax.profiler.trace(folder, create_perfetto_trace=True):
+                    results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
+                out[f"{name}_profile"] = folder
+            results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
         except jax.errors.JaxRuntimeError as e:
             out[f"{name}_tokens_per_s"] = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e)[:200]
+            del gen
             continue
+        del gen
         timing = batch_timings(results)
         out[f"{name}_tokens_per_s"] = timing["decode_tokens_per_s"]  # the whole batch's
         out[f"{name}_step_ms"] = 1e3 * timing["decode_s"] / (args.decode - 1)
         out[f"peak_gib_after_{name}"] = peak()
         print(f"{name}: {out[f'{name}_tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+    for context, batches in args.fit:
+        for b in batches:  # prefill of `context` tokens each, then 8 tokens
+            gen = Generator(config, params, max_len=context + 24, kernels=kernels)
+            prompts = [rng.integers(0, config.vocab_size, context).tolist() for _ in range(b)]
+            try:
+                gen.generate(prompts, max_new_tokens=8, sampling=greedy)
+                fits = f"fits, peak {peak():.1f} GiB"
+            except jax.errors.JaxRuntimeError as e:
+                fits = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e)[:200]
+            del gen
+            out[f"fit_b{b}_context{context}"] = fits
+            print(f"batch {b} at {context}: {fits}", file=sys.stderr, flush=True)
     out["peak_gib"] = peak()
     return out
+
+
+def run_startup(args) -> dict:
+    """Time to first token of a process whose weights are already on the device, with the persistent
+    compilation cache in args.startup (cold: empty; second start: filled by the first)."""
+    import jax
+    import numpy as np
+
+    import gptoss_jax as gj
+    from gptoss_jax.cli.devices import use_compile_cache
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.sampling import Sampling
+    from gptoss_jax.testing import random_params_on_device
+
+    use_compile_cache(args.startup)
+    config = gj.ModelConfig.preset(args.preset)
+    params = jax.block_until_ready(random_params_on_device(config, seed=0))
+    prompt = [np.random.default_rng(0).integers(0, config.vocab_size, args.prefill).tolist()]
+    t = time.perf_counter()
+    gen = Generator(config, params, max_len=args.prefill + args.decode + 16)
+    r = gen.generate(prompt, max_new_tokens=1, sampling=Sampling(temperature=0))[0]
+    return {"to_first_token_s": time.perf_counter() - t, "compile_s": r.timings["compile_s"]}
 
 
 def main() -> None:
@@ -134,8 +183,30 @@ def main() -> None:
     parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-jax", action="store_true", help="the peer alone (a run longer than one sitting)")
+    parser.add_argument("--profile", metavar="DIR", help="trace the prefill and each decode run into DIR "
+                        "(Perfetto traces; bench/profile_summary.py sums them by kernel)")
+    parser.add_argument("--fit", action="append", default=[], metavar="CONTEXT:B1,B2",
+                        help="try these batch sizes with prompts of CONTEXT tokens (out of memory or not)")
+    parser.add_argument("--startup", metavar="DIR", help="instead: time to first token of two fresh processes "
+                        "sharing the persistent compilation cache DIR (emptied first): cold, then second start")
     parser.add_argument("--only-jax", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--only-startup", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.fit = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (f.split(":") for f in args.fit)]
+    if args.only_startup:
+        print("RESULT " + json.dumps(run_startup(args)), flush=True)
+        return
+    if args.startup:
+        import shutil
+
+        shutil.rmtree(args.startup, ignore_errors=True)
+        runs = {}
+        for name in ("cold_start", "second_start"):
+            r = subprocess.run([sys.executable, __file__, "--only-startup"] + sys.argv[1:], capture_output=True,
+                               text=True)
+            runs[name] = json.loads(r.stdout.split("RESULT ")[-1]) if r.returncode == 0 else r.stderr[-2000:]
+        print(json.dumps(runs, indent=1))
+        return
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.long = [tuple(int(x) for x in case.split("x")) for case in args.long.split(",") if case]
     args.prefill_long = [int(n) for n in args.prefill_long.split(",") if n]

@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged]
+    python bench/kernels.py [--part attention|ragged|decode]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from gptoss_jax.kernels import gpu, xla
 from gptoss_jax.kernels.combine import combine
-from gptoss_jax.kernels.triton import pair_matvec
+from gptoss_jax.kernels.triton import cache_attention, pair_matvec
 
 K, G, H, D, F2, E = 8, 8, 64, 2880, 5760, 32
 ROWS = []
@@ -111,9 +111,46 @@ def ragged(rng):
                   weight_bytes=bytes_read)
 
 
+def decode(rng):
+    """Decode attention to a cache (filled part only) and the decode expert matvec, with variants."""
+    kq, kk, kv, ks = jax.random.split(jax.random.key(3), 4)
+    for B, S, filled in ((1, 4224, 4100), (1, 4224, 256), (8, 4224, 4100), (64, 4224, 4100), (1, 32896, 32800),
+                         (16, 32896, 32800)):
+        q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
+        k = jax.random.normal(kk, (B, S, K, H), jnp.bfloat16)
+        v = jax.random.normal(kv, (B, S, K, H), jnp.bfloat16)
+        sinks = jax.random.normal(ks, (K, G), jnp.float32)
+        kv_len = jnp.full((B,), filled, jnp.int32)
+        mask = jnp.broadcast_to((jnp.arange(S)[None] < kv_len[:, None])[:, None], (B, 1, S))
+        ref = jax.jit(lambda q, k, v, s: combine([xla.dense(q, k, v, mask)], s, jnp.float32))(q, k, v, sinks)
+        tag = f"decode attention B={B} S={S} filled={filled}"
+        kv_bytes = 2 * B * filled * K * H * 2
+        timed(f"{tag} xla dense", lambda q, k, v, s: combine([xla.prefix(q, k, v, kv_len, block=512)], s, q.dtype),
+              q, k, v, sinks, ref=ref, kv_bytes=kv_bytes)
+        for splits in (None, 8, 32):
+            for bk, warps in ((64, 4), (128, 4), (128, 8)):
+                if splits is not None and (bk, warps) != (64, 4):
+                    continue
+                timed(f"{tag} triton splits={splits} block={bk} warps={warps}", lambda q, k, v, s: combine(
+                    [cache_attention(q, k, v, kv_len, splits=splits, block_k=bk, num_warps=warps)], s, q.dtype),
+                    q, k, v, sinks, ref=ref, kv_bytes=kv_bytes)
+    for F, Din in ((F2, D), (D, D)):
+        w = jax.random.normal(jax.random.key(1), (E, F, Din), jnp.bfloat16) * 0.02
+        for M in (4, 32):
+            groups = jnp.asarray(rng.choice(E, size=M, replace=M > E))
+            x = jax.random.normal(jax.random.key(2), (M, Din), jnp.bfloat16)
+            ref = jax.jit(lambda x, w: jnp.einsum("md,mfd->mf", x, w[groups], preferred_element_type=jnp.float32))(x, w)
+            bytes_read = M * F * Din * 2
+            for bf, bd, warps, stages in ((64, 64, 4, 3), (32, 64, 4, 4), (16, 64, 2, 4), (64, 64, 8, 4),
+                                          (128, 64, 8, 3), (32, 64, 2, 6)):
+                timed(f"matvec [{E},{F},{Din}] M={M} bf={bf} bd={bd} warps={warps} stages={stages}",
+                      lambda x, w: pair_matvec(x, groups, w, block_f=bf, block_d=bd, num_warps=warps,
+                                               num_stages=stages), x, w, ref=ref, weight_bytes=bytes_read)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -121,6 +158,8 @@ def main():
         attention()
     if args.part in ("all", "ragged"):
         ragged(rng)
+    if args.part in ("all", "decode"):
+        decode(rng)
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
     for r in ROWS:
         note = r.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("op", "ms", "rel_err"))

@@ -131,6 +131,10 @@ class AttentionBlock(nn.Module):
             from .kernels import gpu
 
             return gpu.prefix(q, cache_k, cache_v, lengths)
+        if impl == "triton" and q.shape[1] * q.shape[3] <= 128:  # decode-sized: rows of one program
+            from .kernels import triton
+
+            return triton.cache_attention(q, cache_k, cache_v, lengths, interpret=self.kernels.interpret)
         dense_max = q.shape[1] if impl == "reference" else 16
         return xla.prefix(q, cache_k, cache_v, lengths, block=self.kernels.attention_block, dense_max=dense_max)
 

@@ -13,7 +13,7 @@ import pytest
 import gptoss_jax as gj
 from conftest import rel_err
 from gptoss_jax.generate import Generator
-from gptoss_jax.kernels import gpu, xla
+from gptoss_jax.kernels import gpu, triton, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.moe import MLPBlock
 from gptoss_jax.sampling import Sampling
@@ -60,6 +60,20 @@ def test_flash_attention_over_a_cache_prefix():
     assert rel_err(got, want) <= BF16_RTOL
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("T", [1, 4])
+def test_triton_cache_attention(dtype, T):
+    q, k, v, sinks = _qkv(T, 4224, dtype, seed=2)
+    kv_len = jnp.array([0, 4100], jnp.int32)
+    o, lse = triton.cache_attention(q, k, v, kv_len)
+    with jax.default_matmul_precision("highest"):  # the float32 reference in full, not TF32
+        o_ref, lse_ref = xla.prefix(q, k, v, kv_len, block=512)
+    assert bool(jnp.all(jnp.isneginf(lse[0])))
+    np.testing.assert_allclose(np.asarray(lse[1]), np.asarray(lse_ref[1]), atol=0.05 if dtype == jnp.bfloat16 else 1e-4)
+    got, want = combine([(o, lse)], sinks, jnp.float32), combine([(o_ref, lse_ref)], sinks, jnp.float32)
+    assert rel_err(got, want) <= (BF16_RTOL if dtype == jnp.bfloat16 else 1e-4)
+
+
 @pytest.mark.parametrize("impl", ["triton", "mosaic_gpu", "tokamax"])
 @pytest.mark.parametrize("tokens", [1, 8, 300])
 def test_expert_kernels_equal_the_gather_path(impl, tokens):
@@ -93,4 +107,4 @@ def test_auto_picks_the_gpu_kernels():
     assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
     assert k.moe_for(4096, jnp.float32) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
-    assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "blockwise"
+    assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "triton"

@@ -60,6 +60,42 @@ def test_triton_matvec_in_interpret_mode():
     assert_rel_close(got, np.einsum("pd,pfd->pf", x, w[idx]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_triton_cache_attention_reads_the_filled_part(T):
+    # Garbage past each sequence's length must not leak in; an empty cache gives lse = -inf.
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((3, T, 2, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((3, 256, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((3, 256, 2, 16)).astype(np.float32)
+    kv_len = jnp.array([0, 70, 256])
+    k[1, 70:], v[1, 70:] = 1e4, -1e4
+    for splits in (None, 3):
+        o, lse = triton.cache_attention(q, k, v, kv_len, interpret=True, block_k=32, splits=splits)
+        o_ref, lse_ref = xla.prefix(q, k, v, kv_len, block=64)
+        assert bool(jnp.all(jnp.isneginf(lse[0]))) and bool(jnp.all(o[0] == 0))
+        assert_rel_close(o[1:], o_ref[1:], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse[1:]), np.asarray(lse_ref[1:]), rtol=1e-6)
+
+
+def test_triton_decode_attention_in_the_model():
+    # The cached model with the Triton cache attention (interpret mode) gives the jnp kernels' tokens,
+    # with prompts longer than the sliding window.
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.sampling import Sampling
+    from gptoss_jax.testing import random_params
+
+    config = gj.ModelConfig.tiny()
+    params = random_params(config, seed=2, dtype=jnp.float32)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (3, 40)]
+
+    def tokens(kernels):
+        gen = Generator(config, params, max_len=64, kernels=kernels, prefill_chunk=16)
+        return [r.output_ids for r in gen.generate(prompts, max_new_tokens=6, sampling=Sampling(temperature=0))]
+
+    assert tokens(gj.Kernels(attention="triton", interpret=True)) == tokens(gj.Kernels())
+
+
 def test_kernel_choice_on_cpu_and_bad_names():
     k = gj.Kernels()
     assert (k.attention_for(4096), k.attention_for(1), k.moe_for(1 << 16), k.moe_for(4)) == (

@@ -3,7 +3,7 @@
 | op | "auto" on an NVIDIA GPU | "auto" on a TPU | "auto" elsewhere (the readable reference) |
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
-| attention, decode | jnp over the filled cache ("blockwise") | same | same |
+| attention, decode | Pallas Triton over the filled cache ("triton") | jnp over the whole cache ("blockwise") | same as TPU |
 | experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax) | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash")
+ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "triton")
 MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "megablox")
 
 
@@ -47,13 +47,15 @@ class Kernels:
         """The attention kernel for a call with this many query positions per sequence, of this dtype."""
         if self.attention != "auto":
             return self.attention
+        backend = jax.default_backend()
         if queries > 16:
-            backend = jax.default_backend()
             # tokamax's GPU attention takes 16-bit inputs (float32 would be TF32 there).
             if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
                 return "tokamax"
             if backend == "tpu":
                 return "splash"
+        elif backend == "gpu":
+            return "triton"  # cache reads; its dots take float32 in full (no TF32 switch in it)
         return "blockwise"
 
     def moe_for(self, pairs: int, dtype=jnp.bfloat16) -> str:

@@ -1,21 +1,31 @@
-"""Decode-sized expert matmuls as a Pallas Triton kernel (ships with JAX; NVIDIA GPUs).
+"""Decode-sized kernels in Pallas Triton (ships with JAX; NVIDIA GPUs).
 
-At decode a batch has few (token, expert) pairs, and the work is reading the selected experts'
-weights: per pair a matrix-vector product with its expert's [F, D] matrix. The kernel reads each
-pair's rows of that matrix in place, straight from the [E, F, D] array (rows of D contiguous, so
-every load is coalesced), with no gathered copy of the weights and no host round trip. Pairs that
-share an expert read it again (at batch 1 the 4 pairs of a token are 4 distinct experts).
+`pair_matvec`, the experts at decode: a batch has few (token, expert) pairs, and the work is reading
+the selected experts' weights: per pair a matrix-vector product with its expert's [F, D] matrix.
+The kernel reads each pair's rows of that matrix in place, straight from the [E, F, D] array (rows
+of D contiguous, so every load is coalesced), with no gathered copy of the weights and no host
+round trip. Pairs that share an expert read it again (at batch 1 the 4 pairs of a token are 4
+distinct experts).
 
-Legend: P = pairs, D = input features, F = output features, E = experts.
+`cache_attention`, decode attention to a full layer's KV cache: it reads only each sequence's
+filled positions (a loop bounded on the device by the cache length), split into key ranges so that
+a batch of one still fills the GPU.
+
+Legend: P = pairs, D = input features, F = output features, E = experts; B = batch, T = queries,
+S = cache slots, K = KV heads, G = query heads per KV head, H = head dim, R = query rows per program.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .xla import MASKED
 
 
 def _block(n: int, preferred: int) -> int:
@@ -26,9 +36,14 @@ def _block(n: int, preferred: int) -> int:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "block_d"))
-def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_d: int = 64) -> jax.Array:
-    """x [P, D], idx [P] (each pair's expert), w [E, F, D] -> [P, F] in x's dtype, float32 sums."""
+@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "block_d", "num_warps", "num_stages"))
+def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_d: int = 64, num_warps: int = 4,
+                num_stages: int = 3) -> jax.Array:
+    """x [P, D], idx [P] (each pair's expert), w [E, F, D] -> [P, F] in x's dtype, float32 sums.
+
+    Each program computes `block_f` outputs of one pair, walking D in `block_d` steps with an
+    elementwise [block_f, block_d] accumulator (one cross-lane reduction at the end, not one per step).
+    """
     P, D = x.shape
     E, F, _ = w.shape
     bf, bd = _block(F, block_f), _block(D, block_d)
@@ -40,15 +55,83 @@ def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_
         def step(i, acc):
             xs = x_ref[p, pl.ds(i * bd, bd)].astype(jnp.float32)  # [bd]
             ws = w_ref[e, pl.ds(j * bf, bf), pl.ds(i * bd, bd)].astype(jnp.float32)  # [bf, bd]
-            return acc + jnp.sum(ws * xs[None, :], axis=1)
+            return acc + ws * xs[None, :]
 
-        acc = jax.lax.fori_loop(0, D // bd, step, jnp.zeros((bf,), jnp.float32))
-        o_ref[p, pl.ds(j * bf, bf)] = acc.astype(o_ref.dtype)
+        acc = jax.lax.fori_loop(0, D // bd, step, jnp.zeros((bf, bd), jnp.float32))
+        o_ref[p, pl.ds(j * bf, bf)] = jnp.sum(acc, axis=1).astype(o_ref.dtype)
 
     params = {}
     if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=3)
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((P, F), x.dtype), grid=(P, F // bf),
                           interpret=interpret, name="gptoss_pair_matvec", **params)(idx.astype(jnp.int32), x, w)
+
+def _pow2_at_least(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "splits", "num_warps"))
+def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 64, splits: int | None = None,
+                    num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+    """Decode attention to a KV cache: q [B, T, K, G, H], k and v [B, S, K, H], every query seeing keys
+    [0, kv_len[b]) -> (o [B, T, K, G, H] float32, lse [B, T, K, G] float32), sink-free (see combine.py).
+
+    Reads only the filled part of the cache: the keys are split into `splits` ranges (enough programs
+    to fill the GPU at small batches), and each program visits the key blocks of its range below
+    kv_len, a loop whose trip count is read on the device. One program holds the T * G query rows
+    of one KV head (padded to 16, the smallest dot Triton takes) with a running max, sum and
+    accumulator; the ranges are folded by their log-sum-exp.
+    """
+    B, T, K, G, H = q.shape
+    S = k.shape[1]
+    R = _pow2_at_least(T * G)
+    bk = _block(S, block_k)
+    if splits is None:  # about 4 programs per SM of a large GPU, one key block per range at least
+        splits = max(1, min(S // bk, -(-528 // (B * K))))
+    chunk = -(-S // splits // bk) * bk
+    splits = -(-S // chunk)
+    scale = 1.0 / math.sqrt(H)
+    exact = False if q.dtype == jnp.float32 else None  # float32 dots in full, not TF32
+    rows = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, T*G, H], row = t * G + g
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, R - T * G), (0, 0)))
+
+    def kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        b, kh, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        lo = part * chunk
+        n = jnp.maximum(jnp.minimum(lo + chunk, len_ref[b]) - lo, 0)  # keys of this range below kv_len
+        qs = q_ref[b, kh, :, :]  # [R, H]
+
+        def visit(i, carry):
+            m, l, acc = carry
+            first = lo + i * bk
+            ks = k_ref[b, pl.ds(first, bk), kh, :]  # [bk, H]
+            vs = v_ref[b, pl.ds(first, bk), kh, :]
+            s = pltriton.dot(qs, ks, trans_b=True, allow_tf32=exact).astype(jnp.float32) * scale  # [R, bk]
+            seen = (i * bk + jax.lax.broadcasted_iota(jnp.int32, (R, bk), 1)) < n
+            s = jnp.where(seen, s, MASKED)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
+            pv = pltriton.dot(p.astype(vs.dtype), vs, allow_tf32=exact).astype(jnp.float32)  # [R, H]
+            return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+        init = (jnp.full((R,), MASKED, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R, H), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(0, (n + bk - 1) // bk, visit, init)
+        o_ref[b, part, kh, :, :] = acc / jnp.maximum(l, 1e-30)[:, None]
+        lse_ref[b, part, kh, :] = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)
+
+    params = {}
+    if not interpret:
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    o, lse = pl.pallas_call(
+        kernel, grid=(B, K, splits), interpret=interpret, name="gptoss_cache_attention",
+        out_shape=(jax.ShapeDtypeStruct((B, splits, K, R, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, splits, K, R), jnp.float32)),
+        **params)(kv_len.astype(jnp.int32), rows, k, v)
+    # Fold the ranges: each weighted by its share of the total denominator.
+    total = jax.nn.logsumexp(lse, axis=1, keepdims=True)  # [B, 1, K, R]; -inf when no key at all
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)), 0.0)
+    o = jnp.sum(o * w[..., None], axis=1)[:, :, : T * G]  # [B, K, T*G, H]
+    lse = total[:, 0, :, : T * G]
+    o = o.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+    return o, lse.reshape(B, K, T, G).transpose(0, 2, 1, 3)

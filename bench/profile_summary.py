@@ -1,0 +1,94 @@
+"""Where a profiled run's GPU time goes: kernels summed by name and by kind, from the Perfetto
+traces that `bench/generate_20b.py --profile DIR` writes.
+
+    python bench/profile_summary.py DIR/decode_b1 [--steps 63] [--top 15]
+
+Prints the GPU's busy time against the traced wall time (the difference is time the GPU waited on
+the host: dispatch, host round trips), then a table by kind and one by kernel, per step when
+--steps is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+
+# Kinds of kernels, by a piece of their name (first match wins).
+KINDS = (
+    ("experts, decode (Triton matvec)", ("gptoss_pair_matvec",)),
+    ("attention, decode (Triton, cache)", ("gptoss_cache_attention",)),
+    ("experts, prompts (ragged dot)", ("ragged", "gmm", "mosaic_gpu")),
+    ("attention, prompts (flash)", ("flash", "attention", "splash")),
+    ("dense matmuls (cuBLAS / XLA gemm)", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "dot")),
+    ("sort, top-k, scatter, gather", ("sort", "topk", "top_k", "scatter", "gather")),
+    ("other XLA fusions", ("fusion", "loop", "input", "reduce", "copy", "transpose", "concatenate", "slice")),
+    ("memory copies", ("memcpy", "memset")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def load(folder: str) -> list[dict]:
+    paths = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True) + \
+        glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise SystemExit(f"{folder}: no *.trace.json.gz or perfetto_trace.json.gz under it")
+    with gzip.open(sorted(paths)[-1], "rt") as f:
+        trace = json.load(f)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def gpu_kernels(events: list[dict]) -> list[dict]:
+    """The complete events on the GPU's streams (not the host's threads, not per-op summary lines)."""
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        p, t = process.get(e["pid"], ""), thread.get((e["pid"], e.get("tid")), "")
+        if "gpu" in p.lower() and "stream" in t.lower():
+            out.append(e)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder")
+    ap.add_argument("--steps", type=int, default=1, help="divide times by this many steps")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    kernels = gpu_kernels(load(args.folder))
+    if not kernels:
+        raise SystemExit(f"{args.folder}: no GPU kernel events in the trace")
+    busy = sum(e["dur"] for e in kernels) / 1e3  # ms
+    wall = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
+    n = args.steps
+    print(f"GPU busy {busy / n:.3f} ms per step of {wall / n:.3f} ms traced ({100 * busy / wall:.0f}% busy; "
+          f"the rest: the GPU waiting on the host)")
+    by_kind, by_name, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in kernels:
+        by_kind[kind_of(e["name"])] += e["dur"] / 1e3
+        by_name[e["name"]] += e["dur"] / 1e3
+        count[e["name"]] += 1
+    print("\n| kind | ms per step | share of busy |\n|---|---:|---:|")
+    for kind, ms in by_kind.most_common():
+        print(f"| {kind} | {ms / n:.3f} | {100 * ms / busy:.1f}% |")
+    print("\n| kernel | calls per step | ms per step | share of busy |\n|---|---:|---:|---:|")
+    for name, ms in by_name.most_common(args.top):
+        print(f"| {name[:80]} | {count[name] / n:.1f} | {ms / n:.3f} | {100 * ms / busy:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
