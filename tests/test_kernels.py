@@ -51,12 +51,13 @@ def test_splash_attention_in_interpret_mode(window):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-4)
 
 
-def test_triton_matvec_in_interpret_mode():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_triton_matvec_in_interpret_mode(splits):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 128)).astype(np.float32)
     w = rng.standard_normal((4, 192, 128)).astype(np.float32)
     idx = np.array([3, 0, 2, 2, 1, 0])
-    got = triton.pair_matvec(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), interpret=True)
+    got = triton.pair_matvec(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), interpret=True, splits=splits)
     assert_rel_close(got, np.einsum("pd,pfd->pf", x, w[idx]), rtol=1e-5)
 
 

@@ -36,35 +36,46 @@ def _block(n: int, preferred: int) -> int:
     return b
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "block_d", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "block_d", "num_warps", "num_stages", "splits"))
 def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_d: int = 64, num_warps: int = 4,
-                num_stages: int = 3) -> jax.Array:
+                num_stages: int = 3, splits: int | None = None) -> jax.Array:
     """x [P, D], idx [P] (each pair's expert), w [E, F, D] -> [P, F] in x's dtype, float32 sums.
 
-    Each program computes `block_f` outputs of one pair, walking D in `block_d` steps with an
-    elementwise [block_f, block_d] accumulator (one cross-lane reduction at the end, not one per step).
+    Each program computes `block_f` outputs of one pair over one of `splits` ranges of D, walking it
+    in `block_d` steps with an elementwise [block_f, block_d] accumulator (one cross-lane reduction
+    at the end, not one per step); the ranges' float32 partial sums are added after. Splitting D
+    gives a batch of one enough programs to keep every SM reading (by default at least ~1024).
     """
     P, D = x.shape
     E, F, _ = w.shape
     bf, bd = _block(F, block_f), _block(D, block_d)
+    steps = D // bd
+    if splits is None:
+        splits = next(s for s in range(1, steps + 1) if steps % s == 0 and (P * (F // bf) * s >= 1024 or s == steps))
+    if steps % splits:
+        raise ValueError(f"splits={splits} must divide the {steps} steps of {bd} over D={D}")
+    per_split = steps // splits
 
     def kernel(idx_ref, x_ref, w_ref, o_ref):
-        p, j = pl.program_id(0), pl.program_id(1)
+        p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         e = idx_ref[p]
 
         def step(i, acc):
-            xs = x_ref[p, pl.ds(i * bd, bd)].astype(jnp.float32)  # [bd]
-            ws = w_ref[e, pl.ds(j * bf, bf), pl.ds(i * bd, bd)].astype(jnp.float32)  # [bf, bd]
+            d0 = (part * per_split + i) * bd
+            xs = x_ref[p, pl.ds(d0, bd)].astype(jnp.float32)  # [bd]
+            ws = w_ref[e, pl.ds(j * bf, bf), pl.ds(d0, bd)].astype(jnp.float32)  # [bf, bd]
             return acc + ws * xs[None, :]
 
-        acc = jax.lax.fori_loop(0, D // bd, step, jnp.zeros((bf, bd), jnp.float32))
-        o_ref[p, pl.ds(j * bf, bf)] = jnp.sum(acc, axis=1).astype(o_ref.dtype)
+        acc = jax.lax.fori_loop(0, per_split, step, jnp.zeros((bf, bd), jnp.float32))
+        o_ref[part, p, pl.ds(j * bf, bf)] = jnp.sum(acc, axis=1)
 
     params = {}
     if not interpret:
         params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((P, F), x.dtype), grid=(P, F // bf),
-                          interpret=interpret, name="gptoss_pair_matvec", **params)(idx.astype(jnp.int32), x, w)
+    partial = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((splits, P, F), jnp.float32),
+                             grid=(P, F // bf, splits), interpret=interpret, name="gptoss_pair_matvec",
+                             **params)(idx.astype(jnp.int32), x, w)
+    return partial.sum(axis=0).astype(x.dtype)
 
 def _pow2_at_least(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
