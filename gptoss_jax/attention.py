@@ -19,7 +19,7 @@ from typing import ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from .cache import ring_positions
 from .config import ModelConfig
@@ -28,7 +28,7 @@ from .kernels.combine import combine
 from .kernels.xla import MASKED, key_block_range, visible  # noqa: F401  (key_block_range: re-exported)
 from .layers import RMSNorm, apply_rope, rope_tables
 from .params import Weight, declare
-from .sharding import CACHE_AXES, constrain
+from .sharding import CACHE_AXES, constrain, spec
 
 def attention_reference(q, k, v, sinks, q_pos, k_pos, *, window: int | None) -> jax.Array:
     """q [B, T, K, G, H], k and v [B, S, K, H], sinks [K, G], positions [B, T] and [B, S] -> [B, T, K, G, H].
@@ -112,8 +112,26 @@ class AttentionBlock(nn.Module):
         out = jnp.einsum("btnh,nhd->btd", o, w["out_weight"]) + w["out_bias"]
         return out if layer_cache is None else (out, new_cache)
 
+    def _per_device(self, impl, fn, q, k, v, *rest):
+        """fn(q, k, v, *rest) -> (o, lse), run on each device's sequences and KV heads when a fused
+        kernel (which sees only local shapes) runs on a mesh; rest: per-sequence arrays [B]."""
+        if self.mesh is None or impl in ("blockwise", "reference"):
+            return fn(q, k, v, *rest)
+        kv = spec(CACHE_AXES, k.shape, self.mesh)  # sequences on data, KV heads on tensor, where they divide
+        q_spec, lse_spec = PartitionSpec(kv[0], None, kv[2], None, None), PartitionSpec(kv[0], None, kv[2], None)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(q_spec, kv, kv) + (PartitionSpec(kv[0]),) * len(rest),
+                             out_specs=(q_spec, lse_spec), check_vma=False)(q, k, v, *rest)
+
     def _causal(self, impl, q, k, v, window):
         """Attention among the same T positions (a prompt, a chunk, a decode step's own token) -> (o, lse)."""
+        return self._per_device(impl, lambda q, k, v: self._causal_local(impl, q, k, v, window), q, k, v)
+
+    def _prefix(self, impl, q, cache_k, cache_v, lengths):
+        """Attention to each sequence's cached positions [0, lengths) -> (o, lse)."""
+        return self._per_device(impl, lambda q, k, v, n: self._prefix_local(impl, q, k, v, n), q, cache_k, cache_v,
+                                lengths)
+
+    def _causal_local(self, impl, q, k, v, window):
         if impl == "tokamax":
             from .kernels import gpu
 
@@ -125,8 +143,7 @@ class AttentionBlock(nn.Module):
         dense_max = q.shape[1] if impl == "reference" else 16
         return xla.causal(q, k, v, window=window, block=self.kernels.attention_block, dense_max=dense_max)
 
-    def _prefix(self, impl, q, cache_k, cache_v, lengths):
-        """Attention to each sequence's cached positions [0, lengths) -> (o, lse)."""
+    def _prefix_local(self, impl, q, cache_k, cache_v, lengths):
         if impl == "tokamax":
             from .kernels import gpu
 

@@ -188,6 +188,15 @@ class Generator:
         finished = np.full(B, np.nan)  # when each sequence produced its last token
         active = np.ones(B, bool)
         for step in range(max_new_tokens):
+            # From the second step on, the next step is queued before this step's tokens are read, so
+            # the device runs steps back to back while the host reads, streams and checks for stops.
+            # A sequence that stops here is computed one step more; that token is in no output.
+            # (The first token is streamed before the decode step compiles.)
+            queued = 0 < step < max_new_tokens - 1
+            if queued:
+                next_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
+                                             put(active), cache, key_data, put(np.int32(step + 1)))
+            token = np.asarray(token_dev)
             now = time.perf_counter()
             for b in np.nonzero(active)[0]:
                 outputs[b].append(int(token[b]))
@@ -198,9 +207,10 @@ class Generator:
                     active[b], reasons[b] = False, "stop"
             if step == max_new_tokens - 1 or not active.any():
                 break
-            token_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                          put(active), cache, key_data, put(np.int32(step + 1)))
-            token = np.asarray(token_dev)
+            if not queued:
+                next_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
+                                             put(active), cache, key_data, put(np.int32(step + 1)))
+            token_dev = next_dev
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s
         results = []

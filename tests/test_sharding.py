@@ -301,3 +301,15 @@ def test_random_weights_are_drawn_in_place(tiny):
         assert got.sharding.is_equivalent_to(expected, got.ndim), (got.sharding, expected)
     mlp1 = params["block_0"]["mlp"]["mlp1_weight"]
     assert {s.data.shape for s in mlp1.addressable_shards} == {(2, 96, 64)}  # 8 experts / 4, 192 units / 2
+
+
+def test_pallas_kernels_run_per_device_on_a_mesh(checkpoint, single):
+    # The Triton decode kernels (in interpret mode here) see each device's sequences and KV heads
+    # (attention, under shard_map) and experts (the MoE), and give the one-device tokens.
+    config = single["config"]
+    mesh = gj.make_mesh(data=2, expert=2, tensor=2)
+    _, params = gj.load_checkpoint(checkpoint, dtype="float32", mesh=mesh)
+    kernels = gj.Kernels(attention="triton", moe="triton", interpret=True)
+    results = Generator(config, params, max_len=192, prefill_chunk=64, kernels=kernels).generate(
+        single["prompts"], max_new_tokens=10, sampling=GREEDY)
+    assert [r.output_ids for r in results] == single["greedy"]
