@@ -53,6 +53,9 @@ def _flash(q, k, v, mask) -> tuple[jax.Array, jax.Array]:
     return o.reshape(B, T, K, G, H), lse
 
 
+# Each entry point is its own jit: the 24 layers' identical calls then lower (and compile their
+# Mosaic GPU kernel) once per shape, not once per layer.
+@functools.partial(jax.jit, static_argnames=("window",))
 def causal(q, k, v, *, window: int | None) -> tuple[jax.Array, jax.Array]:
     """Queries and keys of the same positions, causal (and windowed: i - window < j <= i)."""
     _, base, _, _ = _tokamax()
@@ -62,12 +65,14 @@ def causal(q, k, v, *, window: int | None) -> tuple[jax.Array, jax.Array]:
     return _flash(q, k, v, mask)
 
 
+@jax.jit
 def prefix(q, k, v, kv_len) -> tuple[jax.Array, jax.Array]:
     """Every query sees keys [0, kv_len[b]) (a cache's earlier positions); blocks past it are skipped."""
     _, base, _, _ = _tokamax()
     return _flash(q, k, v, base.Mask(None, k_end=kv_len.astype(jnp.int32)[:, None, None]))
 
 
+@jax.jit
 def ragged_dot(x, w, group_sizes) -> jax.Array:
     """x [M, D] with rows sorted by expert, w [G_e, F, D] (as the model holds experts: out, in),
     group_sizes [G_e] -> [M, F]; rows past sum(group_sizes) are left undefined."""
@@ -77,15 +82,17 @@ def ragged_dot(x, w, group_sizes) -> jax.Array:
                                       preferred_element_type=x.dtype, implementation="mosaic")
 
 
+@jax.jit
 def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
     """As `ragged_dot`, by the Mosaic GPU kernel in JAX's Pallas ops (Hopper), reading w [E, F, D]
     tiles transposed in shared memory rather than transposing w."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     F, D = w.shape[1:]
-    if F % 128 or D % 64:  # its tiles; other shapes (gpt-oss's mlp2, F = 2880) go to tokamax
+    block_n = 128 if F % 128 == 0 else 64  # gpt-oss's mlp2 (F = 2880) in 64-wide tiles
+    if F % block_n or D % 64:  # shapes off its tiles go to tokamax
         return ragged_dot(x, w, group_sizes)
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=128,
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=block_n,
                                       block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
 
 
