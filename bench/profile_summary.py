@@ -1,7 +1,7 @@
 """Where a profiled run's GPU time goes: kernels summed by name and by kind, from the Perfetto
 traces that `bench/generate_20b.py --profile DIR` writes.
 
-    python bench/profile_summary.py DIR/decode_b1 [--steps 63] [--top 15]
+    python bench/profile_summary.py DIR/decode_b1 [--steps 63] [--top 15] [--after flash_attention]
 
 Prints the GPU's busy time against the traced wall time (the difference is time the GPU waited on
 the host: dispatch, host round trips), then a table by kind and one by kernel, per step when
@@ -68,8 +68,13 @@ def main() -> None:
     ap.add_argument("folder")
     ap.add_argument("--steps", type=int, default=1, help="divide times by this many steps")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--after", metavar="NAME", help="count only kernels that start after the last one whose name "
+                    "holds NAME (e.g. flash_attention: the decode steps after a prefill)")
     args = ap.parse_args()
     kernels = gpu_kernels(load(args.folder))
+    if args.after:
+        marks = [e["ts"] + e["dur"] for e in kernels if args.after in e["name"]]
+        kernels = [e for e in kernels if not marks or e["ts"] >= max(marks)]
     if not kernels:
         raise SystemExit(f"{args.folder}: no GPU kernel events in the trace")
     busy = sum(e["dur"] for e in kernels) / 1e3  # ms

@@ -84,10 +84,10 @@ def test_expert_kernels_equal_the_gather_path(impl, tokens):
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= BF16_RTOL
 
 
-@pytest.mark.parametrize("F", [384, 320])  # 128-wide output tiles, and 64-wide ones (as gpt-oss's mlp2, 2880)
-def test_mosaic_ragged_dot_tiles(F):
-    sizes = jnp.array([0, 100, 7, 149], jnp.int32)  # an empty expert; the rest of the 300 rows unused
-    x = jax.random.normal(jax.random.key(0), (300, 256), jnp.bfloat16)
+@pytest.mark.parametrize("F", [384, 320])  # the Mosaic GPU kernel's 128-wide tiles; tokamax's for the rest
+def test_mosaic_ragged_dot_and_its_fallback(F):
+    sizes = jnp.array([0, 100, 7, 149], jnp.int32)  # an empty expert; the last 64 of the 320 rows unused
+    x = jax.random.normal(jax.random.key(0), (320, 256), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (4, F, 256), jnp.bfloat16)
     groups = jnp.repeat(jnp.arange(4), sizes, total_repeat_length=256)
     got = gpu.mosaic_ragged_dot(x, w, sizes)[:256]
