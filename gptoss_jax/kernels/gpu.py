@@ -89,9 +89,10 @@ def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     F, D = w.shape[1:]
-    if F % 128 or D % 64:  # its tiles; other shapes (gpt-oss's mlp2, F = 2880) go to tokamax
+    block_n = 128 if F % 128 == 0 else 64  # gpt-oss's mlp2 (F = 2880) in 64-wide tiles
+    if F % block_n or D % 64:  # shapes off its tiles go to tokamax
         return ragged_dot(x, w, group_sizes)
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=128,
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=block_n,
                                       block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
 
 
