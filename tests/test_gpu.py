@@ -84,7 +84,7 @@ def test_expert_kernels_equal_the_gather_path(impl, tokens):
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= BF16_RTOL
 
 
-@pytest.mark.parametrize("F", [384, 320, 200])  # 128- and 64-wide output tiles (mlp2: 2880); off them: tokamax
+@pytest.mark.parametrize("F", [384, 320])  # 128- and 64-wide output tiles (as mlp2: 2880)
 def test_mosaic_ragged_dot_and_its_fallback(F):
     sizes = jnp.array([0, 100, 7, 149], jnp.int32)  # an empty expert; the last 64 of the 320 rows unused
     x = jax.random.normal(jax.random.key(0), (320, 256), jnp.bfloat16)
