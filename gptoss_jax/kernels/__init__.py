@@ -55,7 +55,7 @@ class Kernels:
             if backend == "tpu":
                 return "splash"
         elif backend == "gpu":
-            return "triton"  # cache reads; its dots take float32 in full (no TF32 switch in it)
+            return "triton"  # reads the filled cache only; float32 inputs get full float32 dots
         return "blockwise"
 
     def moe_for(self, pairs: int, dtype=jnp.bfloat16) -> str:

@@ -90,7 +90,7 @@ def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
 
     F, D = w.shape[1:]
     # gpt-oss's mlp2 (F = 2880) fits 64-wide tiles only; those win while few rows read the weights
-    # (decode batches: 256 rows 0.4 vs 0.75 ms with tokamax's transpose, one H100), and lose to
+    # (decode batches: at 256 rows about 0.4 vs 0.75 ms with tokamax's transpose, one H100), and lose to
     # tokamax's kernel on prompts' thousands of rows, where its transpose is paid once per many rows.
     block_n = 128 if F % 128 == 0 else 64
     if F % block_n or D % 64 or (block_n == 64 and x.shape[0] > 1024):

@@ -77,6 +77,7 @@ def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_
                              **params)(idx.astype(jnp.int32), x, w)
     return partial.sum(axis=0).astype(x.dtype)
 
+
 def _pow2_at_least(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
