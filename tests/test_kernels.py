@@ -105,3 +105,9 @@ def test_kernel_choice_on_cpu_and_bad_names():
         gj.Kernels(moe="fast")
     with pytest.raises(ValueError, match="unknown attention kernel"):
         gj.Kernels(attention="flash")
+    # A kernel for another backend is refused by name, unless it can run in interpret mode.
+    with pytest.raises(ValueError, match="'triton' kernel runs on NVIDIA GPUs only.*interpret=True"):
+        gj.Kernels(moe="triton").moe_for(4)
+    with pytest.raises(ValueError, match="'tokamax' kernel runs on NVIDIA GPUs only, and this JAX's backend is 'cpu'"):
+        gj.Kernels(attention="tokamax").attention_for(4096)
+    assert gj.Kernels(attention="splash", interpret=True).attention_for(4096) == "splash"

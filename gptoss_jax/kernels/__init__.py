@@ -24,6 +24,14 @@ import jax.numpy as jnp
 
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "triton")
 MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "megablox")
+# Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
+NEEDS = {
+    "tokamax": ("gpu", False, "NVIDIA GPUs"),
+    "mosaic_gpu": ("gpu", False, "NVIDIA Hopper GPUs"),
+    "triton": ("gpu", True, "NVIDIA GPUs"),
+    "splash": ("tpu", True, "TPUs"),
+    "megablox": ("tpu", True, "TPUs"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +54,7 @@ class Kernels:
     def attention_for(self, queries: int, dtype=jnp.bfloat16) -> str:
         """The attention kernel for a call with this many query positions per sequence, of this dtype."""
         if self.attention != "auto":
-            return self.attention
+            return self._runnable(self.attention)
         backend = jax.default_backend()
         if queries > 16:
             # tokamax's GPU attention takes 16-bit inputs (float32 would be TF32 there).
@@ -61,7 +69,7 @@ class Kernels:
     def moe_for(self, pairs: int, dtype=jnp.bfloat16) -> str:
         """The expert kernel for a call with this many (token, expert) pairs, weights of this dtype."""
         if self.moe != "auto":
-            return self.moe
+            return self._runnable(self.moe)
         backend = jax.default_backend()
         if pairs <= self.moe_gather_max_pairs:
             return "triton" if backend == "gpu" else "gather"
@@ -74,6 +82,16 @@ class Kernels:
         if backend == "tpu":
             return "megablox"
         return "grouped"
+
+    def _runnable(self, name: str) -> str:
+        """A kernel named explicitly, checked against the backend (Pallas kernels also run in interpret mode)."""
+        needs = NEEDS.get(name)
+        backend = jax.default_backend()
+        if needs and backend != needs[0] and not (self.interpret and needs[1]):
+            hint = "; Kernels(interpret=True) runs it on any backend, slowly (tests)" if needs[1] else ""
+            raise ValueError(f"the {name!r} kernel runs on {needs[2]} only, and this JAX's backend is {backend!r}; "
+                             f"'auto' picks what this backend runs{hint}")
+        return name
 
     def describe(self) -> str:
         """For start-up messages: what "auto" means on this backend."""
