@@ -124,10 +124,10 @@ def run_jax(args) -> dict:
                 out[f"{name}_profile"] = folder
             results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
         except jax.errors.JaxRuntimeError as e:
-            out[f"{name}_tokens_per_s"] = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e)[:200]
-            del gen
+            out[f"{name}_tokens_per_s"] = _failure(e)
             continue
-        del gen
+        finally:
+            del gen  # its compiled steps, before the next case's
         timing = batch_timings(results)
         out[f"{name}_tokens_per_s"] = timing["decode_tokens_per_s"]  # the whole batch's
         out[f"{name}_step_ms"] = 1e3 * timing["decode_s"] / (args.decode - 1)
@@ -141,12 +141,16 @@ def run_jax(args) -> dict:
                 gen.generate(prompts, max_new_tokens=8, sampling=greedy)
                 fits = f"fits, peak {peak():.1f} GiB"
             except jax.errors.JaxRuntimeError as e:
-                fits = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e)[:200]
+                fits = _failure(e)
             del gen
             out[f"fit_b{b}_context{context}"] = fits
             print(f"batch {b} at {context}: {fits}", file=sys.stderr, flush=True)
     out["peak_gib"] = peak()
     return out
+
+
+def _failure(e: Exception) -> str:
+    return "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e)[:200]
 
 
 def run_startup(args) -> dict:

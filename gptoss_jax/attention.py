@@ -25,10 +25,11 @@ from .cache import ring_positions
 from .config import ModelConfig
 from .kernels import Kernels, xla
 from .kernels.combine import combine
-from .kernels.xla import MASKED, key_block_range, visible  # noqa: F401  (key_block_range: re-exported)
+from .kernels.xla import MASKED, visible
 from .layers import RMSNorm, apply_rope, rope_tables
 from .params import Weight, declare
 from .sharding import CACHE_AXES, constrain, spec
+
 
 def attention_reference(q, k, v, sinks, q_pos, k_pos, *, window: int | None) -> jax.Array:
     """q [B, T, K, G, H], k and v [B, S, K, H], sinks [K, G], positions [B, T] and [B, S] -> [B, T, K, G, H].

@@ -2,9 +2,9 @@
 
     {"lengths": int32 [B],                       positions held per sequence (prompts may differ)
      "block_N": {"k": [B, S, K, H], "v": [B, S, K, H]}, ...}
-Full-attention layers hold S = max_len positions rounded up to a multiple of 128, key j at position j. Sliding-window layers hold a
-ring of S = min(window, max_len) slots, never more: slot s holds the latest position p < length with
-p % S == s. For gpt-oss-20b at 131072 positions that is 3 GiB per sequence in bf16 (12 full layers),
+Full-attention layers hold S = max_len positions rounded up to a multiple of 128, key j at position
+j. Sliding-window layers hold a ring of S = min(window, max_len) slots, never more: slot s holds the
+latest position p < length with p % S == s. For gpt-oss-20b at 131072 positions that is 3 GiB per sequence in bf16 (12 full layers),
 the 12 sliding layers adding 3 MiB.
 
 Legend: B = batch, S = cache slots, K = KV heads, H = head dim.

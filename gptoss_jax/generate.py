@@ -5,10 +5,11 @@
         print(result.output_ids)
 
 Prompts are right-padded to a shared length rounded up to a power of two (at least 16), then
-processed in chunks of at most `prefill_chunk` tokens per sequence (512, or 4096 with a fused attention
-kernel) and `prefill_tokens` for the whole batch (attention's and the experts' temporaries grow with both), so a new prompt length inside a bucket
-compiles nothing new. The decode loop brings each step's tokens to the host only for stop checks and
-streaming; sequences that stop no longer grow (their cache length stays put).
+processed in chunks of at most `prefill_chunk` tokens per sequence (512, or 4096 with a fused
+attention kernel) and `prefill_tokens` for the whole batch (attention's and the experts' temporaries
+grow with both), so a new prompt length inside a bucket compiles nothing new. The decode loop brings
+each step's tokens to the host only for stop checks and streaming, with the next step already
+queued; sequences that stop no longer grow (their cache length stays put).
 """
 
 from __future__ import annotations
@@ -187,6 +188,11 @@ class Generator:
         reasons = ["length"] * B
         finished = np.full(B, np.nan)  # when each sequence produced its last token
         active = np.ones(B, bool)
+
+        def queue_step(step, token_dev, cache):  # decode step `step` on the devices, not waited for
+            return self._call(_decode_step, model + (sampling,), self.params, token_dev, put(active), cache, key_data,
+                              put(np.int32(step)))
+
         for step in range(max_new_tokens):
             # From the second step on, the next step is queued before this step's tokens are read, so
             # the device runs steps back to back while the host reads, streams and checks for stops.
@@ -194,8 +200,7 @@ class Generator:
             # (The first token is streamed before the decode step compiles.)
             queued = 0 < step < max_new_tokens - 1
             if queued:
-                next_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                             put(active), cache, key_data, put(np.int32(step + 1)))
+                next_dev, cache = queue_step(step + 1, token_dev, cache)
             token = np.asarray(token_dev)
             now = time.perf_counter()
             for b in np.nonzero(active)[0]:
@@ -208,8 +213,7 @@ class Generator:
             if step == max_new_tokens - 1 or not active.any():
                 break
             if not queued:
-                next_dev, cache = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                             put(active), cache, key_data, put(np.int32(step + 1)))
+                next_dev, cache = queue_step(step + 1, token_dev, cache)
             token_dev = next_dev
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s

@@ -71,20 +71,29 @@ def _experts_gather(x, idx, w, act):
     return jnp.einsum("naf,nadf->nad", a, w["mlp2_weight"][idx]) + w["mlp2_bias"][idx]
 
 
+def sort_by_expert(idx: jax.Array, num_experts: int):
+    """The pairs of idx [N, A] in expert order. Pairs whose expert lies outside [0, num_experts)
+    (experts held by other devices) are dropped: they sort last, under expert num_experts.
+
+    Returns (order [P]: the pairs' flat indices sorted by expert (stable), sorted_expert [P],
+    counts [num_experts]: pairs per expert, dropped ones not counted).
+    """
+    flat = idx.reshape(idx.size)
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = jnp.argsort(flat, stable=True)
+    return order, flat[order], jnp.bincount(flat, length=num_experts + 1)[:num_experts]
+
+
 def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     """Lay the pairs of idx [N, A] out in blocks of `block` rows, each block holding one expert's pairs.
 
-    Pairs whose expert lies outside [0, num_experts) (experts held by other devices) are dropped.
     Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair (past the
-    end for dropped pairs), block_expert [num_blocks], used_blocks: how many leading blocks hold
-    pairs). num_blocks is the static bound ceil((P + E * (block - 1)) / block).
+    end for dropped pairs), block_expert [num_blocks]). num_blocks is the static bound
+    ceil((P + E * (block - 1)) / block): the selected pairs plus at most block - 1 padding rows per
+    expert; blocks past the used ones hold no pair (their expert is the last).
     """
     P = idx.size
-    flat = idx.reshape(P)
-    flat_expert = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # E: dropped
-    order = jnp.argsort(flat_expert, stable=True)
-    sorted_expert = flat_expert[order]
-    counts = jnp.bincount(flat_expert, length=num_experts + 1)[:num_experts]  # [E]
+    order, sorted_expert, counts = sort_by_expert(idx, num_experts)
     padded = (counts + block - 1) // block * block
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
@@ -95,7 +104,7 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     dest = jnp.where(sorted_expert < num_experts, padded_start[e] + jnp.arange(P) - start[e], num_blocks * block)
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
                                num_experts - 1)
-    return order, dest, block_expert, padded_end[-1] // block
+    return order, dest, block_expert
 
 
 def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
@@ -104,7 +113,7 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     D = x.shape[-1]
     # Every block of the static bound is computed (blocks past the used ones hold zero rows): a
     # lax.cond skipping them would cost a host round trip per block on a GPU.
-    order, dest, block_expert, _ = group_by_expert(idx, num_experts, block)
+    order, dest, block_expert = group_by_expert(idx, num_experts, block)
     num_blocks = block_expert.shape[0]
     rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
     rows = rows.reshape(num_blocks, block, D)
@@ -138,11 +147,7 @@ def _experts_ragged(x, idx, w, act, *, ragged_dot):
     one grouped matmul per projection (ragged_dot(rows, w [E, out, in], group_sizes [E]))."""
     N, A = idx.shape
     E = w["mlp1_weight"].shape[0]
-    flat = idx.reshape(N * A)
-    flat = jnp.where((flat >= 0) & (flat < E), flat, E)  # E: dropped, sorted last
-    order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
-    sizes = jnp.bincount(flat, length=E + 1)[:E]
+    order, expert, sizes = sort_by_expert(idx, E)
     e = jnp.minimum(expert, E - 1)
     h = ragged_dot(x[order // A], w["mlp1_weight"], sizes) + w["mlp1_bias"][e]  # [P, 2F]
     y = ragged_dot(act(h), w["mlp2_weight"], sizes) + w["mlp2_bias"][e]  # [P, D]

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import ModelConfig
 from .layout import MESH_AXES, check_sizes, default_sizes, format_sizes
+from .params import at_path, path_name
 
 # Logical axis -> mesh axis (None: replicated). Parameters use the names of ModelConfig.axis_sizes();
 # activations and the KV cache add batch, seq, cache_slots and act_embed.
@@ -120,7 +121,7 @@ def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int]) -> Any:
     Given axis sizes rather than a mesh, it only checks that the rules can split every parameter
     (ValueError otherwise), which is how the command line checks a --mesh before anything is loaded.
     """
-    from .params import abstract_params, at_path, logical_axes, path_name  # traces the model
+    from .params import abstract_params, logical_axes  # traces the model
 
     axes = logical_axes(config)
     return jax.tree_util.tree_map_with_path(
@@ -129,6 +130,7 @@ def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int]) -> Any:
 
 
 def check_mesh(config: ModelConfig, sizes: Mapping[str, int]) -> None:
+    """ValueError unless the rules can split every parameter on a mesh of these axis sizes."""
     param_specs(config, sizes)
 
 
@@ -147,7 +149,7 @@ def cache_shardings(cache_shapes: Any, mesh: Mesh) -> Any:
     """NamedShardings for a KV cache pytree (cache.py): lengths on `data`, k and v by CACHE_AXES."""
     def one(path, leaf):
         axes = ("batch",) if path[-1].key == "lengths" else CACHE_AXES
-        return sharding(axes, leaf.shape, mesh, what=f"KV cache {'/'.join(str(p.key) for p in path)}")
+        return sharding(axes, leaf.shape, mesh, what=f"KV cache {path_name(path)}")
 
     return jax.tree_util.tree_map_with_path(one, cache_shapes)
 

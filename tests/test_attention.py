@@ -8,7 +8,8 @@ import torch
 
 from conftest import assert_rel_close
 from gptoss_jax.kernels import Kernels
-from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference, key_block_range
+from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference
+from gptoss_jax.kernels.xla import key_block_range
 from refs import openai_model
 
 
