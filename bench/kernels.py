@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode]
+    python bench/kernels.py [--part attention|ragged|decode|tiles]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -111,6 +111,56 @@ def ragged(rng):
                   weight_bytes=bytes_read)
 
 
+def tiles(rng):
+    """The Mosaic GPU ragged dot's tile shapes for both expert projections, against tokamax; and the
+    un-sorting of the per-pair outputs (a scatter, or a gather fused into the weighted sum)."""
+    import tokamax
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    for F in (F2, D):
+        w = jax.random.normal(jax.random.key(1), (E, F, D), jnp.bfloat16) * 0.02
+        wt = jnp.swapaxes(w, 1, 2)
+        for M in (256, 2048, 16384):
+            sizes = np.zeros(E, np.int32)
+            np.add.at(sizes, rng.choice(E, size=M), 1)
+            sizes = jnp.asarray(sizes)
+            x = jax.random.normal(jax.random.key(2), (M, D), jnp.bfloat16)
+            groups = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=M)
+            ref = jax.jit(lambda x, w: jax.lax.fori_loop(0, E, lambda e, acc: acc + jnp.where(
+                (groups == e)[:, None], jnp.einsum("md,fd->mf", x, w[e], preferred_element_type=jnp.float32), 0),
+                jnp.zeros((M, F), jnp.float32)))(x, w)
+            tag = f"tiles [{E},{F},{D}] M={M}"
+            flops = 2 * M * F * D
+            timed(f"{tag} tokamax [E,F,D]", lambda x, w: gpu.ragged_dot(x, w, sizes), x, w, ref=ref, flops=flops)
+            timed(f"{tag} tokamax [E,D,F]", lambda x, wt: tokamax.ragged_dot(x, wt, sizes, implementation="mosaic"),
+                  x, wt, ref=ref, flops=flops)
+            for bm in (64, 128):
+                for bn in (64, 128, 192, 256):
+                    for steps, gbn in ((4, 1), (4, 2)):
+                        if F % bn:
+                            continue
+                        timed(f"{tag} mgpu m={bm} n={bn} steps={steps} gbn={gbn}",
+                              lambda x, w: ragged_dot_mgpu.ragged_dot(
+                                  x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=64,
+                                  max_concurrent_steps=steps, grid_block_n=gbn, transpose_rhs=True),
+                              x, w, ref=ref, flops=flops)
+    N, A = 4096, 4
+    y = jax.random.normal(jax.random.key(4), (N * A, D), jnp.bfloat16)
+    order = jnp.asarray(rng.permutation(N * A))
+    weights = jax.random.uniform(jax.random.key(5), (N, A))
+    inv = jnp.argsort(order)
+    ref = jnp.einsum("nad,na->nd", jnp.zeros_like(y).at[order].set(y).reshape(N, A, D).astype(jnp.float32), weights)
+    timed("unsort scatter + einsum", lambda y, o, wt: jnp.einsum(
+        "nad,na->nd", jnp.zeros_like(y).at[o].set(y).reshape(N, A, D).astype(jnp.float32), wt),
+        y, order, weights, ref=ref)
+    timed("unsort gather + weighted sum", lambda y, i, wt: (
+        y[i].reshape(N, A, D).astype(jnp.float32) * wt[..., None]).sum(1), y, inv, weights, ref=ref)
+    timed("inverse permutation: argsort", jnp.argsort, order)
+    timed("inverse permutation: scatter iota", lambda o: jnp.zeros_like(o).at[o].set(jnp.arange(o.size)), order)
+    idx = jnp.asarray(rng.integers(0, E, (N, A)), jnp.int32)
+    timed("sort pairs: stable argsort", lambda i: jnp.argsort(i.reshape(-1), stable=True), idx)
+
+
 def decode(rng):
     """Decode attention to a cache (filled part only) and the decode expert matvec, with variants."""
     kq, kk, kv, ks = jax.random.split(jax.random.key(3), 4)
@@ -150,7 +200,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -160,6 +210,8 @@ def main():
         ragged(rng)
     if args.part in ("all", "decode"):
         decode(rng)
+    if args.part in ("all", "tiles"):
+        tiles(rng)
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
     for r in ROWS:
         note = r.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("op", "ms", "rel_err"))

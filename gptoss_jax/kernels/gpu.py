@@ -8,7 +8,7 @@ library: `pip install -e ".[cuda]"` (Python >= 3.12). Nothing here is imported w
   place (no gathered copy). On Hopper, the Mosaic GPU ragged dot that ships with JAX reads the
   model's [E, out, in] experts directly (`mosaic_ragged_dot`); tokamax's (`ragged_dot`) wants
   [E, in, out] and so transposes each call's weights first, about twice as slow here (one H100:
-  0.53 vs 1.41 ms for 32 rows over 32 experts, 2.5 vs 3.0 ms for 16,384 rows; docs/benchmarks.md).
+  0.53 vs 1.41 ms for 32 rows over 32 experts, 1.33 vs 3.11 ms for 16,384; docs/benchmarks.md).
 
 Legend: B = batch, T = queries, S = keys, N = query heads, K = KV heads, G = N / K, H = head dim,
 M = rows, G_e = experts, F = output features, D = input features.
@@ -82,6 +82,23 @@ def ragged_dot(x, w, group_sizes) -> jax.Array:
                                       preferred_element_type=x.dtype, implementation="mosaic")
 
 
+def mosaic_tiles(rows: int, F: int) -> dict | None:
+    """The Mosaic GPU ragged dot's tiles for `rows` rows and F outputs, or None where none fits.
+
+    192-wide output tiles divide both of gpt-oss's widths (5760 and 2880); 128-row tiles and pairs of
+    output tiles walked together pay off on prompts, 64-row tiles on decode batches, whose experts
+    get a few rows each. One H100, 16,384 rows over 32 experts: 1.33 ms for [5760, 2880] experts
+    (410 TFLOP/s) and 0.74 ms for [2880, 2880] (367 TFLOP/s), against 2.46 ms with 64 x 128 tiles
+    and 1.71 ms with tokamax's transposing kernel (docs/benchmarks.md).
+    """
+    block_n = next((n for n in (192, 128, 64) if F % n == 0), None)
+    if block_n is None:
+        return None
+    large = rows > 1024
+    return dict(block_m=128 if large else 64, block_n=block_n, block_k=64, max_concurrent_steps=4,
+                grid_block_n=2 if large else 1)
+
+
 @jax.jit
 def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
     """As `ragged_dot`, by the Mosaic GPU kernel in JAX's Pallas ops (Hopper), reading w [E, F, D]
@@ -89,14 +106,10 @@ def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     F, D = w.shape[1:]
-    # gpt-oss's mlp2 (F = 2880) fits 64-wide tiles only; those win while few rows read the weights
-    # (decode batches: at 256 rows about 0.4 vs 0.75 ms with tokamax's transpose, one H100), and lose to
-    # tokamax's kernel on prompts' thousands of rows, where its transpose is paid once per many rows.
-    block_n = 128 if F % 128 == 0 else 64
-    if F % block_n or D % 64 or (block_n == 64 and x.shape[0] > 1024):
+    tiles = mosaic_tiles(x.shape[0], F)
+    if tiles is None or D % 64:
         return ragged_dot(x, w, group_sizes)
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), block_m=64, block_n=block_n,
-                                      block_k=64, max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **tiles)
 
 
 def is_hopper() -> bool:
