@@ -133,6 +133,20 @@ def run_jax(args) -> dict:
         out[f"{name}_step_ms"] = 1e3 * timing["decode_s"] / (args.decode - 1)
         out[f"peak_gib_after_{name}"] = peak()
         print(f"{name}: {out[f'{name}_tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+    if args.host_profile:  # where the host's time goes in a batch-1 decode (the GPU is idle when it lags)
+        import cProfile
+        import io
+        import pstats
+
+        gen = Generator(config, params, max_len=args.decode_prompt + args.decode + 16, kernels=kernels)
+        prompts = [rng.integers(0, config.vocab_size, args.decode_prompt).tolist()]
+        gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
+        profiler = cProfile.Profile()
+        profiler.runcall(gen.generate, prompts, max_new_tokens=args.decode, sampling=greedy)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+        print(text.getvalue()[-3500:], file=sys.stderr, flush=True)
+        del gen
     for context, batches in args.fit:
         for b in batches:  # prefill of `context` tokens each, then 8 tokens
             gen = Generator(config, params, max_len=context + 24, kernels=kernels)
@@ -189,6 +203,8 @@ def main() -> None:
     parser.add_argument("--skip-jax", action="store_true", help="the peer alone (a run longer than one sitting)")
     parser.add_argument("--profile", metavar="DIR", help="trace the prefill and each decode run into DIR "
                         "(Perfetto traces; bench/profile_summary.py sums them by kernel)")
+    parser.add_argument("--host-profile", action="store_true", help="also: the host's time in a batch-1 decode, "
+                        "by Python function (cProfile)")
     parser.add_argument("--fit", action="append", default=[], metavar="CONTEXT:B1,B2",
                         help="try these batch sizes with prompts of CONTEXT tokens (out of memory or not)")
     parser.add_argument("--startup", metavar="DIR", help="instead: time to first token of two fresh processes "

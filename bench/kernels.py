@@ -111,7 +111,7 @@ def ragged(rng):
                   weight_bytes=bytes_read)
 
 
-def tiles(rng):
+def tiles(rng, rows=(256, 2048, 16384)):
     """The Mosaic GPU ragged dot's tile shapes for both expert projections, against tokamax; and the
     un-sorting of the per-pair outputs (a scatter, or a gather fused into the weighted sum)."""
     import tokamax
@@ -120,7 +120,7 @@ def tiles(rng):
     for F in (F2, D):
         w = jax.random.normal(jax.random.key(1), (E, F, D), jnp.bfloat16) * 0.02
         wt = jnp.swapaxes(w, 1, 2)
-        for M in (256, 2048, 16384):
+        for M in rows:
             sizes = np.zeros(E, np.int32)
             np.add.at(sizes, rng.choice(E, size=M), 1)
             sizes = jnp.asarray(sizes)
@@ -134,16 +134,18 @@ def tiles(rng):
             timed(f"{tag} tokamax [E,F,D]", lambda x, w: gpu.ragged_dot(x, w, sizes), x, w, ref=ref, flops=flops)
             timed(f"{tag} tokamax [E,D,F]", lambda x, wt: tokamax.ragged_dot(x, wt, sizes, implementation="mosaic"),
                   x, wt, ref=ref, flops=flops)
-            for bm in (64, 128):
-                for bn in (64, 128, 192, 256):
-                    for steps, gbn in ((4, 1), (4, 2)):
-                        if F % bn:
-                            continue
-                        timed(f"{tag} mgpu m={bm} n={bn} steps={steps} gbn={gbn}",
-                              lambda x, w: ragged_dot_mgpu.ragged_dot(
-                                  x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=64,
-                                  max_concurrent_steps=steps, grid_block_n=gbn, transpose_rhs=True),
-                              x, w, ref=ref, flops=flops)
+            configs = [(bm, bn, steps, gbn) for bm in (64, 128) for bn in (64, 128, 192, 256)
+                       for steps, gbn in ((4, 1), (4, 2))]
+            if M > 1024:  # prompts: around the best of the above
+                configs += [(128, 192, steps, gbn) for steps, gbn in ((4, 4), (4, 8), (3, 2), (5, 2), (6, 2))]
+            for bm, bn, steps, gbn in configs:
+                if F % bn:
+                    continue
+                timed(f"{tag} mgpu m={bm} n={bn} steps={steps} gbn={gbn}",
+                      lambda x, w: ragged_dot_mgpu.ragged_dot(
+                          x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                          grid_block_n=gbn, transpose_rhs=True),
+                      x, w, ref=ref, flops=flops)
     N, A = 4096, 4
     y = jax.random.normal(jax.random.key(4), (N * A, D), jnp.bfloat16)
     order = jnp.asarray(rng.permutation(N * A))
@@ -200,7 +202,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -212,6 +214,8 @@ def main():
         decode(rng)
     if args.part in ("all", "tiles"):
         tiles(rng)
+    if args.part == "tiles-prompt":
+        tiles(rng, rows=(16384,))
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
     for r in ROWS:
         note = r.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("op", "ms", "rel_err"))

@@ -21,8 +21,8 @@ import os
 KINDS = (
     ("experts, decode (Triton matvec)", ("gptoss_pair_matvec",)),
     ("attention, decode (Triton, cache)", ("gptoss_cache_attention",)),
+    ("attention, prompts (flash)", ("flash", "attention", "splash")),  # before "mosaic_gpu": tokamax's is one too
     ("experts, prompts (ragged dot)", ("ragged", "gmm", "mosaic_gpu")),
-    ("attention, prompts (flash)", ("flash", "attention", "splash")),
     ("dense matmuls (cuBLAS / XLA gemm)", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "dot")),
     ("sort, top-k, scatter, gather", ("sort", "topk", "top_k", "scatter", "gather")),
     ("other XLA fusions", ("fusion", "loop", "input", "reduce", "copy", "transpose", "concatenate", "slice")),
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("folder")
     ap.add_argument("--steps", type=int, default=1, help="divide times by this many steps")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gaps", type=int, default=5, help="list the GPU's largest idle times, by the kernels around them")
     ap.add_argument("--after", metavar="NAME", help="count only kernels that start after the last one whose name "
                     "holds NAME (e.g. flash_attention: the decode steps after a prefill)")
     args = ap.parse_args()
@@ -93,6 +94,15 @@ def main() -> None:
     print("\n| kernel | calls per step | ms per step | share of busy |\n|---|---:|---:|---:|")
     for name, ms in by_name.most_common(args.top):
         print(f"| {name[:80]} | {count[name] / n:.1f} | {ms / n:.3f} | {100 * ms / busy:.1f}% |")
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    gaps = collections.Counter()  # idle time before each kernel, summed by the kernel that waited
+    for before, after in zip(ordered, ordered[1:]):
+        idle = after["ts"] - (before["ts"] + before["dur"])
+        if idle > 0:
+            gaps[f"{before['name'][:40]} -> {after['name'][:40]}"] += idle / 1e3
+    print("\n| idle GPU between kernels (largest sums) | ms per step |\n|---|---:|")
+    for pair, ms in gaps.most_common(args.gaps):
+        print(f"| {pair} | {ms / n:.3f} |")
 
 
 if __name__ == "__main__":

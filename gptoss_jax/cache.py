@@ -12,6 +12,8 @@ Legend: B = batch, S = cache slots, K = KV heads, H = head dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,14 +45,20 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16
     With a mesh, it is made in place on its devices: sequences on `data`, KV heads on `tensor`
     (each where they divide; see sharding.py).
     """
+    return _zeros(config, batch, max_len, jnp.dtype(dtype), mesh)()
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(config: ModelConfig, batch: int, max_len: int, dtype, mesh):
+    """The jitted maker of one cache shape, kept: a new jit per call would trace and compile it again
+    on every generation (about 0.15 s)."""
     shapes = cache_shapes(config, batch, max_len, dtype)
     out_shardings = None
     if mesh is not None:
         from .sharding import cache_shardings
 
         out_shardings = cache_shardings(shapes, mesh)
-    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                   out_shardings=out_shardings)()
+    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=out_shardings)
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:

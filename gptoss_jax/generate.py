@@ -74,9 +74,11 @@ def _prefill_chunk(config, kernels, mesh, params, tokens, valid, cache, last, la
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
 def _decode_step(config, kernels, mesh, sampling, params, tokens, active, cache, key_data, step):
+    """-> (next tokens, cache, step + 1): the step counter stays on the devices, one host transfer fewer."""
     logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens[:, None],
                                                                          cache, active[:, None])
-    return _everywhere(sample(logits[:, 0], _step_key(key_data, step), sampling), mesh), cache
+    tokens = sample(logits[:, 0], _step_key(key_data, step), sampling)
+    return _everywhere(tokens, mesh), cache, _everywhere(step + 1, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
@@ -188,10 +190,14 @@ class Generator:
         reasons = ["length"] * B
         finished = np.full(B, np.nan)  # when each sequence produced its last token
         active = np.ones(B, bool)
+        # Host inputs of the decode step, sent again only when they change (each send is a host-to-device
+        # copy before the step can be queued): which sequences are active, and the step counter.
+        inputs = {"active": put(active), "step": put(np.int32(1))}
 
-        def queue_step(step, token_dev, cache):  # decode step `step` on the devices, not waited for
-            return self._call(_decode_step, model + (sampling,), self.params, token_dev, put(active), cache, key_data,
-                              put(np.int32(step)))
+        def queue_step(token_dev, cache):  # the next decode step on the devices, not waited for
+            next_dev, cache, inputs["step"] = self._call(_decode_step, model + (sampling,), self.params, token_dev,
+                                                         inputs["active"], cache, key_data, inputs["step"])
+            return next_dev, cache
 
         for step in range(max_new_tokens):
             # From the second step on, the next step is queued before this step's tokens are read, so
@@ -200,7 +206,7 @@ class Generator:
             # (The first token is streamed before the decode step compiles.)
             queued = 0 < step < max_new_tokens - 1
             if queued:
-                next_dev, cache = queue_step(step + 1, token_dev, cache)
+                next_dev, cache = queue_step(token_dev, cache)
             token = np.asarray(token_dev)
             now = time.perf_counter()
             for b in np.nonzero(active)[0]:
@@ -210,10 +216,11 @@ class Generator:
                     on_token(int(b), int(token[b]))
                 if int(token[b]) in stops:
                     active[b], reasons[b] = False, "stop"
+                    inputs["active"] = put(active)  # from the next queued step on
             if step == max_new_tokens - 1 or not active.any():
                 break
             if not queued:
-                next_dev, cache = queue_step(step + 1, token_dev, cache)
+                next_dev, cache = queue_step(token_dev, cache)
             token_dev = next_dev
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s
