@@ -86,6 +86,16 @@ def _sample(mesh, sampling, logits, key_data):
     return _everywhere(sample(logits, _step_key(key_data, 0), sampling), mesh)
 
 
+@functools.lru_cache(maxsize=8)
+def _zeros_maker(shape, mesh):
+    return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=None if mesh is None else replicated(mesh))
+
+
+def _device_zeros(shape, mesh):
+    """float32 zeros made on the devices (on every one of a mesh)."""
+    return _zeros_maker(shape, mesh)()
+
+
 def _step_key(key_data, step):
     """Step `step`'s sampling key, from the seed's key (made on the device: no key crosses to the
     host during decoding)."""
@@ -172,7 +182,7 @@ class Generator:
         valid = np.arange(padded)[None] < lengths[:, None]
         cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
         put = functools.partial(on_every_device, mesh=self.mesh)
-        last = put(np.zeros((B, vocab), np.float32))
+        last = _device_zeros((B, vocab), self.mesh)  # made there: no host copy of [B, V] zeros
         model = (self.config, self.kernels, self.mesh)
         for start in range(0, padded, chunk):
             last, cache = self._call(_prefill_chunk, model, self.params, put(tokens[:, start:start + chunk]),

@@ -85,18 +85,19 @@ def ragged_dot(x, w, group_sizes) -> jax.Array:
 def mosaic_tiles(rows: int, F: int) -> dict | None:
     """The Mosaic GPU ragged dot's tiles for `rows` rows and F outputs, or None where none fits.
 
-    192-wide output tiles divide both of gpt-oss's widths (5760 and 2880); 128-row tiles and pairs of
-    output tiles walked together pay off on prompts, 64-row tiles on decode batches, whose experts
-    get a few rows each. One H100, 16,384 rows over 32 experts: 1.33 ms for [5760, 2880] experts
-    (410 TFLOP/s) and 0.74 ms for [2880, 2880] (367 TFLOP/s), against 2.46 ms with 64 x 128 tiles
-    and 1.71 ms with tokamax's transposing kernel (docs/benchmarks.md).
+    192-wide output tiles divide both of gpt-oss's widths (5760 and 2880); 128-row tiles, with four
+    output tiles walked together (so neighbouring programs share rows in L2), pay off on prompts;
+    64-row tiles on decode batches, whose experts get a few rows each. One H100, 16,384 rows over
+    32 experts: 1.23 ms for [5760, 2880] experts (441 TFLOP/s) and 0.68 ms for [2880, 2880]
+    (399 TFLOP/s), against 2.46 ms with 64 x 128 tiles and 1.61 ms with tokamax's transposing
+    kernel (docs/benchmarks.md).
     """
     block_n = next((n for n in (192, 128, 64) if F % n == 0), None)
     if block_n is None:
         return None
     large = rows > 1024
     return dict(block_m=128 if large else 64, block_n=block_n, block_k=64, max_concurrent_steps=4,
-                grid_block_n=2 if large else 1)
+                grid_block_n=4 if large else 1)
 
 
 @jax.jit
