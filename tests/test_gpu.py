@@ -84,14 +84,17 @@ def test_expert_kernels_equal_the_gather_path(impl, tokens):
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= BF16_RTOL
 
 
-@pytest.mark.parametrize("F", [384, 320])  # 128- and 64-wide output tiles (as mlp2: 2880)
-def test_mosaic_ragged_dot_and_its_fallback(F):
-    sizes = jnp.array([0, 100, 7, 149], jnp.int32)  # an empty expert; the last 64 of the 320 rows unused
-    x = jax.random.normal(jax.random.key(0), (320, 256), jnp.bfloat16)
+@pytest.mark.parametrize("rows,F", [(320, 384), (320, 320), (2112, 960), (2112, 384)])
+def test_mosaic_ragged_dot_tiles(rows, F):
+    """Decode-sized rows (64-row tiles; 192- or 64-wide as F allows) and prompt-sized rows (128-row
+    tiles walked four output tiles at a time, also where F has fewer or not a multiple of four)."""
+    sizes = jnp.array([0, 100, 7, 149], jnp.int32) * (rows // 320)  # an empty expert; the last rows unused
+    used = int(sizes.sum())
+    x = jax.random.normal(jax.random.key(0), (rows, 256), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (4, F, 256), jnp.bfloat16)
-    groups = jnp.repeat(jnp.arange(4), sizes, total_repeat_length=256)
-    got = gpu.mosaic_ragged_dot(x, w, sizes)[:256]
-    want = jnp.einsum("md,mfd->mf", x[:256], w[groups], preferred_element_type=jnp.float32)
+    groups = jnp.repeat(jnp.arange(4), sizes, total_repeat_length=used)
+    got = gpu.mosaic_ragged_dot(x, w, sizes)[:used]
+    want = jnp.einsum("md,mfd->mf", x[:used], w[groups], preferred_element_type=jnp.float32)
     assert rel_err(got.astype(jnp.float32), want) <= BF16_RTOL
 
 

@@ -111,3 +111,12 @@ def test_kernel_choice_on_cpu_and_bad_names():
     with pytest.raises(ValueError, match="'tokamax' kernel runs on NVIDIA GPUs only, and this JAX's backend is 'cpu'"):
         gj.Kernels(attention="tokamax").attention_for(4096)
     assert gj.Kernels(attention="splash", interpret=True).attention_for(4096) == "splash"
+
+
+def test_mosaic_ragged_dot_tiles_by_rows_and_width():
+    from gptoss_jax.kernels.gpu import mosaic_tiles
+
+    prompt, decode = mosaic_tiles(16384, 2880), mosaic_tiles(256, 5760)
+    assert (prompt["block_m"], prompt["block_n"], prompt["grid_block_n"]) == (128, 192, 4)
+    assert (decode["block_m"], decode["block_n"], decode["grid_block_n"]) == (64, 192, 1)
+    assert mosaic_tiles(256, 320)["block_n"] == 64 and mosaic_tiles(256, 100) is None  # 100: no tile fits
