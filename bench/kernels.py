@@ -163,6 +163,30 @@ def tiles(rng, rows=(256, 2048, 16384)):
     timed("sort pairs: stable argsort", lambda i: jnp.argsort(i.reshape(-1), stable=True), idx)
 
 
+def decode64():
+    """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
+    kq, kk, kv, ks = jax.random.split(jax.random.key(3), 4)
+    B, S, filled = 64, 4224, 4100
+    q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
+    k = jax.random.normal(kk, (B, S, K, H), jnp.bfloat16)
+    v = jax.random.normal(kv, (B, S, K, H), jnp.bfloat16)
+    sinks = jax.random.normal(ks, (K, G), jnp.float32)
+    kv_len = jnp.full((B,), filled, jnp.int32)
+    mask = jnp.broadcast_to((jnp.arange(S)[None] < kv_len[:, None])[:, None], (B, 1, S))
+    ref = jax.jit(lambda q, k, v, s: combine([xla.dense(q, k, v, mask)], s, jnp.float32))(q, k, v, sinks)
+    kv_bytes = 2 * B * filled * K * H * 2
+    for splits in (None, 1, 4):
+        for bk in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4):
+                    if splits is not None and (warps, stages) != (4, 2):
+                        continue
+                    timed(f"decode attention B=64 splits={splits} block={bk} warps={warps} stages={stages}",
+                          lambda q, k, v, s: combine([cache_attention(q, k, v, kv_len, splits=splits, block_k=bk,
+                                                                      num_warps=warps, num_stages=stages)], s, q.dtype),
+                          q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
+
+
 def decode(rng):
     """Decode attention to a cache (filled part only) and the decode expert matvec, with variants."""
     kq, kk, kv, ks = jax.random.split(jax.random.key(3), 4)
@@ -202,7 +226,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -214,6 +238,8 @@ def main():
         decode(rng)
     if args.part in ("all", "tiles"):
         tiles(rng)
+    if args.part == "decode64":
+        decode64()
     if args.part == "tiles-prompt":
         tiles(rng, rows=(16384,))
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")

@@ -63,16 +63,38 @@ def gpu_kernels(events: list[dict]) -> list[dict]:
     return out
 
 
+def timeline(events: list[dict], kernels: list[dict], lines: int) -> None:
+    """The GPU's copies and idle stretches, and the host's longest events, in time order (ms from the
+    first GPU kernel): what the GPU waited for."""
+    t0 = min(e["ts"] for e in kernels)
+    rows = []
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    for before, after in zip(ordered, ordered[1:]):
+        idle = after["ts"] - (before["ts"] + before["dur"])
+        if idle > 100 or "memcpy" in after["name"].lower():
+            rows.append((before["ts"] + before["dur"], f"GPU idle {idle / 1e3:.3f} ms, then {after['name'][:50]}"))
+    gpu = {id(e) for e in kernels}
+    for e in events:
+        if e.get("ph") == "X" and id(e) not in gpu and e.get("dur", 0) > 300:
+            rows.append((e["ts"], f"host {e['name'][:60]} {e['dur'] / 1e3:.3f} ms"))
+    print("\n| ms | event |\n|---:|---|")
+    for ts, text in sorted(rows)[:lines]:
+        print(f"| {(ts - t0) / 1e3:.3f} | {text} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder")
     ap.add_argument("--steps", type=int, default=1, help="divide times by this many steps")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--timeline", type=int, default=0, metavar="LINES", help="also list the GPU's copies and idle "
+                    "stretches and the host's long events in time order")
     ap.add_argument("--gaps", type=int, default=5, help="list the GPU's largest idle times, by the kernels around them")
     ap.add_argument("--after", metavar="NAME", help="count only kernels that start after the last one whose name "
                     "holds NAME (e.g. flash_attention: the decode steps after a prefill)")
     args = ap.parse_args()
-    kernels = gpu_kernels(load(args.folder))
+    events = load(args.folder)
+    kernels = gpu_kernels(events)
     if args.after:
         marks = [e["ts"] + e["dur"] for e in kernels if args.after in e["name"]]
         kernels = [e for e in kernels if not marks or e["ts"] >= max(marks)]
@@ -94,6 +116,8 @@ def main() -> None:
     print("\n| kernel | calls per step | ms per step | share of busy |\n|---|---:|---:|---:|")
     for name, ms in by_name.most_common(args.top):
         print(f"| {name[:80]} | {count[name] / n:.1f} | {ms / n:.3f} | {100 * ms / busy:.1f}% |")
+    if args.timeline:
+        timeline(events, kernels, args.timeline)
     ordered = sorted(kernels, key=lambda e: e["ts"])
     gaps = collections.Counter()  # idle time before each kernel, summed by the kernel that waited
     for before, after in zip(ordered, ordered[1:]):

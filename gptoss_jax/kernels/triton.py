@@ -82,9 +82,9 @@ def _pow2_at_least(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "splits", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "splits", "num_warps", "num_stages"))
 def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 64, splits: int | None = None,
-                    num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+                    num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
     """Decode attention to a KV cache: q [B, T, K, G, H], k and v [B, S, K, H], every query seeing keys
     [0, kv_len[b]) -> (o [B, T, K, G, H] float32, lse [B, T, K, G] float32), sink-free (see combine.py).
 
@@ -134,7 +134,7 @@ def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 
 
     params = {}
     if not interpret:
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     o, lse = pl.pallas_call(
         kernel, grid=(B, K, splits), interpret=interpret, name="gptoss_cache_attention",
         out_shape=(jax.ShapeDtypeStruct((B, splits, K, R, H), jnp.float32),
