@@ -2,7 +2,7 @@
 transformers measured in the same run on the same GPU (one after the other, each alone on it).
 
     python bench/generate_20b.py [--prefill 4096] [--decode 64] [--batches 1,8] [--long 64x4096]
-        [--prefill-long 32768] [--fit 4096:256,288] [--profile DIR]
+        [--prefill-long 32768] [--fit 4096:256,288] [--profile DIR] [--host-profile]
     python bench/generate_20b.py --startup DIR   (cold start, then second start with the cache in DIR)
 
 Rates: prefill = prompt tokens / time to first token of a batch-1 prompt (the best of 3 runs); decode = tokens produced

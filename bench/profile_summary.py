@@ -2,10 +2,12 @@
 traces that `bench/generate_20b.py --profile DIR` writes.
 
     python bench/profile_summary.py DIR/decode_b1 [--steps 63] [--top 15] [--after flash_attention]
+        [--gaps 5] [--timeline 40]
 
 Prints the GPU's busy time against the traced wall time (the difference is time the GPU waited on
 the host: dispatch, host round trips), then a table by kind and one by kernel, per step when
---steps is given.
+--steps is given, then the GPU's largest idle times by the kernels around them; --timeline lists
+the GPU's copies and idle stretches with the host's long events in time order (what it waited for).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ library: `pip install -e ".[cuda]"` (Python >= 3.12). Nothing here is imported w
   place (no gathered copy). On Hopper, the Mosaic GPU ragged dot that ships with JAX reads the
   model's [E, out, in] experts directly (`mosaic_ragged_dot`); tokamax's (`ragged_dot`) wants
   [E, in, out] and so transposes each call's weights first, about twice as slow here (one H100:
-  0.53 vs 1.41 ms for 32 rows over 32 experts, 1.33 vs 3.11 ms for 16,384; docs/benchmarks.md).
+  0.53 vs 1.41 ms for 32 rows over 32 experts, 1.23 vs 3.17 ms for 16,384; docs/benchmarks.md).
 
 Legend: B = batch, T = queries, S = keys, N = query heads, K = KV heads, G = N / K, H = head dim,
 M = rows, G_e = experts, F = output features, D = input features.
