@@ -5,8 +5,8 @@ transformers measured in the same run on the same GPU (one after the other, each
         [--prefill-long 32768] [--fit 4096:256,288] [--profile DIR] [--host-profile]
     python bench/generate_20b.py --startup DIR   (cold start, then second start with the cache in DIR)
 
-Rates: prefill = prompt tokens / time to first token of a batch-1 prompt (the best of 3 runs); decode = tokens produced
-after the first / the time they took (batch B produces B tokens per step). Each measurement follows
+Rates: prefill = prompt tokens / time to first token of a batch-1 prompt (the best of 3 runs);
+decode = tokens produced after the first / the time they took (batch B produces B tokens per step). Each measurement follows
 a warm-up run of the same shapes, so compilation is excluded for both.
 """
 
@@ -95,7 +95,7 @@ def run_jax(args) -> dict:
     t = time.perf_counter()
     r = gen.generate(prompt, max_new_tokens=2, sampling=greedy)[0]
     out["first_run_s"], out["first_run_compile_s"] = time.perf_counter() - t, r.timings["compile_s"]
-    runs = [gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0].timings["prefill_s"] for _ in range(3)]
+    runs = _prefill_runs(gen, prompt)
     out["prefill_tokens_per_s"], out["prefill_runs_ms"] = args.prefill / min(runs), [round(1e3 * s, 1) for s in runs]
     if args.profile:
         with jax.profiler.trace(os.path.join(args.profile, "prefill"), create_perfetto_trace=True):
@@ -106,7 +106,7 @@ def run_jax(args) -> dict:
         gen = Generator(config, params, max_len=n + 16, kernels=kernels)
         prompt = [rng.integers(0, config.vocab_size, n).tolist()]
         gen.generate(prompt, max_new_tokens=1, sampling=greedy)  # compiles
-        runs = [gen.generate(prompt, max_new_tokens=1, sampling=greedy)[0].timings["prefill_s"] for _ in range(2)]
+        runs = _prefill_runs(gen, prompt)
         del gen
         out[f"prefill_{n}_tokens_per_s"] = n / min(runs)
         print(f"prefill {n}: {out[f'prefill_{n}_tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
@@ -161,6 +161,14 @@ def run_jax(args) -> dict:
             print(f"batch {b} at {context}: {fits}", file=sys.stderr, flush=True)
     out["peak_gib"] = peak()
     return out
+
+
+def _prefill_runs(gen, prompt, runs: int = 3) -> list[float]:
+    """Seconds to the first token of `runs` greedy generations of the prompt (compiled already)."""
+    from gptoss_jax.sampling import Sampling
+
+    return [gen.generate(prompt, max_new_tokens=1, sampling=Sampling(temperature=0))[0].timings["prefill_s"]
+            for _ in range(runs)]
 
 
 def _failure(e: Exception) -> str:

@@ -163,10 +163,10 @@ def tiles(rng, rows=(256, 2048, 16384)):
     timed("sort pairs: stable argsort", lambda i: jnp.argsort(i.reshape(-1), stable=True), idx)
 
 
-def decode64():
-    """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
+def _decode_attention_case(B, S, filled):
+    """One decode query per sequence over a bf16 cache of S slots, `filled` of them in use: (q, k, v,
+    sinks, kv_len, the float32 jnp reference, the K/V bytes a kernel must read)."""
     kq, kk, kv, ks = jax.random.split(jax.random.key(3), 4)
-    B, S, filled = 64, 4224, 4100
     q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
     k = jax.random.normal(kk, (B, S, K, H), jnp.bfloat16)
     v = jax.random.normal(kv, (B, S, K, H), jnp.bfloat16)
@@ -174,7 +174,12 @@ def decode64():
     kv_len = jnp.full((B,), filled, jnp.int32)
     mask = jnp.broadcast_to((jnp.arange(S)[None] < kv_len[:, None])[:, None], (B, 1, S))
     ref = jax.jit(lambda q, k, v, s: combine([xla.dense(q, k, v, mask)], s, jnp.float32))(q, k, v, sinks)
-    kv_bytes = 2 * B * filled * K * H * 2
+    return q, k, v, sinks, kv_len, ref, 2 * B * filled * K * H * 2
+
+
+def decode64():
+    """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
+    q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(64, 4224, 4100)
     for splits in (None, 1, 4):
         for bk in (32, 64, 128):
             for warps in (2, 4, 8):
@@ -189,18 +194,10 @@ def decode64():
 
 def decode(rng):
     """Decode attention to a cache (filled part only) and the decode expert matvec, with variants."""
-    kq, kk, kv, ks = jax.random.split(jax.random.key(3), 4)
     for B, S, filled in ((1, 4224, 4100), (1, 4224, 256), (8, 4224, 4100), (64, 4224, 4100), (1, 32896, 32800),
                          (16, 32896, 32800)):
-        q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
-        k = jax.random.normal(kk, (B, S, K, H), jnp.bfloat16)
-        v = jax.random.normal(kv, (B, S, K, H), jnp.bfloat16)
-        sinks = jax.random.normal(ks, (K, G), jnp.float32)
-        kv_len = jnp.full((B,), filled, jnp.int32)
-        mask = jnp.broadcast_to((jnp.arange(S)[None] < kv_len[:, None])[:, None], (B, 1, S))
-        ref = jax.jit(lambda q, k, v, s: combine([xla.dense(q, k, v, mask)], s, jnp.float32))(q, k, v, sinks)
+        q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(B, S, filled)
         tag = f"decode attention B={B} S={S} filled={filled}"
-        kv_bytes = 2 * B * filled * K * H * 2
         timed(f"{tag} xla dense", lambda q, k, v, s: combine([xla.prefix(q, k, v, kv_len, block=512)], s, q.dtype),
               q, k, v, sinks, ref=ref, kv_bytes=kv_bytes)
         for splits in (None, 8, 32):

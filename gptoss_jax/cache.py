@@ -4,15 +4,13 @@
      "block_N": {"k": [B, S, K, H], "v": [B, S, K, H]}, ...}
 Full-attention layers hold S = max_len positions rounded up to a multiple of 128, key j at position
 j. Sliding-window layers hold a ring of S = min(window, max_len) slots, never more: slot s holds the
-latest position p < length with p % S == s. For gpt-oss-20b at 131072 positions that is 3 GiB per sequence in bf16 (12 full layers),
-the 12 sliding layers adding 3 MiB.
+latest position p < length with p % S == s. For gpt-oss-20b at 131072 positions that is 3 GiB per
+sequence in bf16 (12 full layers), the 12 sliding layers adding 3 MiB.
 
 Legend: B = batch, S = cache slots, K = KV heads, H = head dim.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,25 +38,15 @@ def cache_shapes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *, mesh=None) -> dict:
-    """An empty cache for `batch` sequences of up to `max_len` positions each.
+    """An empty cache for `batch` sequences of up to `max_len` positions each, made on the devices.
 
     With a mesh, it is made in place on its devices: sequences on `data`, KV heads on `tensor`
     (each where they divide; see sharding.py).
     """
-    return _zeros(config, batch, max_len, jnp.dtype(dtype), mesh)()
+    from .sharding import cache_shardings, zeros_on_devices
 
-
-@functools.lru_cache(maxsize=16)
-def _zeros(config: ModelConfig, batch: int, max_len: int, dtype, mesh):
-    """The jitted maker of one cache shape, kept: a new jit per call would trace and compile it again
-    on every generation (about 0.15 s)."""
     shapes = cache_shapes(config, batch, max_len, dtype)
-    out_shardings = None
-    if mesh is not None:
-        from .sharding import cache_shardings
-
-        out_shardings = cache_shardings(shapes, mesh)
-    return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=out_shardings)
+    return zeros_on_devices(shapes, None if mesh is None else cache_shardings(shapes, mesh))
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:

@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .params import Params
 from .sampling import Sampling, sample
-from .sharding import mesh_of, on_every_device, replicated
+from .sharding import mesh_of, on_every_device, replicated, zeros_on_devices
 
 
 @dataclasses.dataclass
@@ -84,16 +84,6 @@ def _decode_step(config, kernels, mesh, sampling, params, tokens, active, cache,
 @functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
 def _sample(mesh, sampling, logits, key_data):
     return _everywhere(sample(logits, _step_key(key_data, 0), sampling), mesh)
-
-
-@functools.lru_cache(maxsize=8)
-def _zeros_maker(shape, mesh):
-    return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=None if mesh is None else replicated(mesh))
-
-
-def _device_zeros(shape, mesh):
-    """float32 zeros made on the devices (on every one of a mesh)."""
-    return _zeros_maker(shape, mesh)()
 
 
 def _step_key(key_data, step):
@@ -182,7 +172,8 @@ class Generator:
         valid = np.arange(padded)[None] < lengths[:, None]
         cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
         put = functools.partial(on_every_device, mesh=self.mesh)
-        last = _device_zeros((B, vocab), self.mesh)  # made there: no host copy of [B, V] zeros
+        last = zeros_on_devices(jax.ShapeDtypeStruct((B, vocab), jnp.float32),
+                                None if self.mesh is None else replicated(self.mesh))
         model = (self.config, self.kernels, self.mesh)
         for start in range(0, padded, chunk):
             last, cache = self._call(_prefill_chunk, model, self.params, put(tokens[:, start:start + chunk]),
@@ -200,13 +191,14 @@ class Generator:
         reasons = ["length"] * B
         finished = np.full(B, np.nan)  # when each sequence produced its last token
         active = np.ones(B, bool)
-        # Host inputs of the decode step, sent again only when they change (each send is a host-to-device
-        # copy before the step can be queued): which sequences are active, and the step counter.
-        inputs = {"active": put(active), "step": put(np.int32(1))}
+        # The decode step's other inputs stay on the devices: the step counter comes back from each
+        # step, and the active mask is sent again only when a sequence stops.
+        active_dev, step_dev = put(active), put(np.int32(1))
 
         def queue_step(token_dev, cache):  # the next decode step on the devices, not waited for
-            next_dev, cache, inputs["step"] = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                                         inputs["active"], cache, key_data, inputs["step"])
+            nonlocal step_dev
+            next_dev, cache, step_dev = self._call(_decode_step, model + (sampling,), self.params, token_dev,
+                                                   active_dev, cache, key_data, step_dev)
             return next_dev, cache
 
         for step in range(max_new_tokens):
@@ -226,7 +218,7 @@ class Generator:
                     on_token(int(b), int(token[b]))
                 if int(token[b]) in stops:
                     active[b], reasons[b] = False, "stop"
-                    inputs["active"] = put(active)  # from the next queued step on
+                    active_dev = put(active)  # from the next queued step on
             if step == max_new_tokens - 1 or not active.any():
                 break
             if not queued:

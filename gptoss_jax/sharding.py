@@ -16,11 +16,13 @@ by `check_mesh` before anything is loaded.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -181,6 +183,22 @@ def describe(mesh: Mesh) -> str:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def zeros_on_devices(shapes: Any, shardings: Any = None) -> Any:
+    """Zeros for a pytree of `jax.ShapeDtypeStruct`s, made on the devices where `shardings` (a matching
+    pytree, or None: the default device) lays them out, with no host copy. The jitted maker of each
+    shapes-and-layout is kept, so a repeated call traces and compiles nothing."""
+    leaves, tree = jax.tree.flatten(shapes)
+    specs = tuple((tuple(s.shape), jnp.dtype(s.dtype)) for s in leaves)
+    layout = None if shardings is None else tuple(jax.tree.leaves(shardings))
+    return jax.tree.unflatten(tree, _zeros_maker(specs, layout)())
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros_maker(specs: tuple, layout: tuple | None):
+    return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype in specs],
+                   out_shardings=None if layout is None else list(layout))
 
 
 def on_every_device(x, mesh: Mesh | None):
