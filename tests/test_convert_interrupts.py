@@ -20,6 +20,8 @@ from gptoss_jax.testing import write_synthetic_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DELAYS = (0.0, 0.3, 1.0, 1.8, 2.5, 3.2, 4.0, 5.0, 6.0)  # seconds after its handlers are in; the run takes ~10 s
+# Also, whatever the machine's speed: once the first item, and once four items, have been saved.
+AFTER_ITEMS = (1, 4)
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +44,37 @@ def _saved_items(folder) -> int:
     return sum(len(os.listdir(p / "params")) for p in partials if (p / "params").is_dir())
 
 
+def _wait_for_items(process, folder, n: int, timeout: float = 60) -> None:
+    """Until the conversion has saved n items; fails if it ends (or stalls) first."""
+    end = time.monotonic() + timeout
+    while _saved_items(folder) < n:
+        assert process.poll() is None, f"the conversion ended before saving {n} items"
+        assert time.monotonic() < end, f"no {n} items saved within {timeout} s"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_at_any_moment_leaves_nothing(source, tmp_path, signum):
     midway = 0
-    for i, delay in enumerate(DELAYS if signum == signal.SIGINT else DELAYS[::2]):
+    moments = [("seconds", d) for d in (DELAYS if signum == signal.SIGINT else DELAYS[::2])]
+    for i, (kind, when) in enumerate(moments + [("items", n) for n in AFTER_ITEMS]):
         folder = tmp_path / f"run{i}"
         folder.mkdir()
         process = _start(source, folder / "out", "--quiet")
         wait_for_signal_handlers(process)
-        time.sleep(delay)
+        if kind == "seconds":
+            time.sleep(when)
+        else:
+            _wait_for_items(process, folder, when)
         midway += _saved_items(folder) > 0
         process.send_signal(signum)
         out, err = process.communicate(timeout=60)
         what = "interrupted" if signum == signal.SIGINT else "terminated"
-        assert process.returncode == 128 + signum, (delay, err)
-        assert err.strip().splitlines()[-1] == f"error: {what}; nothing was written", (delay, err)
-        assert "Traceback" not in err and "Exception ignored" not in err, (delay, err)
-        assert len([line for line in err.splitlines() if not line.startswith("source: ")]) == 1, (delay, err)
-        assert list(folder.iterdir()) == [], (delay, err)  # no output, no partial folder
+        assert process.returncode == 128 + signum, (kind, when, err)
+        assert err.strip().splitlines()[-1] == f"error: {what}; nothing was written", (kind, when, err)
+        assert "Traceback" not in err and "Exception ignored" not in err, (kind, when, err)
+        assert len([line for line in err.splitlines() if not line.startswith("source: ")]) == 1, (kind, when, err)
+        assert list(folder.iterdir()) == [], (kind, when, err)  # no output, no partial folder
     assert midway >= 2  # several signals landed after items had been written, amid Orbax saves
 
 
