@@ -30,6 +30,9 @@ from .layers import RMSNorm, apply_rope, rope_tables
 from .params import Weight, declare
 from .sharding import CACHE_AXES, constrain, spec
 
+# Tokens per call from which the q, k and v products are kept apart (prompts; see __call__).
+SEPARATE_PROJECTIONS_FROM = 256
+
 
 def attention_reference(q, k, v, sinks, q_pos, k_pos, *, window: int | None) -> jax.Array:
     """q [B, T, K, G, H], k and v [B, S, K, H], sinks [K, G], positions [B, T] and [B, S] -> [B, T, K, G, H].
@@ -92,9 +95,14 @@ class AttentionBlock(nn.Module):
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
         t = RMSNorm(cfg, name="norm")(x)
-        q = jnp.einsum("btd,dnh->btnh", t, w["q_weight"]) + w["q_bias"]
-        k = jnp.einsum("btd,dkh->btkh", t, w["k_weight"]) + w["k_bias"]
-        v = jnp.einsum("btd,dkh->btkh", t, w["v_weight"]) + w["v_bias"]
+        tq = tk = tv = t
+        if x.shape[0] * x.shape[1] >= SEPARATE_PROJECTIONS_FROM:
+            # XLA's GPU compiler merges the three products of one input into one, concatenating
+            # their weights (30 MB a layer) on every call; three distinct inputs keep them apart.
+            tq, tk, tv = jax.lax.optimization_barrier((t, t, t))
+        q = jnp.einsum("btd,dnh->btnh", tq, w["q_weight"]) + w["q_bias"]
+        k = jnp.einsum("btd,dkh->btkh", tk, w["k_weight"]) + w["k_bias"]
+        v = jnp.einsum("btd,dkh->btkh", tv, w["v_weight"]) + w["v_bias"]
         cos, sin = rope_tables(cfg, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         B, T = x.shape[:2]
@@ -177,14 +185,32 @@ class AttentionBlock(nn.Module):
         # Sliding window: the ring holds the last S positions before the new tokens (at most
         # window of them are visible to any new token), then keeps the last S positions.
         ring_pos = ring_positions(lengths, S)  # [B, S]
-        in_window = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > positions[:, :, None] - window)
-        o = combine([xla.dense(q, cache_k, cache_v, in_window), own], sinks, q.dtype)
+        o = combine([self._ring(q, cache_k, cache_v, ring_pos, positions, window), own], sinks, q.dtype)
         new_pos = ring_positions(lengths + valid.sum(axis=1), S)  # [B, S]
         from_new = new_pos >= lengths[:, None]
         index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)[..., None, None]  # [B, S, 1, 1]
         ring_k = jnp.where(from_new[..., None, None], jnp.take_along_axis(k, index, axis=1), cache_k)
         ring_v = jnp.where(from_new[..., None, None], jnp.take_along_axis(v, index, axis=1), cache_v)
         return o, self._pin({"k": ring_k, "v": ring_v})
+
+    @staticmethod
+    def _ring(q, ring_k, ring_v, ring_pos, positions, window):
+        """Attention of the new tokens to a sliding layer's ring (positions before them) -> (o, lse).
+
+        New token t sits at position lengths + t and every ring position is below lengths, so only
+        tokens t < window - 1 can see any of the ring: the scores are computed for the first `window`
+        tokens alone, and the rest see none of its keys (lse -inf). A 4096-token prompt chunk then
+        scores 128 queries against the ring, not 4096.
+        """
+        T = q.shape[1]
+        seeing = min(T, window)
+        q, positions = q[:, :seeing], positions[:, :seeing]
+        in_window = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > positions[:, :, None] - window)
+        o, lse = xla.dense(q, ring_k, ring_v, in_window)
+        if seeing < T:
+            o = jnp.pad(o, ((0, 0), (0, T - seeing), (0, 0), (0, 0), (0, 0)))
+            lse = jnp.pad(lse, ((0, 0), (0, T - seeing), (0, 0), (0, 0)), constant_values=-jnp.inf)
+        return o, lse
 
     def _pin(self, layer_cache: dict) -> dict:
         """Keep the updated cache in the layout it came in, so that donating it reuses its buffers."""

@@ -12,6 +12,8 @@ Legend: B = batch, S = cache slots, K = KV heads, H = head dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,10 +45,19 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16
     With a mesh, it is made in place on its devices: sequences on `data`, KV heads on `tensor`
     (each where they divide; see sharding.py).
     """
-    from .sharding import cache_shardings, zeros_on_devices
+    from .sharding import zeros_on_devices
+
+    return zeros_on_devices(*_layout(config, batch, max_len, jnp.dtype(dtype), mesh))
+
+
+@functools.lru_cache(maxsize=32)
+def _layout(config: ModelConfig, batch: int, max_len: int, dtype, mesh) -> tuple:
+    """(shapes, shardings or None): kept, since building them takes the host about 0.5 ms, and every
+    generation makes a cache."""
+    from .sharding import cache_shardings
 
     shapes = cache_shapes(config, batch, max_len, dtype)
-    return zeros_on_devices(shapes, None if mesh is None else cache_shardings(shapes, mesh))
+    return shapes, None if mesh is None else cache_shardings(shapes, mesh)
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:

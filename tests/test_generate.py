@@ -71,6 +71,8 @@ def test_generator_rejects_bad_requests(gen, prompts):
         gen.generate([[]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"\[0, 1024\)"):
         gen.generate([[5000]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="32-bit signed integer, got 1099511627776"):
+        gen.generate([[5]], max_new_tokens=2, seed=2**40)
 
 
 def test_sampling_filters():

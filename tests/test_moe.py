@@ -28,6 +28,18 @@ def test_router_matches_hf(tiny, tiny_params):
     np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
 
 
+def test_router_in_bf16_equals_float32_router(tiny, tiny_params):
+    """bf16 inputs and weights: the bf16 product with float32 sums is the float32 product (each
+    product of two bf16 numbers is exact in float32), so the same experts and weights to rounding."""
+    m = tiny_params["block_0"]["mlp"]
+    x = jnp.asarray(_normed_inputs(tiny, 256, seed=3), jnp.bfloat16)
+    w16, b = jnp.asarray(m["router_weight"], jnp.bfloat16), m["router_bias"]
+    weights, idx = route(x, w16, b, tiny.experts_per_token)
+    ref_w, ref_idx = route(x.astype(jnp.float32), w16.astype(jnp.float32), b, tiny.experts_per_token)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    assert_rel_close(weights, ref_w, rtol=1e-5)
+
+
 def test_swiglu_matches_both_references():
     from gpt_oss.torch.model import swiglu as openai_swiglu
 
