@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -177,6 +177,65 @@ def _decode_attention_case(B, S, filled):
     return q, k, v, sinks, kv_len, ref, 2 * B * filled * K * H * 2
 
 
+def experts64(rng):
+    """Decode batch 64's experts (256 pairs over 32 experts): the ragged dot over expert-sorted rows,
+    where an expert whose rows straddle two row tiles has its weights read twice, against a batched
+    product over [E, 64, D] slots (each expert's rows in its own slot, every weight read once)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    N, A = 64, 4
+    idx = jnp.asarray(np.stack([rng.choice(E, size=A, replace=False) for _ in range(N)]), jnp.int32)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E)
+    # Each pair's slot within its expert: its rank among the expert's pairs.
+    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(N * A) - (jnp.cumsum(sizes) - sizes)[flat[order]])
+    for F in (F2, D):
+        w = jax.random.normal(jax.random.key(1), (E, F, D), jnp.bfloat16) * 0.02
+        x = jax.random.normal(jax.random.key(2), (N * A, D), jnp.bfloat16)  # pair rows, in pair order
+        ref = jnp.einsum("pd,pfd->pf", x, w[flat], preferred_element_type=jnp.float32)
+        tag = f"experts b64 [{E},{F},{D}]"
+        timed(f"{tag} mosaic ragged dot (chosen tiles)",
+              lambda x, w: gpu.mosaic_ragged_dot(x[order], w, sizes)[jnp.argsort(order)], x, w, ref=ref,
+              weight_bytes=E * F * D * 2)
+        for bm in (64, 128):
+            timed(f"{tag} mosaic ragged dot m={bm} n=192",
+                  lambda x, w: ragged_dot_mgpu.ragged_dot(
+                      x[order], w, group_sizes=sizes, block_m=bm, block_n=192, block_k=64, max_concurrent_steps=4,
+                      grid_block_n=1, transpose_rhs=True)[jnp.argsort(order)], x, w, ref=ref,
+                  weight_bytes=E * F * D * 2)
+
+        def slots(x, w):
+            xs = jnp.zeros((E, N, D), x.dtype).at[flat, rank].set(x)
+            return jnp.einsum("emd,efd->emf", xs, w)[flat, rank]
+
+        timed(f"{tag} batched product over [E, 64, D] slots", slots, x, w, ref=ref, weight_bytes=E * F * D * 2)
+
+
+def matvec(rng):
+    """The decode expert matvec at batch 1 (4 pairs): block shapes and splits, timed as 8 layers' calls
+    in one jitted function (so the host's dispatch is not in the figure)."""
+    L, P = 8, 4
+    for F in (F2, D):
+        ws = [jax.random.normal(jax.random.key(10 + i), (E, F, D), jnp.bfloat16) * 0.02 for i in range(L)]
+        idx = jnp.asarray(rng.choice(E, size=P, replace=False), jnp.int32)
+        x = jax.random.normal(jax.random.key(2), (P, D), jnp.bfloat16)
+        ref = jnp.stack([jnp.einsum("pd,pfd->pf", x, w[idx], preferred_element_type=jnp.float32) for w in ws])
+        # Triton blocks are powers of two and D = 2880 = 64 x 45, so block_d stays 64.
+        configs = [(bf, 64, w, st, sp) for bf, w, st, sp in (
+            (64, 4, 3, None), (64, 4, 3, 1), (64, 4, 3, 5), (64, 4, 3, 9), (64, 8, 3, None), (64, 4, 5, None),
+            (128, 4, 3, None), (128, 8, 3, None), (128, 8, 4, 1), (128, 8, 4, 3), (256, 8, 3, None),
+            (256, 8, 3, 1), (32, 4, 3, None), (32, 2, 4, None), (32, 4, 3, 1), (16, 2, 4, None), (16, 2, 4, 1))]
+        for bf, bd, warps, stages, splits in configs:
+            if F % bf:
+                continue
+            timed(f"matvec x{L} layers [{E},{F},{D}] P={P} bf={bf} bd={bd} warps={warps} stages={stages} "
+                  f"splits={splits}",
+                  lambda x, *ws: jnp.stack([pair_matvec(x, idx, w, block_f=bf, block_d=bd, num_warps=warps,
+                                                        num_stages=stages, splits=splits) for w in ws]),
+                  x, *ws, ref=ref, weight_bytes=L * P * F * D * 2, n=30)
+
+
 def decode64():
     """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
     q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(64, 4224, 4100)
@@ -223,7 +282,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -237,6 +296,10 @@ def main():
         tiles(rng)
     if args.part == "decode64":
         decode64()
+    if args.part == "matvec":
+        matvec(rng)
+    if args.part == "experts64":
+        experts64(rng)
     if args.part == "tiles-prompt":
         tiles(rng, rows=(16384,))
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
