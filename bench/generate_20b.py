@@ -80,7 +80,7 @@ def run_jax(args) -> dict:
     config = gj.ModelConfig.preset(args.preset)
     kernels = gj.Kernels(**dict(kv.split("=") for kv in args.kernels.split(",") if kv))
     t = time.perf_counter()
-    params = jax.block_until_ready(random_params_on_device(config, seed=0))
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=args.experts))
     init_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     greedy = Sampling(temperature=0)
@@ -189,7 +189,7 @@ def run_startup(args) -> dict:
 
     use_compile_cache(args.startup)
     config = gj.ModelConfig.preset(args.preset)
-    params = jax.block_until_ready(random_params_on_device(config, seed=0))
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=args.experts))
     prompt = [np.random.default_rng(0).integers(0, config.vocab_size, args.prefill).tolist()]
     t = time.perf_counter()
     gen = Generator(config, params, max_len=args.prefill + args.decode + 16)
@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--long", default="", help="decode runs with long prompts, e.g. 64x4096 (batch x prompt)")
     parser.add_argument("--prefill-long", default="", help="further prefill lengths, e.g. 32768")
     parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise")
+    parser.add_argument("--experts", choices=["mxfp4"], default=None,
+                        help="mxfp4: gptoss-jax's experts kept packed on the GPU (the peer stays bf16)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-jax", action="store_true", help="the peer alone (a run longer than one sitting)")
     parser.add_argument("--profile", metavar="DIR", help="trace the prefill and each decode run into DIR "

@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -236,6 +236,39 @@ def matvec(rng):
                   x, *ws, ref=ref, weight_bytes=L * P * F * D * 2, n=30)
 
 
+def matvec_mxfp4(rng):
+    """The decode expert matvec over MXFP4-packed experts at batch 1 (4 pairs), 8 layers' calls per
+    jitted function, against decoding first; bytes read are the packed blocks and scales."""
+    from gptoss_jax.kernels.triton import pair_matvec_mxfp4
+    from gptoss_jax.mxfp4 import decode
+
+    L, P = 8, 4
+    for F in (F2, D):
+        packed = []
+        for i in range(L):
+            kb, ks = jax.random.split(jax.random.key(20 + i))
+            packed.append((jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8),
+                           jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)))
+        idx = jnp.asarray(rng.choice(E, size=P, replace=False), jnp.int32)
+        x = jax.random.normal(jax.random.key(2), (P, D), jnp.bfloat16)
+        ref = jnp.stack([jnp.einsum("pd,pfd->pf", x, decode(b, s)[idx], preferred_element_type=jnp.float32)
+                         for b, s in packed])
+        nbytes = L * P * F * (D // 2 + D // 32)
+        args = [a for pair in packed for a in pair]
+        for bf, unroll, warps, stages, splits in (
+                (64, 3, 4, 3, None), (32, 3, 4, 3, None), (128, 3, 4, 3, None), (64, 1, 4, 3, None),
+                (64, 3, 8, 3, None), (64, 3, 4, 4, None), (64, 3, 4, 2, None), (128, 3, 8, 3, None),
+                (64, 3, 4, 3, 1), (64, 3, 4, 3, 3), (64, 5, 4, 3, None), (256, 3, 8, 3, None), (16, 3, 2, 4, None)):
+            if F % bf:
+                continue
+            timed(f"mxfp4 matvec x{L} layers [{E},{F},{D}] P={P} bf={bf} unroll={unroll} warps={warps} "
+                  f"stages={stages} splits={splits}",
+                  lambda x, *a: jnp.stack([pair_matvec_mxfp4(x, idx, a[2 * i], a[2 * i + 1], block_f=bf, unroll=unroll,
+                                                             num_warps=warps, num_stages=stages, splits=splits)
+                                           for i in range(L)]),
+                  x, *args, ref=ref, weight_bytes=nbytes, n=30)
+
+
 def decode64():
     """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
     q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(64, 4224, 4100)
@@ -282,7 +315,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -296,6 +329,8 @@ def main():
         tiles(rng)
     if args.part == "decode64":
         decode64()
+    if args.part == "matvec-mxfp4":
+        matvec_mxfp4(rng)
     if args.part == "matvec":
         matvec(rng)
     if args.part == "experts64":

@@ -24,6 +24,7 @@ _EXPORTS = {
     "Weight": "params", "abstract_params": "params", "init_params": "params", "logical_axes": "params",
     "param_count": "params",
     "make_mesh": "sharding", "param_shardings": "sharding", "RULES": "sharding",
+    "decode_params": "mxfp4",
 }
 
 __all__ = sorted(_EXPORTS)

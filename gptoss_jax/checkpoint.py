@@ -29,7 +29,6 @@ from .mxfp4 import unpack_experts
 from .params import Params, abstract_params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
-PACKED_WEIGHTS = ("mlp1_weight", "mlp2_weight")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -44,15 +43,7 @@ def storage_spec(config: ModelConfig, storage: str) -> Params:
     if storage not in EXPERT_STORAGES:
         raise ValueError(f"unknown expert storage {storage!r}; expected one of {', '.join(EXPERT_STORAGES)}")
     dtype = jnp.float32 if storage == "float32" else jnp.bfloat16
-    spec = abstract_params(config, dtype)
-    if storage == "mxfp4":
-        E, D, F = config.num_experts, config.hidden_size, config.intermediate_size
-        for n in range(config.num_hidden_layers):
-            mlp = spec[f"block_{n}"]["mlp"]
-            for name, (out, inp) in zip(PACKED_WEIGHTS, ((2 * F, D), (D, F)), strict=True):
-                mlp[name] = {"blocks": jax.ShapeDtypeStruct((E, out, inp // 32, 16), jnp.uint8),
-                             "scales": jax.ShapeDtypeStruct((E, out, inp // 32), jnp.uint8)}
-    return spec
+    return abstract_params(config, dtype, experts="mxfp4" if storage == "mxfp4" else None)
 
 
 def item_spec(config: ModelConfig, storage: str, name: str) -> Params:
@@ -79,10 +70,13 @@ def save_item(directory: str, name: str, tree: Params) -> None:
     checkpointer.close()
 
 
-def _to_param(path, stored, dtype: str):
-    """A stored leaf (or packed {"blocks", "scales"} node) as the parameter of the given dtype."""
+def _to_param(path, stored, dtype: str, keep_packed: bool):
+    """A stored leaf (or packed {"blocks", "scales"} node) as the parameter of the given dtype (packed
+    experts stay packed with keep_packed)."""
     name = str(path[-1].key)
     if isinstance(stored, dict):  # packed experts
+        if keep_packed:
+            return {"blocks": jnp.asarray(stored["blocks"]), "scales": jnp.asarray(stored["scales"])}
         return jnp.asarray(unpack_experts(np.asarray(stored["blocks"]), np.asarray(stored["scales"]), dtype))
     if name == "scale":  # RMSNorm scales stay float32
         return jnp.asarray(np.asarray(stored, np.float32))
@@ -91,6 +85,9 @@ def _to_param(path, stored, dtype: str):
 
 def dtype_name(dtype) -> str:
     """"bfloat16" or "float32", from a name or any dtype object (jnp.float32, np.dtype, ...)."""
+    if isinstance(dtype, str) and dtype == "mxfp4":
+        raise ValueError("mxfp4 is for the experts only: load_checkpoint(path, dtype=\"mxfp4\") keeps them packed "
+                         "and loads the rest in bfloat16")
     try:
         name = jnp.dtype(dtype).name
     except TypeError:
@@ -106,10 +103,13 @@ def _spec_bytes(tree) -> int:
 
 def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
                     progress: bool = False) -> tuple[ModelConfig, Params]:
-    """Restore a converted checkpoint -> (config, params), item by item, experts decoded.
+    """Restore a converted checkpoint -> (config, params), item by item.
 
-    dtype: bfloat16 or float32 (a name or a dtype such as jnp.float32) for the parameters; None
-    keeps what was stored (bfloat16 for packed experts). Norm scales are float32 either way.
+    dtype: bfloat16 or float32 (a name or a dtype such as jnp.float32) for the parameters, experts
+    decoded; None keeps what was stored (bfloat16 for packed experts). "mxfp4": the experts stay
+    packed as stored ({"blocks", "scales"} of uint8, decoded where the model uses them; the
+    checkpoint must store them packed, the converter's default) and the rest is bfloat16. Norm
+    scales are float32 either way.
     mesh: lay the parameters out on this mesh (sharding.make_mesh), as the rules in sharding.py
     say. Each item goes straight into its sharded layout: every process reads only the slices its
     own devices hold, and no device ever holds a whole parameter that the rules split.
@@ -122,6 +122,13 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
     config, meta = read_metadata(path)
     path = expand(path)
     storage = meta["expert_storage"]
+    keep_packed = isinstance(dtype, str) and dtype == "mxfp4"
+    if keep_packed:
+        if storage != "mxfp4":
+            raise ValueError(f"{path}: this checkpoint stores its experts decoded ({storage}), so they cannot stay "
+                             f"packed; convert the published checkpoint again with --dtype mxfp4 (the default for "
+                             f"MXFP4 sources), or load this one with dtype bfloat16")
+        dtype = "bfloat16"
     dtype = dtype_name(dtype) if dtype is not None else ("float32" if storage == "float32" else "bfloat16")
     names = item_names(config)
     specs = {name: item_spec(config, storage, name) for name in names}
@@ -129,7 +136,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
     if mesh is not None:
         from .sharding import param_shardings
 
-        shardings = param_shardings(config, mesh)  # checks the mesh against the model before any read
+        # Checks the mesh against the model before any read.
+        shardings = param_shardings(config, mesh, experts="mxfp4" if keep_packed else None)
     checkpointer = ocp.StandardCheckpointer()
     params: Params = {}
     with tqdm(total=sum(_spec_bytes(s) for s in specs.values()), unit="B", unit_scale=True, desc="loading",
@@ -143,11 +151,11 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
                 stored = _restore(checkpointer, item_dir, name)
                 _check_layout(stored, specs[name], item_dir)
                 params.update(jax.tree_util.tree_map_with_path(
-                    lambda p, x: _to_param(p, x, dtype), stored, is_leaf=_is_packed))
+                    lambda p, x: _to_param(p, x, dtype, keep_packed), stored, is_leaf=_is_packed))
             else:
                 _check_layout(_stored_layout(checkpointer, item_dir, name), specs[name], item_dir)
                 params.update(_restore_sharded(checkpointer, item_dir, name, specs[name],
-                                               _item(shardings, name), dtype))
+                                               _item(shardings, name), dtype, keep_packed))
             bar.update(_spec_bytes(specs[name]))
     return config, params
 
@@ -188,11 +196,16 @@ def _packed_sharding(param_sharding, groups: int, scales: bool):
     return NamedSharding(mesh, PartitionSpec(e, out, inp) if scales else PartitionSpec(e, out, inp, None))
 
 
-def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shardings: Params, dtype: str):
+def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shardings: Params, dtype: str,
+                     keep_packed: bool):
     """One item restored into its sharded layout: Orbax reads each device's slice; packed experts
-    are decoded shard by shard on the host (the exact table decoder) and placed on their devices."""
+    stay packed (keep_packed: shardings holds their blocks' and scales' layouts) or are decoded
+    shard by shard on the host (the exact table decoder) and placed on their devices."""
     def target(path, leaf):
         param_sharding = at_path(shardings, path)
+        if _is_packed(leaf) and keep_packed:
+            return {part: jax.ShapeDtypeStruct(leaf[part].shape, jnp.uint8, sharding=param_sharding[part])
+                    for part in ("blocks", "scales")}
         if _is_packed(leaf):
             groups = leaf["scales"].shape[-1]
             return {"blocks": jax.ShapeDtypeStruct(leaf["blocks"].shape, jnp.uint8,
@@ -204,6 +217,8 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
 
     targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=_is_packed)
     stored = _restore(checkpointer, item_dir, name, targets)
+    if keep_packed:
+        return stored
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if _is_packed(x) else x, stored, is_leaf=_is_packed)
 

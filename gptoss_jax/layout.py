@@ -51,18 +51,23 @@ def format_sizes(sizes: dict[str, int]) -> str:
     return ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if a in sizes)
 
 
-def default_sizes(config: ModelConfig, num_devices: int, devices_per_process: int) -> dict[str, int]:
+def default_sizes(config: ModelConfig, num_devices: int, devices_per_process: int, *,
+                  experts: str | None = None) -> dict[str, int]:
     """The layout used when none is asked for, suited to generation.
 
     `expert` as far as it divides the experts: each device holds and reads only its experts, and
     the MoE costs one all-reduce of the tokens' outputs. On two NVIDIA H200s, gpt-oss-20b decodes
     faster so than with `tensor`=2 at batch 1 and 32 (docs/benchmarks.md). Then `tensor` over what
     is left within one process (it adds an all-reduce per attention block, best kept on the fastest
-    links), as far as it divides the query heads, the intermediate size and the vocabulary; `data`
-    takes the rest.
+    links), as far as it divides the query heads, the intermediate size (with experts="mxfp4", its
+    blocks of 32) and the vocabulary; `data` takes the rest.
     """
+    sizes = [config.num_attention_heads, config.intermediate_size, config.vocab_size]
+    if experts == "mxfp4":
+        sizes.append(config.intermediate_size // 32)
+
     def fits_tensor(t: int) -> bool:
-        return all(n % t == 0 for n in (config.num_attention_heads, config.intermediate_size, config.vocab_size))
+        return all(n % t == 0 for n in sizes)
 
     expert = math.gcd(num_devices, config.num_experts)
     rest = num_devices // expert

@@ -13,6 +13,11 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
 - "mosaic_gpu" or "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
   matmul (ragged dot) per projection that skips empty experts (kernels/gpu.py, kernels/tpu.py).
 
+Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py): "triton" reads them
+packed and decodes in registers; the other paths decode them inside the jitted step, "gather" only
+the selected experts' (`expert_rows`), the grouped path one expert block at a time, the ragged
+paths the layer's experts at once (`whole_experts`).
+
 On a mesh (sharding.py), each device runs both paths on its own experts only (`local_experts`):
 every token's pairs with other devices' experts contribute nothing there, and one all-reduce over
 `expert` and `tensor` adds the devices' partial outputs. No expert weight moves between devices
@@ -32,10 +37,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from . import mxfp4
 from .config import ModelConfig
 from .kernels import Kernels
 from .layers import RMSNorm
-from .params import Weight, declare
+from .mxfp4 import packed
+from .params import Weight, declare, packed_axes
 from .sharding import spec
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
@@ -71,11 +78,28 @@ def swiglu(h: jax.Array, *, alpha: float, limit: float) -> jax.Array:
     return gate * jax.nn.sigmoid(alpha * gate) * (linear + 1)
 
 
+def expert_rows(weight, idx, dtype) -> jax.Array:
+    """weight[idx] for an expert weight [E, out, in], or for its MXFP4-packed form decoded right here
+    (inside the jitted step: only the experts idx selects are decoded)."""
+    if packed(weight):
+        return mxfp4.decode(weight["blocks"][idx], weight["scales"][idx], dtype)
+    return weight[idx]
+
+
+def whole_experts(weight, dtype) -> jax.Array:
+    """An expert weight [E, out, in]; a packed one is decoded here, the layer's experts at once."""
+    return mxfp4.decode(weight["blocks"], weight["scales"], dtype) if packed(weight) else weight
+
+
+def num_experts(weight) -> int:
+    return (weight["scales"] if packed(weight) else weight).shape[0]
+
+
 def _experts_gather(x, idx, w, act):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D]."""
-    h = jnp.einsum("nd,nafd->naf", x, w["mlp1_weight"][idx]) + w["mlp1_bias"][idx]
+    h = jnp.einsum("nd,nafd->naf", x, expert_rows(w["mlp1_weight"], idx, x.dtype)) + w["mlp1_bias"][idx]
     a = act(h)
-    return jnp.einsum("naf,nadf->nad", a, w["mlp2_weight"][idx]) + w["mlp2_bias"][idx]
+    return jnp.einsum("naf,nadf->nad", a, expert_rows(w["mlp2_weight"], idx, x.dtype)) + w["mlp2_bias"][idx]
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -137,8 +161,8 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         b, xb = args
         e = block_expert[b]
 
-        h = jnp.einsum("bd,fd->bf", xb, w["mlp1_weight"][e]) + w["mlp1_bias"][e]  # [block, 2F]
-        return jnp.einsum("bf,df->bd", act(h), w["mlp2_weight"][e]) + w["mlp2_bias"][e]  # [block, D]
+        h = jnp.einsum("bd,fd->bf", xb, expert_rows(w["mlp1_weight"], e, x.dtype)) + w["mlp1_bias"][e]  # [block, 2F]
+        return jnp.einsum("bf,df->bd", act(h), expert_rows(w["mlp2_weight"], e, x.dtype)) + w["mlp2_bias"][e]
 
     out = jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D)
     picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
@@ -146,13 +170,19 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
 
 
 def _experts_pairwise(x, idx, w, act, *, interpret: bool):
-    """The gather path's contract, by the Pallas Triton kernel: each pair's expert rows read in place."""
-    from .kernels.triton import pair_matvec
+    """The gather path's contract, by the Pallas Triton kernel: each pair's expert rows read in place
+    (MXFP4-packed experts read packed and decoded in registers)."""
+    from .kernels.triton import pair_matvec, pair_matvec_mxfp4
+
+    def matvec(inputs, weight):
+        if packed(weight):
+            return pair_matvec_mxfp4(inputs, flat, weight["blocks"], weight["scales"], interpret=interpret)
+        return pair_matvec(inputs, flat, weight, interpret=interpret)
 
     N, A = idx.shape
     flat = idx.reshape(N * A)
-    h = pair_matvec(jnp.repeat(x, A, axis=0), flat, w["mlp1_weight"], interpret=interpret) + w["mlp1_bias"][flat]
-    y = pair_matvec(act(h), flat, w["mlp2_weight"], interpret=interpret) + w["mlp2_bias"][flat]
+    h = matvec(jnp.repeat(x, A, axis=0), w["mlp1_weight"]) + w["mlp1_bias"][flat]
+    y = matvec(act(h), w["mlp2_weight"]) + w["mlp2_bias"][flat]
     return y.reshape(N, A, -1)
 
 
@@ -160,11 +190,11 @@ def _experts_ragged(x, idx, w, act, *, ragged_dot):
     """x [N, D], idx [N, A] (negative or >= E: dropped) -> [N, A, D]: the pairs sorted by expert, then
     one grouped matmul per projection (ragged_dot(rows, w [E, out, in], group_sizes [E]))."""
     N, A = idx.shape
-    E = w["mlp1_weight"].shape[0]
+    E = num_experts(w["mlp1_weight"])
     order, expert, sizes = sort_by_expert(idx, E)
     e = jnp.minimum(expert, E - 1)
-    h = ragged_dot(x[order // A], w["mlp1_weight"], sizes) + w["mlp1_bias"][e]  # [P, 2F]
-    y = ragged_dot(act(h), w["mlp2_weight"], sizes) + w["mlp2_bias"][e]  # [P, D]
+    h = ragged_dot(x[order // A], whole_experts(w["mlp1_weight"], x.dtype), sizes) + w["mlp1_bias"][e]  # [P, 2F]
+    y = ragged_dot(act(h), whole_experts(w["mlp2_weight"], x.dtype), sizes) + w["mlp2_bias"][e]  # [P, D]
     kept = ((idx >= 0) & (idx < E))[..., None]
     return jnp.where(kept, unsort(y, order).reshape(N, A, -1), 0)  # rows past the groups are undefined
 
@@ -176,7 +206,7 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
     w holds experts [first, first + E_local); pairs of other experts contribute nothing (their
     devices add them). With every expert local (first = 0) this is the whole MoE output.
     """
-    num_local = w["mlp1_weight"].shape[0]
+    num_local = num_experts(w["mlp1_weight"])
     local = idx - first
     mine = (local >= 0) & (local < num_local)
     if impl == "gather":
@@ -214,9 +244,9 @@ class MLPBlock(nn.Module):
         "router_bias": Weight(("experts",)),
         # Expert matrices are [E, out, in], as published, unlike the other matrices ([in, out]):
         # MXFP4 packs along `in`, so packed experts decode in place, with no transposition.
-        "mlp1_weight": Weight(("experts", "mlp_fused", "embed")),
+        "mlp1_weight": Weight(("experts", "mlp_fused", "embed"), packable=True),
         "mlp1_bias": Weight(("experts", "mlp_fused"), init="zeros"),
-        "mlp2_weight": Weight(("experts", "embed", "mlp")),
+        "mlp2_weight": Weight(("experts", "embed", "mlp"), packable=True),
         "mlp2_bias": Weight(("experts", "embed"), init="zeros"),
     }
 
@@ -232,7 +262,7 @@ class MLPBlock(nn.Module):
         def act(h):
             return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
-        impl = self.kernels.moe_for(idx.size, w["mlp1_weight"].dtype)
+        impl = self.kernels.moe_for(idx.size, t.dtype if packed(w["mlp1_weight"]) else w["mlp1_weight"].dtype)
         run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         if self.mesh is None:
@@ -252,10 +282,17 @@ def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run):
     """
     token_spec = spec(("batch", "act_embed"), x.shape, mesh)
     pair_spec = PartitionSpec(token_spec[0], None)  # [N, A]: tokens as x
-    w_specs = {name: spec(MLPBlock.WEIGHTS[name].axes, w[name].shape, mesh, what=f"mlp/{name}") for name in w}
+    def weight_spec(name):
+        axes = MLPBlock.WEIGHTS[name].axes
+        if packed(w[name]):
+            return {part: spec(tuple(packed_axes(axes)[part]), w[name][part].shape, mesh, what=f"mlp/{name}/{part}")
+                    for part in ("blocks", "scales")}
+        return spec(axes, w[name].shape, mesh, what=f"mlp/{name}")
+
+    w_specs = {name: weight_spec(name) for name in w}
 
     def per_device(x, weights, idx, w):
-        num_local = w["mlp1_weight"].shape[0]
+        num_local = num_experts(w["mlp1_weight"])
         first = jax.lax.axis_index("expert") * num_local
         bias_once = (jax.lax.axis_index("tensor") == 0).astype(w["mlp2_bias"].dtype)
         w = dict(w, mlp2_bias=w["mlp2_bias"] * bias_once)

@@ -5,12 +5,18 @@ last (input) axis. Each byte holds two e2m1 codes: the LOW nibble is the even el
 nibble the odd one. value = FP4_VALUES[code] * 2^(scale - 127). Every value is exact in bfloat16
 and float32 (2^-128 and its multiples included); scale 255 with |code value| >= 1 overflows to inf,
 as in both references.
+
+On the host (numpy): `decode_mxfp4` (a table lookup per byte) and `unpack_experts`, for loading
+decoded experts. On the device (jnp): `decode`, for experts kept packed on the device and decoded
+inside the jitted step (`packed` and `packed_shape` describe that form: {"blocks", "scales"}).
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -73,3 +79,53 @@ def unpack_experts(blocks: np.ndarray, scales: np.ndarray, dtype: str = "bfloat1
     for e in range(E):
         result[e] = decode_mxfp4(blocks[e], scales[e], dtype)
     return result
+
+
+def packed_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A weight [..., in] kept packed along `in` -> (blocks [..., in/32, 16], scales [..., in/32])."""
+    *lead, inp = shape
+    if inp % VALUES_PER_BLOCK:
+        raise ValueError(f"MXFP4 packs blocks of {VALUES_PER_BLOCK} along the last axis; {inp} is not a multiple")
+    return (*lead, inp // VALUES_PER_BLOCK, BYTES_PER_BLOCK), (*lead, inp // VALUES_PER_BLOCK)
+
+
+def packed(x) -> bool:
+    """Whether a parameter is an MXFP4-packed weight ({"blocks", "scales"}) rather than an array."""
+    return isinstance(x, dict) and set(x) == {"blocks", "scales"}
+
+
+# |e2m1 code| (code & 7) as (1 + half / 2) * 2^exponent (code 0 is zero).
+_EXPONENT = np.array([0, -1, 0, 0, 1, 1, 2, 2], np.int32)
+_HALF = np.array([0, 0, 0, 1, 0, 1, 0, 1], np.int32)
+_FORMATS = {np.dtype(np.float32): (23, np.uint32), np.dtype(ml_dtypes.bfloat16): (7, np.uint16)}
+
+
+def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """jnp: blocks uint8 [..., G, 16], scales uint8 [..., G] -> dtype [..., G * 32] (bfloat16 or
+    float32), bit for bit as `decode_mxfp4`.
+
+    The values' bits are assembled with integer operations (sign, exponent = the code's exponent +
+    scale, one mantissa bit; subnormals and inf where the exponent leaves the normal range), so no
+    float arithmetic can flush the tiny values of scales near 0 (XLA on CPU flushes subnormals).
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in _FORMATS:
+        raise ValueError(f"MXFP4 decodes to bfloat16 or float32, not {dtype}")
+    mantissa, uint = _FORMATS[dtype]
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).astype(jnp.int32)  # [..., G, 16, 2]
+    codes = codes.reshape(*blocks.shape[:-1], VALUES_PER_BLOCK)  # [..., G, 32]: (even, odd) pairs
+    magnitude, sign = codes & 7, codes >> 3
+    half = jnp.asarray(_HALF)[magnitude]
+    exponent = jnp.asarray(_EXPONENT)[magnitude] + scales.astype(jnp.int32)[..., None]  # biased
+    normal = (exponent << mantissa) | (half << (mantissa - 1))
+    subnormal = (2 + half) << jnp.maximum(exponent + mantissa - 2, 0)  # exponent 0 or -1 here
+    bits = jnp.where(exponent >= 255, 255 << mantissa, jnp.where(exponent >= 1, normal, subnormal))
+    bits = jnp.where(magnitude == 0, 0, bits) | (sign << (8 * np.dtype(uint).itemsize - 1))
+    values = jax.lax.bitcast_convert_type(bits.astype(uint), dtype)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def decode_params(params, dtype=jnp.bfloat16):
+    """Parameters with every packed weight decoded to dtype (on the device it is on)."""
+    return jax.tree.map(lambda x: decode(x["blocks"], x["scales"], dtype) if packed(x) else x, params,
+                        is_leaf=packed)

@@ -45,11 +45,14 @@ RULES: dict[str, str | None] = {
     "experts": "expert",
     "mlp_fused": "tensor",
     "mlp": "tensor",
+    "block_bytes": None,  # the 16 bytes of an MXFP4 block; `<axis>_blocks` (whole blocks) follow <axis>
 }
 WHERE_DIVISIBLE = frozenset({"batch", "kv_heads"})
 
 
 def _rule(name: str) -> str | None:
+    if name.endswith("_blocks") and name not in RULES:  # a packed weight's blocks along <axis>
+        name = name[: -len("_blocks")]
     try:
         return RULES[name]
     except KeyError:
@@ -76,6 +79,9 @@ def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | Mapping[str, in
             if name in WHERE_DIVISIBLE:
                 out.append(None)
                 continue
+            if name.endswith("_blocks"):
+                raise ValueError(f"{mesh_axis}={n} does not divide the {size} MXFP4 blocks (of 32 values) along "
+                                 f"{name[: -len('_blocks')]} of {what}")
             raise ValueError(f"{mesh_axis}={n} does not divide the {size} {name} of {what}")
         if mesh_axis in out:
             raise ValueError(f"{what}: two of its axes ({', '.join(axes)}) map to the mesh axis {mesh_axis!r}")
@@ -117,30 +123,31 @@ def make_mesh(data: int | None = None, expert: int | None = None, tensor: int | 
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
-def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int]) -> Any:
-    """A PartitionSpec for every parameter, shaped like the params (from their logical axes).
+def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int], *, experts: str | None = None) -> Any:
+    """A PartitionSpec for every parameter, shaped like the params (from their logical axes);
+    experts="mxfp4": packed experts' blocks and scales, split along the axes of the weight they hold.
 
     Given axis sizes rather than a mesh, it only checks that the rules can split every parameter
     (ValueError otherwise), which is how the command line checks a --mesh before anything is loaded.
     """
     from .params import abstract_params, logical_axes  # traces the model
 
-    axes = logical_axes(config)
+    axes = logical_axes(config, experts=experts)
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: spec(tuple(at_path(axes, path)), leaf.shape, mesh, what=path_name(path)),
-        abstract_params(config))
+        abstract_params(config, experts=experts))
 
 
-def check_mesh(config: ModelConfig, sizes: Mapping[str, int]) -> None:
+def check_mesh(config: ModelConfig, sizes: Mapping[str, int], *, experts: str | None = None) -> None:
     """ValueError unless the rules can split every parameter on a mesh of these axis sizes."""
-    param_specs(config, sizes)
+    param_specs(config, sizes, experts=experts)
 
 
 # Parameters and cache -----------------------------------------------------------------------------
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
+def param_shardings(config: ModelConfig, mesh: Mesh, *, experts: str | None = None) -> Any:
     """A NamedSharding for every parameter, shaped like the params."""
-    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs(config, mesh),
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs(config, mesh, experts=experts),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from . import formats
 from .config import ModelConfig
-from .params import Params, abstract_params, logical_axes
+from .mxfp4 import packed_shape
+from .params import Params, abstract_params, check_experts, logical_axes, packable_names, path_name
 
 # Matrices get gain / sqrt(fan_in), fan_in the product of their input axes ("embed" unless listed).
 _GAINS = {"mlp1_weight": 4.0, "router_weight": 2.0}
@@ -49,12 +50,19 @@ def draw_weight(rng: np.random.Generator, name: str, axes: tuple[str, ...], shap
     return z * np.float32(_matrix_std(name, axes, shape))
 
 
-def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Params:
-    """Random parameters with realistic activation magnitudes, drawn on the host with numpy."""
+def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, *, experts: str | None = None) -> Params:
+    """Random parameters with realistic activation magnitudes, drawn on the host with numpy.
+    experts="mxfp4": the expert matrices as random MXFP4 blocks and scales (packed, mxfp4.py)."""
     rng = np.random.default_rng(seed)
+    check_experts(experts)
+    names = packable_names() if experts == "mxfp4" else frozenset()
 
     def draw(path, leaf, spec):
         name = str(path[-1].key)
+        if name in names:
+            blocks, scales = packed_shape(leaf.shape)
+            b, sc = draw_packed(rng, blocks, scales, _matrix_std(name, tuple(spec), leaf.shape))
+            return {"blocks": jnp.asarray(b), "scales": jnp.asarray(sc)}
         value = draw_weight(rng, name, tuple(spec), leaf.shape)
         return jnp.asarray(value, jnp.float32 if name == "scale" else dtype)
 
@@ -73,20 +81,24 @@ def _path_specs(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[i
     return out
 
 
-def _draw_packed(rng, rule: formats.Rule, std: float) -> tuple[np.ndarray, np.ndarray]:
+def draw_packed(rng, blocks_shape, scales_shape, std: float) -> tuple[np.ndarray, np.ndarray]:
     """Random MXFP4 blocks, with scales putting the decoded weights' RMS near `std`."""
-    blocks_src, scales_src = rule.sources
-    blocks = rng.integers(0, 256, size=blocks_src.shape, dtype=np.uint8)
-    exponent = 127 + round(math.log2(std / _FP4_RMS))
-    scales = (exponent + rng.integers(-1, 2, size=scales_src.shape)).astype(np.uint8)
+    blocks = rng.integers(0, 256, size=blocks_shape, dtype=np.uint8)
+    exponent = _packed_exponent(std)
+    scales = (exponent + rng.integers(-1, 2, size=scales_shape)).astype(np.uint8)
     return blocks, scales
+
+
+def _packed_exponent(std: float) -> int:
+    return 127 + round(math.log2(std / _FP4_RMS))
 
 
 def _rule_tensors(rng, rule: formats.Rule, specs) -> list[np.ndarray]:
     if rule.packed:
         target = rule.targets[0]
         axes, shape = specs[target]
-        return list(_draw_packed(rng, rule, _matrix_std(target.split("/")[-1], axes, shape)))
+        blocks, scales = (src.shape for src in rule.sources)
+        return list(draw_packed(rng, blocks, scales, _matrix_std(target.split("/")[-1], axes, shape)))
     ours = [draw_weight(rng, t.split("/")[-1], *specs[t]) for t in rule.targets]
     return [x.astype(ml_dtypes.bfloat16) for x in rule.from_ours(*ours)]
 
@@ -149,26 +161,39 @@ def write_synthetic_checkpoint(config: ModelConfig, directory: str | os.PathLike
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
-def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, *, mesh=None) -> Params:
-    """Like `random_params`, drawn on the devices (for full-size benchmarks).
+def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, *, mesh=None,
+                            experts: str | None = None) -> Params:
+    """Like `random_params`, drawn on the devices (for full-size benchmarks). experts="mxfp4": the
+    expert matrices as random MXFP4 blocks and scales, never decoded (gpt-oss-120b then fits one
+    80 GB GPU, with no checkpoint on disk).
 
     Each weight is drawn by its own jitted call straight into its layout: on the default device, or
     sharded on `mesh` by the rules in sharding.py, so that no device ever holds a weight the rules
     split (threefry keys are partitionable: each device draws only its own slice).
     """
-    shapes = abstract_params(config, jnp.float32)
-    specs = jax.tree.leaves(logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
+    shapes = abstract_params(config, jnp.float32, experts=experts)
+    specs = jax.tree.leaves(logical_axes(config, experts=experts), is_leaf=lambda x: isinstance(x, tuple))
+    dense_axes = {path_name(p): tuple(a) for p, a in jax.tree_util.tree_leaves_with_path(
+        logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))}
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     if mesh is None:
         shardings = [None] * len(leaves)
     else:
         from .sharding import param_shardings
 
-        shardings = jax.tree.leaves(param_shardings(config, mesh))
+        shardings = jax.tree.leaves(param_shardings(config, mesh, experts=experts))
     key = jax.random.key(seed)
     out = []
     for i, ((path, leaf), spec, sharding) in enumerate(zip(leaves, specs, shardings, strict=True)):
         name = str(path[-1].key)
+        if name in ("blocks", "scales"):  # a packed expert matrix [E, out, in]
+            weight = str(path[-2].key)
+            axes = dense_axes[path_name(path[:-1])]
+            E, out_dim, groups = leaf.shape[:3]
+            std = _matrix_std(weight, axes, (E, out_dim, groups * 32))
+            out.append(_draw_packed_part(jax.random.fold_in(key, i), shape=leaf.shape, blocks=name == "blocks",
+                                         exponent=_packed_exponent(std), sharding=sharding))
+            continue
         if name == "scale":  # RMSNorm: 1 + 0.2 z, float32 always
             offset, scale, want = 1.0, 0.2, jnp.float32
         else:
@@ -178,6 +203,16 @@ def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat
         out.append(_draw(jax.random.fold_in(key, i), shape=leaf.shape, offset=offset, scale=scale, dtype=want,
                          sharding=sharding))
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "blocks", "exponent", "sharding"))
+def _draw_packed_part(key, *, shape, blocks, exponent, sharding):
+    """Uniformly random MXFP4 block bytes, or scales of exponent - 1 .. exponent + 1, in `sharding`."""
+    if blocks:
+        x = jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
+    else:
+        x = (exponent + jax.random.randint(key, shape, -1, 2, jnp.int32)).astype(jnp.uint8)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "offset", "scale", "dtype", "sharding"))

@@ -122,3 +122,52 @@ def test_auto_picks_the_gpu_kernels():
     assert k.moe_for(4096, jnp.float32) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "triton"
+
+
+@pytest.mark.parametrize("impl", ["auto", "mosaic_gpu"])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_packed_experts_decode_on_the_gpu(impl, tokens):
+    """MXFP4 experts decoded inside the step on the GPU (bits assembled with integer operations, so
+    no flush of tiny values): the MoE output of the same experts decoded ahead of time."""
+    from gptoss_jax.mxfp4 import decode_params
+
+    packed = random_params(CONFIG, seed=2, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, CONFIG.hidden_size), jnp.bfloat16)
+    kernels = gj.Kernels(moe=impl)
+    got = MLPBlock(CONFIG, jnp.bfloat16, kernels).apply({"params": packed}, x)
+    want = MLPBlock(CONFIG, jnp.bfloat16, kernels).apply({"params": decode_params(packed)}, x)
+    assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= BF16_RTOL
+
+
+def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
+    from gptoss_jax.mxfp4 import decode, decode_mxfp4
+
+    blocks = np.tile(np.arange(256, dtype=np.uint8), (256, 1)).reshape(256, 16, 16)  # every (scale, byte)
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+    for dtype, bits in (("bfloat16", np.uint16), ("float32", np.uint32)):
+        got = np.asarray(jax.jit(decode, static_argnums=2)(jnp.asarray(blocks), jnp.asarray(scales), dtype))
+        np.testing.assert_array_equal(got.view(bits), decode_mxfp4(blocks, scales, dtype).view(bits))
+
+
+@pytest.mark.parametrize("P", [1, 4, 32])
+def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P):
+    """The packed decode kernel on gpt-oss's input width (90 blocks a row) against decoding first and
+    a float32 matmul, row by row, with rows of tiny (2^-117) and large (2^73) scales among typical ones."""
+    from gptoss_jax.kernels.triton import pair_matvec_mxfp4
+    from gptoss_jax.mxfp4 import decode
+
+    rng = np.random.default_rng(P)
+    E, F, D = 8, 192, 2880
+    blocks = rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 128, (E, F, D // 32), dtype=np.uint8)
+    scales[:, :8] = 10  # 2^-117
+    scales[:, 8:16] = 200  # 2^73
+    scales[:, 16:24, ::2] = 200  # mixed within a row
+    blocks, scales = jnp.asarray(blocks), jnp.asarray(scales)
+    x = jax.random.normal(jax.random.key(P), (P, D), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, E, P), jnp.int32)
+    got = np.asarray(pair_matvec_mxfp4(x, idx, blocks, scales))
+    want = np.asarray(jnp.einsum("pd,pfd->pf", x, decode(blocks, scales, jnp.float32)[idx],
+                                 precision=jax.lax.Precision.HIGHEST))
+    for rows in (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, F)):
+        assert rel_err(got[:, rows], want[:, rows]) <= 1e-5, rows

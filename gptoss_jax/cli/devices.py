@@ -126,18 +126,18 @@ def start_processes(settings: dict | None) -> None:
         raise ValueError(f"cannot join the other processes: {first}") from None
 
 
-def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig):
-    """The mesh to run on (None: one device), checked against the devices and the model;
-    sizes None: the default layout."""
+def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig, *, experts: str | None = None):
+    """The mesh to run on (None: one device), checked against the devices and the model (its experts
+    packed with experts="mxfp4"); sizes None: the default layout."""
     import jax
 
     from ..sharding import check_mesh, make_mesh
 
     count = jax.device_count()
     flag = "--mesh" if sizes else "the default mesh"
-    sizes = sizes or default_sizes(config, count, jax.local_device_count())
+    sizes = sizes or default_sizes(config, count, jax.local_device_count(), experts=experts)
     try:
-        check_mesh(config, sizes)
+        check_mesh(config, sizes, experts=experts)
         check_sizes(sizes, count)
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None

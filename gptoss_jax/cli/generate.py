@@ -70,8 +70,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", type=parse_ids, default=[], metavar="IDS",
                    help="extra stop token ids (<|return|>, <|call|> and <|endoftext|> always stop)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
-                   help="parameter and activation dtype (default: bfloat16; float32 for the demo model)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
+                   help="parameter and activation dtype (default: bfloat16; float32 for the demo model); "
+                        "mxfp4: the experts stay packed in MXFP4 on the device as published (half the "
+                        "memory of bfloat16; the checkpoint must store them packed, the converter's "
+                        "default) and the rest is bfloat16")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")
@@ -180,7 +183,8 @@ def _run(args, signals: Signals) -> int:
 
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
-    mesh = devices.choose_mesh(mesh_sizes, config)  # checked against the devices and the model: nothing read yet
+    # Checked against the devices and the model: nothing read yet.
+    mesh = devices.choose_mesh(mesh_sizes, config, experts=_experts(args))
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
     data = mesh.shape["data"] if mesh else 1
@@ -188,7 +192,8 @@ def _run(args, signals: Signals) -> int:
     if batch % data and main_process:
         _warn(f"a batch of {batch} does not split over data={data}: every data slice computes all of it")
     if main_process:
-        print(f"model: {what}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
+        experts = "; experts packed in MXFP4" if _experts(args) else ""
+        print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
         print(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
     params = _load_params(args, config, mesh)
     if tokenizer is None and not args.json and main_process:
@@ -214,8 +219,15 @@ def _load_params(args, config, mesh):
 
     if args.checkpoint:
         return load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", mesh=mesh, progress=not args.quiet)[1]
-    params = random_params(config, seed=0, dtype=jnp.dtype(args.dtype or "float32"))
-    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh))
+    experts = _experts(args)
+    dtype = "bfloat16" if experts else args.dtype or "float32"
+    params = random_params(config, seed=0, dtype=jnp.dtype(dtype), experts=experts)
+    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh, experts=experts))
+
+
+def _experts(args) -> str | None:
+    """"mxfp4" when the experts stay packed on the device (--dtype mxfp4), else None."""
+    return "mxfp4" if args.dtype == "mxfp4" else None
 
 
 def peak_memory() -> str:

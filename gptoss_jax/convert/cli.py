@@ -43,8 +43,9 @@ def _main(argv, prog, signals) -> int:
     parser.add_argument("source", metavar="SOURCE_DIR", help="folder with config.json and *.safetensors")
     parser.add_argument("output", metavar="OUTPUT_DIR", help="folder to create for the converted checkpoint")
     parser.add_argument("--dtype", choices=["mxfp4", "bfloat16", "float32"], default=None,
-                        help="expert weights: mxfp4 keeps them packed as published and decodes them when "
-                             "loaded (default for MXFP4 sources, ~13 GB for the 20b); bfloat16 or float32 "
+                        help="expert weights: mxfp4 keeps them packed as published, to be decoded when "
+                             "loaded or kept packed on the device (run_inference.py --dtype mxfp4; default for "
+                             "MXFP4 sources, ~13 GB for the 20b); bfloat16 or float32 "
                              "writes them decoded (float32 also stores every other weight in float32)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT_DIR if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

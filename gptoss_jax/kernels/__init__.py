@@ -7,6 +7,10 @@
 | experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax) | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
+Experts kept packed in MXFP4 (`experts="mxfp4"`) take the same paths: the Triton matvec reads them
+packed and decodes in registers (`pair_matvec_mxfp4`); the others decode them inside the jitted step
+first (gather: the selected experts only; the grouped and ragged paths: a layer's experts).
+
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
 code: on CPU in Pallas interpret mode (`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
@@ -67,7 +71,8 @@ class Kernels:
         return "blockwise"
 
     def moe_for(self, pairs: int, dtype=jnp.bfloat16) -> str:
-        """The expert kernel for a call with this many (token, expert) pairs, weights of this dtype."""
+        """The expert kernel for a call with this many (token, expert) pairs, weights of this dtype
+        (for packed MXFP4 experts: the activations' dtype, which they are decoded to)."""
         if self.moe != "auto":
             return self._runnable(self.moe)
         backend = jax.default_backend()

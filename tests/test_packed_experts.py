@@ -1,0 +1,175 @@
+"""Experts kept packed in MXFP4 on the device (decoded inside each jitted step) against experts
+decoded ahead of time: the jnp decoder bit for bit, the model's logits and greedy tokens, loading a
+converted checkpoint (one device and a mesh), random packed weights and the command line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import gptoss_jax as gj
+import run_inference
+from conftest import assert_rel_close
+from gptoss_jax.checkpoint import dtype_name
+from gptoss_jax.convert.cli import main as convert_main
+from gptoss_jax.generate import Generator
+from gptoss_jax.mxfp4 import decode, decode_mxfp4, decode_params, packed
+from gptoss_jax.sampling import Sampling
+from gptoss_jax.sharding import check_mesh
+from gptoss_jax.testing import random_params, random_params_on_device, write_synthetic_checkpoint
+
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_device_decoder_is_bit_exact_for_every_scale_and_byte(dtype):
+    """Every (scale, byte) pair: signed zeros, subnormals (scales 0 and 1), inf (scale 255)."""
+    blocks = np.tile(np.arange(256, dtype=np.uint8), (256, 1)).reshape(256, 16, 16)  # [scale, G=16, 16]
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)
+    want = decode_mxfp4(blocks, scales, dtype)
+    got = np.asarray(jax.jit(decode, static_argnums=2)(jnp.asarray(blocks), jnp.asarray(scales), dtype))
+    assert got.dtype == want.dtype and got.shape == (256, 16 * 32)
+    bits = np.uint16 if dtype == "bfloat16" else np.uint32
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+def test_device_decoder_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        decode(jnp.zeros((1, 16), jnp.uint8), jnp.zeros((1,), jnp.uint8), jnp.float16)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny):
+    root = tmp_path_factory.mktemp("packed")
+    write_synthetic_checkpoint(tiny, root / "source", "original", seed=11)
+    assert convert_main([str(root / "source"), str(root / "packed"), "--quiet"]) == 0
+    assert convert_main([str(root / "source"), str(root / "decoded"), "--dtype", "bfloat16", "--quiet"]) == 0
+    return root
+
+
+def _with_packed_experts(params, packed_params):
+    """params with the expert matrices of packed_params (held packed)."""
+    return jax.tree.map(lambda a, p: p if packed(p) else a, params, packed_params, is_leaf=packed)
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints):
+    config, mx = gj.load_checkpoint(checkpoints / "packed", dtype="mxfp4")
+    _, bf16 = gj.load_checkpoint(checkpoints / "packed", dtype="bfloat16")
+    _, f32 = gj.load_checkpoint(checkpoints / "packed", dtype="float32")
+    return config, mx, bf16, f32
+
+
+def test_load_keeps_experts_packed_and_the_rest_bfloat16(loaded, tiny):
+    config, mx, bf16, _ = loaded
+    mlp = mx["block_1"]["mlp"]
+    E, D, F = tiny.num_experts, tiny.hidden_size, tiny.intermediate_size
+    assert mlp["mlp1_weight"]["blocks"].shape == (E, 2 * F, D // 32, 16) and mlp["mlp1_weight"]["blocks"].dtype == jnp.uint8
+    assert mlp["mlp2_weight"]["scales"].shape == (E, D, F // 32) and mlp["mlp2_weight"]["scales"].dtype == jnp.uint8
+    assert mx["embedding"].dtype == jnp.bfloat16 and mlp["mlp1_bias"].dtype == jnp.bfloat16
+    assert mx["norm"]["scale"].dtype == jnp.float32
+    # Decoded on the device, the packed experts are the bfloat16 load's experts exactly.
+    np.testing.assert_array_equal(np.asarray(decode_params(mx)["block_1"]["mlp"]["mlp1_weight"]),
+                                  np.asarray(bf16["block_1"]["mlp"]["mlp1_weight"]))
+    # Half a byte per value and one scale per 32: about a quarter of bfloat16's bytes.
+    packed_bytes = sum(x.nbytes for x in jax.tree.leaves(mlp["mlp1_weight"]))
+    assert packed_bytes / bf16["block_1"]["mlp"]["mlp1_weight"].nbytes == pytest.approx(17 / 64)
+
+
+@pytest.mark.parametrize("moe", ["gather", "grouped"])
+def test_logits_match_experts_decoded_ahead_of_time(loaded, long_tokens, moe):
+    """bfloat16 with packed experts against bfloat16 with the experts decoded when loaded, over 300
+    tokens (past the window): the tolerance of the bfloat16 model tests; float32 activations with
+    packed experts against the float32 load: to float32 rounding."""
+    config, mx, bf16, f32 = loaded
+    kernels = gj.Kernels(moe=moe)
+    ours = gj.forward(config, mx, long_tokens, kernels=kernels)
+    want = gj.forward(config, bf16, long_tokens, kernels=kernels)
+    assert_rel_close(ours, want, rtol=2e-2)
+    ours32 = gj.forward(config, _with_packed_experts(f32, mx), long_tokens, kernels=kernels)
+    assert_rel_close(ours32, gj.forward(config, f32, long_tokens, kernels=kernels), rtol=1e-6)
+
+
+def test_greedy_tokens_equal_in_float32(loaded):
+    """Generation with packed experts and float32 activations: the tokens of the float32 load, for a
+    batch of prompts around the window, decoded on the gather path and prefilled in chunks."""
+    config, mx, _, f32 = loaded
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, config.vocab_size, n)) for n in (5, 40, 17, 33)]
+    run = lambda params: [r.output_ids for r in Generator(config, params, max_len=80, prefill_chunk=16).generate(
+        prompts, max_new_tokens=12, sampling=GREEDY)]
+    assert run(_with_packed_experts(f32, mx)) == run(f32)
+
+
+def test_packed_experts_on_a_mesh_match_one_device(checkpoints, loaded):
+    """Loaded straight into a mesh: blocks and scales split over `expert` as their weight is and equal
+    to the one-device load; float32 logits with them are the one-device run's."""
+    config, mx, _, f32 = loaded
+    tokens = np.random.default_rng(5).integers(0, config.vocab_size, size=(4, 40)).astype(np.int32)
+    want = gj.forward(config, _with_packed_experts(f32, mx), tokens)
+    for sizes in (dict(expert=8), dict(data=2, expert=4)):
+        mesh = gj.make_mesh(**sizes)
+        _, params = gj.load_checkpoint(checkpoints / "packed", dtype="mxfp4", mesh=mesh)
+        w = params["block_0"]["mlp"]["mlp1_weight"]
+        assert w["blocks"].sharding.spec == PartitionSpec("expert", None, None, None)
+        assert w["scales"].sharding.spec == PartitionSpec("expert", None, None)
+        for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(mx), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        _, f32_mesh = gj.load_checkpoint(checkpoints / "packed", dtype="float32", mesh=mesh)
+        # float32 activations: in bfloat16 a rounding difference can flip a tiny model's expert choice.
+        assert_rel_close(gj.forward(config, _with_packed_experts(f32_mesh, params), tokens), want, rtol=1e-5)
+
+
+def test_packed_blocks_must_split_whole(tiny):
+    """The tiny model's intermediate size holds 3 blocks of 32: tensor=2 cannot split them (checked
+    from the axis sizes alone, before anything is loaded)."""
+    with pytest.raises(ValueError, match="tensor=2 does not divide the 3 MXFP4 blocks"):
+        check_mesh(tiny, {"data": 1, "expert": 1, "tensor": 2}, experts="mxfp4")
+    check_mesh(tiny, {"data": 1, "expert": 1, "tensor": 2})  # decoded experts split fine
+
+
+def test_decoded_storage_cannot_stay_packed(checkpoints):
+    with pytest.raises(ValueError, match="stores its experts decoded .*--dtype mxfp4"):
+        gj.load_checkpoint(checkpoints / "decoded", dtype="mxfp4")
+    with pytest.raises(ValueError, match="mxfp4 is for the experts only"):
+        dtype_name("mxfp4")
+
+
+def test_random_packed_weights_look_like_the_published_ones(tiny):
+    """Packed random weights, on the host or drawn on the device: uint8 blocks and scales, decoded
+    magnitudes near the dense draw's, and the same tree as a packed load."""
+    host = random_params(tiny, seed=1, dtype=jnp.bfloat16, experts="mxfp4")
+    device = random_params_on_device(tiny, seed=1, experts="mxfp4")
+    want = gj.abstract_params(tiny, jnp.bfloat16, experts="mxfp4")
+    dense = random_params(tiny, seed=1, dtype=jnp.float32)
+    for params in (host, device):
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
+        w = np.asarray(decode_params(params, jnp.float32)["block_0"]["mlp"]["mlp1_weight"])
+        rms, dense_rms = np.sqrt(np.mean(w ** 2)), np.sqrt(np.mean(np.asarray(dense["block_0"]["mlp"]["mlp1_weight"]) ** 2))
+        assert 0.5 < rms / dense_rms < 2, (rms, dense_rms)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_triton_matvec_reads_packed_experts(loaded, tokens):
+    """The decode kernel for packed experts (Pallas interpret mode): decoding in registers gives the
+    MoE output of the experts decoded ahead of time, in float32."""
+    from gptoss_jax.moe import MLPBlock
+
+    config, mx, _, f32 = loaded
+    mixed = _with_packed_experts(f32, mx)["block_1"]["mlp"]
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, config.hidden_size), jnp.float32)
+    got = MLPBlock(config, jnp.float32, gj.Kernels(moe="triton", interpret=True)).apply({"params": mixed}, x)
+    want = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32["block_1"]["mlp"]}, x)
+    assert_rel_close(got, want, rtol=1e-5)
+
+
+def test_command_line_runs_with_packed_experts(checkpoints, capsys):
+    args = ["--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--temperature", "0", "--json", "--quiet"]
+    assert run_inference.main(["--checkpoint", str(checkpoints / "packed"), "--dtype", "mxfp4"] + args) == 0
+    captured = capsys.readouterr()
+    assert "experts packed in MXFP4" in captured.err and '"output_ids"' in captured.out
+    assert run_inference.main(["--checkpoint", str(checkpoints / "decoded"), "--dtype", "mxfp4"] + args) != 0
+    assert "stores its experts decoded" in capsys.readouterr().err
+    assert run_inference.main(["--dtype", "mxfp4"] + args) == 0  # the demo model, packed
+
