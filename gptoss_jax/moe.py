@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from . import mxfp4
 from .config import ModelConfig
 from .kernels import Kernels
 from .layers import RMSNorm
-from .mxfp4 import packed
+from .mxfp4 import decode, packed
 from .params import Weight, declare, packed_axes
 from .sharding import spec
 
@@ -82,13 +81,13 @@ def expert_rows(weight, idx, dtype) -> jax.Array:
     """weight[idx] for an expert weight [E, out, in], or for its MXFP4-packed form decoded right here
     (inside the jitted step: only the experts idx selects are decoded)."""
     if packed(weight):
-        return mxfp4.decode(weight["blocks"][idx], weight["scales"][idx], dtype)
+        return decode(weight["blocks"][idx], weight["scales"][idx], dtype)
     return weight[idx]
 
 
 def whole_experts(weight, dtype) -> jax.Array:
     """An expert weight [E, out, in]; a packed one is decoded here, the layer's experts at once."""
-    return mxfp4.decode(weight["blocks"], weight["scales"], dtype) if packed(weight) else weight
+    return decode(weight["blocks"], weight["scales"], dtype) if packed(weight) else weight
 
 
 def num_experts(weight) -> int:

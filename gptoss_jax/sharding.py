@@ -209,11 +209,12 @@ def _zeros_maker(specs: tuple, layout: tuple | None):
 
 
 def on_every_device(x, mesh: Mesh | None):
-    """A host value (numpy, a scalar) as a jitted step's input. On a mesh it goes to every device
-    (every process passes the same value), since with several processes jit takes no host value;
-    without one, jit places it."""
+    """A host value (numpy, a scalar) on the devices, as a jitted step's input that can be passed
+    again without another copy (the decode step's seed and active mask). On a mesh it goes to every
+    device (every process passes the same value), since with several processes jit takes no host
+    value; without one, to the default device."""
     x = np.asarray(x)
-    return x if mesh is None else jax.device_put(x, replicated(mesh))
+    return jax.device_put(x) if mesh is None else jax.device_put(x, replicated(mesh))
 
 
 # Diagnostics --------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 from . import formats
 from .config import ModelConfig
 from .mxfp4 import packed_shape
-from .params import Params, abstract_params, check_experts, logical_axes, packable_names, path_name
+from .params import Params, abstract_params, at_path, check_experts, logical_axes, packable_names
 
 # Matrices get gain / sqrt(fan_in), fan_in the product of their input axes ("embed" unless listed).
 _GAINS = {"mlp1_weight": 4.0, "router_weight": 2.0}
@@ -171,28 +171,27 @@ def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat
     sharded on `mesh` by the rules in sharding.py, so that no device ever holds a weight the rules
     split (threefry keys are partitionable: each device draws only its own slice).
     """
-    shapes = abstract_params(config, jnp.float32, experts=experts)
-    specs = jax.tree.leaves(logical_axes(config, experts=experts), is_leaf=lambda x: isinstance(x, tuple))
-    dense_axes = {path_name(p): tuple(a) for p, a in jax.tree_util.tree_leaves_with_path(
-        logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))}
+    check_experts(experts)
+    names = packable_names() if experts == "mxfp4" else frozenset()
+    shapes = abstract_params(config, jnp.float32)
+    specs = jax.tree.leaves(logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
-    if mesh is None:
-        shardings = [None] * len(leaves)
-    else:
+    shardings = None
+    if mesh is not None:
         from .sharding import param_shardings
 
-        shardings = jax.tree.leaves(param_shardings(config, mesh, experts=experts))
+        shardings = param_shardings(config, mesh, experts=experts)
     key = jax.random.key(seed)
     out = []
-    for i, ((path, leaf), spec, sharding) in enumerate(zip(leaves, specs, shardings, strict=True)):
+    for i, ((path, leaf), spec) in enumerate(zip(leaves, specs, strict=True)):
         name = str(path[-1].key)
-        if name in ("blocks", "scales"):  # a packed expert matrix [E, out, in]
-            weight = str(path[-2].key)
-            axes = dense_axes[path_name(path[:-1])]
-            E, out_dim, groups = leaf.shape[:3]
-            std = _matrix_std(weight, axes, (E, out_dim, groups * 32))
-            out.append(_draw_packed_part(jax.random.fold_in(key, i), shape=leaf.shape, blocks=name == "blocks",
-                                         exponent=_packed_exponent(std), sharding=sharding))
+        sharding = None if shardings is None else at_path(shardings, path)
+        if name in names:  # blocks and scales of the weight's shape, scaled to its fan-in
+            exponent = _packed_exponent(_matrix_std(name, tuple(spec), leaf.shape))
+            out.append({part: _draw_packed_part(jax.random.fold_in(jax.random.fold_in(key, i), k), shape=shape,
+                                                blocks=part == "blocks", exponent=exponent,
+                                                sharding=None if sharding is None else sharding[part])
+                        for k, (part, shape) in enumerate(zip(("blocks", "scales"), packed_shape(leaf.shape)))})
             continue
         if name == "scale":  # RMSNorm: 1 + 0.2 z, float32 always
             offset, scale, want = 1.0, 0.2, jnp.float32

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 import gptoss_jax as gj
 import run_inference
@@ -148,6 +148,14 @@ def test_random_packed_weights_look_like_the_published_ones(tiny):
         w = np.asarray(decode_params(params, jnp.float32)["block_0"]["mlp"]["mlp1_weight"])
         rms, dense_rms = np.sqrt(np.mean(w ** 2)), np.sqrt(np.mean(np.asarray(dense["block_0"]["mlp"]["mlp1_weight"]) ** 2))
         assert 0.5 < rms / dense_rms < 2, (rms, dense_rms)
+    # Drawn straight into a mesh's layout, equal to the one-device draw.
+    mesh = gj.make_mesh(expert=8)
+    sharded = random_params_on_device(tiny, seed=1, experts="mxfp4", mesh=mesh)
+    blocks = sharded["block_0"]["mlp"]["mlp2_weight"]["blocks"]
+    assert blocks.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("expert", None, None, None)), 4)
+    assert blocks.addressable_shards[0].data.shape[0] == tiny.num_experts // 8
+    for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(device), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
