@@ -85,7 +85,7 @@ def run_jax(args) -> dict:
     rng = np.random.default_rng(0)
     greedy = Sampling(temperature=0)
     out = {"jax": f"jax {jax.__version__}", "device": jax.devices()[0].device_kind, "init_s": init_s,
-           "kernels": kernels.describe()}
+           "kernels": kernels.describe(packed=args.experts == "mxfp4")}
 
     def peak():
         return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
@@ -207,8 +207,9 @@ def main() -> None:
     parser.add_argument("--long", default="", help="decode runs with long prompts, e.g. 64x4096 (batch x prompt)")
     parser.add_argument("--prefill-long", default="", help="further prefill lengths, e.g. 32768")
     parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise")
-    parser.add_argument("--experts", choices=["mxfp4"], default=None,
-                        help="mxfp4: gptoss-jax's experts kept packed on the GPU (the peer stays bf16)")
+    parser.add_argument("--experts", default="bf16",
+                        help="bf16, mxfp4 (gptoss-jax's experts kept packed on the GPU; the peer stays bf16) or "
+                        "both, e.g. bf16,mxfp4: one gptoss-jax process each, in this run")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-jax", action="store_true", help="the peer alone (a run longer than one sitting)")
     parser.add_argument("--profile", metavar="DIR", help="trace the prefill and each decode run into DIR "
@@ -223,6 +224,10 @@ def main() -> None:
     parser.add_argument("--only-startup", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.fit = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (f.split(":") for f in args.fit)]
+    forms = args.experts.split(",")
+    if not forms or any(f not in ("bf16", "mxfp4") for f in forms):
+        parser.error(f"--experts takes bf16, mxfp4 or both (comma-separated), not {args.experts!r}")
+    args.experts = forms[0] if forms[0] == "mxfp4" else None  # in a gptoss-jax process: one form
     if args.only_startup:
         print("RESULT " + json.dumps(run_startup(args)), flush=True)
         return
@@ -245,11 +250,12 @@ def main() -> None:
         return
     results = {}
     # Each framework in its own process, so each has the GPU to itself.
-    if not args.skip_jax:
-        jax_run = subprocess.run([sys.executable, __file__, "--only-jax"] + sys.argv[1:], capture_output=True,
-                                 text=True)
+    for form in ([] if args.skip_jax else forms):
+        jax_run = subprocess.run([sys.executable, __file__, "--only-jax"] + sys.argv[1:] + ["--experts", form],
+                                 capture_output=True, text=True)
         print(jax_run.stderr[-3000:], file=sys.stderr)
-        results["gptoss-jax"] = json.loads(jax_run.stdout.split("RESULT ")[-1]) if jax_run.returncode == 0 else None
+        name = "gptoss-jax" if forms == ["bf16"] else f"gptoss-jax ({form} experts)"
+        results[name] = json.loads(jax_run.stdout.split("RESULT ")[-1]) if jax_run.returncode == 0 else None
     if not args.skip_peer:
         hf = subprocess.run([sys.executable, "-c", HF_SCRIPT, json.dumps(vars(args))], capture_output=True,
                             text=True, cwd=ROOT)

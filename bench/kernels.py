@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -239,7 +239,7 @@ def matvec(rng):
 def matvec_mxfp4(rng):
     """The decode expert matvec over MXFP4-packed experts at batch 1 (4 pairs), 8 layers' calls per
     jitted function, against decoding first; bytes read are the packed blocks and scales."""
-    from gptoss_jax.kernels.triton import pair_matvec_mxfp4
+    from gptoss_jax.kernels.triton_mxfp4 import pair_matvec_mxfp4
     from gptoss_jax.mxfp4 import decode
 
     L, P = 8, 4
@@ -255,18 +255,63 @@ def matvec_mxfp4(rng):
                          for b, s in packed])
         nbytes = L * P * F * (D // 2 + D // 32)
         args = [a for pair in packed for a in pair]
-        for bf, unroll, warps, stages, splits in (
-                (64, 3, 4, 3, None), (32, 3, 4, 3, None), (128, 3, 4, 3, None), (64, 1, 4, 3, None),
-                (64, 3, 8, 3, None), (64, 3, 4, 4, None), (64, 3, 4, 2, None), (128, 3, 8, 3, None),
-                (64, 3, 4, 3, 1), (64, 3, 4, 3, 3), (64, 5, 4, 3, None), (256, 3, 8, 3, None), (16, 3, 2, 4, None)):
+        for bf, unroll, warps, stages, splits, decoder in (
+                (64, 3, 4, 3, None, "jnp"), (64, 3, 4, 3, None, "ptx"), (32, 3, 4, 3, None, "ptx"),
+                (128, 3, 4, 3, None, "ptx"), (64, 1, 4, 3, None, "ptx"), (64, 3, 8, 3, None, "ptx"),
+                (64, 3, 4, 4, None, "ptx"), (64, 3, 2, 3, None, "ptx"), (32, 3, 2, 3, None, "ptx"),
+                (128, 3, 8, 3, None, "ptx"), (64, 3, 4, 3, 1, "ptx"), (64, 3, 4, 3, 3, "ptx"),
+                (64, 5, 4, 3, None, "ptx"), (16, 3, 2, 4, None, "ptx")):
             if F % bf:
                 continue
             timed(f"mxfp4 matvec x{L} layers [{E},{F},{D}] P={P} bf={bf} unroll={unroll} warps={warps} "
-                  f"stages={stages} splits={splits}",
+                  f"stages={stages} splits={splits} {decoder}",
                   lambda x, *a: jnp.stack([pair_matvec_mxfp4(x, idx, a[2 * i], a[2 * i + 1], block_f=bf, unroll=unroll,
-                                                             num_warps=warps, num_stages=stages, splits=splits)
+                                                             num_warps=warps, num_stages=stages, splits=splits,
+                                                             decoder=decoder)
                                            for i in range(L)]),
                   x, *args, ref=ref, weight_bytes=nbytes, n=30)
+
+
+def grouped_mxfp4(rng):
+    """Experts over MXFP4-packed weights at a 4096-token prompt (16,384 pairs) and at a decode batch of
+    64 (256 pairs): the Triton grouped matmul's settings against the bf16 weights' Mosaic GPU ragged
+    dot and against decoding the layer first (what packed prompts did before)."""
+    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
+    from gptoss_jax.moe import group_by_expert
+    from gptoss_jax.mxfp4 import decode
+
+    for F, name in ((F2, "mlp1"), (D, "mlp2")):
+        kb, ks = jax.random.split(jax.random.key(30))
+        blocks = jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8)
+        scales = jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)
+        w = decode(blocks, scales)  # bf16 [E, F, D]
+        for pairs in (16384, 256):
+            idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)
+            flat = np.asarray(idx).reshape(-1)
+            sizes = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
+            x = jax.random.normal(jax.random.key(3), (pairs, D), jnp.bfloat16)
+            xs = x[np.argsort(flat, kind="stable")]
+            flops = 2 * pairs * F * D
+            tag = f"{name} [{E},{F},{D}] pairs={pairs}"
+            ref = timed(f"{tag} bf16 weights, mosaic ragged dot", lambda x, w: gpu.mosaic_ragged_dot(x, w, sizes),
+                        xs, w, flops=flops)
+            timed(f"{tag} decode layer + mosaic ragged dot",
+                  lambda x, b, s: gpu.mosaic_ragged_dot(x, decode(b, s), sizes), xs, blocks, scales, ref=ref,
+                  flops=flops)
+            prompt = ((256, 128, 8, 2, "ptx", True), (256, 128, 4, 2, "ptx", True), (256, 64, 4, 2, "ptx", True),
+                      (256, 128, 8, 2, "ptx", False), (256, 64, 8, 2, "ptx", True), (128, 128, 4, 2, "ptx", True),
+                      (128, 128, 8, 3, "ptx", True), (128, 128, 4, 2, "ptx", False), (128, 128, 8, 2, "ptx", False))
+            batch = ((16, 64, 4, 3, "ptx", False), (16, 64, 4, 3, "ptx", True), (16, 32, 4, 3, "ptx", False),
+                     (16, 64, 4, 2, "ptx", False))
+            for block, bn, warps, stages, decoder, first in (prompt if pairs > 256 else batch):
+                order, dest, block_expert, used = group_by_expert(idx, E, block)
+                rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+                timed(f"{tag} triton grouped block={block} bn={bn} warps={warps} stages={stages} {decoder}"
+                      f"{' weights first' if first else ''}",
+                      lambda r, b, s: grouped_matmul_mxfp4(r, block_expert, used, b, s, block_m=block, block_n=bn,
+                                                           num_warps=warps, num_stages=stages, decoder=decoder,
+                                                           weights_first=first)[dest],
+                      rows, blocks, scales, ref=ref, flops=flops)
 
 
 def decode64():
@@ -315,7 +360,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -331,6 +376,8 @@ def main():
         decode64()
     if args.part == "matvec-mxfp4":
         matvec_mxfp4(rng)
+    if args.part == "grouped-mxfp4":
+        grouped_mxfp4(rng)
     if args.part == "matvec":
         matvec(rng)
     if args.part == "experts64":

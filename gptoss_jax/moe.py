@@ -13,10 +13,12 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
 - "mosaic_gpu" or "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
   matmul (ragged dot) per projection that skips empty experts (kernels/gpu.py, kernels/tpu.py).
 
-Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py): "triton" reads them
-packed and decodes in registers; the other paths decode them inside the jitted step, "gather" only
-the selected experts' (`expert_rows`), the grouped path one expert block at a time, the ragged
-paths the layer's experts at once (`whole_experts`).
+Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a GPU two Pallas
+Triton kernels read them packed and decode in registers, never writing decoded weights: "triton"
+for decode and "triton_grouped" (the pairs in expert blocks, as "grouped") for prompts and large
+batches. The jnp paths decode them inside the jitted step: "gather" only the selected experts'
+(`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
+at once (`whole_experts`).
 
 On a mesh (sharding.py), each device runs both paths on its own experts only (`local_experts`):
 every token's pairs with other devices' experts contribute nothing there, and one all-reduce over
@@ -126,9 +128,9 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     """Lay the pairs of idx [N, A] out in blocks of `block` rows, each block holding one expert's pairs.
 
     Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair (past the
-    end for dropped pairs), block_expert [num_blocks]). num_blocks is the static bound
-    ceil((P + E * (block - 1)) / block): the selected pairs plus at most block - 1 padding rows per
-    expert; blocks past the used ones hold no pair (their expert is the last).
+    end for dropped pairs), block_expert [num_blocks], used: how many blocks hold pairs). num_blocks
+    is the static bound ceil((P + E * (block - 1)) / block): the selected pairs plus at most
+    block - 1 padding rows per expert; blocks from `used` on hold no pair (their expert is the last).
     """
     P = idx.size
     order, sorted_expert, counts = sort_by_expert(idx, num_experts)
@@ -142,7 +144,7 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     dest = jnp.where(sorted_expert < num_experts, padded_start[e] + jnp.arange(P) - start[e], num_blocks * block)
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
                                num_experts - 1)
-    return order, dest, block_expert
+    return order, dest, block_expert, padded_end[-1] // block
 
 
 def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
@@ -151,7 +153,7 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     D = x.shape[-1]
     # Every block of the static bound is computed (blocks past the used ones hold zero rows): a
     # lax.cond skipping them would cost a host round trip per block on a GPU.
-    order, dest, block_expert = group_by_expert(idx, num_experts, block)
+    order, dest, block_expert, _ = group_by_expert(idx, num_experts, block)
     num_blocks = block_expert.shape[0]
     rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
     rows = rows.reshape(num_blocks, block, D)
@@ -168,10 +170,48 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     return unsort(picked, order).reshape(N, A, D)
 
 
+# The grouped MXFP4 kernel's settings (bench/kernels.py --part grouped-mxfp4, one H100 80GB): for
+# decode batches (blocks of 16 rows) and for prompts (blocks of 128 rows), per projection.
+_GROUPED_SETTINGS = {
+    False: {name: dict(block_n=64, num_warps=4, num_stages=3) for name in ("mlp1_weight", "mlp2_weight")},
+    True: {"mlp1_weight": dict(block_n=128, num_warps=8, num_stages=3),
+           "mlp2_weight": dict(block_n=128, num_warps=4, num_stages=2)},
+}
+
+
+def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool):
+    """The grouped path's contract for MXFP4-packed experts, by the Pallas Triton grouped matmul that
+    decodes weight tiles in registers (kernels/triton_mxfp4.py): the pairs in blocks of one expert
+    each, sized to the pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
+    from .kernels.triton_mxfp4 import grouped_matmul_mxfp4
+
+    N, A = idx.shape
+    D = x.shape[-1]
+    E = num_experts(w["mlp1_weight"])
+    block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
+    order, dest, block_expert, used = group_by_expert(idx, E, block)
+    num_blocks = block_expert.shape[0]
+    rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
+
+    def project(inputs, name):
+        weight = w[name]
+        if not packed(weight):
+            raise ValueError("the 'triton_grouped' expert kernel takes MXFP4-packed experts only")
+        out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
+                                   interpret=interpret, **_GROUPED_SETTINGS[block >= 64][name])
+        bias = w[name.replace("weight", "bias")][block_expert][:, None]  # [num_blocks, 1, out]
+        return (out.reshape(num_blocks, block, -1) + bias).reshape(num_blocks * block, -1)
+
+    y = project(act(project(rows, "mlp1_weight")), "mlp2_weight")  # rows of unused blocks: undefined
+    picked = jnp.take(y, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
+    return unsort(picked, order).reshape(N, A, D)
+
+
 def _experts_pairwise(x, idx, w, act, *, interpret: bool):
     """The gather path's contract, by the Pallas Triton kernel: each pair's expert rows read in place
     (MXFP4-packed experts read packed and decoded in registers)."""
-    from .kernels.triton import pair_matvec, pair_matvec_mxfp4
+    from .kernels.triton import pair_matvec
+    from .kernels.triton_mxfp4 import pair_matvec_mxfp4
 
     def matvec(inputs, weight):
         if packed(weight):
@@ -212,6 +252,8 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
         y = _experts_gather(x, jnp.where(mine, local, 0), w, act)
     elif impl == "triton":
         y = _experts_pairwise(x, jnp.where(mine, local, 0), w, act, interpret=interpret)
+    elif impl == "triton_grouped":
+        y = _experts_grouped_mxfp4(x, jnp.where(mine, local, -1), w, act, interpret=interpret)
     elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
     elif impl in ("mosaic_gpu", "tokamax"):
@@ -261,7 +303,8 @@ class MLPBlock(nn.Module):
         def act(h):
             return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
-        impl = self.kernels.moe_for(idx.size, t.dtype if packed(w["mlp1_weight"]) else w["mlp1_weight"].dtype)
+        is_packed = packed(w["mlp1_weight"])
+        impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)
         run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         if self.mesh is None:

@@ -120,11 +120,13 @@ def test_auto_picks_the_gpu_kernels():
     fused = gpu.available()
     assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
     assert k.moe_for(4096, jnp.float32) == "grouped"
+    assert k.moe_for(4096, packed=True) == "triton_grouped" and k.moe_for(4, packed=True) == "triton"
+    assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "triton"
 
 
-@pytest.mark.parametrize("impl", ["auto", "mosaic_gpu"])
+@pytest.mark.parametrize("impl", ["auto", "mosaic_gpu", "triton_grouped"])
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_packed_experts_decode_on_the_gpu(impl, tokens):
     """MXFP4 experts decoded inside the step on the GPU (bits assembled with integer operations, so
@@ -133,9 +135,9 @@ def test_packed_experts_decode_on_the_gpu(impl, tokens):
 
     packed = random_params(CONFIG, seed=2, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(tokens), (1, tokens, CONFIG.hidden_size), jnp.bfloat16)
-    kernels = gj.Kernels(moe=impl)
-    got = MLPBlock(CONFIG, jnp.bfloat16, kernels).apply({"params": packed}, x)
-    want = MLPBlock(CONFIG, jnp.bfloat16, kernels).apply({"params": decode_params(packed)}, x)
+    got = MLPBlock(CONFIG, jnp.bfloat16, gj.Kernels(moe=impl)).apply({"params": packed}, x)
+    dense = gj.Kernels(moe="auto" if impl == "triton_grouped" else impl)  # triton_grouped: packed experts only
+    want = MLPBlock(CONFIG, jnp.bfloat16, dense).apply({"params": decode_params(packed)}, x)
     assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) <= BF16_RTOL
 
 
@@ -149,25 +151,59 @@ def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
         np.testing.assert_array_equal(got.view(bits), decode_mxfp4(blocks, scales, dtype).view(bits))
 
 
-@pytest.mark.parametrize("P", [1, 4, 32])
-def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P):
-    """The packed decode kernel on gpt-oss's input width (90 blocks a row) against decoding first and
-    a float32 matmul, row by row, with rows of tiny (2^-117) and large (2^73) scales among typical ones."""
-    from gptoss_jax.kernels.triton import pair_matvec_mxfp4
-    from gptoss_jax.mxfp4 import decode
-
-    rng = np.random.default_rng(P)
-    E, F, D = 8, 192, 2880
+def _packed_with_extreme_scales(rng, E, F, D):
+    """Random packed experts [E, F, D] whose rows 0-7 have tiny scales (2^-117), rows 8-15 large ones
+    (2^73), rows 16-23 both, alternating by block, the rest typical ones."""
     blocks = rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8)
     scales = rng.integers(118, 128, (E, F, D // 32), dtype=np.uint8)
     scales[:, :8] = 10  # 2^-117
     scales[:, 8:16] = 200  # 2^73
     scales[:, 16:24, ::2] = 200  # mixed within a row
-    blocks, scales = jnp.asarray(blocks), jnp.asarray(scales)
+    return jnp.asarray(blocks), jnp.asarray(scales)
+
+
+EXTREME_ROWS = (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, None))
+
+
+@pytest.mark.parametrize("decoder", ["jnp", "ptx"])
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(block_m, decoder):
+    """The prompt kernel for packed experts on gpt-oss's input width (90 blocks a row), every used
+    block of rows against its expert decoded first and a float32 matmul, with scale extremes; blocks
+    past `used` are left alone."""
+    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
+    from gptoss_jax.mxfp4 import decode
+
+    rng = np.random.default_rng(block_m)
+    E, F, D = 4, 256, 2880
+    blocks, scales = _packed_with_extreme_scales(rng, E, F, D)
+    block_expert = jnp.asarray([3, 0, 0, 2, 3, 3], jnp.int32)
+    rows = jax.random.normal(jax.random.key(block_m), (6 * block_m, D), jnp.bfloat16)
+    got = np.asarray(grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block_m, decoder=decoder),
+                     np.float32)
+    w = decode(blocks, scales, jnp.float32)
+    for b, e in enumerate(np.asarray(block_expert)[:5]):
+        m = slice(b * block_m, (b + 1) * block_m)
+        want = np.asarray(jnp.einsum("md,fd->mf", rows[m].astype(jnp.float32), w[e], precision=jax.lax.Precision.HIGHEST))
+        for cols in EXTREME_ROWS:
+            assert rel_err(got[m, cols], want[:, cols]) <= 1e-2, (b, cols)
+
+
+@pytest.mark.parametrize("decoder", ["jnp", "ptx"])
+@pytest.mark.parametrize("P", [1, 4, 32])
+def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P, decoder):
+    """The packed decode kernel on gpt-oss's input width (90 blocks a row) against decoding first and
+    a float32 matmul, row by row, with rows of tiny (2^-117) and large (2^73) scales among typical ones."""
+    from gptoss_jax.kernels.triton_mxfp4 import pair_matvec_mxfp4
+    from gptoss_jax.mxfp4 import decode
+
+    rng = np.random.default_rng(P)
+    E, F, D = 8, 192, 2880
+    blocks, scales = _packed_with_extreme_scales(rng, E, F, D)
     x = jax.random.normal(jax.random.key(P), (P, D), jnp.float32)
     idx = jnp.asarray(rng.integers(0, E, P), jnp.int32)
-    got = np.asarray(pair_matvec_mxfp4(x, idx, blocks, scales))
+    got = np.asarray(pair_matvec_mxfp4(x, idx, blocks, scales, decoder=decoder))
     want = np.asarray(jnp.einsum("pd,pfd->pf", x, decode(blocks, scales, jnp.float32)[idx],
                                  precision=jax.lax.Precision.HIGHEST))
-    for rows in (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, F)):
+    for rows in EXTREME_ROWS:
         assert rel_err(got[:, rows], want[:, rows]) <= 1e-5, rows

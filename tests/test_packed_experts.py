@@ -172,6 +172,41 @@ def test_triton_matvec_reads_packed_experts(loaded, tokens):
     assert_rel_close(got, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [5, 40])
+def test_triton_grouped_matmul_reads_packed_experts(loaded, tokens):
+    """The prompt kernel for packed experts (Pallas interpret mode), bfloat16 activations: the MoE
+    output of the experts decoded ahead of time, to bfloat16 rounding. 40 tokens give experts more
+    than one block of rows; the tiny model's mlp2 rows hold an odd number of blocks (3)."""
+    from gptoss_jax.moe import MLPBlock
+
+    config, mx, bf16, _ = loaded
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, config.hidden_size), jnp.bfloat16)
+    got = MLPBlock(config, kernels=gj.Kernels(moe="triton_grouped", interpret=True)).apply(
+        {"params": mx["block_1"]["mlp"]}, x)
+    want = MLPBlock(config, kernels=gj.Kernels(moe="gather")).apply({"params": bf16["block_1"]["mlp"]}, x)
+    assert_rel_close(got, want, rtol=2e-2)
+
+
+@pytest.mark.parametrize("scale", [10, 127, 200])
+def test_grouped_mxfp4_kernel_equals_decoding_then_a_matmul(scale):
+    """grouped_matmul_mxfp4 (interpret mode) on random bytes around one scale, every used block against
+    its expert decoded then multiplied in float32; blocks past `used` are not computed."""
+    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
+
+    rng = np.random.default_rng(scale)
+    E, F, G, block = 3, 64, 4, 16
+    blocks = jnp.asarray(rng.integers(0, 256, (E, F, G, 16), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(scale - 2, scale + 3, (E, F, G), dtype=np.uint8))
+    block_expert = jnp.asarray([2, 0, 0, 1, 1], jnp.int32)
+    rows = jnp.asarray(rng.standard_normal((5 * block, 32 * G)), jnp.bfloat16)
+    got = np.asarray(grouped_matmul_mxfp4(rows, block_expert, 4, blocks, scales, block_m=block, interpret=True),
+                     np.float32)
+    w = np.asarray(decode(blocks, scales, jnp.float32))  # [E, F, 32 G]
+    for b, e in enumerate(np.asarray(block_expert)[:4]):
+        want = np.asarray(rows[b * block:(b + 1) * block], np.float32) @ w[e].T
+        assert_rel_close(got[b * block:(b + 1) * block], want, rtol=1e-2)
+
+
 def test_command_line_runs_with_packed_experts(checkpoints, capsys):
     args = ["--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--temperature", "0", "--json", "--quiet"]
     assert run_inference.main(["--checkpoint", str(checkpoints / "packed"), "--dtype", "mxfp4"] + args) == 0

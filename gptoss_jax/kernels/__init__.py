@@ -4,12 +4,14 @@
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | Pallas Triton over the filled cache ("triton") | jnp over the whole cache ("blockwise") | same as TPU |
-| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax) | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
+| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Triton grouped matmul ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
-Experts kept packed in MXFP4 (`experts="mxfp4"`) take the same paths: the Triton matvec reads them
-packed and decodes in registers (`pair_matvec_mxfp4`); the others decode them inside the jitted step
-first (gather: the selected experts only; the grouped and ragged paths: a layer's experts).
+Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas Triton kernels read them packed
+and decode in registers, for decode ("triton") and for prompts ("triton_grouped", 16-bit
+activations); no decoded weight is written (kernels/triton_mxfp4.py). Elsewhere the jnp paths decode
+them inside the jitted step (gather: the selected experts only; grouped: one expert block at a
+time; megablox on TPU: a layer's experts).
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
@@ -27,12 +29,13 @@ import jax
 import jax.numpy as jnp
 
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "triton")
-MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "megablox")
+MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "triton_grouped", "megablox")
 # Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
 NEEDS = {
     "tokamax": ("gpu", False, "NVIDIA GPUs"),
     "mosaic_gpu": ("gpu", False, "NVIDIA Hopper GPUs"),
     "triton": ("gpu", True, "NVIDIA GPUs"),
+    "triton_grouped": ("gpu", True, "NVIDIA GPUs"),
     "splash": ("tpu", True, "TPUs"),
     "megablox": ("tpu", True, "TPUs"),
 }
@@ -70,14 +73,16 @@ class Kernels:
             return "triton"  # reads the filled cache only; float32 inputs get full float32 dots
         return "blockwise"
 
-    def moe_for(self, pairs: int, dtype=jnp.bfloat16) -> str:
+    def moe_for(self, pairs: int, dtype=jnp.bfloat16, packed: bool = False) -> str:
         """The expert kernel for a call with this many (token, expert) pairs, weights of this dtype
-        (for packed MXFP4 experts: the activations' dtype, which they are decoded to)."""
+        (for MXFP4-packed experts, `packed`: the activations' dtype, which they are decoded to)."""
         if self.moe != "auto":
             return self._runnable(self.moe)
         backend = jax.default_backend()
         if pairs <= self.moe_gather_max_pairs:
             return "triton" if backend == "gpu" else "gather"
+        if packed and backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
+            return "triton_grouped"  # decodes in registers; the ragged dots would need decoded experts
         # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot
         # hands shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
         if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
@@ -98,10 +103,10 @@ class Kernels:
                              f"'auto' picks what this backend runs{hint}")
         return name
 
-    def describe(self) -> str:
-        """For start-up messages: what "auto" means on this backend."""
+    def describe(self, packed: bool = False) -> str:
+        """For start-up messages: what "auto" means on this backend (`packed`: for MXFP4 experts)."""
         return (f"attention {self.attention_for(4096)} (prompts) / {self.attention_for(1)} (decode), "
-                f"experts {self.moe_for(1 << 20)} (prompts) / {self.moe_for(1)} (decode)")
+                f"experts {self.moe_for(1 << 20, packed=packed)} (prompts) / {self.moe_for(1, packed=packed)} (decode)")
 
 
 def _tokamax_available() -> bool:

@@ -5,8 +5,7 @@ the selected experts' weights: per pair a matrix-vector product with its expert'
 The kernel reads each pair's rows of that matrix in place, straight from the [E, F, D] array (rows
 of D contiguous, so every load is coalesced), with no gathered copy of the weights and no host
 round trip. Pairs that share an expert read it again (at batch 1 the 4 pairs of a token are 4
-distinct experts). `pair_matvec_mxfp4` does the same over MXFP4-packed experts, reading the packed
-bytes once and decoding them in registers.
+distinct experts). triton_mxfp4.py holds the same for experts packed in MXFP4.
 
 `cache_attention`, decode attention to a full layer's KV cache: it reads only each sequence's
 filled positions (a loop bounded on the device by the cache length), split into key ranges so that
@@ -90,72 +89,6 @@ def _pairs_call(kernel, name, sizes, dtype, interpret, num_warps, num_stages, *i
     partial = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((splits, P, F), jnp.float32),
                              grid=(P, F // bf, splits), interpret=interpret, name=name, **params)(*inputs)
     return partial.sum(axis=0).astype(dtype)
-
-
-def _e2m1_halves(b):
-    """Bytes (int32) -> their (low, high) e2m1 codes as float32 values / 2^14, cheaply: a code's bits
-    (sign, 2 exponent bits, 1 mantissa bit) placed into a float16's sign, lowest exponent bits and top
-    mantissa bit make a float16 worth exactly value * 2^-14 (zero and 0.5 land on float16 subnormals,
-    which scale the same way). The caller's scale carries the 2^14."""
-    def half(bits):
-        return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16).astype(jnp.float32)
-
-    return (half(((b & 0x08) << 12) | ((b & 0x07) << 9)),
-            half(((b & 0x80) << 8) | ((b & 0x70) << 5)))
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "unroll", "num_warps", "num_stages", "splits"))
-def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 64,
-                      unroll: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                      splits: int | None = None) -> jax.Array:
-    """`pair_matvec` for MXFP4-packed experts: x [P, D], idx [P], blocks uint8 [E, F, D/32, 16],
-    scales uint8 [E, F, D/32] -> [P, F] in x's dtype, float32 sums. The packed bytes are read once and
-    decoded in registers; no decoded weight is ever written.
-
-    A byte holds an even (low nibble) and an odd (high nibble) input's code, so the kernel takes x's
-    even and odd halves apart ([P, D/32, 16] each) and needs no interleaving. Each step loads `unroll`
-    (default: up to 3) tiles of [block_f, 2 blocks, 16 bytes] (the widest power-of-two tile dividing
-    gpt-oss's 90 blocks per row; 1 block where the count is odd) and their scales, and accumulates
-    value x input x 2^(scale - 127) elementwise; one reduction at the end. Decoding takes a few integer
-    operations per value (`_e2m1_halves`). Scales above 240 (weights beyond 2^113; 255 is NaN in the
-    OCP format) are not supported: they give inf. Published weights have none.
-    """
-    P, D = x.shape
-    E, F, G, _ = blocks.shape
-    bf, gs = _block(F, block_f), 2 if G % 2 == 0 else 1
-    steps = G // gs
-    if unroll is None:
-        unroll = next(u for u in (3, 2, 1) if steps % u == 0)
-    if steps % unroll:
-        raise ValueError(f"unroll={unroll} must divide the {steps} pairs of blocks per row")
-    steps //= unroll
-    splits = _splits(steps, P * (F // bf), splits, f"the {steps} steps over the blocks of a row")
-    per_split = steps // splits
-    pairs = x.reshape(P, G, 16, 2)
-    x_even, x_odd = pairs[..., 0], pairs[..., 1]  # [P, G, 16]: the low and high nibbles' inputs
-
-    def kernel(idx_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref):
-        p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        e = idx_ref[p]
-        rows = pl.ds(j * bf, bf)
-
-        def step(i, acc):
-            for u in range(unroll):
-                g0 = ((part * per_split + i) * unroll + u) * gs
-                b = b_ref[e, rows, pl.ds(g0, gs), :].astype(jnp.int32)  # [bf, gs, 16]
-                exponent = jnp.minimum(s_ref[e, rows, pl.ds(g0, gs)].astype(jnp.int32) + 14, 255)
-                scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)  # [bf, gs]: 2^(scale - 127 + 14)
-                xe = xe_ref[p, pl.ds(g0, gs), :].astype(jnp.float32)  # [gs, 16]
-                xo = xo_ref[p, pl.ds(g0, gs), :].astype(jnp.float32)
-                low, high = _e2m1_halves(b)
-                acc = acc + (low * xe[None] + high * xo[None]) * scale[:, :, None]
-            return acc
-
-        acc = jax.lax.fori_loop(0, per_split, step, jnp.zeros((bf, gs, 16), jnp.float32))
-        o_ref[part, p, rows] = jnp.sum(jnp.sum(acc, axis=2), axis=1)
-
-    return _pairs_call(kernel, "gptoss_pair_matvec_mxfp4", (splits, P, F, bf), x.dtype, interpret, num_warps,
-                       num_stages, idx.astype(jnp.int32), x_even, x_odd, blocks, scales)
 
 
 def _pow2_at_least(n: int, least: int = 16) -> int:
