@@ -110,7 +110,7 @@ def test_gather_work_does_not_scale_with_the_number_of_experts():
 def test_grouped_layout_computes_only_selected_pairs(num_experts, n, block):
     rng = np.random.default_rng(n)
     idx = np.stack([rng.choice(num_experts, 4, replace=False) for _ in range(n)]).astype(np.int32)
-    order, dest, block_expert = (np.asarray(a) for a in group_by_expert(jnp.asarray(idx), num_experts, block))
+    order, dest, block_expert, used_blocks = (np.asarray(a) for a in group_by_expert(jnp.asarray(idx), num_experts, block))
     P = idx.size
     counts = np.bincount(idx.ravel(), minlength=num_experts)
     # The blocks computed (every one of the static bound) hold the selected pairs plus fewer than
@@ -118,6 +118,7 @@ def test_grouped_layout_computes_only_selected_pairs(num_experts, n, block):
     assert len(block_expert) * block < P + num_experts * block
     # Each expert's pairs fill its blocks from their start; the blocks past the used ones hold none.
     used = sum(-(-c // block) for c in counts)
+    assert used_blocks == used  # the count the grouped MXFP4 kernel skips from
     assert dest.max() < used * block <= len(block_expert) * block
     # Every pair lands in a distinct row of a block that belongs to its expert.
     assert len(set(dest.tolist())) == P
