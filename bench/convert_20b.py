@@ -1,7 +1,12 @@
 """Convert a full-size synthetic gpt-oss-20b checkpoint (original layout, ~13 GB) and report wall time
-and peak RSS, for the default (experts kept MXFP4) and for --dtype bfloat16.
+and peak RSS, for the default (experts kept MXFP4) and for --dtype bfloat16; with --load, also load
+each output (`gj.load_checkpoint`, experts packed for the MXFP4 output) and report the loading
+process's peak RSS against the bytes of the weights and of the largest layer.
 
-    python bench/convert_20b.py --workdir /tmp/gptoss-bench [--keep]
+    python bench/convert_20b.py --workdir /tmp/gptoss-bench [--keep] [--load]
+
+With a GPU the weights go to it and the RSS is the loader's host memory alone; on a CPU the loaded
+weights live in host memory too, so the loader's own share is the peak RSS less the weights' bytes.
 
 The synthetic source is written once (streamed, a tensor at a time) and reused. Each conversion runs
 as its own process through `python -m gptoss_jax.convert`; its peak RSS is the high-water mark of that
@@ -27,6 +32,19 @@ _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
             "print({'code': code, 'wall_s': wall, "
             "'peak_rss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss})")
 
+_LOAD = """
+import json, resource, sys, time
+import jax
+import gptoss_jax as gj
+t = time.perf_counter()
+config, params = gj.load_checkpoint(sys.argv[1], dtype=sys.argv[2])
+jax.block_until_ready(params)
+nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+print(json.dumps({"load_s": time.perf_counter() - t, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "weights_bytes": nbytes(params), "largest_layer_bytes": max(nbytes(params[f"block_{i}"])
+                  for i in range(config.num_hidden_layers)), "device": jax.devices()[0].device_kind}))
+"""
+
 
 def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
@@ -38,6 +56,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt-oss-20b")
     parser.add_argument("--dtypes", default="mxfp4,bfloat16")
     parser.add_argument("--keep", action="store_true", help="keep the converted outputs")
+    parser.add_argument("--load", action="store_true", help="also load each output and measure the loader")
     args = parser.parse_args()
     config = gj.ModelConfig.preset(args.preset)
     source = os.path.join(args.workdir, f"{args.preset}-original")
@@ -47,7 +66,7 @@ def main() -> None:
         os.replace(source + ".tmp", source)
         print(f"wrote synthetic source in {time.perf_counter() - t:.0f} s", flush=True)
     print(f"source: {source}, {_du(source) / 1e9:.2f} GB; {os.cpu_count()} CPUs", flush=True)
-    rows = []
+    rows, loads = [], []
     for dtype in args.dtypes.split(","):
         output = os.path.join(args.workdir, f"out-{dtype}")
         shutil.rmtree(output, ignore_errors=True)
@@ -56,6 +75,10 @@ def main() -> None:
         print(result.stderr[-2000:], flush=True)
         stats = eval(result.stdout.strip().splitlines()[-1])  # the dict printed by _MEASURE
         rows.append((dtype, stats["code"], stats["wall_s"], stats["peak_rss_kib"] / 2**20, _du(output) / 1e9))
+        if args.load:
+            load = subprocess.run([sys.executable, "-c", _LOAD, output, "mxfp4" if dtype == "mxfp4" else dtype],
+                                  capture_output=True, text=True, check=True)
+            loads.append((dtype, json.loads(load.stdout.strip().splitlines()[-1])))
         if not args.keep:
             shutil.rmtree(output, ignore_errors=True)
     print(json.dumps(rows))
@@ -63,6 +86,14 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for dtype, code, wall, rss, size in rows:
         print(f"| {dtype} | {code} | {wall / 60:.1f} min ({wall:.0f} s) | {rss:.2f} GiB | {size:.1f} GB |")
+    if loads:
+        print(json.dumps(loads))
+        print("| loaded as | device | load time | peak RSS | weights | largest layer | RSS less the weights (CPU) |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for dtype, r in loads:
+            rss, weights, layer = r["peak_rss_kib"] / 2**20, r["weights_bytes"] / 2**30, r["largest_layer_bytes"] / 2**30
+            print(f"| {'mxfp4' if dtype == 'mxfp4' else dtype} | {r['device']} | {r['load_s']:.0f} s | {rss:.2f} GiB | "
+                  f"{weights:.2f} GiB | {layer:.2f} GiB | {rss - weights:.2f} GiB |")
 
 
 if __name__ == "__main__":
