@@ -101,6 +101,9 @@ def test_kernel_choice_on_cpu_and_bad_names():
     k = gj.Kernels()
     assert (k.attention_for(4096), k.attention_for(1), k.moe_for(1 << 16), k.moe_for(4)) == (
         "blockwise", "blockwise", "grouped", "gather")
+    assert (k.moe_for(1 << 16, packed=True), k.moe_for(4, packed=True)) == ("grouped", "gather")  # MXFP4: jnp decode
+    with pytest.raises(ValueError, match="'triton_grouped' kernel runs on NVIDIA GPUs only"):
+        gj.Kernels(moe="triton_grouped").moe_for(1 << 16, packed=True)
     with pytest.raises(ValueError, match="unknown MoE kernel 'fast'"):
         gj.Kernels(moe="fast")
     with pytest.raises(ValueError, match="unknown attention kernel"):

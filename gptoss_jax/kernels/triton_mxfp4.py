@@ -45,8 +45,8 @@ def _e2m1_halves(b):
 # instructions, against about 6 per code in the jnp form): the bytes are permuted to (b0, b2, b1, b3)
 # so that each 16-bit half of the word holds one output byte, then each nibble's magnitude and sign
 # are shifted and masked into a pair of float16s at once, and each float16 widened to float32.
-# $0-$3: the codes of bytes 0-3; $4: the four bytes. {shift} moves the nibble's magnitude bits to
-# float16 bits 9-11 (shl for the low nibble, shr for the high one), {sign} its sign bit to bit 15.
+# $0-$3: the codes of bytes 0-3; $4: the four bytes. Per pair of bytes, {mag}/{m} shift the nibble's
+# magnitude bits to float16 bits 9-11 and {s} its sign bit to bit 15.
 _E2M1_PTX = """{{
 .reg .b32 w, m, s, h<2>;
 .reg .b16 l<4>;
@@ -75,8 +75,11 @@ def _codes(b, decoder: str):
                  for asm in (_LOW_PTX, _HIGH_PTX))
 
 
-def _default_decoder(interpret: bool) -> str:
-    return "jnp" if interpret else "ptx"
+def _default_decoder(interpret: bool, compiled: str) -> str:
+    """The `compiled` decoder on a GPU, the jnp one in interpret mode (no PTX there). On one H100 80GB
+    (bench/kernels.py --part grouped-mxfp4 and --part matvec-mxfp4) PTX made the grouped matmul up
+    to 15% faster and the matvec no faster (it is bound by latency, not by instructions)."""
+    return "jnp" if interpret else compiled
 
 
 def _scale(s):
@@ -114,7 +117,7 @@ def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_
     """
     P, D = x.shape
     E, F, G, _ = blocks.shape
-    decoder = decoder or _default_decoder(interpret)
+    decoder = decoder or _default_decoder(interpret, "jnp")
     bf, gs = _block(F, block_f), 2 if G % 2 == 0 else 1
     steps = G // gs
     if unroll is None:
@@ -169,7 +172,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     E, F, G, _ = blocks.shape
     if jnp.dtype(rows.dtype).itemsize != 2:
         raise ValueError(f"grouped_matmul_mxfp4 takes 16-bit rows (float32 would be TF32 on the tensor cores), got {rows.dtype}")
-    decoder = decoder or _default_decoder(interpret)
+    decoder = decoder or _default_decoder(interpret, "ptx")
     num_blocks = block_expert.shape[0]
     if num_blocks * block_m != M:
         raise ValueError(f"{M} rows are not {num_blocks} blocks of {block_m}")
