@@ -151,6 +151,44 @@ def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_
                        num_stages, idx.astype(jnp.int32), x_even, x_odd, blocks, scales)
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "num_warps", "decoder"))
+def pair_matvec_mxfp4_rows(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 4, num_warps: int = 4,
+                           decoder: str | None = None) -> jax.Array:
+    """`pair_matvec_mxfp4` with no loop: each program loads `block_f` whole rows of its pair's expert
+    in one masked load ([block_f, G rounded up to a power of two, 16] bytes; the bytes past G are
+    not read) and their scales, decodes, multiplies by the pair's inputs, sums each block's 16
+    bytes before applying its scale, and writes block_f outputs. Every program's loads are issued
+    at once, so a batch of one keeps many rows in flight. -> [P, F] in x's dtype, float32 sums."""
+    P, D = x.shape
+    E, F, G, _ = blocks.shape
+    decoder = decoder or _default_decoder(interpret, "ptx")
+    bf, width = _block(F, block_f), 1 << (G - 1).bit_length()
+    x_even, x_odd = _even_odd(x, G)  # [P, G, 16] each
+
+    def kernel(idx_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref):
+        p, j = pl.program_id(0), pl.program_id(1)
+        e = idx_ref[p]
+        rows, groups = pl.ds(j * bf, bf), pl.ds(0, width)
+
+        def masked(ref, shape, axis):  # a load of `shape` whose entries at or past G along `axis` are 0
+            mask = jax.lax.broadcasted_iota(jnp.int32, shape, axis) < G
+            return pltriton.load(ref, mask=mask, other=0)[0]
+
+        b = masked(b_ref.at[pl.ds(e, 1), rows, groups, :], (1, bf, width, 16), 2)  # [bf, width, 16]
+        s = masked(s_ref.at[pl.ds(e, 1), rows, groups], (1, bf, width), 2)  # [bf, width]
+        xe = masked(xe_ref.at[pl.ds(p, 1), groups, :], (1, width, 16), 1).astype(jnp.float32)  # [width, 16]
+        xo = masked(xo_ref.at[pl.ds(p, 1), groups, :], (1, width, 16), 1).astype(jnp.float32)
+        low, high = _codes(b, decoder)
+        per_block = jnp.sum(low * xe[None] + high * xo[None], axis=2) * _scale(s)  # [bf, width]
+        o_ref[p, rows] = jnp.sum(per_block, axis=1)
+
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), grid=(P, F // bf),
+                         interpret=interpret, name="gptoss_pair_matvec_mxfp4_rows",
+                         **_compiler_params(interpret, num_warps, 1))(
+        idx.astype(jnp.int32), x_even, x_odd, blocks, scales)
+    return out.astype(x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "unroll", "interpret", "num_warps", "num_stages",
                                              "decoder", "weights_first"))
 def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int, block_n: int = 128,
