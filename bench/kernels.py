@@ -239,7 +239,7 @@ def matvec(rng):
 def matvec_mxfp4(rng):
     """The decode expert matvec over MXFP4-packed experts at batch 1 (4 pairs), 8 layers' calls per
     jitted function, against decoding first; bytes read are the packed blocks and scales."""
-    from gptoss_jax.kernels.triton_mxfp4 import pair_matvec_mxfp4, pair_matvec_mxfp4_rows
+    from gptoss_jax.kernels.triton_mxfp4 import pair_matvec_mxfp4
     from gptoss_jax.mxfp4 import decode
 
     L, P = 8, 4
@@ -257,20 +257,9 @@ def matvec_mxfp4(rng):
         args = [a for pair in packed for a in pair]
         for bf, warps, decoder in ((2, 4, "jnp"), (4, 4, "jnp"), (2, 4, "ptx"), (4, 4, "ptx"), (4, 2, "ptx"),
                                    (4, 8, "ptx"), (8, 4, "ptx"), (8, 8, "ptx"), (16, 8, "ptx")):
-            timed(f"mxfp4 matvec, whole rows x{L} layers [{E},{F},{D}] P={P} bf={bf} warps={warps} {decoder}",
-                  lambda x, *a: jnp.stack([pair_matvec_mxfp4_rows(x, idx, a[2 * i], a[2 * i + 1], block_f=bf,
-                                                                  num_warps=warps, decoder=decoder)
-                                           for i in range(L)]),
-                  x, *args, ref=ref, weight_bytes=nbytes, n=30)
-        for bf, unroll, warps, stages, splits, decoder in (
-                (64, 3, 4, 3, None, "jnp"), (128, 3, 4, 3, None, "jnp"), (64, 3, 8, 3, None, "jnp")):
-            if F % bf:
-                continue
-            timed(f"mxfp4 matvec x{L} layers [{E},{F},{D}] P={P} bf={bf} unroll={unroll} warps={warps} "
-                  f"stages={stages} splits={splits} {decoder}",
-                  lambda x, *a: jnp.stack([pair_matvec_mxfp4(x, idx, a[2 * i], a[2 * i + 1], block_f=bf, unroll=unroll,
-                                                             num_warps=warps, num_stages=stages, splits=splits,
-                                                             decoder=decoder)
+            timed(f"mxfp4 matvec x{L} layers [{E},{F},{D}] P={P} bf={bf} warps={warps} {decoder}",
+                  lambda x, *a: jnp.stack([pair_matvec_mxfp4(x, idx, a[2 * i], a[2 * i + 1], block_f=bf,
+                                                             num_warps=warps, decoder=decoder)
                                            for i in range(L)]),
                   x, *args, ref=ref, weight_bytes=nbytes, n=30)
 

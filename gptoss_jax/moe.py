@@ -211,11 +211,11 @@ def _experts_pairwise(x, idx, w, act, *, interpret: bool):
     """The gather path's contract, by the Pallas Triton kernel: each pair's expert rows read in place
     (MXFP4-packed experts read packed and decoded in registers)."""
     from .kernels.triton import pair_matvec
-    from .kernels.triton_mxfp4 import pair_matvec_mxfp4_rows
+    from .kernels.triton_mxfp4 import pair_matvec_mxfp4
 
     def matvec(inputs, weight):
         if packed(weight):
-            return pair_matvec_mxfp4_rows(inputs, flat, weight["blocks"], weight["scales"], interpret=interpret)
+            return pair_matvec_mxfp4(inputs, flat, weight["blocks"], weight["scales"], interpret=interpret)
         return pair_matvec(inputs, flat, weight, interpret=interpret)
 
     N, A = idx.shape

@@ -8,7 +8,7 @@ Both kernels take the activations' even and odd inputs apart, so that a byte's t
 inputs without any interleaving.
 
 - `pair_matvec_mxfp4`, decode: one matrix-vector product per (token, expert) pair, reading the
-  pair's expert rows in place (the packed form of triton.py's `pair_matvec`).
+  pair's expert rows in place, whole rows at a time (the packed form of triton.py's `pair_matvec`).
 - `grouped_matmul_mxfp4`, prompts and large batches: rows laid out in blocks of `block_m` rows, each
   block for one expert (moe.group_by_expert); a program multiplies one block by one expert's tile of
   output rows on the tensor cores, decoding each weight tile once for the whole block.
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton import _block, _pairs_call, _splits
+from .triton import _block
 
 
 def _e2m1_halves(b):
@@ -75,11 +75,11 @@ def _codes(b, decoder: str):
                  for asm in (_LOW_PTX, _HIGH_PTX))
 
 
-def _default_decoder(interpret: bool, compiled: str) -> str:
-    """The `compiled` decoder on a GPU, the jnp one in interpret mode (no PTX there). On one H100 80GB
-    (bench/kernels.py --part grouped-mxfp4 and --part matvec-mxfp4) PTX made the grouped matmul up
-    to 15% faster and the matvec no faster (it is bound by latency, not by instructions)."""
-    return "jnp" if interpret else compiled
+def _default_decoder(interpret: bool) -> str:
+    """PTX on a GPU, jnp in interpret mode (no PTX there). On one H100 80GB PTX made the grouped
+    matmul up to 15% faster and the matvec 25% (bench/kernels.py --part grouped-mxfp4 and
+    --part matvec-mxfp4)."""
+    return "jnp" if interpret else "ptx"
 
 
 def _scale(s):
@@ -102,66 +102,25 @@ def _compiler_params(interpret, num_warps, num_stages):
     return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "unroll", "num_warps", "num_stages", "splits",
-                                             "decoder"))
-def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 64,
-                      unroll: int | None = None, num_warps: int = 4, num_stages: int = 3,
-                      splits: int | None = None, decoder: str | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "num_warps", "decoder"))
+def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 4, num_warps: int = 4,
+                      decoder: str | None = None) -> jax.Array:
     """x [P, D], idx [P] (each pair's expert), blocks uint8 [E, F, G, 16], scales uint8 [E, F, G]
-    -> [P, F] in x's dtype, float32 sums.
+    -> [P, F] in x's dtype, float32 sums: triton.py's `pair_matvec` over packed experts.
 
-    Each step loads `unroll` (default: up to 3) tiles of [block_f, 2 blocks, 16 bytes] (the widest
-    power-of-two tile dividing gpt-oss's 90 blocks per row; 1 block where the count is odd) and their
-    scales, and accumulates value x input x 2^(scale - 127) elementwise; one reduction at the end.
-    Rows are split into ranges as in `pair_matvec`, so that a batch of one fills the GPU.
+    No loop: each program loads `block_f` whole rows of its pair's expert in one masked load
+    ([block_f, G rounded up to a power of two, 16] bytes; nothing past G is read) with their scales,
+    decodes, multiplies by the pair's inputs, sums each block's 16 bytes before applying its scale,
+    and writes block_f outputs. Every program issues all its loads at once, which keeps many rows in
+    flight at a batch of one: on one H100 80GB, eight layers' batch-1 up-projections took 0.36 ms
+    this way against 0.47 ms for the same work in a loop over 64-input steps (Triton tiles are
+    powers of two, and 90 blocks a row allow no wider step). In that sweep (bench/kernels.py
+    --part matvec-mxfp4) 8 rows with 8 warps were as fast on the up-projection and 19% faster on the
+    down-projection; the model's figures in docs/benchmarks.md are with these defaults.
     """
     P, D = x.shape
     E, F, G, _ = blocks.shape
-    decoder = decoder or _default_decoder(interpret, "jnp")
-    bf, gs = _block(F, block_f), 2 if G % 2 == 0 else 1
-    steps = G // gs
-    if unroll is None:
-        unroll = next(u for u in (3, 2, 1) if steps % u == 0)
-    if steps % unroll:
-        raise ValueError(f"unroll={unroll} must divide the {steps} pairs of blocks per row")
-    steps //= unroll
-    splits = _splits(steps, P * (F // bf), splits, f"the {steps} steps over the blocks of a row")
-    per_split = steps // splits
-    x_even, x_odd = _even_odd(x, G)
-
-    def kernel(idx_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref):
-        p, j, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        e = idx_ref[p]
-        rows = pl.ds(j * bf, bf)
-
-        def step(i, acc):
-            for u in range(unroll):
-                g0 = ((part * per_split + i) * unroll + u) * gs
-                low, high = _codes(b_ref[e, rows, pl.ds(g0, gs), :], decoder)  # [bf, gs, 16] each
-                scale = _scale(s_ref[e, rows, pl.ds(g0, gs)])  # [bf, gs]
-                xe = xe_ref[p, pl.ds(g0, gs), :].astype(jnp.float32)  # [gs, 16]
-                xo = xo_ref[p, pl.ds(g0, gs), :].astype(jnp.float32)
-                acc = acc + (low * xe[None] + high * xo[None]) * scale[:, :, None]
-            return acc
-
-        acc = jax.lax.fori_loop(0, per_split, step, jnp.zeros((bf, gs, 16), jnp.float32))
-        o_ref[part, p, rows] = jnp.sum(jnp.sum(acc, axis=2), axis=1)
-
-    return _pairs_call(kernel, "gptoss_pair_matvec_mxfp4", (splits, P, F, bf), x.dtype, interpret, num_warps,
-                       num_stages, idx.astype(jnp.int32), x_even, x_odd, blocks, scales)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "block_f", "num_warps", "decoder"))
-def pair_matvec_mxfp4_rows(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 4, num_warps: int = 4,
-                           decoder: str | None = None) -> jax.Array:
-    """`pair_matvec_mxfp4` with no loop: each program loads `block_f` whole rows of its pair's expert
-    in one masked load ([block_f, G rounded up to a power of two, 16] bytes; the bytes past G are
-    not read) and their scales, decodes, multiplies by the pair's inputs, sums each block's 16
-    bytes before applying its scale, and writes block_f outputs. Every program's loads are issued
-    at once, so a batch of one keeps many rows in flight. -> [P, F] in x's dtype, float32 sums."""
-    P, D = x.shape
-    E, F, G, _ = blocks.shape
-    decoder = decoder or _default_decoder(interpret, "ptx")
+    decoder = decoder or _default_decoder(interpret)
     bf, width = _block(F, block_f), 1 << (G - 1).bit_length()
     x_even, x_odd = _even_odd(x, G)  # [P, G, 16] each
 
@@ -183,7 +142,7 @@ def pair_matvec_mxfp4_rows(x, idx, blocks, scales, *, interpret: bool = False, b
         o_ref[p, rows] = jnp.sum(per_block, axis=1)
 
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), grid=(P, F // bf),
-                         interpret=interpret, name="gptoss_pair_matvec_mxfp4_rows",
+                         interpret=interpret, name="gptoss_pair_matvec_mxfp4",
                          **_compiler_params(interpret, num_warps, 1))(
         idx.astype(jnp.int32), x_even, x_odd, blocks, scales)
     return out.astype(x.dtype)
@@ -210,7 +169,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     E, F, G, _ = blocks.shape
     if jnp.dtype(rows.dtype).itemsize != 2:
         raise ValueError(f"grouped_matmul_mxfp4 takes 16-bit rows (float32 would be TF32 on the tensor cores), got {rows.dtype}")
-    decoder = decoder or _default_decoder(interpret, "ptx")
+    decoder = decoder or _default_decoder(interpret)
     num_blocks = block_expert.shape[0]
     if num_blocks * block_m != M:
         raise ValueError(f"{M} rows are not {num_blocks} blocks of {block_m}")
