@@ -80,7 +80,7 @@ def _to_param(path, stored, dtype: str, keep_packed: bool):
         return jnp.asarray(unpack_experts(np.asarray(stored["blocks"]), np.asarray(stored["scales"]), dtype))
     if name == "scale":  # RMSNorm scales stay float32
         return jnp.asarray(np.asarray(stored, np.float32))
-    return jnp.asarray(np.asarray(stored).astype(_NP_DTYPES[dtype]))
+    return jnp.asarray(np.asarray(stored).astype(_NP_DTYPES[dtype], copy=False))  # no host copy when stored so
 
 
 def dtype_name(dtype) -> str:
