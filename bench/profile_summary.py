@@ -24,7 +24,7 @@ KINDS = (
     ("experts, decode (Triton matvec)", ("gptoss_pair_matvec",)),
     ("attention, decode (Triton, cache)", ("gptoss_cache_attention",)),
     ("attention, prompts (flash)", ("flash", "attention", "splash")),  # before "mosaic_gpu": tokamax's is one too
-    ("experts, prompts (ragged dot)", ("ragged", "gmm", "mosaic_gpu")),
+    ("experts, grouped (ragged dot, MXFP4 grouped matmul)", ("ragged", "gmm", "mosaic_gpu", "gptoss_grouped")),
     ("dense matmuls (cuBLAS / XLA gemm)", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "dot")),
     ("sort, top-k, scatter, gather", ("sort", "topk", "top_k", "scatter", "gather")),
     ("other XLA fusions", ("fusion", "loop", "input", "reduce", "copy", "transpose", "concatenate", "slice")),
