@@ -163,7 +163,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     power of two) into rows' dtype, scaled exactly (a code value times a power of two has two
     significant bits), and adds two tensor-core products: even inputs times low nibbles, odd inputs
     times high nibbles. Each weight tile is decoded once per block of rows, so the decoding's integer
-    work is shared by block_m rows.
+    work is shared by block_m rows. weights_first: the decoded tile is the products' first operand
+    (the result [block_n, block_m] is transposed once at the end); on one H100 80GB the two orders
+    were within a few percent of each other.
     """
     M, D = rows.shape
     E, F, G, _ = blocks.shape
