@@ -290,19 +290,16 @@ def grouped_mxfp4(rng):
             timed(f"{tag} decode layer + mosaic ragged dot",
                   lambda x, b, s: gpu.mosaic_ragged_dot(x, decode(b, s), sizes), xs, blocks, scales, ref=ref,
                   flops=flops)
-            prompt = ((256, 128, 8, 2, "ptx", True), (256, 128, 4, 2, "ptx", True), (256, 64, 4, 2, "ptx", True),
-                      (256, 128, 8, 2, "ptx", False), (256, 64, 8, 2, "ptx", True), (128, 128, 4, 2, "ptx", True),
-                      (128, 128, 8, 3, "ptx", True), (128, 128, 4, 2, "ptx", False), (128, 128, 8, 2, "ptx", False))
-            batch = ((16, 64, 4, 3, "ptx", False), (16, 64, 4, 3, "ptx", True), (16, 32, 4, 3, "ptx", False),
-                     (16, 64, 4, 2, "ptx", False))
-            for block, bn, warps, stages, decoder, first in (prompt if pairs > 256 else batch):
+            prompt = ((128, 128, 8, 3, "ptx"), (128, 128, 4, 2, "ptx"), (128, 128, 4, 3, "jnp"),
+                      (256, 128, 8, 2, "ptx"), (256, 128, 4, 2, "ptx"), (64, 128, 4, 3, "ptx"))
+            batch = ((16, 64, 4, 3, "ptx"), (16, 64, 4, 3, "jnp"), (16, 32, 4, 3, "ptx"), (16, 64, 4, 2, "ptx"),
+                     (32, 64, 4, 3, "ptx"))
+            for block, bn, warps, stages, decoder in (prompt if pairs > 256 else batch):
                 order, dest, block_expert, used = group_by_expert(idx, E, block)
                 rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
-                timed(f"{tag} triton grouped block={block} bn={bn} warps={warps} stages={stages} {decoder}"
-                      f"{' weights first' if first else ''}",
+                timed(f"{tag} triton grouped block={block} bn={bn} warps={warps} stages={stages} {decoder}",
                       lambda r, b, s: grouped_matmul_mxfp4(r, block_expert, used, b, s, block_m=block, block_n=bn,
-                                                           num_warps=warps, num_stages=stages, decoder=decoder,
-                                                           weights_first=first)[dest],
+                                                           num_warps=warps, num_stages=stages, decoder=decoder)[dest],
                       rows, blocks, scales, ref=ref, flops=flops)
 
 

@@ -147,15 +147,28 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     return order, dest, block_expert, padded_end[-1] // block
 
 
+def _to_blocks(x, idx, num_experts: int, block: int):
+    """x [N, D], idx [N, A] -> (rows [num_blocks * block, D]: each pair's input in its expert's
+    blocks, zero padding; undo: a function taking per-row outputs [num_blocks * block, D] back to
+    per-pair outputs [N, A, D], zero for dropped pairs; block_expert [num_blocks]; used)."""
+    N, A = idx.shape
+    order, dest, block_expert, used = group_by_expert(idx, num_experts, block)
+    rows = jnp.zeros((block_expert.shape[0] * block, x.shape[-1]), x.dtype).at[dest].set(x[order // A], mode="drop")
+
+    def undo(out):
+        picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
+        return unsort(picked, order).reshape(N, A, -1)
+
+    return rows, undo, block_expert, used
+
+
 def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D] (zero for dropped pairs), one expert per `block` rows."""
-    N, A = idx.shape
     D = x.shape[-1]
     # Every block of the static bound is computed (blocks past the used ones hold zero rows): a
     # lax.cond skipping them would cost a host round trip per block on a GPU.
-    order, dest, block_expert, _ = group_by_expert(idx, num_experts, block)
+    rows, undo, block_expert, _ = _to_blocks(x, idx, num_experts, block)
     num_blocks = block_expert.shape[0]
-    rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
     rows = rows.reshape(num_blocks, block, D)
 
     def one_block(args):
@@ -165,18 +178,16 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         h = jnp.einsum("bd,fd->bf", xb, expert_rows(w["mlp1_weight"], e, x.dtype)) + w["mlp1_bias"][e]  # [block, 2F]
         return jnp.einsum("bf,df->bd", act(h), expert_rows(w["mlp2_weight"], e, x.dtype)) + w["mlp2_bias"][e]
 
-    out = jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D)
-    picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
-    return unsort(picked, order).reshape(N, A, D)
+    return undo(jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D))
 
 
-# The grouped MXFP4 kernel's settings (bench/kernels.py --part grouped-mxfp4, one H100 80GB): for
-# decode batches (blocks of 16 rows) and for prompts (blocks of 128 rows), per projection.
-_GROUPED_SETTINGS = {
-    False: {name: dict(block_n=64, num_warps=4, num_stages=3) for name in ("mlp1_weight", "mlp2_weight")},
-    True: {"mlp1_weight": dict(block_n=128, num_warps=8, num_stages=3),
-           "mlp2_weight": dict(block_n=128, num_warps=4, num_stages=2)},
-}
+def _grouped_mxfp4_settings(block: int, name: str) -> dict:
+    """The grouped MXFP4 kernel's settings, the best of bench/kernels.py --part grouped-mxfp4 on one
+    H100 80GB: for decode batches (blocks of 16 to 32 rows), then for prompts per projection."""
+    if block < 64:
+        return dict(block_n=64, num_warps=4, num_stages=3)
+    return dict(block_n=128, num_warps=8, num_stages=3) if name == "mlp1_weight" else \
+        dict(block_n=128, num_warps=4, num_stages=2)
 
 
 def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool):
@@ -185,26 +196,21 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool):
     each, sized to the pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
     from .kernels.triton_mxfp4 import grouped_matmul_mxfp4
 
-    N, A = idx.shape
-    D = x.shape[-1]
     E = num_experts(w["mlp1_weight"])
     block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
-    order, dest, block_expert, used = group_by_expert(idx, E, block)
+    rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
     num_blocks = block_expert.shape[0]
-    rows = jnp.zeros((num_blocks * block, D), x.dtype).at[dest].set(x[order // A], mode="drop")
 
     def project(inputs, name):
         weight = w[name]
         if not packed(weight):
             raise ValueError("the 'triton_grouped' expert kernel takes MXFP4-packed experts only")
         out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
-                                   interpret=interpret, **_GROUPED_SETTINGS[block >= 64][name])
+                                   interpret=interpret, **_grouped_mxfp4_settings(block, name))
         bias = w[name.replace("weight", "bias")][block_expert][:, None]  # [num_blocks, 1, out]
         return (out.reshape(num_blocks, block, -1) + bias).reshape(num_blocks * block, -1)
 
-    y = project(act(project(rows, "mlp1_weight")), "mlp2_weight")  # rows of unused blocks: undefined
-    picked = jnp.take(y, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
-    return unsort(picked, order).reshape(N, A, D)
+    return undo(project(act(project(rows, "mlp1_weight")), "mlp2_weight"))  # unused blocks' rows: undefined
 
 
 def _experts_pairwise(x, idx, w, act, *, interpret: bool):

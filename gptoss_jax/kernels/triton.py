@@ -70,6 +70,13 @@ def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_
                        idx.astype(jnp.int32), x, w)
 
 
+def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    """pallas_call's Triton settings (none in interpret mode)."""
+    if interpret:
+        return {}
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
 def _splits(steps: int, programs: int, splits: int | None, what: str) -> int:
     """Ranges to split a row's `steps` into (dividing them): by default the fewest giving ~1024 programs."""
     if splits is None:
@@ -83,11 +90,9 @@ def _pairs_call(kernel, name, sizes, dtype, interpret, num_warps, num_stages, *i
     """Run a per-pair matvec kernel on the grid (pairs, output tiles, splits) and add the splits'
     float32 partial sums [splits, P, F] -> [P, F] in dtype."""
     splits, P, F, bf = sizes
-    params = {}
-    if not interpret:
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     partial = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((splits, P, F), jnp.float32),
-                             grid=(P, F // bf, splits), interpret=interpret, name=name, **params)(*inputs)
+                             grid=(P, F // bf, splits), interpret=interpret, name=name,
+                             **compiler_params(interpret, num_warps, num_stages))(*inputs)
     return partial.sum(axis=0).astype(dtype)
 
 
@@ -145,14 +150,11 @@ def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 
         o_ref[b, part, kh, :, :] = acc / jnp.maximum(l, 1e-30)[:, None]
         lse_ref[b, part, kh, :] = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)
 
-    params = {}
-    if not interpret:
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     o, lse = pl.pallas_call(
         kernel, grid=(B, K, splits), interpret=interpret, name="gptoss_cache_attention",
         out_shape=(jax.ShapeDtypeStruct((B, splits, K, R, H), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, K, R), jnp.float32)),
-        **params)(kv_len.astype(jnp.int32), rows, k, v)
+        **compiler_params(interpret, num_warps, num_stages))(kv_len.astype(jnp.int32), rows, k, v)
     # Fold the ranges: each weighted by its share of the total denominator.
     total = jax.nn.logsumexp(lse, axis=1, keepdims=True)  # [B, 1, K, R]; -inf when no key at all
     w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)), 0.0)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton import _block
+from .triton import _block, compiler_params
 
 
 def _e2m1_halves(b):
@@ -96,12 +96,6 @@ def _even_odd(x, G):
     return pairs[..., 0], pairs[..., 1]
 
 
-def _compiler_params(interpret, num_warps, num_stages):
-    if interpret:
-        return {}
-    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
-
-
 @functools.partial(jax.jit, static_argnames=("interpret", "block_f", "num_warps", "decoder"))
 def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 4, num_warps: int = 4,
                       decoder: str | None = None) -> jax.Array:
@@ -143,16 +137,16 @@ def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_
 
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), grid=(P, F // bf),
                          interpret=interpret, name="gptoss_pair_matvec_mxfp4",
-                         **_compiler_params(interpret, num_warps, 1))(
+                         **compiler_params(interpret, num_warps, 1))(
         idx.astype(jnp.int32), x_even, x_odd, blocks, scales)
     return out.astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "unroll", "interpret", "num_warps", "num_stages",
-                                             "decoder", "weights_first"))
+                                             "decoder"))
 def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int, block_n: int = 128,
                          unroll: int | None = None, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 3, decoder: str | None = None, weights_first: bool = True) -> jax.Array:
+                         num_stages: int = 3, decoder: str | None = None) -> jax.Array:
     """rows [M, D] in blocks of block_m rows (M = len(block_expert) * block_m), block_expert [M / block_m]
     (each block's expert), used (int32 scalar: blocks from `used` on hold no rows and are skipped;
     their outputs are undefined), blocks uint8 [E, F, G, 16], scales uint8 [E, F, G]
@@ -163,9 +157,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     power of two) into rows' dtype, scaled exactly (a code value times a power of two has two
     significant bits), and adds two tensor-core products: even inputs times low nibbles, odd inputs
     times high nibbles. Each weight tile is decoded once per block of rows, so the decoding's integer
-    work is shared by block_m rows. weights_first: the decoded tile is the products' first operand
-    (the result [block_n, block_m] is transposed once at the end); on one H100 80GB the two orders
-    were within a few percent of each other.
+    work is shared by block_m rows. The decoded tile is the products' first operand, the one Triton
+    may keep in registers (the result [block_n, block_m] is transposed once at the end; on one H100
+    80GB the other order was within a few percent).
     """
     M, D = rows.shape
     E, F, G, _ = blocks.shape
@@ -203,18 +197,14 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                         scale = jnp.where(group == g, _scale(s_ref[e, n, g0 + g])[:, None], scale)
                     xe = xe_ref[m, pl.ds(g0 * 16, width)]  # [block_m, width]
                     xo = xo_ref[m, pl.ds(g0 * 16, width)]
-                    for x, w in ((xe, (low * scale).astype(xe.dtype)), (xo, (high * scale).astype(xo.dtype))):
-                        if weights_first:  # [bn, block_m]: the decoded tile is the operand held in registers
-                            acc += pltriton.dot(w, x, trans_b=True).astype(jnp.float32)
-                        else:
-                            acc += pltriton.dot(x, w, trans_b=True).astype(jnp.float32)
+                    for x, codes in ((xe, low), (xo, high)):  # [bn, width] x [block_m, width]^T
+                        acc += pltriton.dot((codes * scale).astype(x.dtype), x, trans_b=True).astype(jnp.float32)
                 return acc
 
-            shape = (bn, block_m) if weights_first else (block_m, bn)
-            acc = jax.lax.fori_loop(0, steps // unroll, step, jnp.zeros(shape, jnp.float32))
-            o_ref[m, n] = (acc.T if weights_first else acc).astype(o_ref.dtype)
+            acc = jax.lax.fori_loop(0, steps // unroll, step, jnp.zeros((bn, block_m), jnp.float32))
+            o_ref[m, n] = acc.T.astype(o_ref.dtype)
 
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((M, F), rows.dtype), grid=(num_blocks, F // bn),
                           interpret=interpret, name="gptoss_grouped_matmul_mxfp4",
-                          **_compiler_params(interpret, num_warps, num_stages))(
+                          **compiler_params(interpret, num_warps, num_stages))(
         block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat, scales)
