@@ -9,11 +9,16 @@
 Expert weights are stored either decoded ([E, out, in], like the parameters) or, by default, packed
 as published: `mlp1_weight` becomes {"blocks": uint8 [E, out, in/32, 16], "scales": uint8 [E, out, in/32]}
 and is decoded when loaded. Expert arrays are stored one expert per chunk, so that loading onto a
-mesh reads, in each process, only the experts its devices hold.
+mesh reads, in each process, only the experts its devices hold. Other arrays above `CHUNK_BYTES`
+(the embedding and unembedding: 1.2 GB each in gpt-oss) are stored in chunks of at most that size and
+loaded a chunk at a time, so that host memory stays near one layer's size while loading too.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 import os
 import sys
 
@@ -29,6 +34,9 @@ from .mxfp4 import unpack_experts
 from .params import Params, abstract_params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
+# Largest stored chunk of a non-expert array, and the most of one such array the loader holds in host
+# memory at once (a gpt-oss-20b layer with packed experts is about 470 MB).
+CHUNK_BYTES = 64 << 20
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -50,18 +58,20 @@ def item_spec(config: ModelConfig, storage: str, name: str) -> Params:
     return _item(storage_spec(config, storage), name)
 
 
-def save_item(directory: str, name: str, tree: Params) -> None:
+def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Write one item (numpy arrays) as its own Orbax checkpoint, synchronously.
 
     Expert weights (and their packed blocks and scales) are stored one expert per chunk, so that a
-    process holding some of the experts reads only theirs (see `load_checkpoint(mesh=...)`).
+    process holding some of the experts reads only theirs (see `load_checkpoint(mesh=...)`). Other
+    arrays above chunk_bytes are stored in chunks of at most chunk_bytes, which the loader reads one
+    at a time.
     """
     import orbax.checkpoint as ocp
 
     def save_args(path, x):
-        if {str(getattr(p, "key", "")) for p in path} & set(EXPERT_WEIGHTS) and x.shape[0] > 1:
-            return ocp.SaveArgs(shard_axes=(0,))  # chunks of size 1 along the experts axis
-        return ocp.SaveArgs()
+        if {str(getattr(p, "key", "")) for p in path} & set(EXPERT_WEIGHTS):
+            return ocp.SaveArgs(shard_axes=(0,) if x.shape[0] > 1 else ())  # chunks of one expert
+        return ocp.SaveArgs(chunk_byte_size=chunk_bytes if x.nbytes > chunk_bytes else None)
 
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(directory, "params", name)), tree,
@@ -147,7 +157,10 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
             item_dir = os.path.abspath(os.path.join(path, "params", name))
             if not os.path.isdir(item_dir):
                 raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
-            if shardings is None:
+            if shardings is None and _chunked(layout := _stored_layout(checkpointer, item_dir, name), keep_packed):
+                _check_layout(layout, specs[name], item_dir)
+                params.update(_restore_by_chunks(item_dir, name, layout, dtype))
+            elif shardings is None:
                 stored = _restore(checkpointer, item_dir, name)
                 _check_layout(stored, specs[name], item_dir)
                 params.update(jax.tree_util.tree_map_with_path(
@@ -182,6 +195,85 @@ def _stored_layout(checkpointer, item_dir: str, name: str):
         raise _unreadable(item_dir, name, e) from None
     meta = getattr(meta, "item_metadata", meta)
     return getattr(meta, "tree", meta)
+
+
+def _chunk_shape(meta) -> tuple[int, ...] | None:
+    """The chunks a stored array is split into (None: stored whole, or not an array)."""
+    chunks = getattr(getattr(meta, "storage", None), "chunk_shape", None)
+    if chunks is None or len(chunks) != len(meta.shape) or tuple(chunks) == tuple(meta.shape):
+        return None
+    return tuple(chunks)
+
+
+def _chunked(layout, keep_packed: bool) -> bool:
+    """Whether an item is read chunk by chunk: it holds arrays stored in chunks (the embedding and
+    unembedding, expert arrays: one expert a chunk), and no packed experts that are to be decoded
+    on the host (those items go through Orbax's restore, then the decoder)."""
+    if not keep_packed and any(_is_packed(x) for x in jax.tree.leaves(layout, is_leaf=_is_packed)):
+        return False
+    return any(_chunk_shape(x) is not None for x in jax.tree.leaves(layout))
+
+
+def _reads(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsize: int):
+    """The reads covering an array stored in `chunks`: whole chunks, as many together along the
+    first axis the chunks split as fit in CHUNK_BYTES -> [(start, stop) per axis] per read."""
+    if chunks is None:
+        return [tuple((0, n) for n in shape)]
+    axis = next(i for i, (c, n) in enumerate(zip(chunks, shape)) if c < n)
+    block = list(chunks)
+    block[axis] *= max(1, CHUNK_BYTES // (math.prod(chunks) * itemsize))
+    return [tuple((a, min(a + c, n)) for a, c, n in zip(start, block, shape))
+            for start in itertools.product(*(range(0, n, c) for n, c in zip(shape, block)))]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _place(whole: jax.Array, part: jax.Array, start: jax.Array) -> jax.Array:
+    """whole with part written at start, in place. As unsigned integers of the same width: XLA's CPU
+    backend would otherwise widen a bfloat16 array to float32 and back, a pass over all of it."""
+    bits = jnp.dtype(f"uint{8 * whole.dtype.itemsize}")
+    as_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=bits)
+    out = jax.lax.dynamic_update_slice(as_bits(whole), as_bits(part), tuple(start))
+    return jax.lax.bitcast_convert_type(out, whole.dtype)
+
+
+def _restore_by_chunks(item_dir: str, name: str, layout, dtype: str) -> Params:
+    """An item read array by array, in reads of whole stored chunks of at most CHUNK_BYTES (or one
+    chunk), each placed on the default device on its own, into the array (donated, so the device
+    holds it once). The host holds at most two reads: the one being placed and the next, read
+    meanwhile. Packed experts stay packed (their uint8 blocks and scales as stored)."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    context = ocp.type_handlers.get_ts_context()
+    ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
+
+    def read(path, meta):
+        if not jnp.issubdtype(meta.dtype, jnp.floating):
+            want = np.dtype(meta.dtype)  # packed blocks and scales
+        else:
+            want = np.dtype(np.float32) if str(path[-1].key) == "scale" else _NP_DTYPES[dtype]
+        info = ocp.type_handlers.ParamInfo(name=meta.name, parent_dir=epath.Path(item_dir), ts_context=context,
+                                           path=epath.Path(item_dir) / meta.name, is_ocdbt_checkpoint=ocdbt)
+        try:
+            stored = ts.open(ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt), context=context).result()
+            reads = _reads(tuple(meta.shape), _chunk_shape(meta), np.dtype(meta.dtype).itemsize)
+            if len(reads) == 1:
+                return jnp.asarray(np.asarray(stored.read().result()).astype(want, copy=False))
+            whole = jnp.zeros(meta.shape, want)
+            pending = stored[tuple(slice(a, b) for a, b in reads[0])].read()
+            for i, box in enumerate(reads):
+                current = pending
+                if i + 1 < len(reads):  # the next read runs while this one is placed
+                    pending = stored[tuple(slice(a, b) for a, b in reads[i + 1])].read()
+                part = np.asarray(current.result()).astype(want, copy=False)
+                # Waiting here keeps the host from queueing reads faster than the device takes them.
+                whole = jax.block_until_ready(_place(whole, part, np.asarray([a for a, _ in box], np.int32)))
+            return whole
+        except Exception as e:  # TensorStore errors: one line naming the item
+            raise _unreadable(item_dir, name, e) from None
+
+    return jax.tree_util.tree_map_with_path(read, layout)
 
 
 def _packed_sharding(param_sharding, groups: int, scales: bool):

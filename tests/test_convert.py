@@ -230,3 +230,54 @@ def test_loading_shows_a_progress_bar_over_the_items_on_stderr(sources, tmp_path
     assert "B/s" in captured.err  # bytes, with a rate and ETA
     gj.load_checkpoint(tmp_path / "ckpt")
     assert capsys.readouterr().err == ""  # the library is quiet unless asked
+
+
+def test_arrays_stored_in_chunks_load_a_chunk_at_a_time(sources, tmp_path, monkeypatch):
+    """Without a mesh, items holding arrays stored in chunks (experts: one expert a chunk; the
+    embedding and unembedding above 64 MiB, re-saved here in 4 KiB chunks) are read a few whole
+    chunks at a time, each read placed on the device on its own: the values are exactly the stored
+    ones (packed experts stay packed), no read exceeds the budget, and a damaged chunk is one error."""
+    import shutil
+
+    import ml_dtypes
+    import orbax.checkpoint as ocp
+
+    from gptoss_jax import checkpoint
+
+    assert convert_main([str(sources / "original"), str(tmp_path / "ckpt"), "--quiet"]) == 0
+    items = tmp_path / "ckpt" / "params"
+    stored = {}
+    for item in sorted(items.iterdir()):
+        stored.update(ocp.StandardCheckpointer().restore(item.absolute()))
+    for name in ("embedding", "final"):
+        tree = ocp.StandardCheckpointer().restore((items / name).absolute())
+        shutil.rmtree(items / name)
+        checkpoint.save_item(str(tmp_path / "ckpt"), name, tree, chunk_bytes=4096)
+    layout = checkpoint._stored_layout(ocp.StandardCheckpointer(), str(items / "final"), "final")
+    assert checkpoint._chunk_shape(layout["unembedding"]) is not None
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 8192)
+    placed = []
+    place = checkpoint._place
+    monkeypatch.setattr(checkpoint, "_place", lambda whole, part, start: placed.append(part.nbytes) or
+                        place(whole, part, start))
+    _, packed = gj.load_checkpoint(tmp_path / "ckpt", dtype="mxfp4")
+    chex.assert_trees_all_equal(packed, jax_tree_cast(stored, ml_dtypes.bfloat16))
+    assert len(placed) > 20 and max(placed) <= 8192
+    _, f32 = gj.load_checkpoint(tmp_path / "ckpt", dtype="float32")  # experts decoded on the host
+    for name in ("embedding", "unembedding"):
+        np.testing.assert_array_equal(f32[name], stored[name].astype(np.float32))
+    data = max((items / "embedding").rglob("d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(ValueError, match="params/embedding: cannot read checkpoint item 'embedding'"):
+        gj.load_checkpoint(tmp_path / "ckpt", dtype="mxfp4")
+
+
+def jax_tree_cast(tree, dtype):
+    """Floating arrays other than the norm scales (float32) cast to dtype; packed bytes as they are."""
+    import jax
+
+    def cast(path, x):
+        floating = np.issubdtype(x.dtype, np.floating) or x.dtype == dtype
+        return x.astype(dtype) if floating and str(path[-1].key) != "scale" else x
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
