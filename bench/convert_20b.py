@@ -35,6 +35,9 @@ _MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
 
 _LOAD = """
 import json, sys, time
+if sys.argv[3] == "chunks, 2 arenas":  # as the command line sets it, before JAX starts
+    from gptoss_jax.hostmem import limit_allocator_arenas
+    assert limit_allocator_arenas()
 import jax
 import gptoss_jax as gj
 def status_kib(field):  # VmRSS: now; VmHWM: the peak since the last reset
@@ -70,6 +73,8 @@ def main() -> None:
     parser.add_argument("--load", action="store_true", help="also load each output and measure the loader")
     parser.add_argument("--whole-items", action="store_true", help="with --load: also load each output with "
                         "every item restored whole by Orbax (the loader before chunked reads), to compare")
+    # --load loads each output as the library does ("chunks") and as the command line does, with two
+    # allocator arenas ("chunks, 2 arenas"; gptoss_jax/hostmem.py).
     args = parser.parse_args()
     config = gj.ModelConfig.preset(args.preset)
     source = os.path.join(args.workdir, f"{args.preset}-original")
@@ -89,7 +94,7 @@ def main() -> None:
         stats = eval(result.stdout.strip().splitlines()[-1])  # the dict printed by _MEASURE
         rows.append((dtype, stats["code"], stats["wall_s"], stats["peak_rss_kib"] / 2**20, _du(output) / 1e9))
         if args.load:
-            for mode in ("chunks", "whole-items") if args.whole_items else ("chunks",):
+            for mode in ("chunks", "chunks, 2 arenas") + (("whole-items",) if args.whole_items else ()):
                 load = subprocess.run([sys.executable, "-c", _LOAD, output, "mxfp4" if dtype == "mxfp4" else dtype, mode],
                                       capture_output=True, text=True, check=True)
                 loads.append((dtype, mode, json.loads(load.stdout.strip().splitlines()[-1])))

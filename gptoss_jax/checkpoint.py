@@ -245,7 +245,10 @@ def _restore_by_chunks(item_dir: str, name: str, layout, dtype: str) -> Params:
     import tensorstore as ts
     from etils import epath
 
-    context = ocp.type_handlers.get_ts_context()
+    # TensorStore's defaults run a thread per core, and each thread's allocations go to an allocator
+    # arena of its own that keeps freed memory: on a 16-core host, most of the loader's host memory.
+    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+                          "data_copy_concurrency": {"limit": 2}, "file_io_concurrency": {"limit": 4}})
     ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
 
     def read(path, meta):

@@ -281,3 +281,12 @@ def jax_tree_cast(tree, dtype):
         return x.astype(dtype) if floating and str(path[-1].key) != "scale" else x
 
     return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def test_allocator_arenas_can_be_limited():
+    """The command line caps glibc's malloc arenas as it starts (hostmem.py); elsewhere it is a no-op."""
+    import platform
+
+    from gptoss_jax.hostmem import limit_allocator_arenas
+
+    assert limit_allocator_arenas() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from .. import __version__
+from ..hostmem import limit_allocator_arenas
 from ..metadata import expand
 from . import devices
 from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
@@ -87,6 +88,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    limit_allocator_arenas()  # before JAX starts its threads: loading keeps near one layer (hostmem.py)
     signals = Signals(raising=True)
     try:
         args = build_parser(prog).parse_args(argv)
