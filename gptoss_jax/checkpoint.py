@@ -34,8 +34,8 @@ from .mxfp4 import unpack_experts
 from .params import Params, abstract_params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
-# Largest stored chunk of a non-expert array, and the most of one such array the loader holds in host
-# memory at once (a gpt-oss-20b layer with packed experts is about 470 MB).
+# Largest stored chunk of a non-expert array, and the most the loader reads at once without a mesh
+# (two reads in flight; a gpt-oss-20b layer with packed experts is about 470 MB).
 CHUNK_BYTES = 64 << 20
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -245,8 +245,8 @@ def _restore_by_chunks(item_dir: str, name: str, layout, dtype: str) -> Params:
     import tensorstore as ts
     from etils import epath
 
-    # TensorStore's defaults run a thread per core, and each thread's allocations go to an allocator
-    # arena of its own that keeps freed memory: on a 16-core host, most of the loader's host memory.
+    # Few threads of its own (TensorStore's defaults run about one per core): each thread that
+    # allocates may get an allocator arena of its own, which keeps what is freed (hostmem.py).
     context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
                           "data_copy_concurrency": {"limit": 2}, "file_io_concurrency": {"limit": 4}})
     ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(item_dir)
