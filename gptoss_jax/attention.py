@@ -64,6 +64,20 @@ def attention_blockwise(q, k, v, sinks, *, window: int | None, q_pos=None, kv_le
     return o.astype(q.dtype)
 
 
+def _product(t: jax.Array, weight: jax.Array) -> jax.Array:
+    """t [B, T, D] times a k or v weight [D, K, H] -> [B, T, K, H].
+
+    A single row (batch-1 decode) goes in twice: XLA's GPU compiler rewrites a one-row product whose
+    operands hold fewer than 10M elements (k and v: 2880 x 512) into an elementwise product written
+    out in full and a reduction, 6 times the weight's bytes; two rows keep it a matrix product. The
+    barriers keep the simplifier from taking the second row back out.
+    """
+    if t.shape[0] * t.shape[1] != 1:
+        return jnp.einsum("btd,dkh->btkh", t, weight)
+    two = jax.lax.optimization_barrier(jnp.concatenate([t, t], axis=1))  # [1, 2, D]
+    return jax.lax.optimization_barrier(jnp.einsum("btd,dkh->btkh", two, weight))[:, :1]
+
+
 class AttentionBlock(nn.Module):
     """norm -> q, k, v projections -> RoPE -> attention with sinks -> output projection (no residual)."""
 
@@ -101,8 +115,8 @@ class AttentionBlock(nn.Module):
             # their weights (30 MB a layer) on every call; three distinct inputs keep them apart.
             tq, tk, tv = jax.lax.optimization_barrier((t, t, t))
         q = jnp.einsum("btd,dnh->btnh", tq, w["q_weight"]) + w["q_bias"]
-        k = jnp.einsum("btd,dkh->btkh", tk, w["k_weight"]) + w["k_bias"]
-        v = jnp.einsum("btd,dkh->btkh", tv, w["v_weight"]) + w["v_bias"]
+        k = _product(tk, w["k_weight"]) + w["k_bias"]
+        v = _product(tv, w["v_weight"]) + w["v_bias"]
         cos, sin = rope_tables(cfg, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         B, T = x.shape[:2]
