@@ -80,17 +80,19 @@ def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHU
     checkpointer.close()
 
 
+def _param_dtype(path, dtype: str) -> np.dtype:
+    """The dtype a stored float leaf loads as: RMSNorm scales stay float32, the rest takes dtype."""
+    return np.dtype(np.float32) if str(path[-1].key) == "scale" else _NP_DTYPES[dtype]
+
+
 def _to_param(path, stored, dtype: str, keep_packed: bool):
     """A stored leaf (or packed {"blocks", "scales"} node) as the parameter of the given dtype (packed
     experts stay packed with keep_packed)."""
-    name = str(path[-1].key)
     if isinstance(stored, dict):  # packed experts
         if keep_packed:
             return {"blocks": jnp.asarray(stored["blocks"]), "scales": jnp.asarray(stored["scales"])}
         return jnp.asarray(unpack_experts(np.asarray(stored["blocks"]), np.asarray(stored["scales"]), dtype))
-    if name == "scale":  # RMSNorm scales stay float32
-        return jnp.asarray(np.asarray(stored, np.float32))
-    return jnp.asarray(np.asarray(stored).astype(_NP_DTYPES[dtype], copy=False))  # no host copy when stored so
+    return jnp.asarray(np.asarray(stored).astype(_param_dtype(path, dtype), copy=False))  # no copy when stored so
 
 
 def dtype_name(dtype) -> str:
@@ -255,7 +257,7 @@ def _restore_by_chunks(item_dir: str, name: str, layout, dtype: str) -> Params:
         if not jnp.issubdtype(meta.dtype, jnp.floating):
             want = np.dtype(meta.dtype)  # packed blocks and scales
         else:
-            want = np.dtype(np.float32) if str(path[-1].key) == "scale" else _NP_DTYPES[dtype]
+            want = _param_dtype(path, dtype)
         info = ocp.type_handlers.ParamInfo(name=meta.name, parent_dir=epath.Path(item_dir), ts_context=context,
                                            path=epath.Path(item_dir) / meta.name, is_ocdbt_checkpoint=ocdbt)
         try:
@@ -307,8 +309,7 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
                                                    sharding=_packed_sharding(param_sharding, groups, False)),
                     "scales": jax.ShapeDtypeStruct(leaf["scales"].shape, jnp.uint8,
                                                    sharding=_packed_sharding(param_sharding, groups, True))}
-        want = jnp.float32 if str(path[-1].key) == "scale" else jnp.dtype(_NP_DTYPES[dtype])
-        return jax.ShapeDtypeStruct(leaf.shape, want, sharding=param_sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, _param_dtype(path, dtype), sharding=param_sharding)
 
     targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=_is_packed)
     stored = _restore(checkpointer, item_dir, name, targets)
