@@ -21,7 +21,7 @@ import os
 
 # Kinds of kernels, by a piece of their name (first match wins).
 KINDS = (
-    ("experts, decode (Triton matvec)", ("gptoss_pair_matvec",)),
+    ("experts, decode (Triton matvec, fused decode MoE)", ("gptoss_pair_matvec", "gptoss_decode")),
     ("attention, decode (Triton, cache)", ("gptoss_cache_attention",)),
     ("attention, prompts (flash)", ("flash", "attention", "splash")),  # before "mosaic_gpu": tokamax's is one too
     ("experts, grouped (ragged dot, MXFP4 grouped matmul)", ("ragged", "gmm", "mosaic_gpu", "gptoss_grouped")),

@@ -303,7 +303,15 @@ class MLPBlock(nn.Module):
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
         B, T, D = x.shape
-        t = RMSNorm(cfg, name="norm")(x).reshape(B * T, D)
+        norm = RMSNorm(cfg, name="norm")
+        t = norm(x).reshape(B * T, D)
+        if self._fused_decode(x, w, B * T):
+            from .kernels import decode_moe
+
+            out = decode_moe.moe(x.reshape(B * T, D), norm.variables["params"]["scale"], w,
+                                 k=cfg.experts_per_token, eps=cfg.rms_norm_eps, alpha=cfg.swiglu_alpha,
+                                 limit=cfg.swiglu_limit, interpret=self.kernels.interpret)
+            return out.astype(x.dtype).reshape(B, T, D)
         weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token)
 
         def act(h):
@@ -318,6 +326,15 @@ class MLPBlock(nn.Module):
         else:
             out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run)
         return out.astype(x.dtype).reshape(B, T, D)
+
+    def _fused_decode(self, x, w, tokens: int) -> bool:
+        """Whether the decode-sized MoE of MXFP4 experts runs as kernels/decode_moe.py's three fused
+        kernels: on one device, with 16-bit activations, where the "triton" decode kernel is picked."""
+        cfg = self.config
+        return (self.mesh is None and packed(w["mlp1_weight"]) and jnp.dtype(x.dtype).itemsize == 2
+                and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 32 == 0
+                and cfg.experts_per_token & (cfg.experts_per_token - 1) == 0  # Triton blocks: powers of two
+                and self.kernels.moe_for(tokens * cfg.experts_per_token, x.dtype, packed=True) == "triton")
 
 
 def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run):

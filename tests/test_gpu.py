@@ -207,3 +207,21 @@ def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P, decoder):
                                  precision=jax.lax.Precision.HIGHEST))
     for rows in EXTREME_ROWS:
         assert rel_err(got[:, rows], want[:, rows]) <= 1e-5, rows
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_fused_decode_moe_on_the_gpu(tokens):
+    """kernels/decode_moe.py's PTX: the route kernel against RMSNorm and the jnp router, and the
+    MoE block (which takes the fused path at decode) against the gather path."""
+    from test_decode_moe import check_block, check_route
+
+    packed = random_params(CONFIG, seed=3, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    check_route(CONFIG, packed, tokens, interpret=False)
+    check_block(CONFIG, packed, tokens, interpret=False, rtol=BF16_RTOL)
+
+
+def test_fused_decode_expert_kernels_with_extreme_scales_on_the_gpu():
+    """The two fused expert kernels at gpt-oss's widths (90 blocks a row), with tiny and large scales."""
+    from test_decode_moe import check_expert_kernels
+
+    check_expert_kernels(E=8, F=2880, D=2880, pairs=8, interpret=False)

@@ -1,0 +1,135 @@
+"""The fused decode MoE over MXFP4 experts (kernels/decode_moe.py) in Pallas interpret mode on CPU:
+each kernel against decoding the experts first and plain float32 products, and the MoE block that
+uses them against the gather path. tests/test_gpu.py runs the same checks on the GPU's PTX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gptoss_jax as gj
+from conftest import rel_err
+from gptoss_jax.kernels import decode_moe
+from gptoss_jax.layers import RMSNorm
+from gptoss_jax.moe import MLPBlock, route, swiglu
+from gptoss_jax.mxfp4 import decode
+from gptoss_jax.testing import random_params
+
+CONFIG = gj.ModelConfig.tiny()  # hidden 64, intermediate 96: 2 and 3 blocks a row
+
+
+def packed_with_extreme_scales(rng, E, F, D):
+    """Random packed experts [E, F, D]: rows 0-3 with tiny scales (2^-117), rows 4-7 with large ones
+    (2^73), rows 8-11 both (alternating blocks), the rest typical ones."""
+    blocks = rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 128, (E, F, D // 32), dtype=np.uint8)
+    scales[:, :4], scales[:, 4:8] = 10, 200
+    scales[:, 8:12, ::2] = 200
+    return jnp.asarray(blocks), jnp.asarray(scales)
+
+
+def pair_order(t):
+    """[R, D] -> [R, D]: each group of 8 as x0 x2 x4 x6 x1 x3 x5 x7 (the kernels' input order)."""
+    R, D = t.shape
+    return t.reshape(R, D // 8, 4, 2).swapaxes(-1, -2).reshape(R, D)
+
+
+def check_route(config, params, tokens, interpret):
+    x = (jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.float32) * 3).astype(jnp.bfloat16)
+    scale = params["norm"]["scale"]
+    w, e, t, m = decode_moe.route(x, scale, params["router_weight"], params["router_bias"],
+                                  k=config.experts_per_token, eps=config.rms_norm_eps, interpret=interpret)
+    normed = RMSNorm(config).apply({"params": {"scale": scale}}, x)  # bf16, as the model
+    want_w, want_e = route(normed, params["router_weight"], params["router_bias"], config.experts_per_token)
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(want_e))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), atol=1e-5)
+    # m: the least power of two at or above max |t|; t in pair order, scaled by 2^14 / m, exactly.
+    top = np.abs(np.asarray(normed, np.float32)).max(axis=1)
+    np.testing.assert_array_equal(np.asarray(m), 2.0 ** np.ceil(np.log2(top)))
+    want_t = np.asarray(pair_order(normed.astype(jnp.float32)) * (2.0 ** 14 / m[:, None]))
+    np.testing.assert_array_equal(np.asarray(t, np.float32), want_t)
+
+
+def check_expert_kernels(E, F, D, pairs, interpret, seed=0):
+    """up_swiglu then down against decoded experts, float32 products and the model's SwiGLU."""
+    rng = np.random.default_rng(seed)
+    cfg = CONFIG
+    b1, s1 = packed_with_extreme_scales(rng, E, 2 * F, D)
+    b2, s2 = packed_with_extreme_scales(rng, E, D, F)
+    bias1 = jnp.asarray(rng.standard_normal((E, 2 * F)), jnp.bfloat16)
+    bias2 = jnp.asarray(rng.standard_normal((E, D)), jnp.bfloat16)
+    tokens = pairs // cfg.experts_per_token
+    t = jax.random.normal(jax.random.key(seed), (tokens, D), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    m = 2.0 ** jnp.ceil(jnp.log2(jnp.abs(t).max(axis=1)))
+    t16 = (pair_order(t) * (2.0 ** 14 / m[:, None])).astype(jnp.float16)
+    experts = jnp.asarray(rng.integers(0, E, pairs), jnp.int32)
+    pair_w = jnp.asarray(rng.random(pairs), jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    a = decode_moe.up_swiglu(t16, m, experts, b1, s1, bias1, tokens_per_pair=cfg.experts_per_token,
+                             alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, interpret=interpret)
+    tok = jnp.arange(pairs) // cfg.experts_per_token
+    h = jnp.einsum("pd,pfd->pf", t[tok], decode(b1, s1, jnp.float32)[experts], precision=hp) + bias1[experts]
+    want_a = swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)  # [P, F] float32
+    bound = decode_moe.swiglu_bound(cfg.swiglu_limit)
+    got_a = np.asarray(a, np.float32) * bound / 2.0 ** 14  # in pair order
+    # Products and sums of 8 in float16 (11 significant bits), then float32: the error of a full row
+    # is about that of rounding it to bfloat16, which the bf16 paths do, and the SwiGLU's slopes (up
+    # to 8) enlarge it; the tolerance is the model's bf16 one. Relative to the largest activation
+    # (rows of tiny scales round to zero in float16).
+    assert rel_err(got_a, np.asarray(pair_order(want_a))) <= 2e-2
+    y = decode_moe.down(a, experts, pair_w, b2, s2, bias2, limit=cfg.swiglu_limit, interpret=interpret)
+    act = jnp.asarray(got_a).reshape(pairs, F // 8, 2, 4).swapaxes(-1, -2).reshape(pairs, F)  # natural order
+    want_y = (jnp.einsum("pf,pdf->pd", act, decode(b2, s2, jnp.float32)[experts], precision=hp)
+              + bias2[experts]) * pair_w[:, None]
+    for rows in (slice(0, 4), slice(4, 8), slice(8, 12), slice(12, None)):
+        assert rel_err(np.asarray(y)[:, rows], np.asarray(want_y)[:, rows]) <= 1e-2, rows
+
+
+def check_block(config, params, tokens, interpret, rtol):
+    x = jax.random.normal(jax.random.key(tokens), (1, tokens, config.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    fused = MLPBlock(config, kernels=gj.Kernels(moe="triton", interpret=interpret))
+    jaxpr = str(jax.make_jaxpr(lambda x: fused.apply({"params": params}, x))(x))
+    assert "gptoss_decode_up_swiglu" in jaxpr  # the fused path ran
+    got = fused.apply({"params": params}, x).astype(jnp.float32)
+    want = MLPBlock(config, kernels=gj.Kernels(moe="gather")).apply({"params": params}, x).astype(jnp.float32)
+    assert rel_err(got, want) <= rtol
+
+
+@pytest.fixture(scope="module")
+def packed_mlp():
+    return random_params(CONFIG, seed=3, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_route_kernel(packed_mlp, tokens):
+    check_route(CONFIG, packed_mlp, tokens, interpret=True)
+
+
+def test_expert_kernels_with_extreme_scales():
+    check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True)
+
+
+def test_expert_kernel_check_catches_a_wrong_order():
+    """The check above fails when the activations' pair order is ignored (it can fail)."""
+    real = decode_moe._pairs_of
+    decode_moe._pairs_of = lambda t: real(t.reshape(t.shape[0], -1, 2, 4).swapaxes(-1, -2).reshape(t.shape))
+    jax.clear_caches()  # the kernels' wrappers are jitted: trace them again with the wrong order
+    try:
+        with pytest.raises(AssertionError):
+            check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True, seed=1)
+    finally:
+        decode_moe._pairs_of = real
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fused_block_equals_the_gather_path(packed_mlp, tokens):
+    check_block(CONFIG, packed_mlp, tokens, interpret=True, rtol=2e-2)
+
+
+def test_fused_path_only_where_it_applies(packed_mlp):
+    """float32 activations, a mesh or bf16 experts keep the per-pair kernels."""
+    x = jnp.ones((1, 1, CONFIG.hidden_size), jnp.float32)
+    block = MLPBlock(CONFIG, kernels=gj.Kernels(moe="triton", interpret=True))
+    params32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, packed_mlp)
+    assert "gptoss_decode_up_swiglu" not in str(jax.make_jaxpr(lambda x: block.apply({"params": params32}, x))(x))
