@@ -105,6 +105,13 @@ def test_route_kernel(packed_mlp, tokens):
     check_route(CONFIG, packed_mlp, tokens, interpret=True)
 
 
+def test_route_kernel_with_experts_not_a_power_of_two():
+    """40 experts: logits padded to 64 with -inf, expert blocks wholly past the experts included."""
+    config = CONFIG.replace(num_experts=40)
+    params = random_params(config, seed=4, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    check_route(config, params, 2, interpret=True)
+
+
 def test_expert_kernels_with_extreme_scales():
     check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True)
 

@@ -1,11 +1,11 @@
-"""The MoE block of a decode step over MXFP4 experts, in three Pallas Triton kernels (NVIDIA GPUs).
+"""The MoE block of a decode step over MXFP4 experts, in four Pallas Triton kernels (NVIDIA GPUs).
 
 At batch 1 a decode step's MoE is about 4 us of weight reads per layer, and launching a kernel
 costs about as much: so the norm, router, top-k, softmax, bias, SwiGLU and the hand-over between
 the two expert products are folded into the kernels rather than left as a dozen small XLA ones.
-- `route`: one program per token. RMSNorm, router logits (float32 sums of exact bf16 products),
-  bias, top-k, softmax over the k picked; it also writes the normed token in the form the expert
-  kernels read (below).
+- `route`: RMSNorm, router logits (float32 sums of exact bf16 products) and bias, by programs of a
+  few experts each, then top-k and softmax over the k picked in a second, one-program-per-token
+  kernel; it also writes the normed token in the form the expert kernels read (below).
 - `up_swiglu`: one program per (pair, 32 gate/linear rows): the packed mlp1 rows of the pair's
   expert, plus bias, clamped SwiGLU; writes the activations in that same form.
 - `down`: one program per (pair, output rows): mlp2, plus bias, times the pair's routing weight.
@@ -116,69 +116,96 @@ def swiglu_bound(limit: float) -> float:
     return 2.0 ** math.ceil(math.log2(max(limit, 1.0) * (limit + 1)))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "eps", "interpret", "block_d", "num_warps", "num_stages"))
+def _top_k(logits, expert, k: int, EP: int):
+    """logits [EP] (-inf past the experts) -> (softmax of the k largest [k], their experts [k]); the
+    lowest expert first among equals, as `jax.lax.top_k`."""
+    slot = jax.lax.broadcasted_iota(jnp.int32, (k,), 0)
+    picked_w, picked_e = jnp.zeros((k,), jnp.float32), jnp.zeros((k,), jnp.int32)
+    for j in range(k):
+        best = jnp.max(logits)
+        e = jnp.min(jnp.where(logits == best, expert, EP))
+        picked_w, picked_e = jnp.where(slot == j, best, picked_w), jnp.where(slot == j, e, picked_e)
+        logits = jnp.where(expert == e, -jnp.inf, logits)
+    p = jnp.exp(picked_w - jnp.max(picked_w))
+    return p / jnp.sum(p), picked_e
+
+
+@functools.partial(jax.jit, static_argnames=("k", "eps", "interpret", "block_d", "expert_block", "num_warps",
+                                             "num_stages"))
 def route(x, scale, router_weight, router_bias, *, k: int, eps: float, interpret: bool = False,
-          block_d: int = 1024, num_warps: int = 4, num_stages: int = 2):
+          block_d: int = 1024, expert_block: int = 4, num_warps: int = 4, num_stages: int = 2):
     """x [N, D] (16-bit), RMSNorm scale [D], router weight [D, E] and bias [E]
     -> (weights [N, k] float32, experts [N, k] int32, t [N, D] float16 in pair order, m [N] float32).
 
     The normed token is cast to x's dtype (as the model's RMSNorm), then written as t * 2^14 / m in
     float16, m the least power of two >= max|t| (1 for a zero token). Ties in the logits pick the
     lower expert first, as `jax.lax.top_k`.
+
+    Programs (token, `expert_block` experts) compute the logits, and a second kernel, one program
+    per token, the top-k. One program per token for everything took about 10 us a layer on one H100
+    80GB for gpt-oss-20b (32 experts, 184 KB of router weight), and for gpt-oss-120b's 128 experts
+    its [block_d, 128] tiles overflowed the registers: batch-1 decode of the 120b fell from 189 to 59
+    tokens/s.
     """
     N, D = x.shape
     E = router_weight.shape[1]
     if D % 64:
         raise ValueError(f"route needs an embedding width divisible by 64, got {D}")
     Q, width, EP = D // 8, _pow2(D // 8), _pow2(E)
+    eb = min(expert_block, EP)
+    if EP % eb:
+        raise ValueError(f"expert_block={eb} must divide {EP}")
     dtype = x.dtype
 
-    def kernel(x_ref, xq_ref, s_ref, sq_ref, w_ref, b_ref, wt_ref, ex_ref, t_ref, m_ref):
-        n = pl.program_id(0)
+    def logits_kernel(x_ref, xq_ref, s_ref, sq_ref, w_ref, b_ref, t_ref, m_ref, l_ref):
+        n, j = pl.program_id(0), pl.program_id(1)
         # The whole token in pair order: even and odd inputs of each group of 8, [width, 4] each.
         halves = [_masked(xq_ref.at[n, pl.ds(0, width), :, _i(h)], (width, 4), 0, Q).astype(jnp.float32) for h in (0, 1)]
-        sq = [_masked(sq_ref.at[pl.ds(0, width), :, _i(h)], (width, 4), 0, Q) for h in (0, 1)]
         r = jax.lax.rsqrt((jnp.sum(halves[0] * halves[0]) + jnp.sum(halves[1] * halves[1])) / D + eps)
-        t = [(xh * r * sh).astype(dtype).astype(jnp.float32) for xh, sh in zip(halves, sq)]
-        top = jnp.maximum(jnp.max(jnp.abs(t[0])), jnp.max(jnp.abs(t[1])))
-        m = jnp.where(top > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(top > 0, top, 1.0)))), 1.0)
-        rows = jax.lax.broadcasted_iota(jnp.int32, (width, 4), 0) < Q
-        for h in (0, 1):
-            pltriton.store(t_ref.at[n, pl.ds(0, width), _i(h), :], (t[h] * (HALF_ONE / m)).astype(jnp.float16), mask=rows)
-        m_ref[n] = m
 
-        # Router logits in natural order, block_d inputs at a time (the same arithmetic as above).
+        @pl.when(j == 0)
+        def _():
+            sq = [_masked(sq_ref.at[pl.ds(0, width), :, _i(h)], (width, 4), 0, Q) for h in (0, 1)]
+            t = [(xh * r * sh).astype(dtype).astype(jnp.float32) for xh, sh in zip(halves, sq)]
+            top = jnp.maximum(jnp.max(jnp.abs(t[0])), jnp.max(jnp.abs(t[1])))
+            m = jnp.where(top > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(top > 0, top, 1.0)))), 1.0)
+            rows = jax.lax.broadcasted_iota(jnp.int32, (width, 4), 0) < Q
+            for h in (0, 1):
+                pltriton.store(t_ref.at[n, pl.ds(0, width), _i(h), :], (t[h] * (HALF_ONE / m)).astype(jnp.float16),
+                               mask=rows)
+            m_ref[n] = m
+
+        # Logits of experts [j * eb, (j + 1) * eb) in natural order, block_d inputs at a time (the
+        # same arithmetic as above); -inf for the padding past E.
+        expert = j * eb + jax.lax.broadcasted_iota(jnp.int32, (eb,), 0)
+
         def step(i, logits):
             ds = pl.ds(i * block_d, block_d)
             live = i * block_d + jax.lax.broadcasted_iota(jnp.int32, (block_d,), 0) < D
             xs = pltriton.load(x_ref.at[n, ds], mask=live, other=0).astype(jnp.float32)
             ts = (xs * r * pltriton.load(s_ref.at[ds], mask=live, other=0)).astype(dtype).astype(jnp.float32)
-            both = live[:, None] & (jax.lax.broadcasted_iota(jnp.int32, (block_d, EP), 1) < E)
-            ws = pltriton.load(w_ref.at[ds, pl.ds(0, EP)], mask=both, other=0)
+            ws = pltriton.load(w_ref.at[ds, pl.ds(j * eb, eb)], mask=live[:, None] & (expert < E)[None], other=0)
             return logits + jnp.sum(ts[:, None] * ws.astype(jnp.float32), axis=0)
 
-        logits = jax.lax.fori_loop(0, -(-D // block_d), step, jnp.zeros((EP,), jnp.float32))
-        expert = jax.lax.broadcasted_iota(jnp.int32, (EP,), 0)
-        bias = _masked(b_ref.at[pl.ds(0, EP)], (EP,), 0, E).astype(jnp.float32)
-        logits = jnp.where(expert < E, logits + bias, -jnp.inf)
-        slot = jax.lax.broadcasted_iota(jnp.int32, (k,), 0)
-        picked_w, picked_e = jnp.zeros((k,), jnp.float32), jnp.zeros((k,), jnp.int32)
-        for j in range(k):  # the largest left, the lowest expert among equals
-            best = jnp.max(logits)
-            e = jnp.min(jnp.where(logits == best, expert, EP))
-            picked_w, picked_e = jnp.where(slot == j, best, picked_w), jnp.where(slot == j, e, picked_e)
-            logits = jnp.where(expert == e, -jnp.inf, logits)
-        p = jnp.exp(picked_w - jnp.max(picked_w))
-        wt_ref[n, :] = p / jnp.sum(p)
-        ex_ref[n, :] = picked_e
+        logits = jax.lax.fori_loop(0, -(-D // block_d), step, jnp.zeros((eb,), jnp.float32))
+        bias = pltriton.load(b_ref.at[pl.ds(j * eb, eb)], mask=expert < E, other=0).astype(jnp.float32)
+        l_ref[n, pl.ds(j * eb, eb)] = jnp.where(expert < E, logits + bias, -jnp.inf)
 
-    out_shape = (jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32),
-                 jax.ShapeDtypeStruct((N, Q, 2, 4), jnp.float16), jax.ShapeDtypeStruct((N,), jnp.float32))
-    weights, experts, t, m = pl.pallas_call(
-        kernel, grid=(N,), out_shape=out_shape, interpret=interpret, name="gptoss_decode_route",
+    def top_k_kernel(l_ref, wt_ref, ex_ref):
+        n = pl.program_id(0)
+        wt_ref[n, :], ex_ref[n, :] = _top_k(l_ref[n, :], jax.lax.broadcasted_iota(jnp.int32, (EP,), 0), k, EP)
+
+    t, m, logits = pl.pallas_call(
+        logits_kernel, grid=(N, EP // eb), interpret=interpret, name="gptoss_decode_route",
+        out_shape=(jax.ShapeDtypeStruct((N, Q, 2, 4), jnp.float16), jax.ShapeDtypeStruct((N,), jnp.float32),
+                   jax.ShapeDtypeStruct((N, EP), jnp.float32)),
         **compiler_params(interpret, num_warps, num_stages))(
         x, x.reshape(N, Q, 4, 2), scale.astype(jnp.float32), scale.astype(jnp.float32).reshape(Q, 4, 2),
         router_weight, router_bias)
+    weights, experts = pl.pallas_call(
+        top_k_kernel, grid=(N,), interpret=interpret, name="gptoss_decode_top_k",
+        out_shape=(jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32)),
+        **compiler_params(interpret, 1, 1))(logits)
     return weights, experts, t.reshape(N, D), m
 
 
