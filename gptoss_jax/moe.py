@@ -16,7 +16,9 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
 Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a GPU two Pallas
 Triton kernels read them packed and decode in registers, never writing decoded weights: "triton"
 for decode and "triton_grouped" (the pairs in expert blocks, as "grouped") for prompts and large
-batches. The jnp paths decode them inside the jitted step: "gather" only the selected experts'
+batches. At decode on one device with 16-bit activations the whole block (norm, router, experts)
+runs as kernels/decode_moe.py's four fused kernels instead (`MLPBlock._fused_decode`).
+The jnp paths decode them inside the jitted step: "gather" only the selected experts'
 (`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
 at once (`whole_experts`).
 
@@ -328,7 +330,7 @@ class MLPBlock(nn.Module):
         return out.astype(x.dtype).reshape(B, T, D)
 
     def _fused_decode(self, x, w, tokens: int) -> bool:
-        """Whether the decode-sized MoE of MXFP4 experts runs as kernels/decode_moe.py's three fused
+        """Whether the decode-sized MoE of MXFP4 experts runs as kernels/decode_moe.py's four fused
         kernels: on one device, with 16-bit activations, where the "triton" decode kernel is picked."""
         cfg = self.config
         return (self.mesh is None and packed(w["mlp1_weight"]) and jnp.dtype(x.dtype).itemsize == 2

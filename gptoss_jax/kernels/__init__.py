@@ -9,7 +9,9 @@
 
 Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas Triton kernels read them packed
 and decode in registers, for decode ("triton") and for prompts ("triton_grouped", 16-bit
-activations); no decoded weight is written (kernels/triton_mxfp4.py). Elsewhere the jnp paths decode
+activations); no decoded weight is written (kernels/triton_mxfp4.py). At decode on one device with
+16-bit activations, "triton" runs the whole MoE block, norm and router included, as four fused
+kernels (kernels/decode_moe.py). Elsewhere the jnp paths decode
 them inside the jitted step (gather: the selected experts only; grouped: one expert block at a
 time; megablox on TPU: a layer's experts).
 

@@ -1,13 +1,15 @@
 """The MoE block of a decode step over MXFP4 experts, in four Pallas Triton kernels (NVIDIA GPUs).
 
-At batch 1 a decode step's MoE is about 4 us of weight reads per layer, and launching a kernel
-costs about as much: so the norm, router, top-k, softmax, bias, SwiGLU and the hand-over between
-the two expert products are folded into the kernels rather than left as a dozen small XLA ones.
+At batch 1 a decode step's MoE reads about 50 MB a layer of gpt-oss-20b (17 us at an H100's
+bandwidth), and each small XLA kernel around the expert products costs 1 to 3 us: so the norm,
+router, bias, SwiGLU and the hand-over between the two expert products are folded into the kernels
+rather than left as a dozen small XLA ones (docs/benchmarks.md has the measurements).
 - `route`: RMSNorm, router logits (float32 sums of exact bf16 products) and bias, by programs of a
   few experts each, then top-k and softmax over the k picked in a second, one-program-per-token
   kernel; it also writes the normed token in the form the expert kernels read (below).
-- `up_swiglu`: one program per (pair, 32 gate/linear rows): the packed mlp1 rows of the pair's
-  expert, plus bias, clamped SwiGLU; writes the activations in that same form.
+- `up_swiglu`: one program per (pair, 16 consecutive mlp1 rows: 8 units' gate and linear rows):
+  the packed rows of the pair's expert, plus bias, clamped SwiGLU; writes the activations in that
+  same form.
 - `down`: one program per (pair, output rows): mlp2, plus bias, times the pair's routing weight.
 XLA then adds each token's pairs and the residual (one fused kernel).
 
@@ -19,7 +21,8 @@ half2 multiply-adds: two codes per instruction. The inputs are float16, scaled s
 product is the true one divided by a power of two m >= max|input| (tokens: per token; SwiGLU
 outputs: limit * (limit + 1) bounds them, so a constant), which keeps float16 sums of 8 products
 far from overflow and from subnormals; each word's two halves are added in float32 and scaled
-there by the block's power of two and by m.
+there by the block's power of two and by m. Precision: against float32 products at gpt-oss's
+widths the error is about that of rounding mlp1's output to bf16, as the bf16 paths do.
 
 Input order ("pair order"): per 8 consecutive inputs x0..x7, the float16s x0 x2 x4 x6 x1 x3 x5 x7,
 so that the 32-bit view of the array holds the four pairs of each word: (x0, x2), (x4, x6),
