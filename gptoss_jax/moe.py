@@ -336,6 +336,7 @@ class MLPBlock(nn.Module):
         return (self.mesh is None and packed(w["mlp1_weight"]) and jnp.dtype(x.dtype).itemsize == 2
                 and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 32 == 0
                 and cfg.experts_per_token & (cfg.experts_per_token - 1) == 0  # Triton blocks: powers of two
+                and 0 < cfg.swiglu_limit < float("inf")  # it bounds the SwiGLU outputs the kernels scale
                 and self.kernels.moe_for(tokens * cfg.experts_per_token, x.dtype, packed=True) == "triton")
 
 
