@@ -358,17 +358,30 @@ def _unreadable(item_dir: str, name: str, e: Exception) -> ValueError:
                       f"damaged? ({detail})")
 
 
+def _late_read(e) -> bool:
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
 def _quiet_late_reads() -> None:
     """After a failed restore, reads still in flight finish into Orbax's closed event loop and
-    would each print an "Event loop is closed" traceback at some later moment; drop exactly those."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_gptoss_quiet", False):
-        return
+    would each print an "Event loop is closed" traceback at some later moment; drop exactly those.
+    They reach Python as unraisable exceptions or, from TensorStore's own threads, through
+    sys.excepthook (seen in a test run on a loaded 2-core machine)."""
+    if not getattr(sys.unraisablehook, "_gptoss_quiet", False):
+        previous_unraisable = sys.unraisablehook
 
-    def hook(unraisable):
-        e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
-            previous(unraisable)
+        def unraisable_hook(unraisable):
+            if not _late_read(unraisable.exc_value):
+                previous_unraisable(unraisable)
 
-    hook._gptoss_quiet = True
-    sys.unraisablehook = hook
+        unraisable_hook._gptoss_quiet = True
+        sys.unraisablehook = unraisable_hook
+    if not getattr(sys.excepthook, "_gptoss_quiet", False):
+        previous_except = sys.excepthook
+
+        def except_hook(kind, value, traceback):
+            if not _late_read(value):
+                previous_except(kind, value, traceback)
+
+        except_hook._gptoss_quiet = True
+        sys.excepthook = except_hook
