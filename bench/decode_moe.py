@@ -53,15 +53,15 @@ def main() -> None:
     kernels = gj.Kernels(moe="triton", interpret=args.interpret)
     variants = [("per-pair path", None), ("fused, defaults", {})]
     variants += [(f"fused, {s}", json.loads(s)) for s in args.settings]
-    fused_decode = MLPBlock._fused_decode
+    class PerPair(MLPBlock):  # the block with the fused decode path turned off
+        def _fused_decode(self, *args) -> bool:
+            return False
 
     def chain(settings):
         def run(ps, x):  # x [1, N, D]
             for p in ps:
                 if settings is None:
-                    MLPBlock._fused_decode = lambda *a: False
-                    x = x + MLPBlock(config, kernels=kernels).apply({"params": p}, x)
-                    MLPBlock._fused_decode = fused_decode
+                    x = x + PerPair(config, kernels=kernels).apply({"params": p}, x)
                 else:
                     y = decode_moe.moe(x[0], p["norm"]["scale"], p, k=config.experts_per_token,
                                        eps=config.rms_norm_eps, alpha=config.swiglu_alpha,

@@ -37,6 +37,23 @@ def rel_err(actual, reference) -> float:
     return float(np.abs(actual - reference).max() / np.abs(reference).max())
 
 
+def packed_with_extreme_scales(rng, E, F, D):
+    """Random MXFP4-packed experts [E, F, D] (blocks, scales) whose rows 0-7 have tiny scales
+    (2^-117), rows 8-15 large ones (2^73), rows 16-23 both, alternating by block, the rest typical
+    ones: the row groups of EXTREME_ROWS."""
+    import jax.numpy as jnp
+
+    blocks = rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 128, (E, F, D // 32), dtype=np.uint8)
+    scales[:, :8] = 10  # 2^-117
+    scales[:, 8:16] = 200  # 2^73
+    scales[:, 16:24, ::2] = 200  # mixed within a row
+    return jnp.asarray(blocks), jnp.asarray(scales)
+
+
+EXTREME_ROWS = (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, None))
+
+
 def assert_rel_close(actual, reference, *, rtol: float) -> None:
     err = rel_err(actual, reference)
     assert err <= rtol, f"max|diff|/max|ref| = {err:.3g} > {rtol:.3g}"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from conftest import rel_err
+from conftest import EXTREME_ROWS, packed_with_extreme_scales, rel_err
 from gptoss_jax.kernels import decode_moe
 from gptoss_jax.layers import RMSNorm
 from gptoss_jax.moe import MLPBlock, route, swiglu
@@ -16,16 +16,6 @@ from gptoss_jax.mxfp4 import decode
 from gptoss_jax.testing import random_params
 
 CONFIG = gj.ModelConfig.tiny()  # hidden 64, intermediate 96: 2 and 3 blocks a row
-
-
-def packed_with_extreme_scales(rng, E, F, D):
-    """Random packed experts [E, F, D]: rows 0-3 with tiny scales (2^-117), rows 4-7 with large ones
-    (2^73), rows 8-11 both (alternating blocks), the rest typical ones."""
-    blocks = rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8)
-    scales = rng.integers(118, 128, (E, F, D // 32), dtype=np.uint8)
-    scales[:, :4], scales[:, 4:8] = 10, 200
-    scales[:, 8:12, ::2] = 200
-    return jnp.asarray(blocks), jnp.asarray(scales)
 
 
 def pair_order(t):
@@ -72,17 +62,21 @@ def check_expert_kernels(E, F, D, pairs, interpret, seed=0):
     want_a = swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)  # [P, F] float32
     bound = decode_moe.swiglu_bound(cfg.swiglu_limit)
     got_a = np.asarray(a, np.float32) * bound / 2.0 ** 14  # in pair order
-    # Products and sums of 8 in float16 (11 significant bits), then float32: the error of a full row
-    # is about that of rounding it to bfloat16, which the bf16 paths do, and the SwiGLU's slopes (up
-    # to 8) enlarge it; the tolerance is the model's bf16 one. Relative to the largest activation
-    # (rows of tiny scales round to zero in float16).
-    assert rel_err(got_a, np.asarray(pair_order(want_a))) <= 2e-2
+    # Products and sums of 8 in float16 (11 significant bits), then float32: no worse than twice what
+    # the bf16 paths do on the same inputs (mlp1's output rounded to bfloat16, the SwiGLU in
+    # bfloat16), whose error the SwiGLU's slopes (up to 8) enlarge alike. Errors relative to the
+    # largest activation (rows of tiny scales round to zero in float16).
+    h_bf16 = (h - bias1[experts]).astype(jnp.bfloat16) + bias1[experts]
+    bf16_err = rel_err(swiglu(h_bf16, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit), want_a)
+    assert rel_err(got_a, np.asarray(pair_order(want_a))) <= 2 * max(bf16_err, 1e-3), bf16_err
     y = decode_moe.down(a, experts, pair_w, b2, s2, bias2, limit=cfg.swiglu_limit, interpret=interpret)
     act = jnp.asarray(got_a).reshape(pairs, F // 8, 2, 4).swapaxes(-1, -2).reshape(pairs, F)  # natural order
     want_y = (jnp.einsum("pf,pdf->pd", act, decode(b2, s2, jnp.float32)[experts], precision=hp)
               + bias2[experts]) * pair_w[:, None]
-    for rows in (slice(0, 4), slice(4, 8), slice(8, 12), slice(12, None)):
-        assert rel_err(np.asarray(y)[:, rows], np.asarray(want_y)[:, rows]) <= 1e-2, rows
+    # Against the kernel's own activations, only mlp2's float16 products differ: measured 2.4e-4 at
+    # gpt-oss's widths on one H100 and 4.8e-4 here.
+    for rows in EXTREME_ROWS:
+        assert rel_err(np.asarray(y)[:, rows], np.asarray(want_y)[:, rows]) <= 2e-3, rows
 
 
 def check_block(config, params, tokens, interpret, rtol):
@@ -135,8 +129,18 @@ def test_fused_block_equals_the_gather_path(packed_mlp, tokens):
 
 
 def test_fused_path_only_where_it_applies(packed_mlp):
-    """float32 activations, a mesh or bf16 experts keep the per-pair kernels."""
-    x = jnp.ones((1, 1, CONFIG.hidden_size), jnp.float32)
+    """float32 activations, bf16 experts and prompt-sized calls keep the other paths (a mesh does too:
+    `MLPBlock._fused_decode`)."""
     block = MLPBlock(CONFIG, kernels=gj.Kernels(moe="triton", interpret=True))
+
+    def fused(params, dtype, tokens=1):
+        x = jnp.ones((1, tokens, CONFIG.hidden_size), dtype)
+        return "gptoss_decode_up_swiglu" in str(jax.make_jaxpr(lambda x: block.apply({"params": params}, x))(x))
+
     params32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, packed_mlp)
-    assert "gptoss_decode_up_swiglu" not in str(jax.make_jaxpr(lambda x: block.apply({"params": params32}, x))(x))
+    dense = random_params(CONFIG, seed=3, dtype=jnp.bfloat16)["block_0"]["mlp"]
+    auto = MLPBlock(CONFIG, kernels=gj.Kernels(interpret=True))  # CPU: "auto" picks the gather path
+    x = jnp.ones((1, 1, CONFIG.hidden_size), jnp.bfloat16)
+    assert fused(packed_mlp, jnp.bfloat16)  # the control: this one does take it
+    assert not fused(params32, jnp.float32) and not fused(dense, jnp.bfloat16)
+    assert "gptoss_decode" not in str(jax.make_jaxpr(lambda x: auto.apply({"params": packed_mlp}, x))(x))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from conftest import rel_err
+from conftest import EXTREME_ROWS, packed_with_extreme_scales, rel_err
 from gptoss_jax.generate import Generator
 from gptoss_jax.kernels import gpu, triton, xla
 from gptoss_jax.kernels.combine import combine
@@ -151,18 +151,6 @@ def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
         np.testing.assert_array_equal(got.view(bits), decode_mxfp4(blocks, scales, dtype).view(bits))
 
 
-def _packed_with_extreme_scales(rng, E, F, D):
-    """Random packed experts [E, F, D] whose rows 0-7 have tiny scales (2^-117), rows 8-15 large ones
-    (2^73), rows 16-23 both, alternating by block, the rest typical ones."""
-    blocks = rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8)
-    scales = rng.integers(118, 128, (E, F, D // 32), dtype=np.uint8)
-    scales[:, :8] = 10  # 2^-117
-    scales[:, 8:16] = 200  # 2^73
-    scales[:, 16:24, ::2] = 200  # mixed within a row
-    return jnp.asarray(blocks), jnp.asarray(scales)
-
-
-EXTREME_ROWS = (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, None))
 
 
 @pytest.mark.parametrize("decoder", ["jnp", "ptx"])
@@ -176,7 +164,7 @@ def test_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(block_m, decod
 
     rng = np.random.default_rng(block_m)
     E, F, D = 4, 256, 2880
-    blocks, scales = _packed_with_extreme_scales(rng, E, F, D)
+    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     block_expert = jnp.asarray([3, 0, 0, 2, 3, 3], jnp.int32)
     rows = jax.random.normal(jax.random.key(block_m), (6 * block_m, D), jnp.bfloat16)
     got = np.asarray(grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block_m, decoder=decoder),
@@ -199,7 +187,7 @@ def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P, decoder):
 
     rng = np.random.default_rng(P)
     E, F, D = 8, 192, 2880
-    blocks, scales = _packed_with_extreme_scales(rng, E, F, D)
+    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     x = jax.random.normal(jax.random.key(P), (P, D), jnp.float32)
     idx = jnp.asarray(rng.integers(0, E, P), jnp.int32)
     got = np.asarray(pair_matvec_mxfp4(x, idx, blocks, scales, decoder=decoder))

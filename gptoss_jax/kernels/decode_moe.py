@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton import compiler_params
+from .triton import _pow2_at_least, compiler_params
 from .triton_mxfp4 import _scale
 
 HALF_ONE = 2.0 ** 14  # a code decoded as float16 is its value times 2^-14
@@ -95,7 +95,7 @@ def _word_dot(words, regs, interpret: bool):
 
 
 def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    return _pow2_at_least(n, 1)
 
 
 def _masked(ref, shape, axis: int, bound: int):
