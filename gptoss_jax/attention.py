@@ -27,7 +27,7 @@ from .kernels import Kernels, xla
 from .kernels.combine import combine
 from .kernels.xla import MASKED, visible
 from .layers import RMSNorm, apply_rope, rope_tables
-from .params import Weight, declare
+from .params import Weight, declare, low_rank
 from .sharding import CACHE_AXES, constrain, spec
 
 # Tokens per call from which the q, k and v products are kept apart (prompts; see __call__).
@@ -117,6 +117,10 @@ class AttentionBlock(nn.Module):
         q = jnp.einsum("btd,dnh->btnh", tq, w["q_weight"]) + w["q_bias"]
         k = _product(tk, w["k_weight"]) + w["k_bias"]
         v = _product(tv, w["v_weight"]) + w["v_bias"]
+        # Low-rank adapters, where training added them (params.adapter): 0 otherwise.
+        q = q + low_rank(self, "q_weight", tq, "btd,dr->btr", "btr,rnh->btnh")
+        k = k + low_rank(self, "k_weight", tk, "btd,dr->btr", "btr,rkh->btkh")
+        v = v + low_rank(self, "v_weight", tv, "btd,dr->btr", "btr,rkh->btkh")
         cos, sin = rope_tables(cfg, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         B, T = x.shape[:2]
@@ -129,10 +133,16 @@ class AttentionBlock(nn.Module):
             o, new_cache = self._cached(impl, q, k, v, sinks, positions, layer_cache, lengths, valid, window)
         elif impl == "reference":
             o = attention_reference(q, k, v, sinks, positions, positions, window=window)
+        elif impl == "blockwise" and T > 16:
+            # The sinks inside the blockwise attention's own backward pass (training).
+            from .kernels.attention_vjp import causal_attention
+
+            o = causal_attention(q, k, v, window, self.kernels.attention_block, sinks)[0].astype(q.dtype)
         else:
             o = combine([self._causal(impl, q, k, v, window)], sinks, q.dtype)
         o = o.reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
         out = jnp.einsum("btnh,nhd->btd", o, w["out_weight"]) + w["out_bias"]
+        out = out + low_rank(self, "out_weight", o, "btnh,nhr->btr", "btr,rd->btd")
         return out if layer_cache is None else (out, new_cache)
 
     def _per_device(self, impl, fn, q, k, v, *rest):

@@ -80,6 +80,38 @@ def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHU
     checkpointer.close()
 
 
+def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: Params, **fields) -> None:
+    """Write params (not packed) as a checkpoint `load_checkpoint` reads, into `directory`, which may
+    hold other files (a fine-tuning run's train states). The items are written into a hidden folder
+    beside, moved into place, and the metadata file, which makes the folder a checkpoint, comes
+    last: a failure leaves no checkpoint, or the previous one, never a partial one.
+    """
+    import shutil
+    import tempfile
+
+    from .metadata import META_FILE, write_metadata
+
+    directory = os.path.abspath(expand(directory))
+    os.makedirs(directory, exist_ok=True)
+    storage = dtype_name(params["block_0"]["mlp"]["mlp1_weight"].dtype)
+    work = tempfile.mkdtemp(prefix=".params-partial-", dir=directory)
+    try:
+        for name in item_names(config):
+            save_item(work, name, jax.tree.map(np.asarray, _item(params, name)))
+        meta_path = os.path.join(directory, META_FILE)
+        if os.path.exists(meta_path):
+            os.remove(meta_path)  # from here until the new one is written, the folder is not a checkpoint
+        old = os.path.join(work, "old")
+        if os.path.exists(os.path.join(directory, "params")):
+            os.rename(os.path.join(directory, "params"), old)
+        os.rename(os.path.join(work, "params"), os.path.join(directory, "params"))
+        write_metadata(work, config, expert_storage=storage, **fields)
+        os.replace(os.path.join(work, "config.json"), os.path.join(directory, "config.json"))
+        os.replace(os.path.join(work, META_FILE), meta_path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _param_dtype(path, dtype: str) -> np.dtype:
     """The dtype a stored float leaf loads as: RMSNorm scales stay float32, the rest takes dtype."""
     return np.dtype(np.float32) if str(path[-1].key) == "scale" else _NP_DTYPES[dtype]

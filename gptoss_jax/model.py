@@ -55,6 +55,9 @@ class Transformer(nn.Module):
     param_dtype: jnp.dtype = jnp.bfloat16
     kernels: Kernels = Kernels()
     mesh: Mesh | None = None  # the mesh the parameters are laid out on (sharding.py); None: one device
+    # Training: recompute each block's activations in the backward pass rather than keep them
+    # (activation checkpointing: memory for one block's activations plus each block's input).
+    remat: bool = False
     WEIGHTS: ClassVar = {
         "embedding": Weight(("vocab", "embed")),
         "unembedding": Weight(("embed", "vocab")),
@@ -62,13 +65,15 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, cache: dict | None = None, valid: jax.Array | None = None,
-                 logits_at: jax.Array | None = None):
+                 logits_at: jax.Array | None = None, hidden: bool = False):
         """tokens [B, T] int32 -> logits [B, T, V] float32.
 
         With a cache (cache.py), the tokens continue each sequence (valid [B, T]: real tokens, a
         prefix of each row; padding after them is ignored) and (logits, updated cache) is returned.
         logits_at [B] int32: only the logits at that index of each row, [B, V] (a prompt needs its
         last position's alone; [B, T, V] float32 for a 512-token chunk at batch 64 is 26 GB).
+        hidden (no cache): the final norm's output [B, T, D] instead of the logits, for a loss that
+        computes the logits a chunk at a time (training/loss.py).
         """
         cfg = self.config
         embedding = declare(self, "embedding")
@@ -83,7 +88,8 @@ class Transformer(nn.Module):
             new_cache = {"lengths": lengths + valid.sum(axis=1, dtype=jnp.int32)}
         for i in range(cfg.num_hidden_layers):
             name = f"block_{i}"
-            block = TransformerBlock(cfg, i, self.param_dtype, self.kernels, self.mesh, name=name)
+            block_type = nn.remat(TransformerBlock) if self.remat and cache is None else TransformerBlock
+            block = block_type(cfg, i, self.param_dtype, self.kernels, self.mesh, name=name)
             with jax.named_scope(name):
                 if cache is None:
                     x = block(x, positions)
@@ -92,6 +98,8 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = RMSNorm(cfg, name="norm")(x)
+        if hidden and cache is None:
+            return x
         logits = jnp.einsum("btd,dv->btv", x, declare(self, "unembedding"), preferred_element_type=jnp.float32)
         if logits_at is not None:
             logits = logits[:, 0]  # [B, V]

@@ -45,14 +45,15 @@ from .config import ModelConfig
 from .kernels import Kernels
 from .layers import RMSNorm
 from .mxfp4 import decode, packed
-from .params import Weight, declare, packed_axes
+from .params import Weight, adapter, declare, low_rank, packed_axes
 from .sharding import spec
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
 
 
-def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """x [N, D] -> (weights [N, A] float32, expert indices [N, A] int32).
+def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, extra=0.0) -> tuple[jax.Array, jax.Array]:
+    """x [N, D] -> (weights [N, A] float32, expert indices [N, A] int32); extra: added to the logits
+    (a low-rank adapter's [N, E]).
 
     Logits (bias included) in float32 at full precision, so that near-ties pick the same experts as a
     float32 reference; top-k of the logits, softmax over the k selected logits only. With 16-bit
@@ -65,7 +66,7 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int) -> tuple[jax
     else:
         logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), weight.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
-    logits = logits + bias.astype(jnp.float32)
+    logits = logits + bias.astype(jnp.float32) + extra
     top, idx = jax.lax.top_k(logits, k)
     return jax.nn.softmax(top, axis=-1), idx
 
@@ -98,11 +99,25 @@ def num_experts(weight) -> int:
     return (weight["scales"] if packed(weight) else weight).shape[0]
 
 
+def _pair_low_rank(x, w, name, e, pairs: str):
+    """The expert adapter of weight `name` (w[name + "_lora"]: a [E, in, r], b [E, r, out]) on x
+    [..., in] for experts e, `pairs` the einsum letters of x's leading axes; 0 without one."""
+    held = w.get(f"{name}_lora")
+    if held is None:
+        return 0.0
+    a, b = held["a"][e].astype(x.dtype), held["b"][e].astype(x.dtype)
+    lead = pairs[: a.ndim - 2]  # the axes e indexes
+    low = jnp.einsum(f"{pairs}i,{lead}ir->{pairs}r", x, a)
+    return jnp.einsum(f"{pairs}r,{lead}ro->{pairs}o", low, b)
+
+
 def _experts_gather(x, idx, w, act):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D]."""
     h = jnp.einsum("nd,nafd->naf", x, expert_rows(w["mlp1_weight"], idx, x.dtype)) + w["mlp1_bias"][idx]
+    h = h + _pair_low_rank(jnp.broadcast_to(x[:, None], idx.shape + x.shape[-1:]), w, "mlp1_weight", idx, "na")
     a = act(h)
-    return jnp.einsum("naf,nadf->nad", a, expert_rows(w["mlp2_weight"], idx, x.dtype)) + w["mlp2_bias"][idx]
+    y = jnp.einsum("naf,nadf->nad", a, expert_rows(w["mlp2_weight"], idx, x.dtype)) + w["mlp2_bias"][idx]
+    return y + _pair_low_rank(a, w, "mlp2_weight", idx, "na")
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -178,7 +193,9 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         e = block_expert[b]
 
         h = jnp.einsum("bd,fd->bf", xb, expert_rows(w["mlp1_weight"], e, x.dtype)) + w["mlp1_bias"][e]  # [block, 2F]
-        return jnp.einsum("bf,df->bd", act(h), expert_rows(w["mlp2_weight"], e, x.dtype)) + w["mlp2_bias"][e]
+        a = act(h + _pair_low_rank(xb, w, "mlp1_weight", e, "b"))
+        y = jnp.einsum("bf,df->bd", a, expert_rows(w["mlp2_weight"], e, x.dtype)) + w["mlp2_bias"][e]
+        return y + _pair_low_rank(a, w, "mlp2_weight", e, "b")
 
     return undo(jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D))
 
@@ -307,22 +324,34 @@ class MLPBlock(nn.Module):
         B, T, D = x.shape
         norm = RMSNorm(cfg, name="norm")
         t = norm(x).reshape(B * T, D)
-        if self._fused_decode(x, w, B * T):
+        expert_adapters = {f"{name}_lora": adapter(self, name) for name in ("mlp1_weight", "mlp2_weight")}
+        expert_adapters = {name: a for name, a in expert_adapters.items() if a is not None}
+        tuned = bool(expert_adapters) or adapter(self, "router_weight") is not None
+        if not tuned and self._fused_decode(x, w, B * T):
             from .kernels import decode_moe
 
             out = decode_moe.moe(x.reshape(B * T, D), norm.variables["params"]["scale"], w,
                                  k=cfg.experts_per_token, eps=cfg.rms_norm_eps, alpha=cfg.swiglu_alpha,
                                  limit=cfg.swiglu_limit, interpret=self.kernels.interpret)
             return out.astype(x.dtype).reshape(B, T, D)
-        weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token)
+        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne")
+        weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
+                             extra=jnp.asarray(router_delta, jnp.float32))
 
         def act(h):
             return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
         is_packed = packed(w["mlp1_weight"])
         impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)
+        if expert_adapters and impl not in ("gather", "grouped"):
+            # Expert adapters (training) are added by the jnp paths only.
+            impl = "gather" if idx.size <= self.kernels.moe_gather_max_pairs else "grouped"
         run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
+        if expert_adapters and self.mesh is not None:
+            raise NotImplementedError("adapters on the experts run on one device only; merge them "
+                                      "(training.lora.merge) or leave the experts out of the adapted weights")
+        experts.update(expert_adapters)
         if self.mesh is None:
             out = run(t, weights, idx, experts, act, first=0)
         else:

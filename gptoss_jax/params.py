@@ -60,6 +60,24 @@ def declare(module: nn.Module, name: str) -> jax.Array | dict:
     return module.param(name, init, spec.shape(module.config), dtype)
 
 
+def adapter(module: nn.Module, name: str) -> dict | None:
+    """The low-rank adapter {"a", "b"} held next to weight `name` (as `<name>_lora`), or None.
+
+    Adapters are optional parameters (training/lora.py declares and trains them): a projection
+    x @ W gains (x @ a) @ b, with the LoRA scale already folded into b.
+    """
+    key = f"{name}_lora"
+    return module.get_variable("params", key) if module.has_variable("params", key) else None
+
+
+def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str):
+    """(x @ a) @ b for weight `name`'s adapter, by the einsums `down` and `up`; 0 without one."""
+    held = adapter(module, name)
+    if held is None:
+        return 0.0
+    return jnp.einsum(up, jnp.einsum(down, x, held["a"].astype(x.dtype)), held["b"].astype(x.dtype))
+
+
 Params = dict[str, Any]
 
 

@@ -9,7 +9,8 @@ several such parts and the sinks into the exact result.
 - `blockwise`: online softmax over key blocks (flash-attention style), never more than
   [q_block, kv_block] scores per head, visiting only the key blocks that can be visible: memory is
   linear in T. Its key loop has a data-dependent trip count (on a GPU, a host sync per block), so
-  the GPU and TPU kernels replace it there.
+  the GPU and TPU kernels replace it there. `causal` runs it with a backward pass of its own
+  (attention_vjp.py), so that it can be differentiated.
 
 Legend: B = batch, T = query positions, S = key positions, K = KV heads, G = query heads per KV
 head, H = head dim.
@@ -130,7 +131,9 @@ def causal(q, k, v, *, window: int | None, block: int, dense_max: int = 16) -> t
     if T <= dense_max:
         pos = jnp.broadcast_to(jnp.arange(T), q.shape[:2])
         return dense(q, k, v, visible(pos, pos, window))
-    return blockwise(q, k, v, window=window, q_block=block, kv_block=block)
+    from .attention_vjp import causal_attention  # blockwise, with a backward pass of its own
+
+    return causal_attention(q, k, v, window, block)  # sink-free
 
 
 def prefix(q, k, v, kv_len, *, block: int, dense_max: int = 16) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,134 @@
+"""LoRA: low-rank adapters on chosen weights, trained while the base weights stay frozen.
+
+An adapted projection x @ W becomes x @ W + (alpha / r) (x @ a) @ b, with a [inputs..., r] and
+b [r, outputs...] (expert matrices: a pair per expert, a [E, in, r] and b [E, r, out]). The model
+adds the adapters where it finds them next to their weight (`params.adapter`, names
+"<weight>_lora"), so the adapted model is the base pytree plus those entries (`attach`), and the
+base weights are never rewritten while training. `merge` folds the adapters into the weights for
+inference: W + (alpha / r) a @ b, laid out as W.
+
+Which weights, by group (`TARGETS`): "attention" (the q, k, v and output projections), "router",
+"experts" (both expert matrices). The shapes come from the weights' own declarations (WEIGHTS
+tables): a weight's axes split into expert axes (leading, one adapter per expert), input axes and
+output axes.
+
+Legend: r = rank, E = experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ModelConfig
+from ..params import Params
+
+# Group -> {(module, weight): the weight's input axes}; "experts" axes lead, one adapter per expert.
+TARGETS = {
+    "attention": {("attn", "q_weight"): ("embed",), ("attn", "k_weight"): ("embed",),
+                  ("attn", "v_weight"): ("embed",), ("attn", "out_weight"): ("q_heads", "head_dim")},
+    "router": {("mlp", "router_weight"): ("embed",)},
+    "experts": {("mlp", "mlp1_weight"): ("embed",), ("mlp", "mlp2_weight"): ("mlp",)},
+}
+PER_EXPERT = {"mlp1_weight", "mlp2_weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("attention",)  # groups of TARGETS
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets must be among {', '.join(TARGETS)}, got {', '.join(self.targets) or 'none'}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def _weight_axes(module: str, name: str) -> tuple[str, ...]:
+    from ..attention import AttentionBlock
+    from ..moe import MLPBlock
+
+    return (AttentionBlock if module == "attn" else MLPBlock).WEIGHTS[name].axes
+
+
+def adapter_axes(module: str, name: str, inputs: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Logical axes of (a, b) for weight `name`: a = experts + inputs + (lora,), b = experts + (lora,) + outputs."""
+    axes = _weight_axes(module, name)
+    lead = ("experts",) if name in PER_EXPERT else ()
+    outputs = tuple(a for a in axes if a not in inputs and a not in lead)
+    return lead + inputs + ("lora",), lead + ("lora",) + outputs
+
+
+def sites(config: ModelConfig, lora: LoraConfig):
+    """(layer key, module, weight name, input axes) of every adapted weight."""
+    for i in range(config.num_hidden_layers):
+        for group in lora.targets:
+            for (module, name), inputs in TARGETS[group].items():
+                yield f"block_{i}", module, name, inputs
+
+
+def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
+    """Fresh float32 adapters {block_i: {module: {weight: {"a", "b"}}}}: a ~ normal(1 / sqrt(fan_in)),
+    b = 0, so the adapted model starts as the base model (as peft initialises LoRA's B to zero)."""
+    sizes = dict(config.axis_sizes(), lora=lora.rank)
+    out: Params = {}
+    for n, (layer, module, name, inputs) in enumerate(sites(config, lora)):
+        a_axes, b_axes = adapter_axes(module, name, inputs)
+        fan_in = int(np.prod([sizes[a] for a in inputs]))
+        a = jax.random.normal(jax.random.fold_in(key, n), tuple(sizes[x] for x in a_axes), jnp.float32)
+        out.setdefault(layer, {}).setdefault(module, {})[name] = {
+            "a": a / np.sqrt(fan_in), "b": jnp.zeros(tuple(sizes[x] for x in b_axes), jnp.float32)}
+    return out
+
+
+def _nodes(adapters: Params):
+    for layer, modules in adapters.items():
+        for module, weights in modules.items():
+            for name, ab in weights.items():
+                yield layer, module, name, ab
+
+
+def attach(params: Params, adapters: Params, scale: float) -> Params:
+    """The base params with each adapter beside its weight ("<weight>_lora": {"a", "b" * scale}),
+    what the model runs; the base arrays are shared, not copied."""
+    out = dict(params)
+    for layer, module, name, ab in _nodes(adapters):
+        out[layer] = dict(out[layer])
+        out[layer][module] = dict(out[layer][module], **{f"{name}_lora": {"a": ab["a"], "b": ab["b"] * scale}})
+    return out
+
+
+def _merge_einsum(module: str, name: str, a_axes, b_axes) -> str:
+    """The einsum taking (a, b) to the weight's own axis order."""
+    letters = dict(zip(dict.fromkeys(a_axes + b_axes), string.ascii_letters))
+    word = lambda axes: "".join(letters[x] for x in axes)  # noqa: E731
+    return f"{word(a_axes)},{word(b_axes)}->{word(_weight_axes(module, name))}"
+
+
+def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
+    """Params with every adapter folded into its weight, W + scale * a @ b (computed in float32 and
+    cast to W's dtype); the result runs without the adapters."""
+    out = dict(params)
+    for layer, module, name, ab in _nodes(adapters):
+        inputs = dict(TARGETS_FLAT)[(module, name)]
+        a_axes, b_axes = adapter_axes(module, name, inputs)
+        w = params[layer][module][name]
+        delta = jnp.einsum(_merge_einsum(module, name, a_axes, b_axes), ab["a"].astype(jnp.float32),
+                           ab["b"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        out[layer] = dict(out[layer])
+        out[layer][module] = dict(out[layer][module], **{name: (w.astype(jnp.float32) + lora.scale * delta).astype(w.dtype)})
+    return out
+
+
+TARGETS_FLAT = [(site, inputs) for group in TARGETS.values() for site, inputs in group.items()]
