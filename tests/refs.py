@@ -12,7 +12,7 @@ import torch
 
 from gptoss_jax import ModelConfig, formats
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def t(x, dtype=torch.float32) -> torch.Tensor:
@@ -80,9 +80,14 @@ def hf_state_dict(config: ModelConfig, params) -> dict[str, np.ndarray]:
 
 
 def hf_model(config: ModelConfig, params, dtype: str = "float32"):
+    """float64: the exact reference for gradients (transformers' grouped-matmul experts take 32-bit
+    and 16-bit floats only, so its eager experts run instead)."""
     from transformers import GptOssForCausalLM
 
     torch.manual_seed(0)
-    model = GptOssForCausalLM(hf_config(config)).to(TORCH_DTYPES[dtype])
+    hf = hf_config(config)
+    if dtype == "float64":
+        hf._experts_implementation = "eager"
+    model = GptOssForCausalLM(hf).to(TORCH_DTYPES[dtype])
     _load(model, hf_state_dict(config, params), TORCH_DTYPES[dtype])
     return model.eval()

@@ -254,7 +254,7 @@ def _run(args, signals: Signals) -> int:
             if step % args.log_every == 0 or step == args.steps:
                 loss = float(metrics["loss"])  # waits for the step
                 elapsed = time.perf_counter() - started
-                record = {"step": step, "loss": round(loss, 6), "lr": float(schedule(step - 1)),
+                record = {"step": step, "loss": loss, "lr": float(schedule(step - 1)),
                           "grad_norm": round(float(metrics["grad_norm"]), 6),
                           "tokens": int(metrics["tokens"]), "tokens_per_s": round(seen_tokens / elapsed, 1),
                           "position": position}

@@ -108,7 +108,7 @@ def make_step(setup: StepConfig, tx: optax.GradientTransformation, schedule: opt
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
-        metrics = {"loss": total / denom, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": total / denom, "tokens": count, "grad_norm": optax.tree.norm(grads)}
         return trainable, opt_state, metrics
 
     return step
