@@ -6,7 +6,7 @@
 #      TORCH_INDEX_URL set, from that wheel index (e.g. PyTorch's CPU index); else what pip finds
 #      (a local CPU wheel if pip is configured with one). When that would be the CUDA build (PyPI's
 #      Linux default: several GB of nvidia-* packages) it says so first.
-#   2. this package with its `test` extra (pytest, transformers, accelerate), editable;
+#   2. this package with its `test` extra (pytest, transformers, accelerate, peft), editable;
 #   3. OpenAI's reference, gpt-oss 0.0.9, without its serving dependencies (--no-deps; it declares
 #      Python >= 3.12 but its torch model runs on 3.11, hence --ignore-requires-python).
 # Then pytest, with any arguments given to this script.
@@ -35,7 +35,7 @@ else
   fi
   "$PY" -m pip install -q "$TORCH_SPEC"
 fi
-say "installing gptoss-jax (editable) with its test extra: pytest, transformers, accelerate"
+say "installing gptoss-jax (editable) with its test extra: pytest, transformers, accelerate, peft"
 "$PY" -m pip install -q -e ".[test]"
 say "installing OpenAI's reference gpt-oss==0.0.9 (--no-deps --ignore-requires-python)"
 "$PY" -m pip install -q --no-deps --ignore-requires-python "gpt-oss==0.0.9"
