@@ -100,17 +100,49 @@ def mosaic_tiles(rows: int, F: int) -> dict | None:
                 grid_block_n=4 if large else 1)
 
 
+def _mosaic(x, w, group_sizes, *, transpose: bool) -> jax.Array:
+    """x [M, K] by w [E, N, K] (transpose) or w [E, K, N], rows grouped by expert -> [M, N]."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    N, K = w.shape[1:] if transpose else w.shape[:0:-1]
+    tiles = mosaic_tiles(x.shape[0], N)
+    if tiles is None or K % 64:
+        if transpose:
+            return ragged_dot(x, w, group_sizes)
+        return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=x.dtype)
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=transpose,
+                                      **tiles)
+
+
+@jax.custom_vjp
+def _mosaic_ragged_dot(x, w, group_sizes):
+    return _mosaic(x, w, group_sizes, transpose=True)
+
+
+def _mosaic_fwd(x, w, group_sizes):
+    return _mosaic(x, w, group_sizes, transpose=True), (x, w, group_sizes)
+
+
+def _mosaic_bwd(residuals, dy):
+    """dx = dy @ w[e] by the same kernel reading w untransposed; dw[e] = dy_e^T x_e by XLA's ragged
+    dot (training with frozen experts, LoRA, never uses it, and XLA then drops it)."""
+    x, w, group_sizes = residuals
+    dx = _mosaic(dy, w, group_sizes, transpose=False)
+    dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw = jax.lax.ragged_dot_general(dy, x, group_sizes.astype(jnp.int32), dims, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype), None
+
+
+_mosaic_ragged_dot.defvjp(_mosaic_fwd, _mosaic_bwd)
+
+
 @jax.jit
 def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
     """As `ragged_dot`, by the Mosaic GPU kernel in JAX's Pallas ops (Hopper), reading w [E, F, D]
-    tiles transposed in shared memory rather than transposing w."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    F, D = w.shape[1:]
-    tiles = mosaic_tiles(x.shape[0], F)
-    if tiles is None or D % 64:
-        return ragged_dot(x, w, group_sizes)
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32), transpose_rhs=True, **tiles)
+    tiles transposed in shared memory rather than transposing w. Differentiable: the backward pass
+    runs the same kernel on the untransposed weights for the input's gradient."""
+    return _mosaic_ragged_dot(x, w, group_sizes)
 
 
 def is_hopper() -> bool:
