@@ -18,7 +18,7 @@ from gptoss_jax.kernels.combine import combine
 from gptoss_jax.kernels.xla import dense, visible
 from gptoss_jax.testing import random_params
 from gptoss_jax.training.lora import LoraConfig, attach, init_adapters, merge
-from gptoss_jax.training.loss import loss, loss_terms
+from gptoss_jax.training.loss import loss
 from gptoss_jax.training.step import OptimizerConfig, StepConfig, gradients, make_eval, make_step, optimizer
 
 CONFIG = gj.ModelConfig.tiny()  # sliding window 16
