@@ -197,7 +197,7 @@ def _run(args, signals: Signals) -> int:
     from ..checkpoint import load_checkpoint, save_checkpoint
     from ..testing import random_params
     from ..training.lora import LoraConfig, init_adapters, merge
-    from ..training.step import OptimizerConfig, StepConfig, make_eval, make_step, optimizer
+    from ..training.step import OptimizerConfig, StepConfig, cast_for_compute, make_eval, make_step, optimizer
 
     print(f"model: {what}; jax {jax.__version__}; {jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
     print(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
@@ -276,19 +276,10 @@ def _run(args, signals: Signals) -> int:
                 return signals.exit_code
     save(step)
     states.close()
-    final = merge(frozen, trainable, lora) if lora is not None else \
-        jax.tree.map(lambda x: x.astype(jnp.dtype(args.dtype)), trainable)
-    save_checkpoint(args.out, config, _norms_float32(final), source_layout="finetune",
+    final = merge(frozen, trainable, lora) if lora is not None else cast_for_compute(trainable, jnp.dtype(args.dtype))
+    save_checkpoint(args.out, config, final, source_layout="finetune",
                     converter_version=f"gptoss-finetune {__version__}",
                     source=os.path.abspath(args.checkpoint) if args.checkpoint else "demo model")
     print(f"fine-tuned model: {args.out} (run_inference.py --checkpoint {args.out})", file=sys.stderr)
     return 0
-
-
-def _norms_float32(params):
-    import jax
-    import jax.numpy as jnp
-
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: x.astype(jnp.float32) if str(p[-1].key) == "scale" else x, params)
 

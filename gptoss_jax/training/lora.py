@@ -121,7 +121,7 @@ def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
     cast to W's dtype); the result runs without the adapters."""
     out = dict(params)
     for layer, module, name, ab in _nodes(adapters):
-        inputs = dict(TARGETS_FLAT)[(module, name)]
+        inputs = next(group[(module, name)] for group in TARGETS.values() if (module, name) in group)
         a_axes, b_axes = adapter_axes(module, name, inputs)
         w = params[layer][module][name]
         delta = jnp.einsum(_merge_einsum(module, name, a_axes, b_axes), ab["a"].astype(jnp.float32),
@@ -130,5 +130,3 @@ def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
         out[layer][module] = dict(out[layer][module], **{name: (w.astype(jnp.float32) + lora.scale * delta).astype(w.dtype)})
     return out
 
-
-TARGETS_FLAT = [(site, inputs) for group in TARGETS.values() for site, inputs in group.items()]
