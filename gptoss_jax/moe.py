@@ -43,9 +43,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
 from .kernels import Kernels
+from .kernels.loops import late_map
 from .layers import RMSNorm
 from .mxfp4 import decode, packed
-from .params import Weight, adapter, declare, low_rank, packed_axes
+from .params import Weight, adapter, apply_low_rank, declare, packed_axes
 from .sharding import spec
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
@@ -137,8 +138,58 @@ def unsort(rows: jax.Array, order: jax.Array) -> jax.Array:
     """Rows in expert order [P, ...] back in pair order: a gather by the inverse permutation, which
     XLA fuses into the weighted sum that reads it (a scatter by `order` would write every row once
     more: on one H100, 0.65 vs 0.13 ms for 16,384 rows of 2880)."""
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-    return rows[inverse]
+    return _permute(rows, _inverse(order), order)
+
+
+def pair_inputs(x: jax.Array, order: jax.Array, A: int) -> jax.Array:
+    """x [N, D] -> [P, D]: the input row of each pair in expert order (pair p is token p // A)."""
+    return _pair_rows(x, order, _inverse(order), A)
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+
+
+# The gradients of these two gathers are gathers too. Autodiff would transpose each into a
+# scatter-add into a zero buffer of the pairs' size; on a GPU, XLA creates such zero buffers at the
+# start of the backward pass for every layer at once (training the 20b at 16K positions: 1.4 GiB a
+# layer, held through the whole backward pass).
+@jax.custom_vjp
+def _permute(rows, perm, inverse):
+    """rows[perm], perm a permutation and inverse its inverse."""
+    return rows[perm]
+
+
+def _permute_fwd(rows, perm, inverse):
+    return rows[perm], (perm, inverse)
+
+
+def _permute_bwd(residuals, g):
+    perm, inverse = residuals
+    return g[inverse], None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pair_rows(x, order, inverse, A):
+    return x[order // A]
+
+
+def _pair_rows_fwd(x, order, inverse, A):
+    return x[order // A], (order, inverse)
+
+
+def _pair_rows_bwd(A, residuals, g):
+    order, inverse = residuals
+    N = order.size // A
+    # Back in pair order, then each token's A pairs summed (float32 sums, as a scatter-add would).
+    per_pair = g[inverse].reshape(N, A, -1)
+    return jnp.sum(per_pair.astype(jnp.float32), axis=1).astype(g.dtype), None, None
+
+
+_pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
 
 
 def group_by_expert(idx: jax.Array, num_experts: int, block: int):
@@ -170,7 +221,7 @@ def _to_blocks(x, idx, num_experts: int, block: int):
     per-pair outputs [N, A, D], zero for dropped pairs; block_expert [num_blocks]; used)."""
     N, A = idx.shape
     order, dest, block_expert, used = group_by_expert(idx, num_experts, block)
-    rows = jnp.zeros((block_expert.shape[0] * block, x.shape[-1]), x.dtype).at[dest].set(x[order // A], mode="drop")
+    rows = jnp.zeros((block_expert.shape[0] * block, x.shape[-1]), x.dtype).at[dest].set(pair_inputs(x, order, A), mode="drop")
 
     def undo(out):
         picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
@@ -188,6 +239,9 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     num_blocks = block_expert.shape[0]
     rows = rows.reshape(num_blocks, block, D)
 
+    # Recomputed in the backward pass rather than kept: the saved residuals would otherwise include
+    # each block's expert matrices (a [2F, D] and a [D, F] copy per block).
+    @jax.checkpoint
     def one_block(args):
         b, xb = args
         e = block_expert[b]
@@ -197,7 +251,7 @@ def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
         y = jnp.einsum("bf,df->bd", a, expert_rows(w["mlp2_weight"], e, x.dtype)) + w["mlp2_bias"][e]
         return y + _pair_low_rank(a, w, "mlp2_weight", e, "b")
 
-    return undo(jax.lax.map(one_block, (jnp.arange(num_blocks), rows)).reshape(num_blocks * block, D))
+    return undo(late_map(one_block, (jnp.arange(num_blocks), rows), anchor=rows).reshape(num_blocks * block, D))
 
 
 def _grouped_mxfp4_settings(block: int, name: str) -> dict:
@@ -257,7 +311,7 @@ def _experts_ragged(x, idx, w, act, *, ragged_dot):
     E = num_experts(w["mlp1_weight"])
     order, expert, sizes = sort_by_expert(idx, E)
     e = jnp.minimum(expert, E - 1)
-    h = ragged_dot(x[order // A], whole_experts(w["mlp1_weight"], x.dtype), sizes) + w["mlp1_bias"][e]  # [P, 2F]
+    h = ragged_dot(pair_inputs(x, order, A), whole_experts(w["mlp1_weight"], x.dtype), sizes) + w["mlp1_bias"][e]  # [P, 2F]
     y = ragged_dot(act(h), whole_experts(w["mlp2_weight"], x.dtype), sizes) + w["mlp2_bias"][e]  # [P, D]
     kept = ((idx >= 0) & (idx < E))[..., None]
     return jnp.where(kept, unsort(y, order).reshape(N, A, -1), 0)  # rows past the groups are undefined
@@ -334,29 +388,33 @@ class MLPBlock(nn.Module):
                                  k=cfg.experts_per_token, eps=cfg.rms_norm_eps, alpha=cfg.swiglu_alpha,
                                  limit=cfg.swiglu_limit, interpret=self.kernels.interpret)
             return out.astype(x.dtype).reshape(B, T, D)
-        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne")
-        weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
-                             extra=jnp.asarray(router_delta, jnp.float32))
-
-        def act(h):
-            return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-
-        is_packed = packed(w["mlp1_weight"])
-        impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)
-        if expert_adapters and impl not in ("gather", "grouped"):
-            # Expert adapters (training) are added by the jnp paths only.
-            impl = "gather" if idx.size <= self.kernels.moe_gather_max_pairs else "grouped"
-        run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
+        router_adapter = adapter(self, "router_weight")
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         if expert_adapters and self.mesh is not None:
             raise NotImplementedError("adapters on the experts run on one device only; merge them "
                                       "(training.lora.merge) or leave the experts out of the adapted weights")
         experts.update(expert_adapters)
-        if self.mesh is None:
-            out = run(t, weights, idx, experts, act, first=0)
-        else:
-            out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run)
-        return out.astype(x.dtype).reshape(B, T, D)
+
+        def act(h):
+            return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+        def mix(t):
+            """t [N, D] -> the MoE output [N, D] float32."""
+            router_delta = apply_low_rank(router_adapter, t, "nd,dr->nr", "nr,re->ne")
+            weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
+                                 extra=jnp.asarray(router_delta, jnp.float32))
+            is_packed = packed(w["mlp1_weight"])
+            impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)
+            if expert_adapters and impl not in ("gather", "grouped"):
+                # Expert adapters (training) are added by the jnp paths only.
+                impl = "gather" if idx.size <= self.kernels.moe_gather_max_pairs else "grouped"
+            run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block,
+                                    interpret=self.kernels.interpret)
+            if self.mesh is None:
+                return run(t, weights, idx, experts, act, first=0)
+            return _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run)
+
+        return mix(t).astype(x.dtype).reshape(B, T, D)
 
     def _fused_decode(self, x, w, tokens: int) -> bool:
         """Whether the decode-sized MoE of MXFP4 experts runs as kernels/decode_moe.py's four fused

@@ -1,6 +1,7 @@
 """The kernel layer on CPU: sinks folded in through the statistics, and the TPU and Triton kernels in
 Pallas interpret mode against the jnp code."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,3 +124,19 @@ def test_mosaic_ragged_dot_tiles_by_rows_and_width():
     assert (prompt["block_m"], prompt["block_n"], prompt["grid_block_n"]) == (128, 192, 4)
     assert (decode["block_m"], decode["block_n"], decode["grid_block_n"]) == (64, 192, 1)
     assert mosaic_tiles(256, 320)["block_n"] == 64 and mosaic_tiles(256, 100) is None  # 100: no tile fits
+
+
+def test_late_map_equals_lax_map():
+    from gptoss_jax.kernels.loops import late_map
+
+    xs = (jnp.arange(24.0).reshape(4, 6), jnp.arange(4, dtype=jnp.int32))
+
+    def f(args):
+        row, i = args
+        return {"sum": row.sum() * i, "rows": jnp.stack([row, -row]).astype(jnp.bfloat16)}
+
+    ours = jax.jit(lambda xs: late_map(f, xs, anchor=xs[0]))(xs)
+    ref = jax.lax.map(f, xs)
+    for name in ("sum", "rows"):
+        assert ours[name].dtype == ref[name].dtype and ours[name].shape == ref[name].shape
+        np.testing.assert_array_equal(np.asarray(ours[name], np.float32), np.asarray(ref[name], np.float32))

@@ -23,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .loops import late_map
+
 MASKED = -1e30  # finite, so a fully masked block gives exp(-huge) = 0 rather than NaN
 
 
@@ -69,7 +71,7 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
     q_pos [B, T]: query positions, non-decreasing along T (default 0..T-1); kv_len [B]: keys at or
     past it are invisible (default S), as in a KV cache holding kv_len positions.
 
-    Queries are processed a block at a time (lax.map), each visiting only the key blocks that can be
+    Queries are processed a block at a time (loops.late_map), each visiting only the key blocks that can be
     visible to it (a dynamic-bound loop), with a running max m, denominator denom and accumulator acc.
     """
     B, T, K, G, H = q.shape
@@ -119,7 +121,7 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
         lse = jnp.where(denom > 0, m + jnp.log(jnp.maximum(denom, 1e-30)), -jnp.inf)
         return o.transpose(0, 3, 1, 2, 4), lse.transpose(0, 3, 1, 2)  # [B, bq, K, G, H], [B, bq, K, G]
 
-    o, lse = jax.lax.map(one_query_block, (q_blocks, pos_blocks))  # [nq, B, bq, ...]
+    o, lse = late_map(one_query_block, (q_blocks, pos_blocks), anchor=q)  # [nq, B, bq, ...]
     o = o.swapaxes(0, 1).reshape(B, nq * bq, K, G, H)[:, :T]
     lse = lse.swapaxes(0, 1).reshape(B, nq * bq, K, G)[:, :T]
     return o, lse
