@@ -46,7 +46,7 @@ from .kernels import Kernels
 from .kernels.loops import late_map
 from .layers import RMSNorm
 from .mxfp4 import decode, packed
-from .params import Weight, adapter, apply_low_rank, declare, packed_axes
+from .params import Weight, adapter, declare, low_rank, packed_axes
 from .sharding import spec
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
@@ -388,33 +388,29 @@ class MLPBlock(nn.Module):
                                  k=cfg.experts_per_token, eps=cfg.rms_norm_eps, alpha=cfg.swiglu_alpha,
                                  limit=cfg.swiglu_limit, interpret=self.kernels.interpret)
             return out.astype(x.dtype).reshape(B, T, D)
-        router_adapter = adapter(self, "router_weight")
+        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne")
+        weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
+                             extra=jnp.asarray(router_delta, jnp.float32))
+
+        def act(h):
+            return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+        is_packed = packed(w["mlp1_weight"])
+        impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)
+        if expert_adapters and impl not in ("gather", "grouped"):
+            # Expert adapters (training) are added by the jnp paths only.
+            impl = "gather" if idx.size <= self.kernels.moe_gather_max_pairs else "grouped"
+        run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         if expert_adapters and self.mesh is not None:
             raise NotImplementedError("adapters on the experts run on one device only; merge them "
                                       "(training.lora.merge) or leave the experts out of the adapted weights")
         experts.update(expert_adapters)
-
-        def act(h):
-            return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-
-        def mix(t):
-            """t [N, D] -> the MoE output [N, D] float32."""
-            router_delta = apply_low_rank(router_adapter, t, "nd,dr->nr", "nr,re->ne")
-            weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
-                                 extra=jnp.asarray(router_delta, jnp.float32))
-            is_packed = packed(w["mlp1_weight"])
-            impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)
-            if expert_adapters and impl not in ("gather", "grouped"):
-                # Expert adapters (training) are added by the jnp paths only.
-                impl = "gather" if idx.size <= self.kernels.moe_gather_max_pairs else "grouped"
-            run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block,
-                                    interpret=self.kernels.interpret)
-            if self.mesh is None:
-                return run(t, weights, idx, experts, act, first=0)
-            return _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run)
-
-        return mix(t).astype(x.dtype).reshape(B, T, D)
+        if self.mesh is None:
+            out = run(t, weights, idx, experts, act, first=0)
+        else:
+            out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run)
+        return out.astype(x.dtype).reshape(B, T, D)
 
     def _fused_decode(self, x, w, tokens: int) -> bool:
         """Whether the decode-sized MoE of MXFP4 experts runs as kernels/decode_moe.py's four fused

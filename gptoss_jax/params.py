@@ -72,11 +72,7 @@ def adapter(module: nn.Module, name: str) -> dict | None:
 
 def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str):
     """(x @ a) @ b for weight `name`'s adapter, by the einsums `down` and `up`; 0 without one."""
-    return apply_low_rank(adapter(module, name), x, down, up)
-
-
-def apply_low_rank(held: dict | None, x: jax.Array, down: str, up: str):
-    """(x @ a) @ b for an adapter {"a", "b"} by the einsums `down` and `up`; 0 for None."""
+    held = adapter(module, name)
     if held is None:
         return 0.0
     return jnp.einsum(up, jnp.einsum(down, x, held["a"].astype(x.dtype)), held["b"].astype(x.dtype))

@@ -4,9 +4,8 @@
 depend on nothing. XLA is free to compute them whenever it likes, and it does so early: on a GPU it
 merges such broadcasts, from every layer of a model and from the forward and backward passes
 alike, into a few fusions at the start of the program. Training the 20b at 16K positions, that
-kept about 1 GiB per layer alive for the whole step (each attention's float32 output and query
-gradient buffers, 256 MiB each), 22 of the step's 27 GiB of temporaries; the 24K step asked for
-39 GiB.
+kept each layer's attention output and query-gradient buffers (float32, 256 MiB each) alive for the
+whole step: 13.3 of the step's 26.6 GiB of temporaries.
 
 Here the zeros hang on `anchor`, an array the loop's own inputs come from, through an optimization
 barrier: XLA cannot see that they are zeros or create them before `anchor` exists, so each buffer
