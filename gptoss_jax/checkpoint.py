@@ -85,19 +85,35 @@ def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: P
     hold other files (a fine-tuning run's train states). The items are written into a hidden folder
     beside, moved into place, and the metadata file, which makes the folder a checkpoint, comes
     last: a failure leaves no checkpoint, or the previous one, never a partial one.
+
+    Params split over the devices of several processes (fine-tuning on several hosts) are gathered
+    an item at a time; every process must call this, process 0 moves the files into place, and the
+    folder must be one that every process can write (shared storage).
     """
     import shutil
     import tempfile
 
+    from jax.experimental import multihost_utils
+
     from .metadata import META_FILE, write_metadata
 
     directory = os.path.abspath(expand(directory))
-    os.makedirs(directory, exist_ok=True)
     storage = dtype_name(params["block_0"]["mlp"]["mlp1_weight"].dtype)
-    work = tempfile.mkdtemp(prefix=".params-partial-", dir=directory)
+    several, primary = jax.process_count() > 1, jax.process_index() == 0
+    if several:  # one work folder for all, made by process 0 (Orbax writes into it from each process)
+        work = os.path.join(directory, ".params-partial")
+        if primary:
+            shutil.rmtree(work, ignore_errors=True)
+            os.makedirs(work)
+        multihost_utils.sync_global_devices("gptoss_jax save_checkpoint: work folder")
+    else:
+        os.makedirs(directory, exist_ok=True)
+        work = tempfile.mkdtemp(prefix=".params-partial-", dir=directory)
     try:
         for name in item_names(config):
-            save_item(work, name, jax.tree.map(np.asarray, _item(params, name)))
+            save_item(work, name, jax.tree.map(_on_host, _item(params, name)))
+        if not primary:
+            return
         meta_path = os.path.join(directory, META_FILE)
         if os.path.exists(meta_path):
             os.remove(meta_path)  # from here until the new one is written, the folder is not a checkpoint
@@ -109,7 +125,19 @@ def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: P
         os.replace(os.path.join(work, "config.json"), os.path.join(directory, "config.json"))
         os.replace(os.path.join(work, META_FILE), meta_path)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if primary:
+            shutil.rmtree(work, ignore_errors=True)
+        if several:
+            multihost_utils.sync_global_devices("gptoss_jax save_checkpoint: done")
+
+
+def _on_host(x) -> np.ndarray:
+    """An array's whole value on this host (gathered from the other processes where it is split)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _param_dtype(path, dtype: str) -> np.dtype:

@@ -402,9 +402,6 @@ class MLPBlock(nn.Module):
             impl = "gather" if idx.size <= self.kernels.moe_gather_max_pairs else "grouped"
         run = functools.partial(local_experts, impl=impl, block=self.kernels.moe_block, interpret=self.kernels.interpret)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
-        if expert_adapters and self.mesh is not None:
-            raise NotImplementedError("adapters on the experts run on one device only; merge them "
-                                      "(training.lora.merge) or leave the experts out of the adapted weights")
         experts.update(expert_adapters)
         if self.mesh is None:
             out = run(t, weights, idx, experts, act, first=0)
@@ -429,11 +426,17 @@ def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run):
 
     Under `tensor`, a device holds F / tensor of each expert's intermediate units (whole gate and
     linear pairs), so its mlp2 product is a partial sum over F; the mlp2 bias is added once, by the
-    devices at tensor index 0.
+    devices at tensor index 0. Expert adapters (training) are split as their weights: mlp1's `b` and
+    mlp2's `a` along F too, so the adapter's share of mlp2 is a partial sum over F as well.
     """
     token_spec = spec(("batch", "act_embed"), x.shape, mesh)
     pair_spec = PartitionSpec(token_spec[0], None)  # [N, A]: tokens as x
     def weight_spec(name):
+        if name.endswith("_lora"):
+            from .training.lora import adapter_logical_axes  # the adapters' layout, declared with them
+
+            axes = adapter_logical_axes("mlp", name[: -len("_lora")])
+            return {part: spec(axes[part], w[name][part].shape, mesh, what=f"mlp/{name}/{part}") for part in axes}
         axes = MLPBlock.WEIGHTS[name].axes
         if packed(w[name]):
             return {part: spec(tuple(packed_axes(axes)[part]), w[name][part].shape, mesh, what=f"mlp/{name}/{part}")

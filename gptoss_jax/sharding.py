@@ -12,6 +12,11 @@ parameters, cache and activations all come from `spec()`; no PartitionSpec is wr
 Axes in `WHERE_DIVISIBLE` fall back to replication when the mesh axis does not divide them (a batch
 of 1 on data=2, 8 KV heads on tensor=16); any other axis that does not divide is an error, raised
 by `check_mesh` before anything is loaded.
+
+Training adds a second table, `STATE_RULES`, for what is trained and its optimizer state: the same
+rules with the model's width (`embed`) split over `data` as well (fully sharded data parallelism:
+each data-parallel group holds 1/data of the float32 master weights or adapters and of AdamW's
+moments; each step gathers them to the compute layout that `RULES` gives).
 """
 
 from __future__ import annotations
@@ -46,37 +51,44 @@ RULES: dict[str, str | None] = {
     "mlp_fused": "tensor",
     "mlp": "tensor",
     "block_bytes": None,  # the 16 bytes of an MXFP4 block; `<axis>_blocks` (whole blocks) follow <axis>
+    "lora": None,  # a LoRA adapter's rank (training/lora.py)
 }
 WHERE_DIVISIBLE = frozenset({"batch", "kv_heads"})
 
+# What is trained (adapters, or float32 master weights) and its optimizer state: as RULES, with the
+# width also split over `data`, where it divides (training/placement.py).
+STATE_RULES: dict[str, str | None] = {**RULES, "embed": "data"}
+STATE_WHERE_DIVISIBLE = WHERE_DIVISIBLE | {"embed"}
 
-def _rule(name: str) -> str | None:
-    if name.endswith("_blocks") and name not in RULES:  # a packed weight's blocks along <axis>
+
+def _rule(name: str, rules: Mapping[str, str | None]) -> str | None:
+    if name.endswith("_blocks") and name not in rules:  # a packed weight's blocks along <axis>
         name = name[: -len("_blocks")]
     try:
-        return RULES[name]
+        return rules[name]
     except KeyError:
-        raise ValueError(f"logical axis {name!r} has no sharding rule (known: {', '.join(RULES)})") from None
+        raise ValueError(f"logical axis {name!r} has no sharding rule (known: {', '.join(rules)})") from None
 
 
 def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | Mapping[str, int], *,
-         what: str = "array") -> PartitionSpec:
+         what: str = "array", state: bool = False) -> PartitionSpec:
     """The PartitionSpec of an array with these logical axes and shape on this mesh (or on a mesh of
-    these axis sizes).
+    these axis sizes); state=True: by STATE_RULES (what is trained and its optimizer state).
 
     Raises ValueError when a mesh axis does not divide the dimension it splits (except for the
     axes in WHERE_DIVISIBLE, which are then replicated) or when two axes map to one mesh axis.
     """
+    rules, divisible = (STATE_RULES, STATE_WHERE_DIVISIBLE) if state else (RULES, WHERE_DIVISIBLE)
     sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     out: list[str | None] = []
     for name, size in zip(axes, shape, strict=True):
-        mesh_axis = _rule(name)
+        mesh_axis = _rule(name, rules)
         if mesh_axis is None or sizes[mesh_axis] == 1:
             out.append(None)
             continue
         n = sizes[mesh_axis]
         if size % n:
-            if name in WHERE_DIVISIBLE:
+            if name in divisible:
                 out.append(None)
                 continue
             if name.endswith("_blocks"):
@@ -89,8 +101,9 @@ def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | Mapping[str, in
     return PartitionSpec(*out)
 
 
-def sharding(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str = "array") -> NamedSharding:
-    return NamedSharding(mesh, spec(axes, shape, mesh, what=what))
+def sharding(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str = "array",
+             state: bool = False) -> NamedSharding:
+    return NamedSharding(mesh, spec(axes, shape, mesh, what=what, state=state))
 
 
 def constrain(x: jax.Array, axes: Sequence[str], mesh: Mesh | None) -> jax.Array:

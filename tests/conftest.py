@@ -54,6 +54,20 @@ def packed_with_extreme_scales(rng, E, F, D):
 EXTREME_ROWS = (slice(0, 8), slice(8, 16), slice(16, 24), slice(24, None))
 
 
+def expected_spec(axes, shape, mesh, rules):
+    """A rules table (sharding.RULES or STATE_RULES) read directly: each logical axis on its mesh axis
+    if that is > 1 and divides (the axes that may fall back replicate otherwise; anything else would
+    have been refused)."""
+    from jax.sharding import PartitionSpec
+
+    out = []
+    for name, size in zip(axes, shape, strict=True):
+        mesh_axis = rules[name]
+        n = mesh.shape[mesh_axis] if mesh_axis else 1
+        out.append(mesh_axis if n > 1 and size % n == 0 else None)
+    return PartitionSpec(*out)
+
+
 def assert_rel_close(actual, reference, *, rtol: float) -> None:
     err = rel_err(actual, reference)
     assert err <= rtol, f"max|diff|/max|ref| = {err:.3g} > {rtol:.3g}"

@@ -194,4 +194,11 @@ def test_bad_input_is_one_line_and_leaves_train_states_intact(tmp_path, capsys, 
     line = _one_error_line(capsys, 2, ["--data", good, "--out", str(tmp_path / "x"), "--lora-targets", "mlp"])
     assert "--lora-targets" in line, line
 
+    # A mesh the devices cannot form (the tests see 8): refused before anything is read or written.
+    line = _one_error_line(capsys, 2, ["--data", good, "--out", str(tmp_path / "y"), "--mesh", "data=3"])
+    assert "--mesh" in line and "spans 3 devices" in line, line
+    line = _one_error_line(capsys, 2, ["--data", good, "--out", run, "--resume", "--mesh", "data=3"])
+    assert "spans 3 devices" in line, line
+    assert not os.path.exists(tmp_path / "y")
+
     assert _listing(run) == before

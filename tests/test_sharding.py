@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import gptoss_jax as gj
-from conftest import assert_rel_close
+from conftest import assert_rel_close, expected_spec
 from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.generate import Generator, _decode_step
@@ -59,17 +59,6 @@ def single(checkpoint):
             "greedy": [r.output_ids for r in results]}
 
 
-def _expected_spec(axes, shape, mesh):
-    """The rules table read directly: each logical axis on its mesh axis if that is > 1 and divides
-    (batch and kv_heads replicate otherwise; anything else would have been refused)."""
-    out = []
-    for name, size in zip(axes, shape, strict=True):
-        mesh_axis = gj.RULES[name]
-        n = mesh.shape[mesh_axis] if mesh_axis else 1
-        out.append(mesh_axis if n > 1 and size % n == 0 else None)
-    return PartitionSpec(*out)
-
-
 @pytest.mark.parametrize("sizes", MESHES, ids=_mesh_id)
 def test_sharded_matches_one_device(checkpoint, single, sizes):
     config = single["config"]
@@ -84,7 +73,7 @@ def test_sharded_matches_one_device(checkpoint, single, sizes):
     for (path, leaf), names, ref in zip(jax.tree_util.tree_leaves_with_path(params), flat_axes,
                                         jax.tree.leaves(single["params"]), strict=True):
         what = path_name(path)
-        assert leaf.sharding.spec == _expected_spec(tuple(names), leaf.shape, mesh), what
+        assert leaf.sharding.spec == expected_spec(tuple(names), leaf.shape, mesh, gj.RULES), what
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ref), err_msg=what)
         split = math.prod(mesh.shape[a] for a in leaf.sharding.spec if a is not None)
         for shard in leaf.addressable_shards:

@@ -10,6 +10,8 @@ import time
 
 from .. import __version__
 from ..metadata import expand
+from . import devices
+from .command import run_command
 from .inputs import UsageError, model_config
 from .signals import Signals
 
@@ -30,11 +32,17 @@ the same data order, as if never stopped.
 With no --checkpoint, the built-in tiny demo model with RANDOM weights is trained (a CPU runs it in
 seconds).
 
+On several devices (and hosts) the frozen weights are split as for generation (--mesh); the
+sequences of a batch are split over `data`, and what is trained and AdamW's state are split over
+`data` as well (fully sharded), so --mesh data=8 trains a batch of 8 on eight GPUs with an eighth
+of the optimizer state on each.
+
 examples:
   %(prog)s --data train.jsonl --out run1 --steps 50
   %(prog)s --checkpoint CKPT --data train.jsonl --eval-data held.jsonl --out run2 --steps 2000 \\
       --batch-size 4 --max-length 8192 --lora-rank 16 --lr 2e-4 --json > log.jsonl
   %(prog)s --checkpoint CKPT --data train.jsonl --out run2 --steps 4000 --resume
+  %(prog)s --checkpoint CKPT --data train.jsonl --out run3 --batch-size 8 --mesh data=8
 """
 
 
@@ -76,6 +84,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="PATH", type=expand, help="o200k_base.tiktoken (or its folder), hash-checked")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    devices.add_flags(p)
     return p
 
 
@@ -116,24 +125,8 @@ def check_flags(args) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from ..hostmem import limit_allocator_arenas
-
-    limit_allocator_arenas()
-    signals = Signals(raising=False)  # polled between steps: a step is never cut in half
-    try:
-        args = build_parser(prog).parse_args(argv)
-        return _run(args, signals)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"error: {signals.what or 'interrupted'}", file=sys.stderr)
-        return signals.exit_code
-    finally:
-        signals.restore()
+    # Signals are polled between steps (raising=False): a step is never cut in half.
+    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=False)
 
 
 def entry(prog: str | None = None) -> None:
@@ -159,6 +152,8 @@ def _run(args, signals: Signals) -> int:
 
     # Everything that can be checked before JAX starts: flags, data, the model's config, the resume.
     check_flags(args)
+    processes = devices.process_settings(args)
+    mesh_sizes = devices.mesh_sizes(args)
     config, what = model_config(args)
     args.dtype = args.dtype or ("bfloat16" if args.checkpoint else "float32")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
@@ -176,8 +171,24 @@ def _run(args, signals: Signals) -> int:
     length = min(args.max_length, -(-longest // 64) * 64)  # static batch shape: one compilation
     settings = _settings(args, config, length)
 
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from ..checkpoint import load_checkpoint, save_checkpoint
+    from ..sharding import describe, param_shardings
+    from ..testing import random_params
+    from ..training.lora import LoraConfig, init_adapters, merge
+    from ..training.placement import place, put_batch
+    from ..training.step import OptimizerConfig, StepConfig, cast_for_compute, make_eval, make_step, optimizer
+
     from ..training.state import TrainCheckpoints, check_resumable
 
+    devices.use_compile_cache(args.compile_cache)
+    devices.start_processes(processes)
+    mesh = devices.choose_mesh(mesh_sizes, config)  # checked against the devices and the model: nothing read yet
+    # Orbax, which keeps the train states, starts JAX: only once the processes have joined.
     states = TrainCheckpoints(os.path.join(args.out, "checkpoints"))
     start_step, position = 0, 0
     if args.resume:
@@ -188,39 +199,39 @@ def _run(args, signals: Signals) -> int:
         if start_step >= args.steps:
             raise UsageError(f"--resume: {args.out} is already at step {start_step} of --steps {args.steps}; "
                              f"raise --steps to train further")
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from tqdm import tqdm
-
-    from ..checkpoint import load_checkpoint, save_checkpoint
-    from ..testing import random_params
-    from ..training.lora import LoraConfig, init_adapters, merge
-    from ..training.step import OptimizerConfig, StepConfig, cast_for_compute, make_eval, make_step, optimizer
-
-    print(f"model: {what}; jax {jax.__version__}; {jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
-    print(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
-          + f"; sequences of {length} tokens", file=sys.stderr)
+    main_process = devices.quiet_other_processes()
+    args.quiet = args.quiet or not main_process
+    say = (lambda text: print(text, file=sys.stderr)) if main_process else (lambda text: None)  # noqa: E731
+    data_groups = mesh.shape["data"] if mesh else 1
+    if args.batch_size % data_groups:
+        say(f"warning: --batch-size {args.batch_size} does not split over data={data_groups}: every data slice "
+            f"computes the whole batch")
+    say(f"model: {what}; jax {jax.__version__}")
+    say(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
+    say(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
+        + f"; sequences of {length} tokens")
     if args.checkpoint:
-        params = load_checkpoint(args.checkpoint, dtype=args.dtype, progress=not args.quiet)[1]
+        params = load_checkpoint(args.checkpoint, dtype=args.dtype, mesh=mesh, progress=not args.quiet)[1]
     else:
         params = random_params(config, seed=0, dtype=jnp.dtype(args.dtype))
+        params = params if mesh is None else jax.device_put(params, param_shardings(config, mesh))
     lora = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets) if args.lora_rank else None
+    setup = StepConfig(config, lora=lora, compute_dtype=args.dtype, label_smoothing=args.label_smoothing,
+                       remat=not args.no_remat, mesh=mesh)
+    opt = OptimizerConfig(lr=args.lr, steps=args.steps, warmup=warmup, weight_decay=args.weight_decay,
+                          clip=args.clip)
+    tx = optimizer(opt)
+    trainable_layout, opt_layout = setup.state_shardings(tx)
     if lora is None:
         trainable, frozen = jax.tree.map(lambda x: x.astype(jnp.float32), params), None
         del params
     else:
         trainable, frozen = init_adapters(config, lora, jax.random.key(args.seed)), params
-    opt = OptimizerConfig(lr=args.lr, steps=args.steps, warmup=warmup, weight_decay=args.weight_decay,
-                          clip=args.clip)
-    tx = optimizer(opt)
-    opt_state = tx.init(trainable)
+    trainable = place(trainable, trainable_layout)
+    opt_state = place(tx.init(trainable), opt_layout)
     if args.resume:
         trainable, opt_state = states.restore(start_step, trainable, opt_state)
-        print(f"resumed at step {start_step} (example {position})", file=sys.stderr)
-    setup = StepConfig(config, lora=lora, compute_dtype=args.dtype, label_smoothing=args.label_smoothing,
-                       remat=not args.no_remat)
+        say(f"resumed at step {start_step} (example {position})")
     step_fn, evaluate = make_step(setup, tx), make_eval(setup)
     schedule = opt.schedule()
     per_step = args.batch_size * args.accumulation
@@ -234,7 +245,7 @@ def _run(args, signals: Signals) -> int:
         for i in range(0, len(held), args.batch_size):
             part = held[i:i + args.batch_size]
             part = part + [td.Example(np.zeros(2, np.int32), np.zeros(2, bool))] * (args.batch_size - len(part))
-            s, n = evaluate(trainable, frozen, *map(jnp.asarray, td.batch(part, length)))
+            s, n = evaluate(trainable, frozen, *(put_batch(x, mesh) for x in td.batch(part, length)))
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
@@ -246,8 +257,8 @@ def _run(args, signals: Signals) -> int:
         while step < args.steps:
             position, tokens, mask, real = next(stream)
             shape = (args.accumulation, args.batch_size, length)
-            trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, jnp.asarray(tokens.reshape(shape)),
-                                                    jnp.asarray(mask.reshape(shape)))
+            trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, put_batch(tokens.reshape(shape), mesh),
+                                                    put_batch(mask.reshape(shape), mesh))
             step += 1
             seen_tokens += real
             record = None
@@ -270,8 +281,7 @@ def _run(args, signals: Signals) -> int:
             if signals():
                 save(step)
                 bar.close()
-                print(f"{signals.what} at step {step}: train state saved in {states.directory}; continue with "
-                      f"--resume", file=sys.stderr)
+                say(f"{signals.what} at step {step}: train state saved in {states.directory}; continue with --resume")
                 states.close()
                 return signals.exit_code
     save(step)
@@ -280,6 +290,6 @@ def _run(args, signals: Signals) -> int:
     save_checkpoint(args.out, config, final, source_layout="finetune",
                     converter_version=f"gptoss-finetune {__version__}",
                     source=os.path.abspath(args.checkpoint) if args.checkpoint else "demo model")
-    print(f"fine-tuned model: {args.out} (run_inference.py --checkpoint {args.out})", file=sys.stderr)
+    say(f"fine-tuned model: {args.out} (run_inference.py --checkpoint {args.out})")
     return 0
 

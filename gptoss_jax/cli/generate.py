@@ -9,9 +9,9 @@ import signal
 import sys
 
 from .. import __version__
-from ..hostmem import limit_allocator_arenas
 from ..metadata import expand
 from . import devices
+from .command import run_command
 from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
 from .signals import Signals
 
@@ -88,24 +88,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    limit_allocator_arenas()  # before JAX starts its threads: loading keeps near one layer (hostmem.py)
-    signals = Signals(raising=True)
-    try:
-        args = build_parser(prog).parse_args(argv)
-        return _run(args, signals)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        sys.stdout.flush()
-        end_line = "\n" if sys.stdout.isatty() else ""  # end a reply streamed to this terminal
-        print(f"{end_line}error: {signals.what}", file=sys.stderr)
-        return signals.exit_code
-    finally:
-        signals.restore()
+    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=True,
+                       before_error=lambda: "\n" if sys.stdout.isatty() else "")  # end a reply streamed to a terminal
 
 
 def entry(prog: str | None = None) -> None:

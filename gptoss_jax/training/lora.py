@@ -70,6 +70,17 @@ def adapter_axes(module: str, name: str, inputs: tuple[str, ...]) -> tuple[tuple
     return lead + inputs + ("lora",), lead + ("lora",) + outputs
 
 
+def input_axes(module: str, name: str) -> tuple[str, ...]:
+    """The input axes of an adaptable weight (as TARGETS lists them)."""
+    return next(group[(module, name)] for group in TARGETS.values() if (module, name) in group)
+
+
+def adapter_logical_axes(module: str, name: str) -> dict[str, tuple[str, ...]]:
+    """{"a": axes, "b": axes} of weight `name`'s adapter (sharding.py lays adapters out by these)."""
+    a_axes, b_axes = adapter_axes(module, name, input_axes(module, name))
+    return {"a": a_axes, "b": b_axes}
+
+
 def sites(config: ModelConfig, lora: LoraConfig):
     """(layer key, module, weight name, input axes) of every adapted weight."""
     for i in range(config.num_hidden_layers):
@@ -89,6 +100,14 @@ def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> Para
         a = jax.random.normal(jax.random.fold_in(key, n), tuple(sizes[x] for x in a_axes), jnp.float32)
         out.setdefault(layer, {}).setdefault(module, {})[name] = {
             "a": a / np.sqrt(fan_in), "b": jnp.zeros(tuple(sizes[x] for x in b_axes), jnp.float32)}
+    return out
+
+
+def logical_axes(config: ModelConfig, lora: LoraConfig) -> Params:
+    """The adapters' logical axes, shaped like init_adapters' output: {"a": axes, "b": axes} leaves."""
+    out: Params = {}
+    for layer, module, name, _ in sites(config, lora):
+        out.setdefault(layer, {}).setdefault(module, {})[name] = adapter_logical_axes(module, name)
     return out
 
 
@@ -121,8 +140,7 @@ def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
     cast to W's dtype); the result runs without the adapters."""
     out = dict(params)
     for layer, module, name, ab in _nodes(adapters):
-        inputs = next(group[(module, name)] for group in TARGETS.values() if (module, name) in group)
-        a_axes, b_axes = adapter_axes(module, name, inputs)
+        a_axes, b_axes = adapter_axes(module, name, input_axes(module, name))
         w = params[layer][module][name]
         delta = jnp.einsum(_merge_einsum(module, name, a_axes, b_axes), ab["a"].astype(jnp.float32),
                            ab["b"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)

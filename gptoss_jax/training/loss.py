@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..kernels import Kernels
@@ -34,13 +35,15 @@ def token_losses(logits: jax.Array, targets: jax.Array, label_smoothing: float =
 
 def loss_terms(config: ModelConfig, params: Params, tokens: jax.Array, loss_mask: jax.Array, *,
                label_smoothing: float = 0.0, kernels: Kernels = Kernels(), remat: bool = False,
-               chunk: int = LOGITS_CHUNK) -> tuple[jax.Array, jax.Array]:
+               chunk: int = LOGITS_CHUNK, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
     """(sum of the selected tokens' losses, how many were selected), both float32 scalars.
 
     tokens [B, T] int32, loss_mask [B, T] bool. remat: recompute each block's activations in the
-    backward pass (activation checkpointing) instead of keeping them.
+    backward pass (activation checkpointing) instead of keeping them. mesh: the one the parameters
+    are laid out on (the model then runs its experts in parallel over it), None: one device.
     """
-    hidden = Transformer(config, kernels=kernels, remat=remat).apply({"params": params}, tokens, hidden=True)
+    hidden = Transformer(config, kernels=kernels, remat=remat, mesh=mesh).apply({"params": params}, tokens,
+                                                                               hidden=True)
     x, targets = hidden[:, :-1], tokens[:, 1:]  # position t predicts token t + 1
     mask = loss_mask[:, 1:].astype(jnp.float32)
     B, N, D = x.shape
@@ -64,11 +67,11 @@ def loss_terms(config: ModelConfig, params: Params, tokens: jax.Array, loss_mask
 
 def loss(config: ModelConfig, params: Params, tokens: jax.Array, loss_mask: jax.Array, *,
          label_smoothing: float = 0.0, kernels: Kernels = Kernels(), remat: bool = False,
-         chunk: int = LOGITS_CHUNK) -> jax.Array:
+         chunk: int = LOGITS_CHUNK, mesh: Mesh | None = None) -> jax.Array:
     """Mean next-token cross-entropy over the tokens loss_mask [B, T] selects (a float32 scalar).
 
     `jax.grad(loss, argnums=1)` gives the gradient for every parameter. No token selected: 0.
     """
     total, count = loss_terms(config, params, tokens, loss_mask, label_smoothing=label_smoothing, kernels=kernels,
-                              remat=remat, chunk=chunk)
+                              remat=remat, chunk=chunk, mesh=mesh)
     return total / jnp.maximum(count, 1.0)

@@ -9,6 +9,11 @@ The optimizer state (AdamW's two moments) is float32 like what it updates.
 A step takes tokens and masks [A, B, T]: A micro-batches of B sequences, run one after the other
 (a `lax.scan`), their gradients summed. The loss is the mean over every selected token of the A
 micro-batches, so the update equals one over the whole batch of A * B sequences.
+
+On a mesh (`StepConfig.mesh`; placement.py says where each array lives) the step is the same
+program, laid out by XLA: each data-parallel group runs its share of the B sequences, what is
+trained and the optimizer state stay split over `data` between steps and are gathered for the
+model, and the gradients are summed over the groups as they are split back.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..params import Params
+from ..sharding import replicated
+from . import placement
 from .lora import LoraConfig, attach
 from .loss import LOGITS_CHUNK, loss_terms
 
@@ -70,12 +78,24 @@ class StepConfig:
     kernels: Kernels = Kernels()
     remat: bool = True
     chunk: int = LOGITS_CHUNK
+    mesh: Mesh | None = None  # the mesh the frozen weights and the train state are laid out on; None: one device
 
     def model_params(self, trainable: Params, frozen: Params | None) -> Params:
-        """What the model runs: the frozen base with the adapters attached, or the cast master weights."""
+        """What the model runs: the frozen base with the adapters attached, or the cast master weights
+        (on a mesh, gathered from their kept layout to the compute layout)."""
+        layout = placement.compute_shardings(self.config, self.lora, self.mesh)
         if self.lora is None:
-            return cast_for_compute(trainable, jnp.dtype(self.compute_dtype))
-        return attach(frozen, trainable, self.lora.scale)
+            return _constrain(cast_for_compute(trainable, jnp.dtype(self.compute_dtype)), layout)
+        return attach(frozen, _constrain(trainable, layout), self.lora.scale)
+
+    def state_shardings(self, tx: optax.GradientTransformation):
+        """(trained tree, optimizer state) shardings between steps; (None, None) without a mesh."""
+        return (placement.trainable_shardings(self.config, self.lora, self.mesh),
+                placement.opt_state_shardings(tx, self.config, self.lora, self.mesh))
+
+
+def _constrain(tree, shardings):
+    return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def gradients(setup: StepConfig, trainable: Params, frozen: Params | None, tokens, mask):
@@ -83,7 +103,7 @@ def gradients(setup: StepConfig, trainable: Params, frozen: Params | None, token
     def sum_loss(trainable, tokens, mask):
         return loss_terms(setup.config, setup.model_params(trainable, frozen), tokens, mask,
                           label_smoothing=setup.label_smoothing, kernels=setup.kernels, remat=setup.remat,
-                          chunk=setup.chunk)
+                          chunk=setup.chunk, mesh=setup.mesh)
 
     grad_fn = jax.value_and_grad(sum_loss, has_aux=True)
 
@@ -97,15 +117,19 @@ def gradients(setup: StepConfig, trainable: Params, frozen: Params | None, token
     return total, count, grads
 
 
-def make_step(setup: StepConfig, tx: optax.GradientTransformation, schedule: optax.Schedule | None = None):
+def make_step(setup: StepConfig, tx: optax.GradientTransformation):
     """A jitted step(trainable, opt_state, frozen, tokens [A, B, T], mask [A, B, T]) ->
-    (trainable, opt_state, metrics); trainable and opt_state are donated."""
+    (trainable, opt_state, metrics); trainable and opt_state are donated. On a mesh they come back
+    in the layout of setup.state_shardings(tx), which is where they should be passed in
+    (placement.place)."""
+    trainable_layout, opt_layout = setup.state_shardings(tx)
+    out_shardings = None if setup.mesh is None else (trainable_layout, opt_layout, replicated(setup.mesh))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
     def step(trainable, opt_state, frozen, tokens, mask):
         total, count, grads = gradients(setup, trainable, frozen, tokens, mask)
         denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
+        grads = _constrain(jax.tree.map(lambda g: g / denom, grads), trainable_layout)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         metrics = {"loss": total / denom, "tokens": count, "grad_norm": _norm(grads)}
@@ -125,6 +149,6 @@ def make_eval(setup: StepConfig):
     @jax.jit
     def evaluate(trainable, frozen, tokens, mask):
         return loss_terms(setup.config, setup.model_params(trainable, frozen), tokens, mask,
-                          kernels=setup.kernels, chunk=setup.chunk)
+                          kernels=setup.kernels, chunk=setup.chunk, mesh=setup.mesh)
 
     return evaluate

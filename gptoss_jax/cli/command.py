@@ -1,0 +1,39 @@
+"""How the generation and fine-tuning command lines start and end: fewer allocator arenas before JAX
+starts (hostmem.py), Ctrl-C and SIGTERM taken (signals.py), and every failure one line on standard
+error with its exit code: 2 for bad usage, 1 for bad input files or folders, 130 or 143 for a
+signal."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from .inputs import UsageError
+from .signals import Signals
+
+
+def run_command(parse: Callable[[], object], run: Callable[[object, Signals], int], *, raising: bool,
+                before_error: Callable[[], str] = lambda: "") -> int:
+    """run(parse(), signals) -> its exit code, or the one its failure maps to.
+
+    raising: how signals are taken (signals.py). before_error: text printed before an interrupt's
+    error line (generation ends a reply streamed to the terminal with it).
+    """
+    from ..hostmem import limit_allocator_arenas
+
+    limit_allocator_arenas()  # before JAX starts its threads: loading keeps near one layer
+    signals = Signals(raising=raising)
+    try:
+        return run(parse(), signals)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"{before_error()}error: {signals.what}", file=sys.stderr)
+        return signals.exit_code
+    finally:
+        signals.restore()
