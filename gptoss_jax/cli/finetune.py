@@ -150,7 +150,7 @@ def _run(args, signals: Signals) -> int:
     from .. import tokenizer as tk
     from ..training import data as td
 
-    # Everything that can be checked before JAX starts: flags, data, the model's config, the resume.
+    # Everything that can be checked before JAX starts: flags, data, the model's config.
     check_flags(args)
     processes = devices.process_settings(args)
     mesh_sizes = devices.mesh_sizes(args)
@@ -181,9 +181,8 @@ def _run(args, signals: Signals) -> int:
     from ..testing import random_params
     from ..training.lora import LoraConfig, init_adapters, merge
     from ..training.placement import place, put_batch
-    from ..training.step import OptimizerConfig, StepConfig, cast_for_compute, make_eval, make_step, optimizer
-
     from ..training.state import TrainCheckpoints, check_resumable
+    from ..training.step import OptimizerConfig, StepConfig, cast_for_compute, make_eval, make_step, optimizer
 
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
@@ -222,13 +221,14 @@ def _run(args, signals: Signals) -> int:
                           clip=args.clip)
     tx = optimizer(opt)
     trainable_layout, opt_layout = setup.state_shardings(tx)
+    # Made in their layout (on a mesh, split as STATE_RULES says), never whole on one device.
     if lora is None:
-        trainable, frozen = jax.tree.map(lambda x: x.astype(jnp.float32), params), None
+        to_float32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)  # noqa: E731
+        trainable, frozen = jax.jit(to_float32, out_shardings=trainable_layout)(params), None
         del params
     else:
-        trainable, frozen = init_adapters(config, lora, jax.random.key(args.seed)), params
-    trainable = place(trainable, trainable_layout)
-    opt_state = place(tx.init(trainable), opt_layout)
+        trainable, frozen = place(init_adapters(config, lora, jax.random.key(args.seed)), trainable_layout), params
+    opt_state = jax.jit(tx.init, out_shardings=opt_layout)(trainable)
     if args.resume:
         trainable, opt_state = states.restore(start_step, trainable, opt_state)
         say(f"resumed at step {start_step} (example {position})")
