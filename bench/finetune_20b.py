@@ -25,18 +25,11 @@ sys.path.insert(0, ROOT)
 
 PEER = r'''
 import json, sys, time, torch
-from transformers import GptOssConfig, GptOssForCausalLM
 from peft import LoraConfig, get_peft_model
-sys.path.insert(0, ".")
-from gptoss_jax import ModelConfig
+sys.path.insert(0, "bench")
+from peer import build
 args = json.loads(sys.argv[1])
-torch.manual_seed(0)
-cfg = GptOssConfig(**ModelConfig.preset(args["preset"]).to_hf_json(mxfp4=False))
-torch.set_default_dtype(torch.bfloat16)
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-with torch.device(dev):
-    model = GptOssForCausalLM(cfg)
+model, cfg, dev, sync = build(args["preset"])
 model.gradient_checkpointing_enable()
 model.enable_input_require_grads()
 model = get_peft_model(model, LoraConfig(r=args["rank"], lora_alpha=2 * args["rank"], lora_dropout=0.0,

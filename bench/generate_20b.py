@@ -24,17 +24,11 @@ sys.path.insert(0, ROOT)  # run from a checkout without installing
 
 HF_SCRIPT = r'''
 import json, sys, time, torch
-from transformers import GptOssConfig, GptOssForCausalLM
-sys.path.insert(0, ".")
-from gptoss_jax import ModelConfig
+sys.path.insert(0, "bench")
+from peer import build
 args = json.loads(sys.argv[1])
-torch.manual_seed(0)
-cfg = GptOssConfig(**ModelConfig.preset(args["preset"]).to_hf_json(mxfp4=False))
-torch.set_default_dtype(torch.bfloat16)
-dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script
-sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-with torch.device(dev):
-    model = GptOssForCausalLM(cfg).eval()
+model, cfg, dev, sync = build(args["preset"])
+model.eval()
 g = torch.Generator(device=dev).manual_seed(0)
 def timed(fn):
     sync(); t = time.perf_counter(); fn(); sync(); return time.perf_counter() - t
