@@ -19,7 +19,9 @@ from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DELAYS = (0.0, 0.3, 1.0, 1.8, 2.5, 3.2, 4.0, 5.0, 6.0)  # seconds after its handlers are in; the run takes ~10 s
+# When the signal lands, after the command's handlers are in: as fractions of an uninterrupted run's
+# time on this machine (4.5 to 10 s seen), so that every one lands before the run would have ended.
+FRACTIONS = (0.0, 0.03, 0.1, 0.18, 0.25, 0.32, 0.4, 0.5, 0.6)
 # Also, whatever the machine's speed: once the first item, and once four items, have been saved.
 AFTER_ITEMS = (1, 4)
 
@@ -31,6 +33,17 @@ def source(tmp_path_factory):
     path = tmp_path_factory.mktemp("medium") / "original"
     write_synthetic_checkpoint(config, path, "original", seed=1)
     return path
+
+
+@pytest.fixture(scope="module")
+def run_seconds(source, tmp_path_factory):
+    """How long an uninterrupted conversion takes here, from its handlers being in to its end."""
+    process = _start(source, tmp_path_factory.mktemp("whole") / "out", "--quiet")
+    wait_for_signal_handlers(process)
+    start = time.monotonic()
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return time.monotonic() - start
 
 
 def _start(source, out, *extra):
@@ -54,9 +67,9 @@ def _wait_for_items(process, folder, n: int, timeout: float = 60) -> None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_at_any_moment_leaves_nothing(source, tmp_path, signum):
+def test_a_signal_at_any_moment_leaves_nothing(source, run_seconds, tmp_path, signum):
     midway = 0
-    moments = [("seconds", d) for d in (DELAYS if signum == signal.SIGINT else DELAYS[::2])]
+    moments = [("seconds", f * run_seconds) for f in (FRACTIONS if signum == signal.SIGINT else FRACTIONS[::2])]
     for i, (kind, when) in enumerate(moments + [("items", n) for n in AFTER_ITEMS]):
         folder = tmp_path / f"run{i}"
         folder.mkdir()
