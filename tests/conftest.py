@@ -68,6 +68,15 @@ def expected_spec(axes, shape, mesh, rules):
     return PartitionSpec(*out)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on (for the coordinator of several local processes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def assert_rel_close(actual, reference, *, rtol: float) -> None:
     err = rel_err(actual, reference)
     assert err <= rtol, f"max|diff|/max|ref| = {err:.3g} > {rtol:.3g}"

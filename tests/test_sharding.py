@@ -9,7 +9,6 @@ steps' collectives (activation-sized, never a gathered weight).
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import gptoss_jax as gj
-from conftest import assert_rel_close, expected_spec
+from conftest import assert_rel_close, expected_spec, free_port
 from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.generate import Generator, _decode_step
@@ -198,12 +197,6 @@ sys.exit(code)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory, tiny):
     """16 experts of 256 units, so that the experts are most of what is read."""
@@ -221,7 +214,7 @@ def test_two_processes_generate_as_one_and_read_only_their_slices(wide_checkpoin
     one = subprocess.run([sys.executable, "-c", _WORKER, str(tmp_path / "one.json")] + argv, cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    port = _free_port()
+    port = free_port()
     env["JAX_NUM_CPU_DEVICES"] = "4"
     # Process 0 is told by flags, process 1 by the environment variables.
     how = [(["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"], env),

@@ -146,6 +146,15 @@ def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig, *, experts: s
     return make_mesh(**sizes)
 
 
+def unsplit_batch(batch: int, mesh, what: str) -> str | None:
+    """A warning when the mesh's `data` axis does not divide a batch (what: how the user names it);
+    None when it does. Every data slice then computes the whole batch."""
+    data = mesh.shape["data"] if mesh is not None else 1
+    if batch % data:
+        return f"{what} does not split over data={data}: every data slice computes all of it"
+    return None
+
+
 def quiet_other_processes() -> bool:
     """Only process 0 prints: the others' standard output goes nowhere. True on process 0."""
     import jax

@@ -201,10 +201,9 @@ def _run(args, signals: Signals) -> int:
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
     say = (lambda text: print(text, file=sys.stderr)) if main_process else (lambda text: None)  # noqa: E731
-    data_groups = mesh.shape["data"] if mesh else 1
-    if args.batch_size % data_groups:
-        say(f"warning: --batch-size {args.batch_size} does not split over data={data_groups}: every data slice "
-            f"computes the whole batch")
+    unsplit = devices.unsplit_batch(args.batch_size, mesh, f"--batch-size {args.batch_size}")
+    if unsplit:
+        say(f"warning: {unsplit}")
     say(f"model: {what}; jax {jax.__version__}")
     say(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     say(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")

@@ -173,10 +173,10 @@ def _run(args, signals: Signals) -> int:
     mesh = devices.choose_mesh(mesh_sizes, config, experts=_experts(args))
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
-    data = mesh.shape["data"] if mesh else 1
     batch = 1 if prompts is None else len(prompts)
-    if batch % data and main_process:
-        _warn(f"a batch of {batch} does not split over data={data}: every data slice computes all of it")
+    unsplit = devices.unsplit_batch(batch, mesh, f"a batch of {batch}")
+    if unsplit and main_process:
+        _warn(unsplit)
     if main_process:
         experts = "; experts packed in MXFP4" if _experts(args) else ""
         print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
