@@ -1,4 +1,9 @@
-"""Attention kernels against each other and the attention block against OpenAI's."""
+"""Attention kernels against each other and the attention block against OpenAI's.
+
+Every check is against attention computed in float64 by its definition (refs.attention64), within
+NOISE_FACTOR x the float32 error of the readable definition (attention_reference) on the same
+inputs (noise.py). Mutations tried: the window's edge off by one, a key block skipped, the sink
+left out of the denominator, a query's position taken from the wrong row (each >100x)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_rel_close
+from noise import Exact
 from gptoss_jax.kernels import Kernels
 from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference
 from gptoss_jax.kernels.xla import key_block_range
-from refs import openai_model
+from refs import attention64, openai_model
 
 
 def _qkv(rng, B, T, K, G, H, dtype=np.float32):
@@ -32,8 +37,8 @@ def test_blockwise_equals_reference(T, window, block):
     q, k, v, sinks = _qkv(rng, 2, T, 2, 3, 8)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (2, T))
     ref = attention_reference(q, k, v, sinks, positions, positions, window=window)
-    out = attention_blockwise(q, k, v, sinks, window=window, q_block=block, kv_block=block)
-    assert_rel_close(out, ref, rtol=1e-5)
+    exact = Exact.measure(ref, attention64(q, k, v, sinks, positions, positions, window))
+    exact.check(attention_blockwise(q, k, v, sinks, window=window, q_block=block, kv_block=block))
 
 
 def test_blockwise_with_later_queries_equals_reference_rows():
@@ -42,8 +47,9 @@ def test_blockwise_with_later_queries_equals_reference_rows():
     q, k, v, sinks = _qkv(rng, 1, 90, 2, 2, 8)
     positions = np.arange(90, dtype=np.int32)[None]
     ref = attention_reference(q, k, v, sinks, positions, positions, window=7)
+    exact = Exact.measure(ref, attention64(q, k, v, sinks, positions, positions, 7))
     out = attention_blockwise(q[:, 50:], k, v, sinks, window=7, q_pos=positions[:, 50:], q_block=16, kv_block=16)
-    assert_rel_close(out, ref[:, 50:], rtol=1e-5)
+    exact[:, 50:].check(out)
 
 
 def test_blockwise_with_per_sequence_positions_and_lengths_equals_reference():
@@ -56,8 +62,9 @@ def test_blockwise_with_per_sequence_positions_and_lengths_equals_reference():
     k_pos = np.where(np.arange(64)[None] < lengths[:, None], np.arange(64)[None], -1).astype(np.int32)
     for window in (None, 9):
         ref = attention_reference(q, k, v, sinks, q_pos, k_pos, window=window)
-        out = attention_blockwise(q, k, v, sinks, window=window, q_pos=q_pos, kv_len=lengths, q_block=2, kv_block=8)
-        assert_rel_close(out, ref, rtol=1e-5)
+        exact = Exact.measure(ref, attention64(q, k, v, sinks, q_pos, k_pos, window))
+        exact.check(attention_blockwise(q, k, v, sinks, window=window, q_pos=q_pos, kv_len=lengths, q_block=2,
+                                        kv_block=8), f"window {window}")
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
@@ -82,9 +89,12 @@ def test_sink_only_enlarges_the_denominator():
     q, k, v, sinks = _qkv(rng, 1, 1, 1, 1, 4)
     pos = np.zeros((1, 1), np.int32)
     out = attention_reference(q, k, v, sinks, pos, pos, window=None)
-    s00 = (q[0, 0, 0, 0] @ k[0, 0, 0]) / 2.0
-    expected = v[0, 0, 0] / (1 + np.exp(sinks[0, 0] - s00))
-    np.testing.assert_allclose(np.asarray(out)[0, 0, 0, 0], expected, rtol=1e-5, atol=0)
+
+    def formula(dtype):
+        q0, k0, v0, sink = (np.asarray(x, dtype) for x in (q[0, 0, 0, 0], k[0, 0, 0], v[0, 0, 0], sinks[0, 0]))
+        return v0 / (1 + np.exp(sink - (q0 @ k0) / dtype(2)))
+
+    Exact.measure(formula(np.float32), formula(np.float64)).check(np.asarray(out)[0, 0, 0, 0])
 
 
 def _temp_bytes(fn, T, K=2, G=4, H=32):
@@ -112,9 +122,10 @@ def test_blockwise_memory_grows_linearly(window):
 def test_attention_block_matches_openai(tiny, tiny_params, long_tokens, layer, impl):
     ref_model = openai_model(tiny, tiny_params)
     x = np.random.default_rng(layer).standard_normal((1, 300, tiny.hidden_size)).astype(np.float32)
-    with torch.no_grad():
-        ref = ref_model.block[layer].attn(torch.from_numpy(x[0])).numpy() - x[0]  # it returns x + attention
+    with torch.no_grad():  # it returns x + attention
+        ref = ref_model.block[layer].attn(torch.from_numpy(x[0])).double().numpy() - x[0]
+        exact = ref_model.to(torch.float64).block[layer].attn(torch.from_numpy(x[0]).double()).numpy() - x[0]
     positions = jnp.arange(300)[None]
     block = AttentionBlock(tiny, layer, kernels=Kernels(attention=impl, attention_block=32))
     out = block.apply({"params": tiny_params[f"block_{layer}"]["attn"]}, jnp.asarray(x), positions)
-    assert_rel_close(out[0], ref, rtol=1e-5)
+    Exact.measure(ref, exact).check(np.asarray(out[0], np.float64))

@@ -1,4 +1,9 @@
-"""RMSNorm and RoPE/YaRN against both references."""
+"""RMSNorm and RoPE/YaRN against both references.
+
+Values are checked against the same formula in float64 on the same inputs, within NOISE_FACTOR x a
+reference's own float32 (or bfloat16) error (noise.py). Mutations tried: RMSNorm's eps moved inside
+the square root's mean, the rotation's halves interleaved, YaRN's concentration left out (each
+>100x the bound)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +11,7 @@ import pytest
 import torch
 
 import gptoss_jax as gj
-from conftest import assert_rel_close
+from noise import Exact
 from gptoss_jax import layers
 from gptoss_jax.layers import RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from refs import hf_config, t
@@ -25,13 +30,13 @@ def test_rmsnorm_matches_both_references(tiny, dtype):
     ours = RMSNorm(tiny).apply({"params": {"scale": jnp.asarray(scale)}}, xj)
     assert ours.dtype == xj.dtype
     ref_o, ref_h = OpenAINorm(tiny.hidden_size), GptOssRMSNorm(tiny.hidden_size, eps=tiny.rms_norm_eps)
+    x64 = np.asarray(xj.astype(jnp.float32), np.float64)  # the input as both sides see it
+    exact = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + tiny.rms_norm_eps) * scale
     with torch.no_grad():
         ref_o.scale.copy_(t(scale))
         ref_h.weight.copy_(t(scale))
-        for ref in (ref_o(t(x, tdtype)), ref_h(t(x, tdtype))):
-            # float32: rounding only. bfloat16: both cast the float32 result once, so at most 1 bf16 ulp (2^-8).
-            assert_rel_close(np.asarray(ours, np.float32), ref.float().numpy(),
-                             rtol=1e-6 if dtype == "float32" else 2 ** -8)
+        for name, ref in (("openai", ref_o(t(x, tdtype))), ("hf", ref_h(t(x, tdtype)))):
+            Exact.measure(ref.double().numpy(), exact, precision=dtype).check(ours, name)
 
 
 def _ref_inv_freq(config):
@@ -67,13 +72,14 @@ def test_inv_freq_is_exact_and_within_one_ulp_of_both_references(which):
     config = CONFIGS[which]()
     conc, inv = rope_inv_freq(config)
     ref_conc, ref_inv = _ref_inv_freq(config)
-    assert conc == pytest.approx(ref_conc, rel=1e-15)
+    assert conc == pytest.approx(ref_conc, rel=8 * np.finfo(np.float64).eps)  # the same float64 formula, another order
     np.testing.assert_array_max_ulp(inv, ref_inv.numpy(), maxulp=1)
     np.testing.assert_array_max_ulp(inv, GptOssRotaryEmbedding_inv_freq(config), maxulp=1)
     # YaRN is engaged: the fastest frequency is kept, the slowest divided by the scaling factor.
     plain = 1.0 / config.rope_theta ** (np.arange(0, config.head_dim, 2) / config.head_dim)
-    assert inv[0] == pytest.approx(plain[0], rel=1e-7)
-    assert inv[-1] == pytest.approx(plain[-1] / config.rope_scaling_factor, rel=1e-6)
+    # Each is that value rounded once to float32: within half an ulp, 2^-24 relative.
+    assert inv[0] == pytest.approx(plain[0], rel=2 ** -24)
+    assert inv[-1] == pytest.approx(plain[-1] / config.rope_scaling_factor, rel=2 ** -24)
 
 
 def GptOssRotaryEmbedding_inv_freq(config):
@@ -92,11 +98,15 @@ def test_rope_tables_match_both_references_to_131072(which, monkeypatch):
     ref_cos, ref_sin = (x.numpy() for x in _openai_rope(config, n))
     hf_cos, hf_sin = (x[0].numpy() for x in _hf_rope(config, positions))
 
-    # 1. Given the references' own frequencies, the tables agree to float32 cos/sin rounding everywhere.
+    # 1. Given the references' own frequencies, the tables agree with cos and sin of the float32 angle
+    # (all three codes round p * inv_freq to float32 first) taken in float64, to the references'
+    # own rounding of cos, sin and the concentration.
     monkeypatch.setattr(layers, "rope_inv_freq", lambda c: (ref_conc, ref_inv.numpy()))
     cos, sin = rope_tables(config, jnp.asarray(positions))
-    for ours, ref in ((cos, ref_cos), (sin, ref_sin), (cos, hf_cos), (sin, hf_sin)):
-        assert_rel_close(ours, ref, rtol=1e-6)
+    angle32 = np.asarray(positions[:, None].astype(np.float32) * ref_inv.numpy()[None, :], np.float64)
+    exact = {"cos": np.cos(angle32) * ref_conc, "sin": np.sin(angle32) * ref_conc}
+    for what, ours, ref in (("cos", cos, ref_cos), ("sin", sin, ref_sin), ("cos", cos, hf_cos), ("sin", sin, hf_sin)):
+        Exact.measure(ref, exact[what]).check(ours, what)
     monkeypatch.undo()
 
     # 2. With our frequencies (within 1 ulp, above), the difference is what that ulp explains: the
@@ -104,14 +114,17 @@ def test_rope_tables_match_both_references_to_131072(which, monkeypatch):
     conc, inv = rope_inv_freq(config)
     cos, sin = (np.asarray(x) for x in rope_tables(config, jnp.asarray(positions)))
     angle = positions[:, None].astype(np.float32) * inv[None, :]
-    bound = conc * (positions[:, None] * np.abs(inv - ref_inv.numpy())[None, :] + np.spacing(np.abs(angle))) + 2e-6
+    # Plus each code's rounding of cos or sin and of the product by the concentration: an ulp of conc each.
+    bound = conc * (positions[:, None] * np.abs(inv - ref_inv.numpy())[None, :] + np.spacing(np.abs(angle))
+                    + 4 * np.finfo(np.float32).eps)
     for ours, ref in ((cos, ref_cos), (sin, ref_sin), (cos, hf_cos), (sin, hf_sin)):
         assert np.all(np.abs(ours - ref) <= bound)
     # Where the frequencies agree to the bit, the columns agree to rounding at every position.
     same = inv == ref_inv.numpy()
     assert same.sum() >= len(inv) // 2
-    assert_rel_close(cos[:, same], ref_cos[:, same], rtol=1e-6)
-    assert_rel_close(sin[:, same], ref_sin[:, same], rtol=1e-6)
+    angle64 = np.asarray(angle, np.float64)
+    Exact.measure(ref_cos[:, same], np.cos(angle64[:, same]) * conc).check(cos[:, same], "cos")
+    Exact.measure(ref_sin[:, same], np.sin(angle64[:, same]) * conc).check(sin[:, same], "sin")
 
 
 def test_apply_rope_matches_both_references():
@@ -128,9 +141,16 @@ def test_apply_rope_matches_both_references():
     cos, sin = all_cos[positions], all_sin[positions]  # [T, H/2]
     ours_q = apply_rope(jnp.asarray(q), jnp.asarray(cos.numpy())[None], jnp.asarray(sin.numpy())[None])
     ours_k = apply_rope(jnp.asarray(k), jnp.asarray(cos.numpy())[None], jnp.asarray(sin.numpy())[None])
-    assert_rel_close(ours_q[0], _apply_rotary_emb(t(q[0]), cos, sin).numpy(), rtol=1e-6)
+
+    def rotated64(x):  # the rotation of the same tables, in float64: [B, T, N, H]
+        c, s_ = (np.asarray(a, np.float64)[None, :, None, :] for a in (cos, sin))
+        x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+        return np.concatenate([x1 * c - x2 * s_, x2 * c + x1 * s_], axis=-1)
+
+    exact_q = Exact.measure(_apply_rotary_emb(t(q[0]), cos, sin).numpy(), rotated64(q)[0])
+    exact_q.check(ours_q[0], "q, openai")
     hq, hk = apply_rotary_pos_emb(t(q).transpose(1, 2), t(k).transpose(1, 2), cos[None], sin[None])
-    assert_rel_close(ours_q, hq.transpose(1, 2).numpy(), rtol=1e-6)
-    assert_rel_close(ours_k, hk.transpose(1, 2).numpy(), rtol=1e-6)
+    Exact.measure(hq.transpose(1, 2).numpy(), rotated64(q)).check(ours_q, "q, hf")
+    Exact.measure(hk.transpose(1, 2).numpy(), rotated64(k)).check(ours_k, "k, hf")
     # Rotation is not the identity away from position 0, and it preserves norms up to the concentration.
     assert not np.allclose(ours_q[0, 4], q[0, 4], atol=1e-2)

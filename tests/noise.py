@@ -1,0 +1,92 @@
+"""Tolerances from the computation's own rounding noise, measured in the same test.
+
+A float32 (or bfloat16) result is never compared with a constant such as 1e-5: two correct codes
+that sum the same terms in another order differ by the rounding noise of those sums, which depends
+on the inputs, the sizes and the machine's libraries, and a constant placed near it passes on one
+machine and fails on the next. Instead each test computes
+
+  exact   the same computation in float64 (the PyTorch references or a numpy definition), and
+  noise   the largest |reference - exact| of an *independent* low-precision implementation of it
+          (the reference run in float32, or our readable jnp path), over the whole result,
+
+and requires  max |ours - exact| <= NOISE_FACTOR * noise  for each of our paths under test. Our
+paths are thereby also within 2 * NOISE_FACTOR * noise of each other (cached and uncached, sharded
+and one device, micro-batched and whole), without a bound of their own.
+
+Why NOISE_FACTOR = 8: codes summing in other orders (blockwise attention, experts grouped or split
+across devices, gradients accumulated over micro-batches) make errors of the same size as the
+reference's, not the same errors. Over every check of this suite the largest ratio measured was
+below 4 (GPTOSS_NOISE_LOG=file records each check's ratio; docs/testing.md has the figures), so 8
+leaves a factor of 2 for other machines. A defect (a dropped term, a micro-batch counted twice, a
+tensor split on the wrong axis, a wrong index) moves results by 10^3 to 10^6 times the noise: each
+test's docstring names the mutations tried against it.
+
+The noise is floored at a few units in the last place of the largest exact entry (NOISE_FLOOR_ULPS),
+so that a reference that happens to be exact (a short sum of exactly representable terms) does not
+make the bound zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+NOISE_FACTOR = 8.0
+NOISE_FLOOR_ULPS = 4  # the floor: this many float32 (or bfloat16) ulps of the largest exact entry
+EPS = {"float32": float(np.finfo(np.float32).eps), "bfloat16": 2.0 ** -7}
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(np.asarray(x, np.float32) if _is_bf16(x) else x, np.float64)
+
+
+def _is_bf16(x) -> bool:
+    return getattr(getattr(x, "dtype", None), "name", "") == "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Exact:
+    """A float64 result and the low-precision noise of computing it (absolute, over the whole result)."""
+
+    value: np.ndarray
+    noise: float
+
+    @classmethod
+    def measure(cls, reference, exact, *, precision: str = "float32") -> Exact:
+        """`reference`: an independent low-precision computation of `exact` (float64) on the same inputs."""
+        exact = _f64(exact)
+        reference = _f64(reference)
+        assert reference.shape == exact.shape, (reference.shape, exact.shape)
+        assert np.all(np.isfinite(exact)) and np.all(np.isfinite(reference))
+        floor = NOISE_FLOOR_ULPS * EPS[precision] * float(np.abs(exact).max())
+        return cls(exact, max(float(np.abs(reference - exact).max()), floor))
+
+    def __getitem__(self, index) -> Exact:
+        """The same bound on a part of the result (a row, a position, a sequence)."""
+        return Exact(self.value[index], self.noise)
+
+    def check(self, actual, what: str = "", *, factor: float = NOISE_FACTOR) -> float:
+        """Assert max|actual - exact| <= factor * noise; returns the ratio max|actual - exact| / noise."""
+        actual = _f64(actual)
+        assert actual.shape == self.value.shape, (what, actual.shape, self.value.shape)
+        assert np.all(np.isfinite(actual)), what
+        ratio = float(np.abs(actual - self.value).max()) / self.noise
+        _log(what, ratio)
+        assert ratio <= factor, (f"{what}: max|actual - exact| = {ratio:.3g} x the reference's own noise "
+                                 f"({self.noise:.3g}), over the bound of {factor:g}x")
+        return ratio
+
+
+def scalar(reference: float, exact: float, *, precision: str = "float32") -> Exact:
+    """Exact.measure for one number (a loss)."""
+    return Exact.measure(np.array([reference]), np.array([exact]), precision=precision)
+
+
+def _log(what: str, ratio: float) -> None:
+    path = os.environ.get("GPTOSS_NOISE_LOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(path, "a") as f:
+            f.write(f"{ratio:.4f}\t{test}\t{what}\n")
