@@ -151,3 +151,102 @@ def hf_layer_outputs(config: ModelConfig, params, tokens, inputs, dtype: str) ->
         for h in hooks:
             h.remove()
     return outputs
+
+
+def hf_gradients(config: ModelConfig, params, tokens, mask, dtype: str):
+    """transformers' mean next-token loss over the selected tokens (mask [N, T]; HF shifts the labels)
+    and its gradient for every parameter by HF name, both as float64 numpy."""
+    model = hf_model(config, params, dtype=dtype)
+    labels = torch.tensor(np.where(mask, tokens, -100)).long()
+    out = model(input_ids=torch.tensor(np.asarray(tokens)).long(), labels=labels)
+    out.loss.backward()
+    return float(out.loss.detach()), {name: p.grad.double().numpy() for name, p in model.named_parameters()}
+
+
+def exact_gradients(config: ModelConfig, params, tokens, mask, *, total: bool = False):
+    """(noise.Exact of the loss, {HF name: noise.Exact of its gradient}) from transformers in float64,
+    its float32 run as the noise. total=True: of the loss summed over the selected tokens (what
+    gptoss_jax.training.step.gradients returns) rather than their mean."""
+    from noise import Exact, scalar
+
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    (loss32, grads32), (loss64, grads64) = (hf_gradients(config, params, tokens, mask, d) for d in ("float32", "float64"))
+    n = float(mask[:, 1:].sum()) if total else 1.0
+    return (scalar(loss32 * n, loss64 * n),
+            {name: Exact.measure(grads32[name] * n, grads64[name] * n) for name in grads64})
+
+
+def ours_from_hf(config: ModelConfig, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{HF name: tensor} (weights or their gradients) -> {our "/"-joined path: tensor}, by the converter's rules."""
+    out = {}
+    for rule in formats.rules(config, formats.HF_BF16):
+        for target, value in zip(rule.targets, rule.to_ours(*(named[s.name] for s in rule.sources)), strict=True):
+            out[target] = value
+    return out
+
+
+def _lora_sites(adapters, lora):
+    """(path of the weight, its adapter {"a", "b"}, the merge einsum "a,b->W") of every adapted weight."""
+    from gptoss_jax.training.lora import _merge_einsum, adapter_axes, input_axes
+
+    for layer, modules in adapters.items():
+        for module, weights in modules.items():
+            for name, ab in weights.items():
+                a_axes, b_axes = adapter_axes(module, name, input_axes(module, name))
+                yield f"{layer}/{module}/{name}", ab, _merge_einsum(module, name, a_axes, b_axes)
+
+
+def merge64(params, adapters, lora):
+    """Our params with the adapters folded in exactly, W + scale * a @ b in float64 (a numpy tree)."""
+    out = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    for path, ab, spec in _lora_sites(adapters, lora):
+        node = out
+        *parents, leaf = path.split("/")
+        for key in parents:
+            node = node[key]
+        node[leaf] = node[leaf] + lora.scale * np.einsum(spec, *(np.asarray(ab[x], np.float64) for x in "ab"))
+    return out
+
+
+def adapter_gradients(weight_grads: dict[str, np.ndarray], adapters, lora):
+    """The adapters' gradients from the gradients of the merged weights (our paths), by the chain rule in
+    float64: W' = W + s a b gives dL/da = s dL/dW' b^T and dL/db = s a^T dL/dW' (over the einsum's axes)."""
+    out = {}
+    for path, ab, spec in _lora_sites(adapters, lora):
+        a_word, rest = spec.split(",")
+        b_word, w_word = rest.split("->")
+        a, b = (np.asarray(ab[x], np.float64) for x in "ab")
+        g = np.asarray(weight_grads[path], np.float64)
+        out[f"{path}/a"] = lora.scale * np.einsum(f"{w_word},{b_word}->{a_word}", g, b)
+        out[f"{path}/b"] = lora.scale * np.einsum(f"{a_word},{w_word}->{b_word}", a, g)
+    return out
+
+
+def exact_adapter_gradients(config: ModelConfig, params, adapters, lora, tokens, mask, *, total: bool = False):
+    """(noise.Exact of the loss, {our path + "/a" or "/b": noise.Exact of the adapter's gradient}): transformers
+    in float64 on the exactly merged weights; the noise is its float32 run on those weights rounded to
+    float32, taken through the same chain rule."""
+    from noise import Exact
+
+    from noise import scalar
+
+    merged = merge64(params, adapters, lora)
+    merged32 = jax.tree.map(lambda x: x.astype(np.float32), merged)
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    n = float(mask[:, 1:].sum()) if total else 1.0
+    runs = {}
+    for dtype, weights in (("float32", merged32), ("float64", merged)):
+        value, grads = hf_gradients(config, weights, tokens, mask, dtype)
+        runs[dtype] = value * n, adapter_gradients({k: v * n for k, v in ours_from_hf(config, grads).items()},
+                                                   adapters, lora)
+    return scalar(runs["float32"][0], runs["float64"][0]), {k: Exact.measure(runs["float32"][1][k], v) for k, v in runs["float64"][1].items()}
+
+
+def exact_adapted_logits(config: ModelConfig, params, adapters, lora, tokens):
+    """noise.Exact of the logits of the base with its adapters: transformers in float64 on the exactly
+    merged weights, its float32 run on them rounded to float32 as the noise."""
+    from noise import Exact
+
+    merged = merge64(params, adapters, lora)
+    merged32 = jax.tree.map(lambda x: x.astype(np.float32), merged)
+    return Exact.measure(hf_logits(config, merged32, tokens, "float32"), hf_logits(config, merged, tokens, "float64"))
