@@ -222,24 +222,27 @@ def adapter_gradients(weight_grads: dict[str, np.ndarray], adapters, lora):
     return out
 
 
+def trained_gradients(config: ModelConfig, params, tokens, mask, dtype: str, lora=None, adapters=None):
+    """transformers' mean loss and the gradient of what is trained, by our path ("block_0/attn/q_weight",
+    or with LoRA "block_0/attn/q_weight/a"), float64 numpy. With adapters: transformers on the weights
+    merged exactly (merge64; rounded to float32 for a float32 run), the chain rule in float64."""
+    weights = params if lora is None else merge64(params, adapters, lora)
+    if lora is not None and dtype != "float64":
+        weights = jax.tree.map(lambda x: x.astype(np.float32), weights)
+    value, grads = hf_gradients(config, weights, np.asarray(tokens), np.asarray(mask), dtype)
+    grads = ours_from_hf(config, grads)
+    return value, grads if lora is None else adapter_gradients(grads, adapters, lora)
+
+
 def exact_adapter_gradients(config: ModelConfig, params, adapters, lora, tokens, mask, *, total: bool = False):
-    """(noise.Exact of the loss, {our path + "/a" or "/b": noise.Exact of the adapter's gradient}): transformers
-    in float64 on the exactly merged weights; the noise is its float32 run on those weights rounded to
-    float32, taken through the same chain rule."""
-    from noise import Exact
+    """(noise.Exact of the loss, {our path + "/a" or "/b": noise.Exact of the adapter's gradient}):
+    trained_gradients in float64, its float32 run (through the same chain rule) as the noise."""
+    from noise import Exact, scalar
 
-    from noise import scalar
-
-    merged = merge64(params, adapters, lora)
-    merged32 = jax.tree.map(lambda x: x.astype(np.float32), merged)
-    tokens, mask = np.asarray(tokens), np.asarray(mask)
-    n = float(mask[:, 1:].sum()) if total else 1.0
-    runs = {}
-    for dtype, weights in (("float32", merged32), ("float64", merged)):
-        value, grads = hf_gradients(config, weights, tokens, mask, dtype)
-        runs[dtype] = value * n, adapter_gradients({k: v * n for k, v in ours_from_hf(config, grads).items()},
-                                                   adapters, lora)
-    return scalar(runs["float32"][0], runs["float64"][0]), {k: Exact.measure(runs["float32"][1][k], v) for k, v in runs["float64"][1].items()}
+    n = float(np.asarray(mask)[:, 1:].sum()) if total else 1.0
+    (l32, g32), (l64, g64) = (trained_gradients(config, params, tokens, mask, d, lora, adapters)
+                              for d in ("float32", "float64"))
+    return scalar(l32 * n, l64 * n), {k: Exact.measure(g32[k] * n, v * n) for k, v in g64.items()}
 
 
 def exact_adapted_logits(config: ModelConfig, params, adapters, lora, tokens):
