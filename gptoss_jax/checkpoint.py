@@ -16,10 +16,13 @@ loaded a chunk at a time, so that host memory stays near one layer's size while 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
+import logging
 import math
 import os
+import re
 import sys
 
 import jax
@@ -408,11 +411,12 @@ def _restore(checkpointer, item_dir: str, name: str, targets=None):
     try:
         return checkpointer.restore(item_dir, targets)
     except Exception as e:  # Orbax/TensorStore errors: one line naming the item
-        _quiet_late_reads()
         raise _unreadable(item_dir, name, e) from None
 
 
 def _unreadable(item_dir: str, name: str, e: Exception) -> ValueError:
+    """The one-line error for an item that cannot be read; what its other reads still print is dropped."""
+    _quiet_late_reads()
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
                       f"damaged? ({detail})")
@@ -422,11 +426,47 @@ def _late_read(e) -> bool:
     return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
 
 
+_STATUS_ERROR = re.compile(r"^[A-Z][A-Z_]+: ")  # TensorStore's errors: an absl status code, "OUT_OF_RANGE: ..."
+
+
+class _LateReadLog(logging.Filter):
+    """Drops asyncio's "Future exception was never retrieved" records for TensorStore read errors:
+    the other reads of a restore that already failed (and was reported) fail too, after Orbax stopped
+    awaiting them, and asyncio logs each when the garbage collector frees it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        never_retrieved = "exception was never retrieved" in record.getMessage()
+        return not (never_retrieved and error is not None and _STATUS_ERROR.match(str(error)))
+
+
+def _close_stderr() -> None:
+    """At exit, after a restore failed: what Python wrote is flushed, and file descriptor 2 then points
+    at the null device, so that reads landing during shutdown print nothing."""
+    try:
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+    except (OSError, ValueError):  # stderr already closed or replaced by something without a descriptor
+        pass
+
+
 def _quiet_late_reads() -> None:
-    """After a failed restore, reads still in flight finish into Orbax's closed event loop and
-    would each print an "Event loop is closed" traceback at some later moment; drop exactly those.
-    They reach Python as unraisable exceptions or, from TensorStore's own threads, through
-    sys.excepthook (seen in a test run on a loaded 2-core machine)."""
+    """After a failed restore, the reads still in flight would print at some later moment; drop
+    exactly those, so that the error the caller reports is the only line:
+    - reads that finish into Orbax's closed event loop ("Event loop is closed"), which reach Python
+      as unraisable exceptions or, from TensorStore's own threads, through sys.excepthook (seen in a
+      test run on a loaded 2-core machine);
+    - reads that failed in their turn, which asyncio logs as "Future exception was never retrieved"
+      when their futures are freed (seen on a clean install with Python 3.11, jax 0.10.2);
+    - reads that land while the interpreter shuts down, when Python's hooks are gone and the
+      traceback goes straight to the stderr file (seen from the command line, which exits right
+      after reporting the error): at exit, once Python's own streams are flushed, stderr is closed."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _LateReadLog) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_LateReadLog())
+        atexit.register(_close_stderr)
     if not getattr(sys.unraisablehook, "_gptoss_quiet", False):
         previous_unraisable = sys.unraisablehook
 
