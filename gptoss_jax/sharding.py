@@ -10,8 +10,10 @@ created. `RULES` maps each logical name to a mesh axis (or to None: replicated).
 parameters, cache and activations all come from `spec()`; no PartitionSpec is written by hand.
 
 Axes in `WHERE_DIVISIBLE` fall back to replication when the mesh axis does not divide them (a batch
-of 1 on data=2, 8 KV heads on tensor=16); any other axis that does not divide is an error, raised
-by `check_mesh` before anything is loaded.
+of 1 on data=2, 8 KV heads on tensor=16, a fine-tuned model's vocabulary of 283 ids on tensor=2; the
+published vocabularies divide by 64); `describe` says which of the model's do. Any other axis that
+does not divide is an error (the experts: splitting them is the point of `expert`), raised by
+`check_mesh` before anything is loaded.
 
 Training adds a second table, `STATE_RULES`, for what is trained and its optimizer state: the same
 rules with the model's width (`embed`) split over `data` as well (fully sharded data parallelism:
@@ -53,7 +55,7 @@ RULES: dict[str, str | None] = {
     "block_bytes": None,  # the 16 bytes of an MXFP4 block; `<axis>_blocks` (whole blocks) follow <axis>
     "lora": None,  # a LoRA adapter's rank (training/lora.py)
 }
-WHERE_DIVISIBLE = frozenset({"batch", "kv_heads"})
+WHERE_DIVISIBLE = frozenset({"batch", "kv_heads", "vocab"})
 
 # What is trained (adapters, or float32 master weights) and its optimizer state: as RULES, with the
 # width also split over `data`, where it divides (training/placement.py).
@@ -192,13 +194,28 @@ def bytes_per_device(tree: Any) -> dict[Any, int]:
     return out
 
 
-def describe(mesh: Mesh) -> str:
-    """One line: "data=1,expert=1,tensor=2 over 2 gpu devices (1 process)"."""
+def replicated_model_axes(config: ModelConfig, mesh: Mesh | Mapping[str, int]) -> list[str]:
+    """The model's axes that fall back to replication on this mesh: "vocab (283)" when `tensor` does
+    not divide the vocabulary, likewise the KV heads."""
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
+    model = config.axis_sizes()
+    return [f"{name} ({model[name]})" for name in sorted(WHERE_DIVISIBLE) if name in model
+            and (axis := RULES[name]) and sizes[axis] > 1 and model[name] % sizes[axis]]
+
+
+def describe(mesh: Mesh, config: ModelConfig | None = None) -> str:
+    """One line: "data=1,expert=1,tensor=2 over 2 gpu devices (1 process)", and with a config the axes
+    that are replicated rather than split: "; vocab (283) replicated: tensor=2 does not divide it"."""
     sizes = {a: mesh.shape[a] for a in MESH_AXES}
     platform = mesh.devices.flat[0].platform
     processes = len({d.process_index for d in mesh.devices.flat})
-    return (f"{format_sizes(sizes)} over {mesh.size} {platform} device{'s' * (mesh.size != 1)} "
+    line = (f"{format_sizes(sizes)} over {mesh.size} {platform} device{'s' * (mesh.size != 1)} "
             f"({processes} process{'es' * (processes != 1)})")
+    whole = replicated_model_axes(config, mesh) if config is not None else []
+    if whole:
+        line += (f"; {' and '.join(whole)} replicated: tensor={sizes['tensor']} does not divide "
+                 f"{'them' if len(whole) > 1 else 'it'}")
+    return line
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -299,3 +299,25 @@ def test_pallas_kernels_run_per_device_on_a_mesh(checkpoint, single):
     results = Generator(config, params, max_len=192, prefill_chunk=64, kernels=kernels).generate(
         single["prompts"], max_new_tokens=10, sampling=GREEDY)
     assert [r.output_ids for r in results] == single["greedy"]
+
+
+def test_a_vocabulary_that_tensor_does_not_divide_is_replicated(tiny):
+    """A fine-tuned model's 283-id vocabulary on expert=4,tensor=2: accepted, embedding and unembedding
+    kept whole on every device (said in the devices line), greedy tokens those of one device."""
+    from gptoss_jax.testing import random_params
+
+    config = tiny.replace(vocab_size=283)
+    mesh = gj.make_mesh(expert=4, tensor=2)
+    sh.check_mesh(config, mesh)
+    params = random_params(config, seed=5)
+    placed = jax.device_put(params, sh.param_shardings(config, mesh))
+    assert placed["embedding"].sharding.spec == PartitionSpec(None, None)
+    assert placed["unembedding"].sharding.spec == PartitionSpec(None, None)
+    assert placed["block_0"]["attn"]["q_weight"].sharding.spec != PartitionSpec(None, None, None)  # heads still split
+    assert sh.describe(mesh, config).endswith("; vocab (283) replicated: tensor=2 does not divide it")
+    assert "replicated" not in sh.describe(mesh, tiny)  # 1024 ids divide
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, 283, n)) for n in (5, 40)]
+    one = Generator(config, params, max_len=64).generate(prompts, max_new_tokens=8, sampling=GREEDY)
+    many = Generator(config, placed, max_len=64).generate(prompts, max_new_tokens=8, sampling=GREEDY)
+    assert [r.output_ids for r in many] == [r.output_ids for r in one]

@@ -205,7 +205,7 @@ def _run(args, signals: Signals) -> int:
     if unsplit:
         say(f"warning: {unsplit}")
     say(f"model: {what}; jax {jax.__version__}")
-    say(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
+    say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     say(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
         + f"; sequences of {length} tokens")
     if args.checkpoint:

@@ -180,7 +180,7 @@ def _run(args, signals: Signals) -> int:
     if main_process:
         experts = "; experts packed in MXFP4" if _experts(args) else ""
         print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
-        print(f"devices: {describe(mesh) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
+        print(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
     params = _load_params(args, config, mesh)
     if tokenizer is None and not args.json and main_process:
         print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
