@@ -2,8 +2,7 @@
 
 Each cached result is checked against transformers' float64 logits of the whole sequence, within
 NOISE_FACTOR x transformers' own float32 error (noise.py); the uncached model is held to the same
-bound in test_model.py, so the two agree to within twice that. Mutations tried: the ring slot of a
-sliding layer off by one, the cache length not advanced, a batch's lengths ignored (each >100x)."""
+bound in test_model.py, so the two agree to within twice that."""
 
 import jax
 import jax.numpy as jnp

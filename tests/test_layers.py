@@ -1,9 +1,7 @@
 """RMSNorm and RoPE/YaRN against both references.
 
 Values are checked against the same formula in float64 on the same inputs, within NOISE_FACTOR x a
-reference's own float32 (or bfloat16) error (noise.py). Mutations tried: RMSNorm's eps moved inside
-the square root's mean, the rotation's halves interleaved, YaRN's concentration left out (each
->100x the bound)."""
+reference's own float32 (or bfloat16) error (noise.py)."""
 
 import jax.numpy as jnp
 import numpy as np

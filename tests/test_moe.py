@@ -1,9 +1,7 @@
 """Router, clamped SwiGLU and both expert dispatch paths against the references.
 
 Float results are checked against the references run in float64 on the same inputs, within
-NOISE_FACTOR x the references' own float32 error (noise.py). Mutations tried: the SwiGLU halves
-swapped, the clamp's lower side left out, the routing softmax over all experts rather than the
-selected ones, an expert's pairs given another expert's weights (each >100x)."""
+NOISE_FACTOR x the references' own float32 error (noise.py)."""
 
 import jax
 import jax.numpy as jnp

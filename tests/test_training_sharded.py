@@ -13,10 +13,7 @@ moments, which are compared instead.
 
 The bounds (noise.py): gradients and moments, on the mesh and on one device, each within
 NOISE_FACTOR x transformers' own float32 error of its float64 result on the same weights (for
-adapters: on the exactly merged weights, through the chain rule). Mutations tried: the expert
-adapters replicated inside shard_map (each device adding every expert's update), a micro-batch's
-sequences split over `data` without summing across it, the tensor-split mlp1 adapter's b reduced
-over the wrong axis: each fails by >100x.
+adapters: on the exactly merged weights, through the chain rule).
 """
 
 import functools
