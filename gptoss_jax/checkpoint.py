@@ -16,7 +16,6 @@ loaded a chunk at a time, so that host memory stays near one layer's size while 
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import logging
@@ -440,18 +439,6 @@ class _LateReadLog(logging.Filter):
         return not (never_retrieved and error is not None and _STATUS_ERROR.match(str(error)))
 
 
-def _close_stderr() -> None:
-    """At exit, after a restore failed: what Python wrote is flushed, and file descriptor 2 then points
-    at the null device, so that reads landing during shutdown print nothing."""
-    try:
-        sys.stderr.flush()
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 2)
-        os.close(null)
-    except (OSError, ValueError):  # stderr already closed or replaced by something without a descriptor
-        pass
-
-
 def _quiet_late_reads() -> None:
     """After a failed restore, the reads still in flight would print at some later moment; drop
     exactly those, so that the error the caller reports is the only line:
@@ -459,14 +446,12 @@ def _quiet_late_reads() -> None:
       as unraisable exceptions or, from TensorStore's own threads, through sys.excepthook (seen in a
       test run on a loaded 2-core machine);
     - reads that failed in their turn, which asyncio logs as "Future exception was never retrieved"
-      when their futures are freed (seen on a clean install with Python 3.11, jax 0.10.2);
-    - reads that land while the interpreter shuts down, when Python's hooks are gone and the
-      traceback goes straight to the stderr file (seen from the command line, which exits right
-      after reporting the error): at exit, once Python's own streams are flushed, stderr is closed."""
+      when their futures are freed (seen on a clean install with Python 3.11, jax 0.10.2).
+    Reads that land while the interpreter shuts down, when these hooks are gone, still print: the
+    command lines therefore leave a failed run without the interpreter's clean-up (cli/command.py)."""
     asyncio_log = logging.getLogger("asyncio")
     if not any(isinstance(f, _LateReadLog) for f in asyncio_log.filters):
         asyncio_log.addFilter(_LateReadLog())
-        atexit.register(_close_stderr)
     if not getattr(sys.unraisablehook, "_gptoss_quiet", False):
         previous_unraisable = sys.unraisablehook
 

@@ -195,27 +195,23 @@ def bytes_per_device(tree: Any) -> dict[Any, int]:
 
 
 def replicated_model_axes(config: ModelConfig, mesh: Mesh | Mapping[str, int]) -> list[str]:
-    """The model's axes that fall back to replication on this mesh: "vocab (283)" when `tensor` does
-    not divide the vocabulary, likewise the KV heads."""
+    """The model's axes that fall back to replication on this mesh, as "vocab (283 on tensor=2)"."""
     sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     model = config.axis_sizes()
-    return [f"{name} ({model[name]})" for name in sorted(WHERE_DIVISIBLE) if name in model
-            and (axis := RULES[name]) and sizes[axis] > 1 and model[name] % sizes[axis]]
+    return [f"{name} ({model[name]} on {axis}={sizes[axis]})" for name in sorted(WHERE_DIVISIBLE)
+            if name in model and (axis := RULES[name]) and sizes[axis] > 1 and model[name] % sizes[axis]]
 
 
 def describe(mesh: Mesh, config: ModelConfig | None = None) -> str:
     """One line: "data=1,expert=1,tensor=2 over 2 gpu devices (1 process)", and with a config the axes
-    that are replicated rather than split: "; vocab (283) replicated: tensor=2 does not divide it"."""
+    kept whole because the mesh does not divide them: "; replicated: vocab (283 on tensor=2)"."""
     sizes = {a: mesh.shape[a] for a in MESH_AXES}
     platform = mesh.devices.flat[0].platform
     processes = len({d.process_index for d in mesh.devices.flat})
     line = (f"{format_sizes(sizes)} over {mesh.size} {platform} device{'s' * (mesh.size != 1)} "
             f"({processes} process{'es' * (processes != 1)})")
     whole = replicated_model_axes(config, mesh) if config is not None else []
-    if whole:
-        line += (f"; {' and '.join(whole)} replicated: tensor={sizes['tensor']} does not divide "
-                 f"{'them' if len(whole) > 1 else 'it'}")
-    return line
+    return line + (f"; replicated: {', '.join(whole)}" if whole else "")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -7,7 +7,7 @@ machine and fails on the next. Instead each test computes
 
   exact   the same computation in float64 (the PyTorch references or a numpy definition), and
   noise   the largest |reference - exact| of an *independent* low-precision implementation of it
-          (the reference run in float32, or our readable jnp path), over the whole result,
+          (the reference, or the definition written in torch, run in float32), over the whole result,
 
 and requires  max |ours - exact| <= NOISE_FACTOR * noise  for each of our paths under test. Our
 paths are thereby also within 2 * NOISE_FACTOR * noise of each other (cached and uncached, sharded
@@ -38,14 +38,6 @@ NOISE_FLOOR_ULPS = 4  # the floor: this many float32 (or bfloat16) ulps of the l
 EPS = {"float32": float(np.finfo(np.float32).eps), "bfloat16": 2.0 ** -7}
 
 
-def _f64(x) -> np.ndarray:
-    return np.asarray(np.asarray(x, np.float32) if _is_bf16(x) else x, np.float64)
-
-
-def _is_bf16(x) -> bool:
-    return getattr(getattr(x, "dtype", None), "name", "") == "bfloat16"
-
-
 @dataclasses.dataclass(frozen=True)
 class Exact:
     """A float64 result and the low-precision noise of computing it (absolute, over the whole result)."""
@@ -56,8 +48,8 @@ class Exact:
     @classmethod
     def measure(cls, reference, exact, *, precision: str = "float32") -> Exact:
         """`reference`: an independent low-precision computation of `exact` (float64) on the same inputs."""
-        exact = _f64(exact)
-        reference = _f64(reference)
+        exact = np.asarray(exact, np.float64)
+        reference = np.asarray(reference, np.float64)
         assert reference.shape == exact.shape, (reference.shape, exact.shape)
         assert np.all(np.isfinite(exact)) and np.all(np.isfinite(reference))
         floor = NOISE_FLOOR_ULPS * EPS[precision] * float(np.abs(exact).max())
@@ -69,7 +61,7 @@ class Exact:
 
     def check(self, actual, what: str = "", *, factor: float = NOISE_FACTOR) -> float:
         """Assert max|actual - exact| <= factor * noise; returns the ratio max|actual - exact| / noise."""
-        actual = _f64(actual)
+        actual = np.asarray(actual, np.float64)
         assert actual.shape == self.value.shape, (what, actual.shape, self.value.shape)
         assert np.all(np.isfinite(actual)), what
         ratio = float(np.abs(actual - self.value).max()) / self.noise

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import torch
@@ -19,6 +21,11 @@ def host(x) -> np.ndarray:
     """A JAX or numpy array on the host: float64 kept, anything else as float32 (bf16 values stay exact)."""
     x = np.asarray(x)
     return x if x.dtype == np.float64 else x.astype(np.float32)
+
+
+def by_path(tree) -> dict[str, np.ndarray]:
+    """A pytree as {"block_0/attn/q_weight": host array} (host(): float64 kept, else float32)."""
+    return {"/".join(str(k.key) for k in path): host(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def t(x, dtype=torch.float32) -> torch.Tensor:
@@ -37,8 +44,7 @@ def _state_dict(config: ModelConfig, params, layout: str) -> dict[str, np.ndarra
 
     MXFP4 experts are given decoded, as the reference modules hold them: [E, out, in], like ours.
     """
-    flat = {"/".join(str(k.key) for k in path): host(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    flat = by_path(params)
     sd = {}
     for rule in formats.rules(config, layout):
         if rule.packed:
@@ -101,11 +107,15 @@ def hf_model(config: ModelConfig, params, dtype: str = "float32"):
 
 # --- float64 results: the exact side of every parity check (noise.py) -------------------------------
 
-def attention64(q, k, v, sinks, q_pos, k_pos, window: int | None, *, with_lse: bool = False):
-    """Attention with sinks by its definition, in float64 (torch, so that it can be differentiated):
-    q [B, T, K, G, H], k and v [B, S, K, H], sinks [K, G] (None: no sink), positions [B, T] and
-    [B, S] (negative: no key) -> o [B, T, K, G, H] (and lse [B, T, K, G] of the keys alone)."""
-    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, np.float64)) for x in (q, k, v))
+def attention_torch(q, k, v, sinks, q_pos, k_pos, window: int | None, *, dtype=torch.float64, with_lse=False):
+    """Attention with sinks by its definition, in torch at `dtype` (float64: the exact side; float32:
+    an independent float32 code, the noise): q [B, T, K, G, H], k and v [B, S, K, H], sinks [K, G]
+    (None: no sink), positions [B, T] and [B, S] (negative: no key) -> o [B, T, K, G, H] (and lse
+    [B, T, K, G] of the keys alone). Tensors given are used as they are (to differentiate)."""
+    def tensor(x):
+        return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, np.float64)).to(dtype)
+
+    q, k, v = (tensor(x) for x in (q, k, v))
     qp, kp = (torch.from_numpy(np.array(p))[..., None] for p in (q_pos, k_pos))
     keep = (kp.transpose(-1, -2) <= qp) & (kp.transpose(-1, -2) >= 0)  # [B, T, S]
     if window is not None:
@@ -113,14 +123,20 @@ def attention64(q, k, v, sinks, q_pos, k_pos, window: int | None, *, with_lse: b
     s = torch.einsum("btkgh,bskh->bkgts", q, k) / np.sqrt(q.shape[-1])
     s = s.masked_fill(~keep[:, None, None], -torch.inf)
     lse = torch.logsumexp(s, dim=-1)  # [B, K, G, T]
-    if sinks is not None:
-        sinks = sinks if isinstance(sinks, torch.Tensor) else torch.from_numpy(np.asarray(sinks, np.float64))
-        total = torch.logaddexp(lse, sinks[None, :, :, None])
-    else:
-        total = lse
+    total = lse if sinks is None else torch.logaddexp(lse, tensor(sinks)[None, :, :, None])
     p = torch.exp(s - total[..., None]).nan_to_num(0.0)  # a row with no key and no sink: zeros
     o = torch.einsum("bkgts,bskh->btkgh", p, v)
     return (o, lse.permute(0, 3, 1, 2)) if with_lse else o
+
+
+def exact_attention(q, k, v, sinks, q_pos, k_pos, window: int | None, *, with_lse: bool = False):
+    """noise.Exact of attention_torch's o (and lse): float64, its float32 run as the noise."""
+    from noise import Exact
+
+    runs = [attention_torch(q, k, v, sinks, q_pos, k_pos, window, dtype=d, with_lse=True)
+            for d in (torch.float32, torch.float64)]
+    o, lse = (Exact.measure(r32, r64) for r32, r64 in zip(*runs, strict=True))
+    return (o, lse) if with_lse else o
 
 
 def hf_logits(config: ModelConfig, params, tokens, dtype: str) -> np.ndarray:
@@ -163,19 +179,6 @@ def hf_gradients(config: ModelConfig, params, tokens, mask, dtype: str):
     return float(out.loss.detach()), {name: p.grad.double().numpy() for name, p in model.named_parameters()}
 
 
-def exact_gradients(config: ModelConfig, params, tokens, mask, *, total: bool = False):
-    """(noise.Exact of the loss, {HF name: noise.Exact of its gradient}) from transformers in float64,
-    its float32 run as the noise. total=True: of the loss summed over the selected tokens (what
-    gptoss_jax.training.step.gradients returns) rather than their mean."""
-    from noise import Exact, scalar
-
-    tokens, mask = np.asarray(tokens), np.asarray(mask)
-    (loss32, grads32), (loss64, grads64) = (hf_gradients(config, params, tokens, mask, d) for d in ("float32", "float64"))
-    n = float(mask[:, 1:].sum()) if total else 1.0
-    return (scalar(loss32 * n, loss64 * n),
-            {name: Exact.measure(grads32[name] * n, grads64[name] * n) for name in grads64})
-
-
 def ours_from_hf(config: ModelConfig, named: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """{HF name: tensor} (weights or their gradients) -> {our "/"-joined path: tensor}, by the converter's rules."""
     out = {}
@@ -185,26 +188,23 @@ def ours_from_hf(config: ModelConfig, named: dict[str, np.ndarray]) -> dict[str,
     return out
 
 
-def _lora_sites(adapters, lora):
+def _lora_sites(adapters):
     """(path of the weight, its adapter {"a", "b"}, the merge einsum "a,b->W") of every adapted weight."""
-    from gptoss_jax.training.lora import _merge_einsum, adapter_axes, input_axes
+    from gptoss_jax.training.lora import _merge_einsum, _nodes, adapter_axes, input_axes
 
-    for layer, modules in adapters.items():
-        for module, weights in modules.items():
-            for name, ab in weights.items():
-                a_axes, b_axes = adapter_axes(module, name, input_axes(module, name))
-                yield f"{layer}/{module}/{name}", ab, _merge_einsum(module, name, a_axes, b_axes)
+    for layer, module, name, ab in _nodes(adapters):
+        spec = _merge_einsum(module, name, *adapter_axes(module, name, input_axes(module, name)))
+        yield f"{layer}/{module}/{name}", ab, spec
 
 
-def merge64(params, adapters, lora):
-    """Our params with the adapters folded in exactly, W + scale * a @ b in float64 (a numpy tree)."""
-    out = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-    for path, ab, spec in _lora_sites(adapters, lora):
-        node = out
+def merge_host(params, adapters, lora, dtype=np.float64):
+    """Our params with the adapters folded in, W + scale * a @ b computed in numpy at `dtype` (float64:
+    exactly; float32: an independent float32 merge, for the noise of ours)."""
+    out = jax.tree.map(lambda x: np.asarray(x, dtype), params)
+    for path, ab, spec in _lora_sites(adapters):
         *parents, leaf = path.split("/")
-        for key in parents:
-            node = node[key]
-        node[leaf] = node[leaf] + lora.scale * np.einsum(spec, *(np.asarray(ab[x], np.float64) for x in "ab"))
+        node = functools.reduce(dict.__getitem__, parents, out)
+        node[leaf] = node[leaf] + dtype(lora.scale) * np.einsum(spec, *(np.asarray(ab[x], dtype) for x in "ab"))
     return out
 
 
@@ -212,7 +212,7 @@ def adapter_gradients(weight_grads: dict[str, np.ndarray], adapters, lora):
     """The adapters' gradients from the gradients of the merged weights (our paths), by the chain rule in
     float64: W' = W + s a b gives dL/da = s dL/dW' b^T and dL/db = s a^T dL/dW' (over the einsum's axes)."""
     out = {}
-    for path, ab, spec in _lora_sites(adapters, lora):
+    for path, ab, spec in _lora_sites(adapters):
         a_word, rest = spec.split(",")
         b_word, w_word = rest.split("->")
         a, b = (np.asarray(ab[x], np.float64) for x in "ab")
@@ -222,11 +222,11 @@ def adapter_gradients(weight_grads: dict[str, np.ndarray], adapters, lora):
     return out
 
 
-def trained_gradients(config: ModelConfig, params, tokens, mask, dtype: str, lora=None, adapters=None):
+def reference_gradients(config: ModelConfig, params, tokens, mask, dtype: str, lora=None, adapters=None):
     """transformers' mean loss and the gradient of what is trained, by our path ("block_0/attn/q_weight",
     or with LoRA "block_0/attn/q_weight/a"), float64 numpy. With adapters: transformers on the weights
-    merged exactly (merge64; rounded to float32 for a float32 run), the chain rule in float64."""
-    weights = params if lora is None else merge64(params, adapters, lora)
+    merged exactly (merge_host; rounded to float32 for a float32 run), the chain rule in float64."""
+    weights = params if lora is None else merge_host(params, adapters, lora)
     if lora is not None and dtype != "float64":
         weights = jax.tree.map(lambda x: x.astype(np.float32), weights)
     value, grads = hf_gradients(config, weights, np.asarray(tokens), np.asarray(mask), dtype)
@@ -234,13 +234,14 @@ def trained_gradients(config: ModelConfig, params, tokens, mask, dtype: str, lor
     return value, grads if lora is None else adapter_gradients(grads, adapters, lora)
 
 
-def exact_adapter_gradients(config: ModelConfig, params, adapters, lora, tokens, mask, *, total: bool = False):
-    """(noise.Exact of the loss, {our path + "/a" or "/b": noise.Exact of the adapter's gradient}):
-    trained_gradients in float64, its float32 run (through the same chain rule) as the noise."""
+def exact_gradients(config: ModelConfig, params, tokens, mask, *, lora=None, adapters=None, total: bool = False):
+    """(noise.Exact of the loss, {our path: noise.Exact of its gradient}): reference_gradients in float64,
+    its float32 run as the noise. total=True: of the loss summed over the selected tokens (what
+    gptoss_jax.training.step.gradients returns) rather than their mean."""
     from noise import Exact, scalar
 
     n = float(np.asarray(mask)[:, 1:].sum()) if total else 1.0
-    (l32, g32), (l64, g64) = (trained_gradients(config, params, tokens, mask, d, lora, adapters)
+    (l32, g32), (l64, g64) = (reference_gradients(config, params, tokens, mask, d, lora, adapters)
                               for d in ("float32", "float64"))
     return scalar(l32 * n, l64 * n), {k: Exact.measure(g32[k] * n, v * n) for k, v in g64.items()}
 
@@ -250,6 +251,6 @@ def exact_adapted_logits(config: ModelConfig, params, adapters, lora, tokens):
     merged weights, its float32 run on them rounded to float32 as the noise."""
     from noise import Exact
 
-    merged = merge64(params, adapters, lora)
+    merged = merge_host(params, adapters, lora)
     merged32 = jax.tree.map(lambda x: x.astype(np.float32), merged)
     return Exact.measure(hf_logits(config, merged32, tokens, "float32"), hf_logits(config, merged, tokens, "float64"))

@@ -1,8 +1,8 @@
 """Attention kernels against each other and the attention block against OpenAI's.
 
-Every check is against attention computed in float64 by its definition (refs.attention64), within
-NOISE_FACTOR x the float32 error of the readable definition (attention_reference) on the same
-inputs (noise.py). Mutation tried: the sink left out of the blockwise denominator fails every
+Every check is against attention computed in float64 by its definition (refs.exact_attention), within
+NOISE_FACTOR x the float32 error of the same definition run in float32 (noise.py); the readable jnp
+definition (attention_reference) is checked alongside the blockwise path. Mutation tried: the sink left out of the blockwise denominator fails every
 blockwise case by more than 10^6 x."""
 
 import jax
@@ -15,7 +15,7 @@ from noise import Exact
 from gptoss_jax.kernels import Kernels
 from gptoss_jax.attention import AttentionBlock, attention_blockwise, attention_reference
 from gptoss_jax.kernels.xla import key_block_range
-from refs import attention64, openai_model
+from refs import exact_attention, openai_model
 
 
 def _qkv(rng, B, T, K, G, H, dtype=np.float32):
@@ -36,9 +36,9 @@ def test_blockwise_equals_reference(T, window, block):
     rng = np.random.default_rng(T + (window or 0) + block)
     q, k, v, sinks = _qkv(rng, 2, T, 2, 3, 8)
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), (2, T))
-    ref = attention_reference(q, k, v, sinks, positions, positions, window=window)
-    exact = Exact.measure(ref, attention64(q, k, v, sinks, positions, positions, window))
-    exact.check(attention_blockwise(q, k, v, sinks, window=window, q_block=block, kv_block=block))
+    exact = exact_attention(q, k, v, sinks, positions, positions, window)
+    exact.check(attention_reference(q, k, v, sinks, positions, positions, window=window), "reference")
+    exact.check(attention_blockwise(q, k, v, sinks, window=window, q_block=block, kv_block=block), "blockwise")
 
 
 def test_blockwise_with_later_queries_equals_reference_rows():
@@ -46,8 +46,7 @@ def test_blockwise_with_later_queries_equals_reference_rows():
     rng = np.random.default_rng(0)
     q, k, v, sinks = _qkv(rng, 1, 90, 2, 2, 8)
     positions = np.arange(90, dtype=np.int32)[None]
-    ref = attention_reference(q, k, v, sinks, positions, positions, window=7)
-    exact = Exact.measure(ref, attention64(q, k, v, sinks, positions, positions, 7))
+    exact = exact_attention(q, k, v, sinks, positions, positions, 7)
     out = attention_blockwise(q[:, 50:], k, v, sinks, window=7, q_pos=positions[:, 50:], q_block=16, kv_block=16)
     exact[:, 50:].check(out)
 
@@ -61,8 +60,8 @@ def test_blockwise_with_per_sequence_positions_and_lengths_equals_reference():
     q_pos = (lengths[:, None] - 5 + np.arange(5)).astype(np.int32)  # the last 5 positions of each
     k_pos = np.where(np.arange(64)[None] < lengths[:, None], np.arange(64)[None], -1).astype(np.int32)
     for window in (None, 9):
-        ref = attention_reference(q, k, v, sinks, q_pos, k_pos, window=window)
-        exact = Exact.measure(ref, attention64(q, k, v, sinks, q_pos, k_pos, window))
+        exact = exact_attention(q, k, v, sinks, q_pos, k_pos, window)
+        exact.check(attention_reference(q, k, v, sinks, q_pos, k_pos, window=window), f"reference, window {window}")
         exact.check(attention_blockwise(q, k, v, sinks, window=window, q_pos=q_pos, kv_len=lengths, q_block=2,
                                         kv_block=8), f"window {window}")
 

@@ -1,8 +1,8 @@
 """The kernel layer on CPU: sinks folded in through the statistics, and the TPU and Triton kernels in
 Pallas interpret mode against the jnp code.
 
-Results are checked against float64 definitions (refs.attention64, numpy einsum), within
-NOISE_FACTOR x the float32 error of the jnp code on the same inputs (noise.py)."""
+Results are checked against float64 definitions (refs.exact_attention, numpy einsum), within
+NOISE_FACTOR x the float32 error of the same definitions run in float32 (noise.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,9 @@ import pytest
 
 import gptoss_jax as gj
 from noise import Exact
-from gptoss_jax.attention import attention_reference
 from gptoss_jax.kernels import tpu, triton, xla
 from gptoss_jax.kernels.combine import combine
-from refs import attention64
+from refs import exact_attention
 
 
 def _qkv(rng, B, T, K, G, H):
@@ -30,8 +29,7 @@ def test_parts_with_sinks_equal_the_whole(window):
     rng = np.random.default_rng(0)
     q, k, v, sinks = _qkv(rng, 2, 90, 2, 3, 8)
     pos = np.broadcast_to(np.arange(90), (2, 90))
-    ref = attention_reference(q, k, v, sinks, pos, pos, window=window)[:, 50:]
-    exact = Exact.measure(ref, attention64(q, k, v, sinks, pos, pos, window)[:, 50:])
+    exact = exact_attention(q, k, v, sinks, pos, pos, window)[:, 50:]
     old_mask = xla.visible(pos[:, 50:], pos[:, :50], window)
     old = xla.dense(q[:, 50:], k[:, :50], v[:, :50], old_mask)
     new = xla.causal(q[:, 50:], k[:, 50:], v[:, 50:], window=window, block=16)
@@ -54,11 +52,11 @@ def test_splash_attention_in_interpret_mode(window):
     rng = np.random.default_rng(2)
     q, k, v, _ = _qkv(rng, 1, 256, 2, 2, 64)
     o, lse = tpu.causal(q, k, v, window=window, interpret=True)
-    o_ref, lse_ref = xla.causal(q, k, v, window=window, block=64)
     pos = np.arange(256)[None]
-    o64, lse64 = attention64(q, k, v, None, pos, pos, window, with_lse=True)
-    Exact.measure(o_ref, o64).check(o, "o")
-    Exact.measure(lse_ref, lse64).check(lse, "lse")
+    exact_o, exact_lse = exact_attention(q, k, v, None, pos, pos, window, with_lse=True)
+    for name, (out, out_lse) in (("splash", (o, lse)), ("jnp", xla.causal(q, k, v, window=window, block=64))):
+        exact_o.check(out, f"o, {name}")
+        exact_lse.check(out_lse, f"lse, {name}")
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -81,10 +79,13 @@ def test_triton_cache_attention_reads_the_filled_part(T):
     v = rng.standard_normal((3, 256, 2, 16)).astype(np.float32)
     kv_len = jnp.array([0, 70, 256])
     k[1, 70:], v[1, 70:] = 1e4, -1e4
-    o_ref, lse_ref = xla.prefix(q, k, v, kv_len, block=64)
     k_pos = np.where(np.arange(256)[None] < np.asarray(kv_len)[:, None], np.arange(256)[None], -1)
-    o64, lse64 = attention64(q, k, v, None, np.full((3, T), 256), k_pos, None, with_lse=True)
-    exact_o, exact_lse = Exact.measure(o_ref[1:], o64[1:]), Exact.measure(lse_ref[1:], lse64[1:])
+    # Rows 1 and 2 (row 0 sees no key: its output is checked below to be zero, its lse -inf).
+    exact_o, exact_lse = exact_attention(q[1:], k[1:], v[1:], None, np.full((2, T), 256), k_pos[1:], None,
+                                         with_lse=True)
+    o_ref, lse_ref = xla.prefix(q, k, v, kv_len, block=64)
+    exact_o.check(o_ref[1:], "o, jnp")
+    exact_lse.check(lse_ref[1:], "lse, jnp")
     for splits in (None, 3):
         o, lse = triton.cache_attention(q, k, v, kv_len, interpret=True, block_k=32, splits=splits)
         assert bool(jnp.all(jnp.isneginf(lse[0]))) and bool(jnp.all(o[0] == 0))

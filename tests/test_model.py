@@ -9,7 +9,6 @@ import torch
 import gptoss_jax as gj
 from conftest import rel_err
 from gptoss_jax.attention import AttentionBlock
-from gptoss_jax.layers import RMSNorm
 from gptoss_jax.model import TransformerBlock
 from gptoss_jax.testing import random_params
 from noise import Exact

@@ -39,7 +39,7 @@ from gptoss_jax import sharding as sh
 from gptoss_jax.params import at_path, path_name
 from gptoss_jax.testing import random_params
 from gptoss_jax.training import placement
-from gptoss_jax.training.lora import LoraConfig, init_adapters, merge
+from gptoss_jax.training.lora import LoraConfig, init_adapters
 from gptoss_jax.training.state import TrainCheckpoints
 from gptoss_jax.training.step import OptimizerConfig, StepConfig, gradients, make_step, optimizer
 
@@ -71,7 +71,7 @@ def _reference(lora, accumulation):
     tokens, mask = (x.reshape(-1, x.shape[-1]) for x in _batch(accumulation=accumulation))
     trainable, frozen = _trainable(lora)
     params, adapters = (trainable, None) if lora is None else (frozen, trainable)
-    return tuple(refs.trained_gradients(CONFIG, params, tokens, mask, d, lora, adapters) for d in ("float32", "float64"))
+    return tuple(refs.reference_gradients(CONFIG, params, tokens, mask, d, lora, adapters) for d in ("float32", "float64"))
 
 
 def _laid_out(setup, tx, trainable, frozen):
@@ -103,12 +103,13 @@ def test_sharded_gradients_equal_one_device(sizes, lora):
     assert float(count8) == float(count1) == n
     (l32, g32), (l64, g64) = _reference(lora, 2)
     exact_total = scalar(l32 * n, l64 * n)
+    exact = {name: Exact.measure(g32[name] * n, want * n) for name, want in g64.items()}
     for where, total, grads in (("one device", total1, one), ("mesh", total8, eight)):
         exact_total.check([total], f"loss sum, {where}")
-        got = {path_name(p): g for p, g in jax.tree_util.tree_leaves_with_path(grads)}
-        assert set(got) == set(g64)
-        for name, want in g64.items():
-            Exact.measure(g32[name] * n, want * n).check(got[name], f"{name}, {where}")
+        got = refs.by_path(grads)
+        assert set(got) == set(exact)
+        for name, want in exact.items():
+            want.check(got[name], f"{name}, {where}")
 
 
 @pytest.mark.parametrize("lora", [None, ALL_TARGETS], ids=["full", "lora"])
@@ -173,23 +174,24 @@ def test_two_processes_fine_tune_as_one(tmp_path):
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + {2 * a + 1}?"},
                                                      {"role": "assistant", "content": str(3 * a + 1)}]}) + "\n"
                             for a in range(10)))
-    common = ["--data", str(data), "--steps", "3", "--batch-size", "2", "--lora-rank", "4", "--lora-targets",
-              "attention,experts", "--lr", "1e-2", "--json", "--quiet", "--compile-cache", "none"]
+    common = ["--data", str(data), "--steps", "3", "--lora-rank", "4", "--lora-targets", "attention,experts",
+              "--lr", "1e-2", "--json", "--quiet", "--compile-cache", "none"]
+    pairs = ["--batch-size", "2"]  # two sequences a step
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(VOCAB), PYTHONUNBUFFERED="1")
     finetune = [sys.executable, os.path.join(ROOT, "finetune.py")]
-    one = subprocess.run(finetune + common + ["--out", str(tmp_path / "one")], cwd=ROOT, env=env,
+    one = subprocess.run(finetune + common + pairs + ["--out", str(tmp_path / "one")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr
     # The trajectory's own float32 noise: the same run with each step's two sequences as two
     # micro-batches of one (the same sums in another order).
-    split = [("1" if a == "2" and b == "--batch-size" else a) for b, a in zip([None] + common, common)]
-    noise_run = subprocess.run(finetune + split + ["--accumulation", "2", "--out", str(tmp_path / "split")], cwd=ROOT,
-                               env=env, capture_output=True, text=True, timeout=600)
+    split = ["--batch-size", "1", "--accumulation", "2"]
+    noise_run = subprocess.run(finetune + common + split + ["--out", str(tmp_path / "split")], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=600)
     assert noise_run.returncode == 0, noise_run.stderr
 
     port, out = free_port(), str(tmp_path / "two")
-    procs = [subprocess.Popen(finetune + common + ["--out", out, "--mesh", "data=2,expert=4", "--coordinator",
+    procs = [subprocess.Popen(finetune + common + pairs + ["--out", out, "--mesh", "data=2,expert=4", "--coordinator",
                                                    f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
                               cwd=ROOT, env=dict(env, JAX_NUM_CPU_DEVICES="4"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -214,9 +216,9 @@ def test_two_processes_fine_tune_as_one(tmp_path):
     adapters, _ = states.restore(states.latest(), adapters, tx.init(adapters))
     states.close()
     base = random_params(config, seed=0, dtype=jnp.float32)
-    one_device, exact = merge(base, adapters, lora), refs.merge64(base, adapters, lora)
-    # float32 rounding alone: the run merged on its mesh, against the exact merge; the noise is the
-    # one-device merge's rounding.
-    for (path, got), w, x in zip(jax.tree_util.tree_leaves_with_path(merged), jax.tree.leaves(one_device),
+    # float32 rounding alone: the run merged on its mesh, against the exact merge; the noise is a
+    # float32 merge in numpy.
+    noise, exact = refs.merge_host(base, adapters, lora, np.float32), refs.merge_host(base, adapters, lora)
+    for (path, got), w, x in zip(jax.tree_util.tree_leaves_with_path(merged), jax.tree.leaves(noise),
                                  jax.tree.leaves(exact), strict=True):
         Exact.measure(w, x).check(got, path_name(path))

@@ -11,7 +11,7 @@ import time
 from .. import __version__
 from ..metadata import expand
 from . import devices
-from .command import run_command
+from .command import leave, run_command
 from .inputs import UsageError, model_config
 from .signals import Signals
 
@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def entry(prog: str | None = None) -> None:
-    sys.exit(main(prog=prog or os.path.basename(sys.argv[0])))
+    """The program's entry point (`gptoss-finetune`, finetune.py): main(), then exit (command.leave)."""
+    leave(main(prog=prog or os.path.basename(sys.argv[0])))
 
 
 def _warn(message: str) -> None:

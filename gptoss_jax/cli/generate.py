@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 
 from .. import __version__
 from ..metadata import expand
 from . import devices
-from .command import run_command
+from .command import leave, run_command
 from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
 from .signals import Signals
 
@@ -93,18 +92,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def entry(prog: str | None = None) -> None:
-    """The program's entry point (`gptoss-generate`, run_inference.py): main(), then exit.
-
-    After an interrupt the process leaves at once, without the interpreter's clean-up: tearing down
-    the XLA runtime while an interrupted step's arrays are still alive can crash it (seen with
-    jaxlib 0.10 on CPU), and nothing is left to save.
-    """
-    code = main(prog=prog or os.path.basename(sys.argv[0]))
-    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    """The program's entry point (`gptoss-generate`, run_inference.py): main(), then exit (command.leave)."""
+    leave(main(prog=prog or os.path.basename(sys.argv[0])))
 
 
 def _warn(message: str) -> None:
