@@ -115,7 +115,8 @@ def test_sharded_gradients_equal_one_device(sizes, lora):
 @pytest.mark.parametrize("lora", [None, ALL_TARGETS], ids=["full", "lora"])
 def test_a_sharded_adamw_step_keeps_its_state_split_and_equal_to_one_device(lora):
     mesh = sh.make_mesh(data=4, expert=2)
-    tx = optimizer(OptimizerConfig(lr=1e-2, steps=10, weight_decay=0.1))
+    opt = OptimizerConfig(lr=1e-2, steps=10, weight_decay=0.1)
+    tx = optimizer(opt)
     tokens, mask = _batch()
     results = {}
     for where in (None, mesh):
@@ -134,36 +135,35 @@ def test_a_sharded_adamw_step_keeps_its_state_split_and_equal_to_one_device(lora
 
     # Laid out by STATE_RULES: the trained tree and both of AdamW's moments.
     axes = placement.trainable_axes(CONFIG, lora)
-    moments = [t for t in jax.tree.leaves(state8, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-               if isinstance(t, optax.ScaleByAdamState)]
-    assert len(moments) == 1
+    def adam(state):
+        found = [t for t in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+                 if isinstance(t, optax.ScaleByAdamState)]
+        assert len(found) == 1
+        return found[0]
+
     split_over_data = 0
-    for tree in (trainable8, moments[0].mu, moments[0].nu):
+    for tree in (trainable8, adam(state8).mu, adam(state8).nu):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             want = expected_spec(tuple(at_path(axes, path)), leaf.shape, mesh, sh.STATE_RULES)
             assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec == want, path_name(path)
             split_over_data += "data" in want
     assert split_over_data >= len(jax.tree.leaves(trainable8))  # most of them: everything with a width
 
-    one_moments = [t for t in jax.tree.leaves(state1, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-                   if isinstance(t, optax.ScaleByAdamState)][0]
     # After one step mu = (1 - b1) g and nu = (1 - b2) g^2, with g the mean gradient clipped to the
     # global norm `clip`: mu / (1 - b1) and sqrt(nu / (1 - b2)) are g and |g|.
-    opt = OptimizerConfig()
-
     def clipped(grads):
         norm = np.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
         return {k: g * min(1.0, opt.clip / norm) for k, g in grads.items()}
 
     c32, c64 = clipped(g32), clipped(g64)
-    for where, state in (("one device", one_moments), ("mesh", moments[0])):
-        for name, f in (("mu", lambda m: m / (1 - opt.b1)), ("nu", lambda v: np.sqrt(v / (1 - opt.b2)))):
-            for path, got in jax.tree_util.tree_leaves_with_path(getattr(state, name)):
-                key = path_name(path)
-                exact = Exact.measure(c32[key], c64[key])
-                if name == "nu":
-                    exact = Exact(np.abs(exact.value), exact.noise)  # |x| moves no further than x
-                exact.check(f(np.asarray(got, np.float64)), f"{name} {key}, {where}")
+    exact = {k: Exact.measure(c32[k], c64[k]) for k in c64}
+    for where, state in (("one device", adam(state1)), ("mesh", adam(state8))):
+        assert set(refs.by_path(state.mu)) == set(refs.by_path(state.nu)) == set(exact)
+        for key, got in refs.by_path(state.mu).items():
+            exact[key].check(np.float64(got) / (1 - opt.b1), f"mu {key}, {where}")
+        for key, got in refs.by_path(state.nu).items():  # |x| moves no further than x: the same bound
+            Exact(np.abs(exact[key].value), exact[key].noise).check(np.sqrt(np.float64(got) / (1 - opt.b2)),
+                                                                    f"nu {key}, {where}")
 
 
 @needs_vocab
