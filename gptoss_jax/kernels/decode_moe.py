@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton import _pow2_at_least, compiler_params
+from .triton import _pow2_at_least, compiler_params, padded_span
 from .triton_mxfp4 import _scale
 
 HALF_ONE = 2.0 ** 14  # a code decoded as float16 is its value times 2^-14
@@ -163,18 +163,19 @@ def route(x, scale, router_weight, router_bias, *, k: int, eps: float, interpret
     def logits_kernel(x_ref, xq_ref, s_ref, sq_ref, w_ref, b_ref, t_ref, m_ref, l_ref):
         n, j = pl.program_id(0), pl.program_id(1)
         # The whole token in pair order: even and odd inputs of each group of 8, [width, 4] each.
-        halves = [_masked(xq_ref.at[n, pl.ds(0, width), :, _i(h)], (width, 4), 0, Q).astype(jnp.float32) for h in (0, 1)]
+        halves = [_masked(xq_ref.at[n, padded_span(width, n), :, _i(h)], (width, 4), 0, Q).astype(jnp.float32)
+                  for h in (0, 1)]
         r = jax.lax.rsqrt((jnp.sum(halves[0] * halves[0]) + jnp.sum(halves[1] * halves[1])) / D + eps)
 
         @pl.when(j == 0)
         def _():
-            sq = [_masked(sq_ref.at[pl.ds(0, width), :, _i(h)], (width, 4), 0, Q) for h in (0, 1)]
+            sq = [_masked(sq_ref.at[padded_span(width, n), :, _i(h)], (width, 4), 0, Q) for h in (0, 1)]
             t = [(xh * r * sh).astype(dtype).astype(jnp.float32) for xh, sh in zip(halves, sq)]
             top = jnp.maximum(jnp.max(jnp.abs(t[0])), jnp.max(jnp.abs(t[1])))
             m = jnp.where(top > 0, jnp.exp2(jnp.ceil(jnp.log2(jnp.where(top > 0, top, 1.0)))), 1.0)
             rows = jax.lax.broadcasted_iota(jnp.int32, (width, 4), 0) < Q
             for h in (0, 1):
-                pltriton.store(t_ref.at[n, pl.ds(0, width), _i(h), :], (t[h] * (HALF_ONE / m)).astype(jnp.float16),
+                pltriton.store(t_ref.at[n, padded_span(width, n), _i(h), :], (t[h] * (HALF_ONE / m)).astype(jnp.float16),
                                mask=rows)
             m_ref[n] = m
 
@@ -249,7 +250,7 @@ def up_swiglu(t, m, experts, blocks, scales, bias, *, tokens_per_pair: int, alph
     def kernel(e_ref, m_ref, r_ref, w_ref, s_ref, b_ref, o_ref):
         p, j = pl.program_id(0), pl.program_id(1)
         e, n = e_ref[p], p // tokens_per_pair
-        rs, gs = pl.ds(j * R, R), pl.ds(0, width)
+        rs, gs = pl.ds(j * R, R), padded_span(width, p)
         xr = [_masked(r_ref.at[n, gs, :, _i(r)], (width, 4), 0, G)[None] for r in range(4)]  # [1, width, W]
         w = _masked(w_ref.at[e, rs, gs, :], (R, width, 4), 1, G)
         s = _masked(s_ref.at[e, rs, gs], (R, width), 1, G)
@@ -285,7 +286,7 @@ def down(a, experts, pair_weights, blocks, scales, bias, *, limit: float, interp
     def kernel(e_ref, pw_ref, r_ref, w_ref, s_ref, b_ref, o_ref):
         p, j = pl.program_id(0), pl.program_id(1)
         e = e_ref[p]
-        fs, gs = pl.ds(j * block_f, block_f), pl.ds(0, width)
+        fs, gs = pl.ds(j * block_f, block_f), padded_span(width, p)
         xr = [_masked(r_ref.at[p, gs, :, _i(r)], (width, 4), 0, G)[None] for r in range(4)]
         w = _masked(w_ref.at[e, fs, gs, :], (block_f, width, 4), 1, G)
         s = _masked(s_ref.at[e, fs, gs], (block_f, width), 1, G)

@@ -70,6 +70,14 @@ def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_
                        idx.astype(jnp.int32), x, w)
 
 
+def padded_span(width: int, program_id: jax.Array) -> pl.Slice:
+    """`pl.ds(0, width)` for a masked load or store that runs past the end of its axis (Triton blocks
+    are powers of two; the mask covers what lies past). Its start is traced, a program id the kernel
+    read at its top level times 0: JAX 0.12 refuses a constant slice past an array's end while
+    tracing a kernel (seen with jax 0.12.0.1) and checks no traced one; the compiler folds it to 0."""
+    return pl.ds(program_id * 0, width)
+
+
 def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
     """pallas_call's Triton settings (none in interpret mode)."""
     if interpret:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton import _block, compiler_params
+from .triton import _block, compiler_params, padded_span
 
 
 def _e2m1_halves(b):
@@ -121,7 +121,7 @@ def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_
     def kernel(idx_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref):
         p, j = pl.program_id(0), pl.program_id(1)
         e = idx_ref[p]
-        rows, groups = pl.ds(j * bf, bf), pl.ds(0, width)
+        rows, groups = pl.ds(j * bf, bf), padded_span(width, p)
 
         def masked(ref, shape, axis):  # a load of `shape` whose entries at or past G along `axis` are 0
             mask = jax.lax.broadcasted_iota(jnp.int32, shape, axis) < G
