@@ -29,7 +29,7 @@ needs_vocab = pytest.mark.skipif(not os.path.isfile(VOCAB), reason=(
 
 
 def rel_err(actual, reference) -> float:
-    """max |actual - reference| / max |reference|, the measure the parity tolerances are stated in."""
+    """max |actual - reference| / max |reference|: how far apart two results are (for checks that they differ)."""
     actual = np.asarray(actual, np.float64)
     reference = np.asarray(reference, np.float64)
     chex.assert_equal_shape([actual, reference])
@@ -75,11 +75,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def assert_rel_close(actual, reference, *, rtol: float) -> None:
-    err = rel_err(actual, reference)
-    assert err <= rtol, f"max|diff|/max|ref| = {err:.3g} > {rtol:.3g}"
 
 
 @pytest.fixture(scope="session")

@@ -129,14 +129,26 @@ def attention_torch(q, k, v, sinks, q_pos, k_pos, window: int | None, *, dtype=t
     return (o, lse.permute(0, 3, 1, 2)) if with_lse else o
 
 
-def exact_attention(q, k, v, sinks, q_pos, k_pos, window: int | None, *, with_lse: bool = False):
-    """noise.Exact of attention_torch's o (and lse): float64, its float32 run as the noise."""
+def exact_attention(q, k, v, sinks, q_pos, k_pos, window: int | None, *, with_lse: bool = False,
+                    precision: str = "float32"):
+    """noise.Exact of attention_torch's o (and lse): float64, its `precision` run (float32, or bfloat16
+    for 16-bit kernels) as the noise."""
     from noise import Exact
 
-    runs = [attention_torch(q, k, v, sinks, q_pos, k_pos, window, dtype=d, with_lse=True)
-            for d in (torch.float32, torch.float64)]
-    o, lse = (Exact.measure(r32, r64) for r32, r64 in zip(*runs, strict=True))
-    return (o, lse) if with_lse else o
+    runs = [attention_torch(q, k, v, sinks, q_pos, k_pos, window, dtype=TORCH_DTYPES[d], with_lse=True)
+            for d in (precision, "float64")]
+    o, lse = ((low.double().numpy(), r64.numpy()) for low, r64 in zip(*runs, strict=True))
+    o = Exact.measure(*o, precision=precision)
+    return (o, Exact.measure(*lse, precision=precision)) if with_lse else o  # lse: -inf where no key
+
+
+def grouped_torch(x, w, sizes, dtype: str) -> np.ndarray:
+    """A grouped matmul by its definition in torch at `dtype`: rows x [M, D] in consecutive groups of
+    sizes [G] (rows past their sum ignored), w [G, F, D] -> [sum(sizes), F] float64 numpy."""
+    dt = TORCH_DTYPES[dtype]
+    x, w = t(x, dt), t(w, dt)
+    ends = np.cumsum(np.asarray(sizes))
+    return torch.cat([x[end - n:end] @ w[g].T for g, (n, end) in enumerate(zip(np.asarray(sizes), ends))]).double().numpy()
 
 
 def hf_logits(config: ModelConfig, params, tokens, dtype: str) -> np.ndarray:
@@ -254,3 +266,59 @@ def exact_adapted_logits(config: ModelConfig, params, adapters, lora, tokens):
     merged = merge_host(params, adapters, lora)
     merged32 = jax.tree.map(lambda x: x.astype(np.float32), merged)
     return Exact.measure(hf_logits(config, merged32, tokens, "float32"), hf_logits(config, merged, tokens, "float64"))
+
+
+
+def swiglu_torch(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[..., 2F] -> [..., F]: the clamped SwiGLU as transformers writes it (gate = h[..., ::2])."""
+    gate, linear = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (linear + 1)
+
+
+def expert_matrices(weight) -> np.ndarray:
+    """An expert weight [E, out, in] on the host as float32, a packed one decoded (exactly)."""
+    from gptoss_jax.mxfp4 import decode_mxfp4, packed
+
+    if packed(weight):
+        return decode_mxfp4(np.asarray(weight["blocks"]), np.asarray(weight["scales"]), "float32")
+    return host(weight)
+
+
+def experts_torch(config: ModelConfig, mlp, x, idx, weights, dtype: str) -> np.ndarray:
+    """The experts by their definition in torch at `dtype` (float64: the exact side; float32 or
+    bfloat16: an independent low-precision code, the noise): our MLP parameters `mlp` (experts
+    decoded or packed), x [N, D] the normed input, a given routing idx [N, A] and weights [N, A] ->
+    sum_a weights[n, a] * expert idx[n, a] (x[n]), [N, D] float64 numpy."""
+    dt = TORCH_DTYPES[dtype]
+    idx, x, weights = np.asarray(idx), t(x, dt), t(weights, dt)
+    out = torch.zeros(x.shape, dtype=dt)
+    for name in ("mlp1_weight", "mlp2_weight"):
+        mlp = {**mlp, name: t(expert_matrices(mlp[name]), dt)}
+    for e in np.unique(idx):  # expert by expert, as transformers' eager experts
+        n, a = (torch.from_numpy(i) for i in np.nonzero(idx == e))
+        h = x[n] @ mlp["mlp1_weight"][e].T + t(mlp["mlp1_bias"][e], dt)
+        y = swiglu_torch(h, config.swiglu_alpha, config.swiglu_limit) @ mlp["mlp2_weight"][e].T + t(mlp["mlp2_bias"][e], dt)
+        out.index_add_(0, n, y * weights[n, a, None])
+    return out.double().numpy()
+
+
+def exact_experts(config: ModelConfig, mlp, x, idx, weights, *, precision: str = "float32"):
+    """noise.Exact of experts_torch: float64, its `precision` run as the noise."""
+    from noise import Exact
+
+    runs = (experts_torch(config, mlp, x, idx, weights, d) for d in (precision, "float64"))
+    return Exact.measure(*runs, precision=precision)
+
+
+def exact_moe_block(config: ModelConfig, mlp, x, *, precision: str = "float32"):
+    """noise.Exact of an MLPBlock's output [N, D] on x [B, T, D], for the experts our router picks.
+
+    The norm and the routing are ours (gptoss_jax's RMSNorm and route, each checked against both
+    references in test_layers.py and test_moe.py), so that a check of expert kernels does not hinge
+    on a near-tie a low-precision reference resolves otherwise; the experts are experts_torch's."""
+    from gptoss_jax.layers import RMSNorm
+    from gptoss_jax.moe import route
+
+    normed = RMSNorm(config).apply({"params": mlp["norm"]}, x).reshape(-1, x.shape[-1])  # x's dtype, as the block
+    weights, idx = route(normed, mlp["router_weight"], mlp["router_bias"], config.experts_per_token)
+    return exact_experts(config, mlp, normed, idx, weights, precision=precision)
