@@ -214,6 +214,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
         shardings = param_shardings(config, mesh, experts="mxfp4" if keep_packed else None)
     checkpointer = ocp.StandardCheckpointer()
     params: Params = {}
+    # Before any read: a failed restore's other reads can land before its error reaches us.
+    _quiet_late_reads()
     with tqdm(total=sum(_spec_bytes(s) for s in specs.values()), unit="B", unit_scale=True, desc="loading",
               disable=not progress, file=sys.stderr, leave=False) as bar:
         for i, name in enumerate(names):
@@ -440,8 +442,9 @@ class _LateReadLog(logging.Filter):
 
 
 def _quiet_late_reads() -> None:
-    """After a failed restore, the reads still in flight would print at some later moment; drop
-    exactly those, so that the error the caller reports is the only line:
+    """After a failed restore, the reads still in flight would print at some later moment, even
+    before the restore's error reaches the caller; drop exactly those (installed once, before the
+    first read), so that the error the caller reports is the only line:
     - reads that finish into Orbax's closed event loop ("Event loop is closed"), which reach Python
       as unraisable exceptions or, from TensorStore's own threads, through sys.excepthook (seen in a
       test run on a loaded 2-core machine);
