@@ -416,8 +416,8 @@ def _restore(checkpointer, item_dir: str, name: str, targets=None):
 
 
 def _unreadable(item_dir: str, name: str, e: Exception) -> ValueError:
-    """The one-line error for an item that cannot be read; what its other reads still print is dropped."""
-    _quiet_late_reads()
+    """The one-line error for an item that cannot be read (what its other reads still print is
+    dropped by the filters load_checkpoint installs before the first read)."""
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ValueError(f"{item_dir}: cannot read checkpoint item {name!r}; is the checkpoint truncated or "
                       f"damaged? ({detail})")

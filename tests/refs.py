@@ -268,7 +268,6 @@ def exact_adapted_logits(config: ModelConfig, params, adapters, lora, tokens):
     return Exact.measure(hf_logits(config, merged32, tokens, "float32"), hf_logits(config, merged, tokens, "float64"))
 
 
-
 def swiglu_torch(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[..., 2F] -> [..., F]: the clamped SwiGLU as transformers writes it (gate = h[..., ::2])."""
     gate, linear = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
