@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from .version import __version__
 
 _EXPORTS = {
     "attention_blockwise": "attention", "attention_reference": "attention",
@@ -21,9 +21,9 @@ _EXPORTS = {
     "load_checkpoint": "checkpoint",
     "PRESETS": "config", "ModelConfig": "config",
     "Kernels": "kernels", "Transformer": "model", "extend": "model", "forward": "model",
-    "Weight": "params", "abstract_params": "params", "init_params": "params", "logical_axes": "params",
-    "param_count": "params",
-    "make_mesh": "sharding", "param_shardings": "sharding", "RULES": "sharding",
+    "Weight": "weight", "param_count": "weight",
+    "abstract_params": "params", "init_params": "params", "logical_axes": "params", "param_shardings": "params",
+    "make_mesh": "sharding", "RULES": "sharding",
     "decode_params": "mxfp4",
 }
 

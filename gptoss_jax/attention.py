@@ -23,12 +23,13 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .cache import ring_positions
 from .config import ModelConfig
-from .kernels import Kernels, xla
+from .kernels import Kernels, gpu, tpu, triton, xla
+from .kernels.attention_vjp import causal_attention
 from .kernels.combine import combine
 from .kernels.xla import MASKED, visible
 from .layers import RMSNorm, apply_rope, rope_tables
-from .params import Weight, declare, low_rank
 from .sharding import CACHE_AXES, constrain, spec
+from .weight import Weight, declare, low_rank
 
 # Tokens per call from which the q, k and v products are kept apart (prompts; see __call__).
 SEPARATE_PROJECTIONS_FROM = 256
@@ -87,14 +88,14 @@ class AttentionBlock(nn.Module):
     kernels: Kernels = Kernels()
     mesh: Mesh | None = None
     WEIGHTS: ClassVar = {
-        "q_weight": Weight(("embed", "q_heads", "head_dim")),
+        "q_weight": Weight(("embed", "q_heads", "head_dim"), inputs=("embed",)),
         "q_bias": Weight(("q_heads", "head_dim"), init="zeros"),
-        "k_weight": Weight(("embed", "kv_heads", "head_dim")),
+        "k_weight": Weight(("embed", "kv_heads", "head_dim"), inputs=("embed",)),
         "k_bias": Weight(("kv_heads", "head_dim"), init="zeros"),
-        "v_weight": Weight(("embed", "kv_heads", "head_dim")),
+        "v_weight": Weight(("embed", "kv_heads", "head_dim"), inputs=("embed",)),
         "v_bias": Weight(("kv_heads", "head_dim"), init="zeros"),
         "sinks": Weight(("q_heads",)),
-        "out_weight": Weight(("q_heads", "head_dim", "embed")),
+        "out_weight": Weight(("q_heads", "head_dim", "embed"), inputs=("q_heads", "head_dim")),
         "out_bias": Weight(("embed",), init="zeros"),
     }
 
@@ -135,8 +136,6 @@ class AttentionBlock(nn.Module):
             o = attention_reference(q, k, v, sinks, positions, positions, window=window)
         elif impl == "blockwise" and T > 16:
             # The sinks inside the blockwise attention's own backward pass (training).
-            from .kernels.attention_vjp import causal_attention
-
             o = causal_attention(q, k, v, window, self.kernels.attention_block, sinks)[0].astype(q.dtype)
         else:
             o = combine([self._causal(impl, q, k, v, window)], sinks, q.dtype)
@@ -166,24 +165,16 @@ class AttentionBlock(nn.Module):
 
     def _causal_local(self, impl, q, k, v, window):
         if impl == "tokamax":
-            from .kernels import gpu
-
             return gpu.causal(q, k, v, window=window)
         if impl == "splash":
-            from .kernels import tpu
-
             return tpu.causal(q, k, v, window=window, interpret=self.kernels.interpret)
         dense_max = q.shape[1] if impl == "reference" else 16
         return xla.causal(q, k, v, window=window, block=self.kernels.attention_block, dense_max=dense_max)
 
     def _prefix_local(self, impl, q, cache_k, cache_v, lengths):
         if impl == "tokamax":
-            from .kernels import gpu
-
             return gpu.prefix(q, cache_k, cache_v, lengths)
         if impl == "triton" and q.shape[1] * q.shape[3] <= 128:  # decode-sized: rows of one program
-            from .kernels import triton
-
             return triton.cache_attention(q, cache_k, cache_v, lengths, interpret=self.kernels.interpret)
         dense_max = q.shape[1] if impl == "reference" else 16
         return xla.prefix(q, cache_k, cache_v, lengths, block=self.kernels.attention_block, dense_max=dense_max)

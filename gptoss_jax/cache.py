@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
+from .sharding import cache_shardings, zeros_on_devices
 
 
 ALIGN = 128  # full layers' slots are a multiple of this, so fused kernels tile the cache without padding a copy
@@ -45,8 +46,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16
     With a mesh, it is made in place on its devices: sequences on `data`, KV heads on `tensor`
     (each where they divide; see sharding.py).
     """
-    from .sharding import zeros_on_devices
-
     return zeros_on_devices(*_layout(config, batch, max_len, jnp.dtype(dtype), mesh))
 
 
@@ -54,8 +53,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16
 def _layout(config: ModelConfig, batch: int, max_len: int, dtype, mesh) -> tuple:
     """(shapes, shardings or None): kept, since building them takes the host about 0.5 ms, and every
     generation makes a cache."""
-    from .sharding import cache_shardings
-
     shapes = cache_shapes(config, batch, max_len, dtype)
     return shapes, None if mesh is None else cache_shardings(shapes, mesh)
 

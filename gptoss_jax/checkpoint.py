@@ -30,10 +30,11 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .metadata import expand, item_names, read_metadata
+from .metadata import META_FILE, expand, item_names, read_metadata, write_metadata
 from .moe import EXPERT_WEIGHTS
 from .mxfp4 import unpack_experts
-from .params import Params, abstract_params, at_path
+from .params import abstract_params, param_shardings
+from .weight import Params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
 # Largest stored chunk of a non-expert array, and the most the loader reads at once without a mesh
@@ -96,8 +97,6 @@ def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: P
     import tempfile
 
     from jax.experimental import multihost_utils
-
-    from .metadata import META_FILE, write_metadata
 
     directory = os.path.abspath(expand(directory))
     storage = dtype_name(params["block_0"]["mlp"]["mlp1_weight"].dtype)
@@ -208,8 +207,6 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
     specs = {name: item_spec(config, storage, name) for name in names}
     shardings = None
     if mesh is not None:
-        from .sharding import param_shardings
-
         # Checks the mesh against the model before any read.
         shardings = param_shardings(config, mesh, experts="mxfp4" if keep_packed else None)
     checkpointer = ocp.StandardCheckpointer()

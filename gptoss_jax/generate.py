@@ -26,9 +26,9 @@ import numpy as np
 from .cache import init_cache
 from .config import ModelConfig
 from .model import Kernels, Transformer
-from .params import Params
 from .sampling import Sampling, sample
 from .sharding import mesh_of, on_every_device, replicated, zeros_on_devices
+from .weight import Params
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .params import Weight, declare
+from .weight import Weight, declare
 
 
 class RMSNorm(nn.Module):

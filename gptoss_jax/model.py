@@ -25,8 +25,8 @@ from .config import ModelConfig
 from .kernels import Kernels
 from .layers import RMSNorm
 from .moe import MLPBlock
-from .params import Params, Weight, declare
 from .sharding import constrain, mesh_of, on_every_device
+from .weight import Params, Weight, declare
 
 
 class TransformerBlock(nn.Module):

@@ -42,12 +42,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels
+from .kernels import Kernels, decode_moe, gpu, tpu
 from .kernels.loops import late_map
+from .kernels.triton import pair_matvec
+from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
 from .layers import RMSNorm
 from .mxfp4 import decode, packed
-from .params import Weight, adapter, declare, low_rank, packed_axes
 from .sharding import spec
+from .weight import Weight, adapter, declare, low_rank, packed_axes
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
 
@@ -267,8 +269,6 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool):
     """The grouped path's contract for MXFP4-packed experts, by the Pallas Triton grouped matmul that
     decodes weight tiles in registers (kernels/triton_mxfp4.py): the pairs in blocks of one expert
     each, sized to the pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
-    from .kernels.triton_mxfp4 import grouped_matmul_mxfp4
-
     E = num_experts(w["mlp1_weight"])
     block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
     rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
@@ -289,9 +289,6 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool):
 def _experts_pairwise(x, idx, w, act, *, interpret: bool):
     """The gather path's contract, by the Pallas Triton kernel: each pair's expert rows read in place
     (MXFP4-packed experts read packed and decoded in registers)."""
-    from .kernels.triton import pair_matvec
-    from .kernels.triton_mxfp4 import pair_matvec_mxfp4
-
     def matvec(inputs, weight):
         if packed(weight):
             return pair_matvec_mxfp4(inputs, flat, weight["blocks"], weight["scales"], interpret=interpret)
@@ -336,13 +333,9 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
     elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
     elif impl in ("mosaic_gpu", "tokamax"):
-        from .kernels import gpu
-
         y = _experts_ragged(x, jnp.where(mine, local, -1), w, act,
                             ragged_dot=gpu.mosaic_ragged_dot if impl == "mosaic_gpu" else gpu.ragged_dot)
     elif impl == "megablox":
-        from .kernels import tpu
-
         y = _experts_ragged(x, jnp.where(mine, local, -1), w, act,
                             ragged_dot=functools.partial(tpu.ragged_dot, interpret=interpret))
     else:
@@ -360,13 +353,13 @@ class MLPBlock(nn.Module):
     kernels: Kernels = Kernels()
     mesh: Mesh | None = None  # None: one device
     WEIGHTS: ClassVar = {
-        "router_weight": Weight(("embed", "experts")),
+        "router_weight": Weight(("embed", "experts"), inputs=("embed",)),
         "router_bias": Weight(("experts",)),
         # Expert matrices are [E, out, in], as published, unlike the other matrices ([in, out]):
         # MXFP4 packs along `in`, so packed experts decode in place, with no transposition.
-        "mlp1_weight": Weight(("experts", "mlp_fused", "embed"), packable=True),
+        "mlp1_weight": Weight(("experts", "mlp_fused", "embed"), packable=True, inputs=("embed",)),
         "mlp1_bias": Weight(("experts", "mlp_fused"), init="zeros"),
-        "mlp2_weight": Weight(("experts", "embed", "mlp"), packable=True),
+        "mlp2_weight": Weight(("experts", "embed", "mlp"), packable=True, inputs=("mlp",)),
         "mlp2_bias": Weight(("experts", "embed"), init="zeros"),
     }
 
@@ -382,8 +375,6 @@ class MLPBlock(nn.Module):
         expert_adapters = {name: a for name, a in expert_adapters.items() if a is not None}
         tuned = bool(expert_adapters) or adapter(self, "router_weight") is not None
         if not tuned and self._fused_decode(x, w, B * T):
-            from .kernels import decode_moe
-
             out = decode_moe.moe(x.reshape(B * T, D), norm.variables["params"]["scale"], w,
                                  k=cfg.experts_per_token, eps=cfg.rms_norm_eps, alpha=cfg.swiglu_alpha,
                                  limit=cfg.swiglu_limit, interpret=self.kernels.interpret)
@@ -432,10 +423,8 @@ def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run):
     token_spec = spec(("batch", "act_embed"), x.shape, mesh)
     pair_spec = PartitionSpec(token_spec[0], None)  # [N, A]: tokens as x
     def weight_spec(name):
-        if name.endswith("_lora"):
-            from .training.lora import adapter_logical_axes  # the adapters' layout, declared with them
-
-            axes = adapter_logical_axes("mlp", name[: -len("_lora")])
+        if name.endswith("_lora"):  # an adapter, laid out by its weight's declaration
+            axes = MLPBlock.WEIGHTS[name[: -len("_lora")]].adapter_axes()
             return {part: spec(axes[part], w[name][part].shape, mesh, what=f"mlp/{name}/{part}") for part in axes}
         axes = MLPBlock.WEIGHTS[name].axes
         if packed(w[name]):

@@ -5,15 +5,16 @@ The mesh has three axes:
 - `expert`: the experts are split (each device holds num_experts / expert of them).
 - `tensor`: attention heads, the expert intermediate dimension and the vocabulary are split.
 
-Every weight names its axes (params.py); activations and the KV cache name theirs where they are
+Every weight names its axes (weight.py); activations and the KV cache name theirs where they are
 created. `RULES` maps each logical name to a mesh axis (or to None: replicated). Shardings of
-parameters, cache and activations all come from `spec()`; no PartitionSpec is written by hand.
+parameters (params.py, which traces the model for their axes), cache and activations all come from
+`spec()`; no PartitionSpec is written by hand.
 
 Axes in `WHERE_DIVISIBLE` fall back to replication when the mesh axis does not divide them (a batch
 of 1 on data=2, 8 KV heads on tensor=16, a fine-tuned model's vocabulary of 283 ids on tensor=2; the
 published vocabularies divide by 64); `describe` says which of the model's do. Any other axis that
 does not divide is an error (the experts: splitting them is the point of `expert`), raised by
-`check_mesh` before anything is loaded.
+`params.check_mesh` before anything is loaded.
 
 Training adds a second table, `STATE_RULES`, for what is trained and its optimizer state: the same
 rules with the model's width (`embed`) split over `data` as well (fully sharded data parallelism:
@@ -35,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import ModelConfig
 from .layout import MESH_AXES, check_sizes, default_sizes, format_sizes
-from .params import at_path, path_name
+from .weight import path_name
 
 # Logical axis -> mesh axis (None: replicated). Parameters use the names of ModelConfig.axis_sizes();
 # activations and the KV cache add batch, seq, cache_slots and act_embed.
@@ -138,33 +139,7 @@ def make_mesh(data: int | None = None, expert: int | None = None, tensor: int | 
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
-def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int], *, experts: str | None = None) -> Any:
-    """A PartitionSpec for every parameter, shaped like the params (from their logical axes);
-    experts="mxfp4": packed experts' blocks and scales, split along the axes of the weight they hold.
-
-    Given axis sizes rather than a mesh, it only checks that the rules can split every parameter
-    (ValueError otherwise), which is how the command line checks a --mesh before anything is loaded.
-    """
-    from .params import abstract_params, logical_axes  # traces the model
-
-    axes = logical_axes(config, experts=experts)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: spec(tuple(at_path(axes, path)), leaf.shape, mesh, what=path_name(path)),
-        abstract_params(config, experts=experts))
-
-
-def check_mesh(config: ModelConfig, sizes: Mapping[str, int], *, experts: str | None = None) -> None:
-    """ValueError unless the rules can split every parameter on a mesh of these axis sizes."""
-    param_specs(config, sizes, experts=experts)
-
-
-# Parameters and cache -----------------------------------------------------------------------------
-
-def param_shardings(config: ModelConfig, mesh: Mesh, *, experts: str | None = None) -> Any:
-    """A NamedSharding for every parameter, shaped like the params."""
-    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs(config, mesh, experts=experts),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
-
+# The KV cache -------------------------------------------------------------------------------------
 
 CACHE_AXES = ("batch", "cache_slots", "kv_heads", "head_dim")
 

@@ -24,7 +24,8 @@ import numpy as np
 from . import formats
 from .config import ModelConfig
 from .mxfp4 import packed_shape
-from .params import Params, abstract_params, at_path, check_experts, logical_axes, packable_names
+from .params import abstract_params, logical_axes, packable_names, param_shardings
+from .weight import Params, at_path, check_experts
 
 # Matrices get gain / sqrt(fan_in), fan_in the product of their input axes ("embed" unless listed).
 _GAINS = {"mlp1_weight": 4.0, "router_weight": 2.0}
@@ -178,8 +179,6 @@ def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     shardings = None
     if mesh is not None:
-        from .sharding import param_shardings
-
         shardings = param_shardings(config, mesh, experts=experts)
     key = jax.random.key(seed)
     out = []

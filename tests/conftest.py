@@ -25,7 +25,7 @@ from gptoss_jax.testing import random_params  # noqa: E402
 VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizer", "o200k_base.tiktoken")
 needs_vocab = pytest.mark.skipif(not os.path.isfile(VOCAB), reason=(
     f"the genuine o200k_base vocabulary is not at {os.path.normpath(VOCAB)}: download o200k_base.tiktoken "
-    f"(the README's 'Getting started' says from where) and put it there"))
+    f"(docs/generating.md, 'Getting started with the real models', says from where) and put it there"))
 
 
 def rel_err(actual, reference) -> float:

@@ -202,11 +202,10 @@ def ours_from_hf(config: ModelConfig, named: dict[str, np.ndarray]) -> dict[str,
 
 def _lora_sites(adapters):
     """(path of the weight, its adapter {"a", "b"}, the merge einsum "a,b->W") of every adapted weight."""
-    from gptoss_jax.training.lora import _merge_einsum, _nodes, adapter_axes, input_axes
+    from gptoss_jax.training.lora import _merge_einsum, _nodes
 
     for layer, module, name, ab in _nodes(adapters):
-        spec = _merge_einsum(module, name, *adapter_axes(module, name, input_axes(module, name)))
-        yield f"{layer}/{module}/{name}", ab, spec
+        yield f"{layer}/{module}/{name}", ab, _merge_einsum(module, name)
 
 
 def merge_host(params, adapters, lora, dtype=np.float64):

@@ -29,7 +29,7 @@ else
   if [[ " $plan " == *" nvidia-"* ]]; then
     say "no CPU build of $TORCH_SPEC is available to pip for $("$PY" -V); installing the default build," \
         "which is the CUDA one with nvidia-* packages (several GB). To get the CPU build, set" \
-        "TORCH_INDEX_URL to a CPU wheel index (the README's 'Running the tests' says how)."
+        "TORCH_INDEX_URL to a CPU wheel index (docs/install.md, 'Running the tests', says how)."
   else
     say "installing $TORCH_SPEC (CPU build)"
   fi

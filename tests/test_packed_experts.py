@@ -16,7 +16,7 @@ from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.generate import Generator
 from gptoss_jax.mxfp4 import decode, decode_mxfp4, decode_params, packed
 from gptoss_jax.sampling import Sampling
-from gptoss_jax.sharding import check_mesh
+from gptoss_jax.params import check_mesh
 from gptoss_jax.testing import random_params, random_params_on_device, write_synthetic_checkpoint
 from noise import Exact, check_typical_tokens
 from refs import exact_logits, exact_moe_block, openai_model, t

@@ -24,9 +24,10 @@ from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.generate import Generator, _decode_step
 from gptoss_jax.model import _forward
-from gptoss_jax.params import path_name
+from gptoss_jax.params import check_mesh, param_shardings
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.testing import write_synthetic_checkpoint
+from gptoss_jax.weight import path_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [dict(data=8), dict(expert=8), dict(tensor=8), dict(data=2, expert=2, tensor=2), dict(expert=4, tensor=2)]
@@ -105,7 +106,7 @@ def test_no_weight_is_gathered_in_a_step(single, sizes):
     bigger than the [tokens, embed] activations or the [batch, vocab] logits, far below any expert weight."""
     config = single["config"]
     mesh = gj.make_mesh(**sizes)
-    shardings = sh.param_shardings(config, mesh)
+    shardings = param_shardings(config, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             gj.abstract_params(config, "float32"), shardings)
     B, T = 2, 32  # small enough that the tiny model's activations stay below its expert weights
@@ -133,7 +134,7 @@ def test_no_weight_is_gathered_in_a_step(single, sizes):
 ])
 def test_bad_meshes_are_refused_with_the_reason(single, sizes, message):
     with pytest.raises(ValueError, match=message):
-        sh.check_mesh(single["config"], {"data": 1, "expert": 1, "tensor": 1, **sizes})
+        check_mesh(single["config"], {"data": 1, "expert": 1, "tensor": 1, **sizes})
         gj.make_mesh(**sizes)
 
 
@@ -257,7 +258,7 @@ def test_extend_on_a_mesh_matches_one_device(single):
     (past the window), then three one-token steps, each step's logits against one device's."""
     config = single["config"]
     mesh = gj.make_mesh(expert=4, tensor=2)
-    params = jax.device_put(single["params"], sh.param_shardings(config, mesh))
+    params = jax.device_put(single["params"], param_shardings(config, mesh))
     tokens = single["tokens"][:2, :150]
     runs = []
     for p, m in ((single["params"], None), (params, mesh)):
@@ -282,7 +283,7 @@ def test_random_weights_are_drawn_in_place(tiny):
 
     mesh = gj.make_mesh(expert=4, tensor=2)
     params = random_params_on_device(tiny, seed=0, dtype="float32", mesh=mesh)
-    want = sh.param_shardings(tiny, mesh)
+    want = param_shardings(tiny, mesh)
     for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
         assert got.sharding.is_equivalent_to(expected, got.ndim), (got.sharding, expected)
     mlp1 = params["block_0"]["mlp"]["mlp1_weight"]
@@ -308,9 +309,9 @@ def test_a_vocabulary_that_tensor_does_not_divide_is_replicated(tiny):
 
     config = tiny.replace(vocab_size=283)
     mesh = gj.make_mesh(expert=4, tensor=2)
-    sh.check_mesh(config, mesh)
+    check_mesh(config, mesh)
     params = random_params(config, seed=5)
-    placed = jax.device_put(params, sh.param_shardings(config, mesh))
+    placed = jax.device_put(params, param_shardings(config, mesh))
     assert placed["embedding"].sharding.spec == PartitionSpec(None, None)
     assert placed["unembedding"].sharding.spec == PartitionSpec(None, None)
     assert placed["block_0"]["attn"]["q_weight"].sharding.spec != PartitionSpec(None, None, None)  # heads still split

@@ -36,12 +36,13 @@ from jax.sharding import NamedSharding
 
 import gptoss_jax as gj
 from gptoss_jax import sharding as sh
-from gptoss_jax.params import at_path, path_name
+from gptoss_jax.params import param_shardings
 from gptoss_jax.testing import random_params
 from gptoss_jax.training import placement
 from gptoss_jax.training.lora import LoraConfig, init_adapters
 from gptoss_jax.training.state import TrainCheckpoints
 from gptoss_jax.training.step import OptimizerConfig, StepConfig, gradients, make_step, optimizer
+from gptoss_jax.weight import at_path, path_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = gj.ModelConfig.tiny()  # sliding window 16; the batches below are 40 positions
@@ -78,7 +79,7 @@ def _laid_out(setup, tx, trainable, frozen):
     if setup.mesh is None:
         return trainable, frozen
     trainable = placement.place(trainable, setup.state_shardings(tx)[0])
-    return trainable, None if frozen is None else jax.device_put(frozen, sh.param_shardings(CONFIG, setup.mesh))
+    return trainable, None if frozen is None else jax.device_put(frozen, param_shardings(CONFIG, setup.mesh))
 
 
 def _grads(lora, mesh, tokens, mask):

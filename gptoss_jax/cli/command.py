@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Callable
 
+from ..hostmem import limit_allocator_arenas
 from .inputs import UsageError
 from .signals import Signals
 
@@ -20,8 +21,6 @@ def run_command(parse: Callable[[], object], run: Callable[[object, Signals], in
     raising: how signals are taken (signals.py). before_error: text printed before an interrupt's
     error line (generation ends a reply streamed to the terminal with it).
     """
-    from ..hostmem import limit_allocator_arenas
-
     limit_allocator_arenas()  # before JAX starts its threads: loading keeps near one layer
     signals = Signals(raising=raising)
     try:

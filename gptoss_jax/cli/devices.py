@@ -1,7 +1,8 @@
 """Which devices the command line runs on: several processes (jax.distributed) and the mesh.
 
 Everything here is checked before any weight is read: the process flags (with no JAX), then the
-mesh against the devices and the model (JAX starts, nothing is loaded).
+mesh against the devices and the model (JAX starts, nothing is loaded). Hence JAX and the library
+are imported inside the functions that need them, never when this module loads.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig, *, experts: s
     packed with experts="mxfp4"); sizes None: the default layout."""
     import jax
 
-    from ..sharding import check_mesh, make_mesh
+    from ..params import check_mesh
+    from ..sharding import make_mesh
 
     count = jax.device_count()
     flag = "--mesh" if sizes else "the default mesh"

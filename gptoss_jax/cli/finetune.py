@@ -1,4 +1,8 @@
-"""The fine-tuning command line: `gptoss-finetune` (and `python finetune.py` in a checkout)."""
+"""The fine-tuning command line: `gptoss-finetune` (and `python finetune.py` in a checkout).
+
+The library is imported inside the functions that use it, so that `--help` and a bad flag answer at
+once: JAX, the model and the trainer load only once the flags and the data have been checked.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ import os
 import sys
 import time
 
-from .. import __version__
 from ..metadata import expand
+from ..version import __version__
 from . import devices
 from .command import leave, run_command
 from .inputs import UsageError, model_config
@@ -104,7 +108,7 @@ def check_flags(args) -> None:
         raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.clip < 0 or args.weight_decay < 0:
         raise UsageError("--clip and --weight-decay must be 0 or more")
-    from ..training.lora import TARGETS
+    from ..training.lora import TARGETS  # start-up: the model's modules load after argparse
 
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     bad = [t for t in targets if t not in TARGETS]
@@ -148,6 +152,7 @@ def _settings(args, config, length: int) -> dict:
 
 
 def _run(args, signals: Signals) -> int:
+    # Start-up: tiktoken and the data reader load after argparse has checked the flags.
     from .. import tokenizer as tk
     from ..training import data as td
 
@@ -172,13 +177,15 @@ def _run(args, signals: Signals) -> int:
     length = min(args.max_length, -(-longest // 64) * 64)  # static batch shape: one compilation
     settings = _settings(args, config, length)
 
+    # JAX starts here, once the flags, the data and the model's config are checked.
     import jax
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
 
     from ..checkpoint import load_checkpoint, save_checkpoint
-    from ..sharding import describe, param_shardings
+    from ..params import param_shardings
+    from ..sharding import describe
     from ..testing import random_params
     from ..training.lora import LoraConfig, init_adapters, merge
     from ..training.placement import place, put_batch

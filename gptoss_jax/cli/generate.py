@@ -1,14 +1,17 @@
-"""The generation command line: `gptoss-generate` (and `python run_inference.py` in a checkout)."""
+"""The generation command line: `gptoss-generate` (and `python run_inference.py` in a checkout).
+
+The library is imported inside the functions that use it, so that `--help` and a bad flag answer at
+once: tiktoken, JAX and the model load only once every flag has been checked.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from .. import __version__
 from ..metadata import expand
+from ..version import __version__
 from . import devices
 from .command import leave, run_command
 from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
@@ -101,7 +104,7 @@ def _warn(message: str) -> None:
 
 
 def _prompts(args, tokenizer, texts) -> list[list[int]]:
-    from .. import tokenizer as tk
+    from .. import tokenizer as tk  # start-up: tiktoken loads after the flags are checked
 
     if args.prompt_ids is not None:
         return [args.prompt_ids]
@@ -119,6 +122,7 @@ def _prompts(args, tokenizer, texts) -> list[list[int]]:
 
 
 def _run(args, signals: Signals) -> int:
+    # Start-up: tiktoken and the library load here, after argparse has checked the flags.
     from .. import tokenizer as tk
     from ..sampling import Sampling
 
@@ -151,10 +155,12 @@ def _run(args, signals: Signals) -> int:
     if prompts is not None:
         check_fits(max(len(p) for p in prompts), args, max_len)
 
+    # JAX starts here, once everything that can be checked without it has been.
     import jax
 
     from ..generate import Generator
     from ..sharding import describe
+    from .batch import run_batch
 
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
@@ -177,7 +183,7 @@ def _run(args, signals: Signals) -> int:
     stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
     generator = Generator(config, params, max_len=max_len)
     if interactive:
-        from .repl import chat_loop
+        from .repl import chat_loop  # the chat's modules: imported only when it runs
 
         return chat_loop(args, generator, tokenizer, sampling, stops, signals)
     run_batch(args, generator, tokenizer, prompts, sampling, stops, signals)
@@ -185,11 +191,12 @@ def _run(args, signals: Signals) -> int:
 
 
 def _load_params(args, config, mesh):
+    # Start-up: JAX and the loaders load once the flags and devices are checked.
     import jax
     import jax.numpy as jnp
 
     from ..checkpoint import load_checkpoint
-    from ..sharding import param_shardings
+    from ..params import param_shardings
     from ..testing import random_params
 
     if args.checkpoint:
@@ -203,75 +210,6 @@ def _load_params(args, config, mesh):
 def _experts(args) -> str | None:
     """"mxfp4" when the experts stay packed on the device (--dtype mxfp4), else None."""
     return "mxfp4" if args.dtype == "mxfp4" else None
-
-
-def peak_memory() -> str:
-    import jax
-
-    local = jax.local_devices()
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in local]
-    if None in peaks:
-        return f"n/a on {local[0].platform}"
-    return f"{max(peaks) / 2**30:.2f} GiB" + (f" (the most on one of {len(local)} devices)" if len(local) > 1 else "")
-
-
-def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, printer=None):
-    """Generate for the prompts; stream one prompt's reply, or print each (text or JSON) at the end."""
-    import jax
-
-    from .. import tokenizer as tk
-    from ..generate import batch_timings
-    from .display import ChatPrinter, timing_line
-
-    stream = not args.json and len(prompts) == 1
-    if stream and printer is None:
-        if args.chat and tokenizer is not None:
-            printer = ChatPrinter(tokenizer, args.tokenizer, show_reasoning=not args.hide_reasoning)
-        else:
-            printer = _PlainPrinter(tokenizer)
-
-    def on_token(b, token):
-        signals.check()
-        if stream:
-            printer.feed(token)
-
-    results = generator.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                                 stop_tokens=stops, on_token=on_token)
-    if stream:
-        printer.finish()
-    for r in results:
-        text = tokenizer.decode(r.output_ids) if tokenizer else None
-        record = {"prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "text": text,
-                  "finish_reason": r.finish_reason, "timings": r.timings}
-        if args.chat and tokenizer:
-            reply = tk.parse_reply(r.output_ids, vocab=args.tokenizer)
-            record.update(analysis=reply.analysis, final=reply.final)
-        if args.json:
-            print(json.dumps(record))
-        elif not stream:
-            print(text if text is not None else " ".join(map(str, r.output_ids)))
-            print("---")
-    sys.stdout.flush()
-    if jax.process_index() == 0:
-        print(timing_line(batch_timings(results), peak_memory()), file=sys.stderr)
-    return results
-
-
-class _PlainPrinter:
-    """Raw text (or token ids, without a tokenizer) as it is generated."""
-
-    def __init__(self, tokenizer):
-        from .. import tokenizer as tk
-
-        self._decoder = tk.StreamDecoder(tokenizer) if tokenizer else None
-
-    def feed(self, token: int) -> None:
-        sys.stdout.write(self._decoder.add(token) if self._decoder else f"{token} ")
-        sys.stdout.flush()
-
-    def finish(self) -> None:
-        sys.stdout.write((self._decoder.flush() if self._decoder else "") + "\n")
-        sys.stdout.flush()
 
 
 if __name__ == "__main__":

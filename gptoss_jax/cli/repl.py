@@ -11,6 +11,7 @@ import signal
 import sys
 
 from .. import tokenizer as tk
+from .batch import run_batch
 from .display import ChatPrinter
 from .inputs import UsageError, check_fits
 
@@ -18,8 +19,6 @@ HELP = "type a message; /reset starts a new conversation, /exit (or Ctrl-D) quit
 
 
 def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) -> int:
-    from .generate import run_batch
-
     history: list[tuple[str, str]] = []
     print(f"chat: {HELP}", file=sys.stderr)
     while True:

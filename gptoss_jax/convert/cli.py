@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import __version__
 from ..cli.signals import Signals
+from ..version import __version__
 
 DESCRIPTION = """\
 Convert a published GPT-OSS checkpoint into a gptoss-jax (Orbax) checkpoint.
@@ -52,6 +52,7 @@ def _main(argv, prog, signals) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
 
+    # Start-up: the converter's libraries load once the flags parse (--help answers at once).
     from tqdm import tqdm
 
     from .pipeline import ConversionError, Interrupted, check_output, plan_conversion, write_checkpoint

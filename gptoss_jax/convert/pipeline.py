@@ -24,10 +24,11 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from .. import __version__, formats
+from .. import formats
 from ..config import ModelConfig
 from ..metadata import expand, item_names, write_metadata
 from ..mxfp4 import unpack_experts
+from ..version import __version__
 from .sources import SourceError, TensorInfo, read_config_json, read_tensor, scan
 
 _FLOAT_DTYPES = {"BF16", "F32"}

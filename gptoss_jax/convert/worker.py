@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
         if os.getppid() != parent:
             _orphaned(partial)
 
+    # Imported once stdout points at stderr: nothing a library prints on import reaches the report channel.
     from .pipeline import ConversionError, plan_conversion, write_all
 
     try:

@@ -30,6 +30,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from . import gpu
+
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "triton")
 MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "triton_grouped", "megablox")
 # Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
@@ -88,8 +90,6 @@ class Kernels:
         # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot
         # hands shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
         if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
-            from . import gpu
-
             return "mosaic_gpu" if gpu.is_hopper() else "tokamax"
         if backend == "tpu":
             return "megablox"
@@ -112,6 +112,4 @@ class Kernels:
 
 
 def _tokamax_available() -> bool:
-    from . import gpu
-
     return gpu.available()

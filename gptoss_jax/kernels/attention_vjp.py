@@ -1,14 +1,14 @@
 """Causal (and sliding-window) blockwise attention with its own backward pass: gradients with memory
 linear in the sequence, for training.
 
-`xla.blockwise` visits each query block's key blocks with a `fori_loop` whose trip count depends on
+`blockwise.blockwise` visits each query block's key blocks with a `fori_loop` whose trip count depends on
 the block, which JAX cannot reverse-differentiate, and autodiff of a version with static loops would
 keep every block's [q_block, kv_block] probabilities for the backward pass (memory quadratic in T).
 `causal_attention` is a `jax.custom_vjp` instead (the flash-attention scheme): the forward pass
 keeps only q, k, v, the output and its log-sum-exp; the backward pass recomputes each block's
 scores from them.
 
-It returns what every attention kernel here returns (kernels/xla.py), the output with its softmax
+It returns what every attention kernel here returns (kernels/blockwise.py), the output with its softmax
 statistics (o [B, T, K, G, H] float32, lse [B, T, K, G] float32), and takes a cotangent for both,
 so that `combine` (kernels/combine.py) may fold sinks in after it. Training passes the sinks in
 instead: each row's softmax starts from its head's sink, and the backward pass gives their
@@ -32,8 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .blockwise import MASKED, blockwise, visible
 from .loops import late_map
-from .xla import MASKED, blockwise, visible
 
 
 def causal_attention(q, k, v, window: int | None, block: int, sinks=None) -> tuple[jax.Array, jax.Array]:

@@ -2,15 +2,15 @@
 
 An adapted projection x @ W becomes x @ W + (alpha / r) (x @ a) @ b, with a [inputs..., r] and
 b [r, outputs...] (expert matrices: a pair per expert, a [E, in, r] and b [E, r, out]). The model
-adds the adapters where it finds them next to their weight (`params.adapter`, names
+adds the adapters where it finds them next to their weight (`weight.adapter`, names
 "<weight>_lora"), so the adapted model is the base pytree plus those entries (`attach`), and the
 base weights are never rewritten while training. `merge` folds the adapters into the weights for
 inference: W + (alpha / r) a @ b, laid out as W.
 
 Which weights, by group (`TARGETS`): "attention" (the q, k, v and output projections), "router",
 "experts" (both expert matrices). The shapes come from the weights' own declarations (WEIGHTS
-tables): a weight's axes split into expert axes (leading, one adapter per expert), input axes and
-output axes.
+tables, `Weight.inputs` and `Weight.adapter_axes`): a weight's axes split into expert axes (leading,
+one adapter per expert), input axes and output axes.
 
 Legend: r = rank, E = experts.
 """
@@ -24,17 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attention import AttentionBlock
 from ..config import ModelConfig
-from ..params import Params
+from ..moe import MLPBlock
+from ..weight import Params, Weight
 
-# Group -> {(module, weight): the weight's input axes}; "experts" axes lead, one adapter per expert.
+# Group -> the (module, weight) pairs it adapts. Each weight's input axes (what `a` takes) are declared
+# with the weight itself (`Weight.inputs`); a leading experts axis gives one adapter per expert.
 TARGETS = {
-    "attention": {("attn", "q_weight"): ("embed",), ("attn", "k_weight"): ("embed",),
-                  ("attn", "v_weight"): ("embed",), ("attn", "out_weight"): ("q_heads", "head_dim")},
-    "router": {("mlp", "router_weight"): ("embed",)},
-    "experts": {("mlp", "mlp1_weight"): ("embed",), ("mlp", "mlp2_weight"): ("mlp",)},
+    "attention": (("attn", "q_weight"), ("attn", "k_weight"), ("attn", "v_weight"), ("attn", "out_weight")),
+    "router": (("mlp", "router_weight"),),
+    "experts": (("mlp", "mlp1_weight"), ("mlp", "mlp2_weight")),
 }
-PER_EXPERT = {"mlp1_weight", "mlp2_weight"}
+_BLOCKS = {"attn": AttentionBlock, "mlp": MLPBlock}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,38 +57,27 @@ class LoraConfig:
         return self.alpha / self.rank
 
 
-def _weight_axes(module: str, name: str) -> tuple[str, ...]:
-    from ..attention import AttentionBlock
-    from ..moe import MLPBlock
-
-    return (AttentionBlock if module == "attn" else MLPBlock).WEIGHTS[name].axes
-
-
-def adapter_axes(module: str, name: str, inputs: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Logical axes of (a, b) for weight `name`: a = experts + inputs + (lora,), b = experts + (lora,) + outputs."""
-    axes = _weight_axes(module, name)
-    lead = ("experts",) if name in PER_EXPERT else ()
-    outputs = tuple(a for a in axes if a not in inputs and a not in lead)
-    return lead + inputs + ("lora",), lead + ("lora",) + outputs
+def _weight(module: str, name: str) -> Weight:
+    return _BLOCKS[module].WEIGHTS[name]
 
 
 def input_axes(module: str, name: str) -> tuple[str, ...]:
-    """The input axes of an adaptable weight (as TARGETS lists them)."""
-    return next(group[(module, name)] for group in TARGETS.values() if (module, name) in group)
+    """The input axes of an adaptable weight (as its declaration gives them)."""
+    return _weight(module, name).inputs
 
 
 def adapter_logical_axes(module: str, name: str) -> dict[str, tuple[str, ...]]:
-    """{"a": axes, "b": axes} of weight `name`'s adapter (sharding.py lays adapters out by these)."""
-    a_axes, b_axes = adapter_axes(module, name, input_axes(module, name))
-    return {"a": a_axes, "b": b_axes}
+    """{"a": axes, "b": axes} of weight `name`'s adapter: a = experts + inputs + (lora,), b = experts +
+    (lora,) + outputs (Weight.adapter_axes)."""
+    return _weight(module, name).adapter_axes()
 
 
 def sites(config: ModelConfig, lora: LoraConfig):
     """(layer key, module, weight name, input axes) of every adapted weight."""
     for i in range(config.num_hidden_layers):
         for group in lora.targets:
-            for (module, name), inputs in TARGETS[group].items():
-                yield f"block_{i}", module, name, inputs
+            for module, name in TARGETS[group]:
+                yield f"block_{i}", module, name, input_axes(module, name)
 
 
 def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
@@ -95,11 +86,11 @@ def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> Para
     sizes = dict(config.axis_sizes(), lora=lora.rank)
     out: Params = {}
     for n, (layer, module, name, inputs) in enumerate(sites(config, lora)):
-        a_axes, b_axes = adapter_axes(module, name, inputs)
+        axes = adapter_logical_axes(module, name)
         fan_in = int(np.prod([sizes[a] for a in inputs]))
-        a = jax.random.normal(jax.random.fold_in(key, n), tuple(sizes[x] for x in a_axes), jnp.float32)
+        a = jax.random.normal(jax.random.fold_in(key, n), tuple(sizes[x] for x in axes["a"]), jnp.float32)
         out.setdefault(layer, {}).setdefault(module, {})[name] = {
-            "a": a / np.sqrt(fan_in), "b": jnp.zeros(tuple(sizes[x] for x in b_axes), jnp.float32)}
+            "a": a / np.sqrt(fan_in), "b": jnp.zeros(tuple(sizes[x] for x in axes["b"]), jnp.float32)}
     return out
 
 
@@ -128,11 +119,13 @@ def attach(params: Params, adapters: Params, scale: float) -> Params:
     return out
 
 
-def _merge_einsum(module: str, name: str, a_axes, b_axes) -> str:
+def _merge_einsum(module: str, name: str) -> str:
     """The einsum taking (a, b) to the weight's own axis order."""
+    axes = adapter_logical_axes(module, name)
+    a_axes, b_axes = axes["a"], axes["b"]
     letters = dict(zip(dict.fromkeys(a_axes + b_axes), string.ascii_letters))
     word = lambda axes: "".join(letters[x] for x in axes)  # noqa: E731
-    return f"{word(a_axes)},{word(b_axes)}->{word(_weight_axes(module, name))}"
+    return f"{word(a_axes)},{word(b_axes)}->{word(_weight(module, name).axes)}"
 
 
 def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
@@ -140,9 +133,8 @@ def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
     cast to W's dtype); the result runs without the adapters."""
     out = dict(params)
     for layer, module, name, ab in _nodes(adapters):
-        a_axes, b_axes = adapter_axes(module, name, input_axes(module, name))
         w = params[layer][module][name]
-        delta = jnp.einsum(_merge_einsum(module, name, a_axes, b_axes), ab["a"].astype(jnp.float32),
+        delta = jnp.einsum(_merge_einsum(module, name), ab["a"].astype(jnp.float32),
                            ab["b"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         out[layer] = dict(out[layer])
         out[layer][module] = dict(out[layer][module], **{name: (w.astype(jnp.float32) + lora.scale * delta).astype(w.dtype)})

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..model import Transformer
-from ..params import Params
+from ..weight import Params
 
 LOGITS_CHUNK = 1024  # positions whose logits exist at once (times the batch)
 

@@ -22,8 +22,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..config import ModelConfig
-from ..params import Params, abstract_params, logical_axes as param_logical_axes
+from ..params import abstract_params, logical_axes as param_logical_axes
 from ..sharding import replicated, sharding, spec
+from ..weight import Params
 from . import lora as lora_lib
 
 

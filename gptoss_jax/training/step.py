@@ -28,8 +28,8 @@ from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..kernels import Kernels
-from ..params import Params
 from ..sharding import replicated
+from ..weight import Params
 from . import placement
 from .lora import LoraConfig, attach
 from .loss import LOGITS_CHUNK, loss_terms

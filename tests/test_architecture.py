@@ -1,0 +1,180 @@
+"""The package is a one-way stack (docs/architecture.md, "Layers"): every import, at module level or
+inside a function, goes to the importer's own layer or one below it, and no modules import each
+other in a circle. The layer table is read from the doc itself, so the doc and the code cannot
+drift apart. Each module also imports alone in a fresh interpreter, and none passes 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "gptoss_jax"
+DOC = os.path.join(ROOT, "docs", "architecture.md")
+MAX_LINES = 500
+
+
+def layers() -> list[tuple[str, list[str]]]:
+    """(layer, module patterns) from the doc's table, bottom layer first."""
+    text = open(DOC).read()
+    table = re.search(r"<!-- layers:.*?-->\n(.*?)<!-- /layers -->", text, re.S)
+    assert table, f"{DOC} has no layer table between <!-- layers --> markers"
+    rows = [line.split("|")[1:-1] for line in table.group(1).strip().splitlines()[2:]]
+    out = [(name.strip(), re.findall(r"`([^`]+)`", modules)) for name, modules, _ in rows]
+    return out[::-1]
+
+
+def modules(root: str) -> dict[str, str]:
+    """Dotted name (relative to the package, "" for the package itself) -> file, for every module."""
+    out = {}
+    base = os.path.join(root, PACKAGE)
+    for folder, _, files in os.walk(base):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), base)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix("__init__").rstrip(".")] = os.path.join(folder, f)
+    return out
+
+
+def imports(root: str) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) for every import of one of the package's modules by another,
+    wherever it stands in the file."""
+    mods = modules(root)
+    edges = []
+    for name, path in mods.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = [PACKAGE] + (package.split(".") if package else [])
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" for a in node.names]  # a submodule, or a name in `base`
+                targets = [t if t.removeprefix(PACKAGE + ".") in mods else base for t in targets]
+            else:
+                continue
+            for target in targets:
+                if target != PACKAGE and not target.startswith(PACKAGE + "."):
+                    continue
+                rel = target.removeprefix(PACKAGE).lstrip(".")
+                while rel not in mods:  # `import gptoss_jax.x.y` names module x.y; a name in x: module x
+                    rel = rel.rpartition(".")[0]
+                if rel != name:
+                    edges.append((name, rel, node.lineno))
+    return edges
+
+
+def layer_of(name: str, table) -> int:
+    """The index of `name`'s layer; "x.*" names every module of the folder x/, its __init__ too."""
+    found = {i for i, (_, patterns) in enumerate(table) for p in patterns
+             if fnmatch.fnmatchcase(name or PACKAGE, p) or (p.endswith(".*") and name == p[:-2])}
+    assert len(found) == 1, f"module {name or PACKAGE!r} is in {len(found)} layers of {DOC}'s table, not one"
+    return found.pop()
+
+
+def upward(root: str, table) -> list[str]:
+    """Every import from a lower layer to a higher one, as "a (layer) -> b (layer), line n"."""
+    out = []
+    for a, b, line in imports(root):
+        la, lb = layer_of(a, table), layer_of(b, table)
+        if lb > la:
+            out.append(f"{a} ({table[la][0]}) imports {b} ({table[lb][0]}), line {line}")
+    return out
+
+
+def circles(root: str) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules(root)}
+    for a, b, _ in imports(root):
+        graph[a].add(b)
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_sits_in_one_layer():
+    table = layers()
+    assert [name for name, _ in table] == ["primitives", "kernels", "model", "tree", "programs", "commands", "api"]
+    for name in modules(ROOT):
+        layer_of(name, table)
+
+
+def test_no_import_goes_up_a_layer():
+    assert upward(ROOT, layers()) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circles(ROOT) == []
+
+
+def test_a_planted_upward_import_and_circle_are_found(tmp_path):
+    """The checks can fail: weight.py (a primitive) importing the model inside a function is both an
+    upward import and a circle (model imports weight)."""
+    shutil.copytree(os.path.join(ROOT, PACKAGE), tmp_path / PACKAGE)
+    with open(tmp_path / PACKAGE / "weight.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from .model import Transformer\n\n    return Transformer\n")
+    found = upward(str(tmp_path), layers())
+    assert len(found) == 1 and found[0].startswith("weight (primitives) imports model (model)"), found
+    (circle,) = circles(str(tmp_path))
+    assert {"weight", "model"} <= set(circle), circle
+
+
+def test_no_module_passes_500_lines():
+    long = {name: n for name, path in modules(ROOT).items() if (n := len(open(path).readlines())) > MAX_LINES}
+    assert long == {}
+
+
+@pytest.mark.parametrize("batch", range(4))
+def test_each_module_imports_alone(batch):
+    """`python -c "import gptoss_jax.<module>"` in a fresh interpreter, for every module (a quarter of
+    them per test, two at a time): no module depends on another having been imported first. A
+    `__main__` module runs its program when imported, so it is left out."""
+    names = [m for m in sorted(modules(ROOT)) if not m.endswith("__main__")][batch::4]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def one(name):
+        full = f"{PACKAGE}.{name}" if name else PACKAGE
+        run = subprocess.run([sys.executable, "-c", f"import {full}"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        return full, run.returncode, run.stderr.strip().splitlines()[-1:] if run.returncode else []
+
+    with ThreadPoolExecutor(2) as pool:
+        failed = [r for r in pool.map(one, names) if r[1]]
+    assert failed == []
