@@ -178,3 +178,11 @@ def test_each_module_imports_alone(batch):
     with ThreadPoolExecutor(2) as pool:
         failed = [r for r in pool.map(one, names) if r[1]]
     assert failed == []
+
+
+def test_the_public_names_resolve():
+    """`gj.<name>` for every public name, wherever its module sits in the stack."""
+    import gptoss_jax as gj
+
+    missing = [name for name in gj.__all__ if getattr(gj, name, None) is None]
+    assert missing == [] and {"init_params", "load_checkpoint", "param_shardings", "Weight"} <= set(gj.__all__)
