@@ -104,7 +104,7 @@ class ModelConfig:
         return low, high
 
     def axis_sizes(self) -> dict[str, int]:
-        """Size of every logical axis name used by the weight declarations (see params.py)."""
+        """Size of every logical axis name used by the weight declarations (see weight.py)."""
         return {
             "vocab": self.vocab_size,
             "embed": self.hidden_size,

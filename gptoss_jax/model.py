@@ -1,6 +1,6 @@
 """The GPT-OSS transformer as linen modules, and `forward`, the cache-free entry point.
 
-Parameters are a plain pytree passed to `apply` (see params.py for how they are declared):
+Parameters are a plain pytree passed to `apply` (see weight.py for how they are declared, params.py for the tree):
     {"embedding": [V, D], "block_0": {"attn": {...}, "mlp": {...}}, ..., "norm": {"scale": [D]},
      "unembedding": [D, V]}
 Activations follow the parameters' dtype (float32 or bfloat16); RMSNorm, attention scores and
