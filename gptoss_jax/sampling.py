@@ -57,3 +57,41 @@ def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Each row by its own settings, as arrays (a serving batch mixes requests): logits [B, V], and
+    [B] seeds, steps, temperature (0: greedy), top_k (0: off), top_p (1: off), min_p (0: off) ->
+    token ids [B] int32.
+
+    Row b draws with key fold_in(key(seeds[b]), steps[b]) and its own filters, so its token does not
+    depend on the other rows: a seeded request samples the same tokens whatever shares its batch.
+    The filters are those of `sample`, in the same order (top-k, min-p, top-p); the sort they need
+    runs only when some row asks for top-k or top-p.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+    def min_p_filter(x):
+        probs = jax.nn.softmax(x, axis=-1)
+        return jnp.where(probs < min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x)
+
+    def by_rank(x):  # top-k, min-p, then top-p, on one descending sort
+        order = jnp.argsort(-x, axis=-1)
+        ranked = jnp.take_along_axis(x, order, axis=-1)
+        kth = jnp.take_along_axis(ranked, (jnp.clip(top_k, 1, x.shape[-1]) - 1)[:, None], axis=-1)
+        ranked = min_p_filter(jnp.where((top_k[:, None] > 0) & (ranked < kth), -jnp.inf, ranked))
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        ranked = jnp.where(before >= top_p[:, None], -jnp.inf, ranked)  # the first always stays
+        return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(ranked)
+
+    scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), by_rank, min_p_filter, scaled)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

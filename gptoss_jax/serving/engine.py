@@ -1,0 +1,312 @@
+"""Continuous batching: a fixed number of slots in one static KV cache, each request admitted as
+soon as a slot frees up.
+
+    engine = Engine(config, params, slots=8, max_len=4096)
+    engine.start()                                    # a thread runs the steps
+    request = engine.submit([1, 2, 3], Settings(max_new_tokens=32))
+    for token in request.tokens():
+        print(token)
+    engine.stop()
+
+Each step of the engine (`step`):
+1. frees the slots of cancelled requests, and admits waiting requests into free slots (FIFO);
+2. prefills one chunk (at most `prefill_chunk` prompt tokens) of each of the earliest admitted
+   requests still prefilling, up to `prefill_rows` of them together; a chunk holding a prompt's
+   last token also samples that request's first token;
+3. decodes one token for every slot past its prompt, each sampled by its own settings, and
+   finishes the requests that reach a stop token, a stop string or their token budget.
+
+So a long prompt delays the others' next token by one chunk at most. Shapes never change with the
+traffic (the cache is [slots, max_len], a prefill [1 or prefill_rows, prefill_chunk], a decode
+step [slots]), so nothing compiles after `warm_up`. On a mesh the slots are split over `data`, as
+`Generator`'s batch is.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from ..cache import init_cache
+from ..config import ModelConfig
+from ..kernels import Kernels
+from ..sharding import mesh_of, on_every_device
+from ..weight import Params
+from . import steps
+from .metrics import Metrics
+from .request import QueueFull, Request, Settings
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request
+    prefilled: int = 0  # prompt tokens already in the cache
+    last: int = 0  # the latest token (the next decode step's input)
+    sampled: int = 0  # tokens sampled so far (the next one's sampling step)
+    text: str = ""  # the reply so far, for stop strings
+
+
+class Engine:
+    """Serves many concurrent requests on one set of parameters (see the module's docstring)."""
+
+    def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
+                 prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
+                 tokenizer=None):
+        if max_len > config.max_context_length:
+            raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
+        if min(slots, prefill_chunk, prefill_rows) < 1 or max_waiting < 0:
+            raise ValueError("slots, prefill_chunk and prefill_rows must be positive, max_waiting at least 0")
+        self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
+        self.slots, self.max_len, self.prefill_chunk, self.max_waiting = slots, max_len, prefill_chunk, max_waiting
+        # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
+        self.prefill_shapes = sorted({1, min(prefill_rows, slots)})
+        self.mesh = mesh_of(params)
+        self._cache = init_cache(config, slots, max_len, params["embedding"].dtype, mesh=self.mesh)
+        self._slots: list[_Slot | None] = [None] * slots
+        self._admitted: list[int] = []  # slots in the order their requests were admitted
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.metrics = Metrics()
+        self.compiled: list[str] = []
+
+    # The Python API ------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], settings: Settings = Settings()) -> Request:
+        """Queue a request; QueueFull at once when `max_waiting` requests already wait, ValueError for
+        a prompt the engine cannot take (empty, ids outside the vocabulary, too long)."""
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        vocab = self.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt) + settings.max_new_tokens > self.max_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens exceeds the "
+                             f"max context of {self.max_len}")
+        if settings.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                self.metrics.rejected += 1
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues")
+            request = Request(next(self._ids), prompt, settings)
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def stats(self) -> dict:
+        with self._lock:
+            used = sum(s is not None for s in self._slots)
+            prefilling = sum(1 for s in self._slots if s is not None and s.prefilled < len(s.request.prompt_ids))
+            state = {"running": used, "prefilling": prefilling, "waiting": len(self._waiting), "slots_in_use": used,
+                     "slots": self.slots}
+        return self.metrics.snapshot(**state)
+
+    def start(self) -> None:
+        """Run the steps on a thread of their own until `stop`."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="gptoss-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, cancel: bool = True) -> None:
+        """Stop taking steps: cancel=True cancels every request not yet finished (their slots are freed
+        at once); cancel=False lets them finish first."""
+        with self._lock:
+            if cancel:
+                for r in list(self._waiting) + [s.request for s in self._slots if s is not None]:
+                    r.cancel()
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        else:
+            self.run_until_idle()
+
+    def warm_up(self) -> list[str]:
+        """Compile the steps (nothing is generated, no slot changes) and say what was compiled."""
+        S, C = self.slots, self.prefill_chunk
+        outputs = []
+        for P in self.prefill_shapes:
+            logits = self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P)
+            outputs.append(steps.sample_first(self.mesh, logits, *self._sampling_arrays([None] * P)))
+        tokens, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._put(np.zeros(S, np.int32)),
+                                                 self._put(np.zeros(S, bool)), *self._sampling_arrays([None] * S))
+        for x in outputs + [tokens]:
+            np.asarray(x)
+        self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
+            f"first-token sampling [{', '.join(map(str, self.prefill_shapes))}]", f"decode step [{S}]",
+            f"KV cache [{S}, {self.max_len}]"]
+        return self.compiled
+
+    def run_until_idle(self) -> None:
+        """Run steps on this thread until nothing is waiting or running (tests, batch jobs)."""
+        while self.step():
+            pass
+
+    # The steps ---------------------------------------------------------------------------------------------
+
+    @property
+    def _model(self):
+        return self.config, self.kernels, self.mesh
+
+    def _put(self, x):
+        return on_every_device(x, self.mesh)
+
+    def _sampling_arrays(self, requests: Sequence[Request | None], steps_done: Sequence[int] | None = None):
+        """(seeds, steps, temperature, top_k, top_p, min_p) on the devices, a row per request (None:
+        an idle row, greedy); steps_done: each row's sampling step (default 0, a first token)."""
+        n = len(requests)
+        out = {"seed": np.zeros(n, np.int32), "step": np.zeros(n, np.int32), "temperature": np.zeros(n, np.float32),
+               "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32)}
+        for i, r in enumerate(requests):
+            if r is None:
+                continue
+            s = r.settings.sampling
+            out["seed"][i], out["temperature"][i], out["top_k"][i] = r.settings.seed, s.temperature, s.top_k
+            out["top_p"][i], out["min_p"][i] = s.top_p, s.min_p
+            out["step"][i] = steps_done[i] if steps_done else 0
+        return tuple(self._put(out[k]) for k in ("seed", "step", "temperature", "top_k", "top_p", "min_p"))
+
+    def step(self) -> bool:
+        """One engine step (see the module's docstring); False when there was nothing to do."""
+        with self._lock:
+            self._free_cancelled()
+            self._admit()
+        did = False
+        prefilling = [s for s in self._admitted if self._slots[s].prefilled < len(self._slots[s].request.prompt_ids)]
+        if prefilling:
+            self._prefill(prefilling)
+            did = True
+        decoding = [s for s in self._admitted if self._slots[s].sampled > 0]
+        if decoding:
+            self._decode(decoding)
+            did = True
+        return did
+
+    def _free(self, slot: int, reason: str) -> None:
+        request = self._slots[slot].request
+        self._slots[slot] = None
+        self._admitted.remove(slot)
+        request._finish(reason, time.perf_counter())
+        self.metrics.finish(request)
+
+    def _free_cancelled(self) -> None:
+        for r in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(r)
+            r._finish("cancelled", time.perf_counter())
+            self.metrics.finish(r)
+        for slot in list(self._admitted):
+            if self._slots[slot].request.cancelled:
+                self._free(slot, "cancelled")
+
+    def _admit(self) -> None:
+        for slot in range(self.slots):
+            if self._slots[slot] is None and self._waiting:
+                request = self._waiting.popleft()
+                self._slots[slot] = _Slot(request)
+                self._admitted.append(slot)
+                self.metrics.prompt_tokens += len(request.prompt_ids)
+
+    def _prefill_call(self, slots: list[int | None], tokens: np.ndarray, counts: list[int]):
+        """prefill_slots for these rows (None: a padding row) -> logits [P, V] on the devices."""
+        index = np.array([self.slots if s is None else s for s in slots], np.int32)
+        resets = np.array([s is not None and self._slots[s].prefilled == 0 for s in slots])
+        logits, self._cache = steps.prefill_slots(*self._model, self.params, self._cache, self._put(index),
+                                                  self._put(tokens), self._put(np.array(counts, np.int32)),
+                                                  self._put(resets))
+        return logits
+
+    def _prefill(self, prefilling: list[int]) -> None:
+        """One chunk of each of the first prefilling slots (in admission order)."""
+        P = self.prefill_shapes[-1] if len(prefilling) > 1 else 1
+        rows: list[int | None] = prefilling[:P] + [None] * (P - len(prefilling[:P]))
+        C = self.prefill_chunk
+        tokens, counts = np.zeros((P, C), np.int32), [0] * P
+        for i, slot in enumerate(rows):
+            if slot is not None:
+                state = self._slots[slot]
+                chunk = state.request.prompt_ids[state.prefilled:state.prefilled + C]
+                tokens[i, :len(chunk)], counts[i] = chunk, len(chunk)
+        logits = self._prefill_call(rows, tokens, counts)
+        done = []
+        for i, slot in enumerate(rows):
+            if slot is not None:
+                state = self._slots[slot]
+                state.prefilled += counts[i]
+                if state.prefilled == len(state.request.prompt_ids):
+                    done.append(i)
+        if done:  # their first tokens, sampled together
+            first = steps.sample_first(self.mesh, logits, *self._sampling_arrays(
+                [self._slots[s].request if i in done else None for i, s in enumerate(rows)]))
+            first = np.asarray(first)
+            for i in done:
+                self._emit(rows[i], int(first[i]))
+
+    def _decode(self, slots: list[int]) -> None:
+        S = self.slots
+        tokens, active = np.zeros(S, np.int32), np.zeros(S, bool)
+        requests: list[Request | None] = [None] * S
+        done = [0] * S
+        for slot in slots:
+            state = self._slots[slot]
+            tokens[slot], active[slot], requests[slot], done[slot] = state.last, True, state.request, state.sampled
+        next_tokens, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._put(tokens),
+                                                      self._put(active), *self._sampling_arrays(requests, done))
+        next_tokens = np.asarray(next_tokens)
+        for slot in slots:
+            if self._slots[slot] is not None:
+                self._emit(slot, int(next_tokens[slot]))
+
+    def _emit(self, slot: int, token: int) -> None:
+        """Hand a slot's new token to its request; free the slot if that ends it."""
+        state = self._slots[slot]
+        request, settings = state.request, state.request.settings
+        now = time.perf_counter()
+        request._add(token, now)
+        self.metrics.token(request, now)
+        state.last, state.sampled = token, state.sampled + 1
+        if token in settings.stop_ids:
+            return self._free(slot, "stop")
+        if settings.stop_strings:
+            state.text = self.tokenizer.decode(request.output_ids)
+            if any(s in state.text for s in settings.stop_strings):
+                return self._free(slot, "stop")
+        if state.sampled >= settings.max_new_tokens:
+            self._free(slot, "length")
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._admitted)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._has_work():
+                    self._wake.wait()
+                if self._stopping and not self._has_work():
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a failed step ends the requests it held, never the engine
+                self._fail_running(f"{type(e).__name__}: {e}")
+
+    def _fail_running(self, message: str) -> None:
+        # The step may have consumed the donated cache: start from a fresh one.
+        self._cache = init_cache(self.config, self.slots, self.max_len, self.params["embedding"].dtype, mesh=self.mesh)
+        for slot in list(self._admitted):
+            request = self._slots[slot].request
+            self._slots[slot] = None
+            self._admitted.remove(slot)
+            request._finish("error", time.perf_counter(), error=message)
+            self.metrics.finish(request)

@@ -1,0 +1,53 @@
+"""What the serving engine counts: tokens, requests by how they ended, time to first token and the
+time between tokens (the latest 10,000 of each), reported as percentiles by `snapshot`."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+WINDOW = 10_000
+
+
+class Metrics:
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished = collections.Counter()  # finish reason -> requests
+        self.rejected = 0  # submissions refused because the queue was full
+        self.time_to_first_token = collections.deque(maxlen=WINDOW)
+        self.inter_token = collections.deque(maxlen=WINDOW)
+        self._last_token: dict[int, float] = {}  # request id -> when its latest token came
+
+    def token(self, request, now: float) -> None:
+        self.generated_tokens += 1
+        last = self._last_token.get(request.id)
+        if last is None:
+            self.time_to_first_token.append(now - request.submitted_at)
+        else:
+            self.inter_token.append(now - last)
+        self._last_token[request.id] = now
+
+    def finish(self, request) -> None:
+        self.finished[request.finish_reason] += 1
+        self._last_token.pop(request.id, None)
+
+    def snapshot(self, **state) -> dict:
+        """The counts, rates and latency percentiles (seconds), with the engine's `state` (running,
+        waiting, slots in use, ...)."""
+        elapsed = time.perf_counter() - self.started
+
+        def percentiles(values):
+            if not values:
+                return {"p50": None, "p90": None, "p99": None}
+            p = np.percentile(np.fromiter(values, float), [50, 90, 99])
+            return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2])}
+
+        return {**state, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "generated_tokens_per_s": self.generated_tokens / elapsed if elapsed > 0 else 0.0,
+                "finished": dict(self.finished), "rejected": self.rejected,
+                "time_to_first_token_s": percentiles(self.time_to_first_token),
+                "inter_token_latency_s": percentiles(self.inter_token), "uptime_s": elapsed}

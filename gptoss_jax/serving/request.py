@@ -1,0 +1,108 @@
+"""A request to the serving engine: its prompt, its own settings, and the stream of its tokens.
+
+The engine's thread appends tokens and finishes the request; any other thread reads them with
+`tokens()` (a generator that blocks for the next one), `result()` (all of them, once finished) or
+cancels with `cancel()` (its slot is freed at the engine's next step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Iterator, Sequence
+
+from ..sampling import Sampling
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is full: try again later (a server answers 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A request's own generation settings; the engine holds them per slot, as arrays."""
+
+    max_new_tokens: int = 256
+    sampling: Sampling = Sampling(temperature=0.0)
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # need the engine's tokenizer
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
+        if not -2**31 <= self.seed < 2**31:
+            raise ValueError(f"the seed must be a 32-bit signed integer, got {self.seed}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("a stop string must not be empty")
+
+
+_DONE = object()
+
+
+class Request:
+    """One request in the engine; made by `Engine.submit`."""
+
+    def __init__(self, request_id: int, prompt_ids: Sequence[int], settings: Settings):
+        self.id = request_id
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.settings = settings
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._cancelled = False
+
+    # Read by any thread ------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating for this request: its slot is freed at the engine's next step."""
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def tokens(self, timeout: float | None = None) -> Iterator[int]:
+        """Each new token id as it is generated, until the request finishes. timeout: the most seconds
+        to wait for one token (TimeoutError after)."""
+        while True:
+            try:
+                item = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id}: no token within {timeout} s") from None
+            if item is _DONE:
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Every generated token id, once the request has finished (TimeoutError after `timeout` s)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        return list(self.output_ids)
+
+    # Written by the engine's thread only ------------------------------------------------------------
+
+    def _add(self, token: int, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids.append(token)
+        self._events.put(token)
+
+    def _finish(self, reason: str, now: float, error: str | None = None) -> None:
+        assert reason in FINISH_REASONS, reason
+        self.finish_reason, self.error, self.finished_at = reason, error, now
+        self._events.put(_DONE)
+        self._done.set()
