@@ -88,7 +88,8 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperatu
         ranked = min_p_filter(jnp.where((top_k[:, None] > 0) & (ranked < kth), -jnp.inf, ranked))
         probs = jax.nn.softmax(ranked, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
-        ranked = jnp.where(before >= top_p[:, None], -jnp.inf, ranked)  # the first always stays
+        # The first always stays; top_p = 1 is off (a float cumsum can reach 1 before the last token).
+        ranked = jnp.where((top_p[:, None] < 1) & (before >= top_p[:, None]), -jnp.inf, ranked)
         return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(ranked)
 
     scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), by_rank, min_p_filter, scaled)

@@ -193,6 +193,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def everywhere(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """Inside jit: x on every device of the mesh (sampled tokens and their logits, so that every
+    process can read them and each step's inputs keep one layout); a no-op without a mesh."""
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, replicated(mesh))
+
+
 def zeros_on_devices(shapes: Any, shardings: Any = None) -> Any:
     """Zeros for a pytree of `jax.ShapeDtypeStruct`s, made on the devices where `shardings` (a matching
     pytree, or None: the default device) lays them out, with no host copy. The jitted maker of each

@@ -107,10 +107,9 @@ def test_cancelling_half_frees_their_slots_and_leaves_the_others_unchanged(engin
     cancelled = requests[::2]
     for r in cancelled:
         r.cancel()
-    held_before = engine.stats()["slots_in_use"]
     engine.step()
     assert all(r.finished and r.finish_reason in ("cancelled", "stop", "length") for r in cancelled)
-    assert engine.stats()["slots_in_use"] <= held_before
+    assert not any(s is not None and s.request in cancelled for s in engine._slots)  # freed within one step
     engine.run_until_idle()
     for i, r in enumerate(requests):
         if r not in cancelled:

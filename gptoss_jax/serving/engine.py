@@ -78,6 +78,8 @@ class Engine:
         self._stopping = False
         self.metrics = Metrics()
         self.compiled: list[str] = []
+        self._slot_settings = None  # the decode step's per-slot sampling settings on the devices, kept
+        # until a slot changes hands (they change only then; only the steps array changes every step)
 
     # The Python API ------------------------------------------------------------------------------------
 
@@ -198,6 +200,7 @@ class Engine:
     def _free(self, slot: int, reason: str) -> None:
         request = self._slots[slot].request
         self._slots[slot] = None
+        self._slot_settings = None
         self._admitted.remove(slot)
         request._finish(reason, time.perf_counter())
         self.metrics.finish(request)
@@ -216,6 +219,7 @@ class Engine:
             if self._slots[slot] is None and self._waiting:
                 request = self._waiting.popleft()
                 self._slots[slot] = _Slot(request)
+                self._slot_settings = None
                 self._admitted.append(slot)
                 self.metrics.prompt_tokens += len(request.prompt_ids)
 
@@ -256,14 +260,16 @@ class Engine:
 
     def _decode(self, slots: list[int]) -> None:
         S = self.slots
-        tokens, active = np.zeros(S, np.int32), np.zeros(S, bool)
-        requests: list[Request | None] = [None] * S
-        done = [0] * S
+        tokens, active, done = np.zeros(S, np.int32), np.zeros(S, bool), np.zeros(S, np.int32)
         for slot in slots:
             state = self._slots[slot]
-            tokens[slot], active[slot], requests[slot], done[slot] = state.last, True, state.request, state.sampled
+            tokens[slot], active[slot], done[slot] = state.last, True, state.sampled
+        if self._slot_settings is None:
+            seeds, _, *settings = self._sampling_arrays([s and s.request for s in self._slots])
+            self._slot_settings = (seeds, settings)
+        seeds, settings = self._slot_settings
         next_tokens, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._put(tokens),
-                                                      self._put(active), *self._sampling_arrays(requests, done))
+                                                      self._put(active), seeds, self._put(done), *settings)
         next_tokens = np.asarray(next_tokens)
         for slot in slots:
             if self._slots[slot] is not None:
@@ -302,6 +308,7 @@ class Engine:
                 self._fail_running(f"{type(e).__name__}: {e}")
 
     def _fail_running(self, message: str) -> None:
+        self._slot_settings = None
         # The step may have consumed the donated cache: start from a fresh one.
         self._cache = init_cache(self.config, self.slots, self.max_len, self.params["embedding"].dtype, mesh=self.mesh)
         for slot in list(self._admitted):

@@ -23,11 +23,7 @@ import jax.numpy as jnp
 
 from ..model import Transformer
 from ..sampling import sample_rows
-from ..sharding import replicated
-
-
-def _everywhere(x, mesh):
-    return x if mesh is None else jax.lax.with_sharding_constraint(x, replicated(mesh))
+from ..sharding import everywhere
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
@@ -41,13 +37,13 @@ def prefill_slots(config, kernels, mesh, params, cache, slots, tokens, counts, r
     logits, part = Transformer(config, kernels=kernels, mesh=mesh).apply(
         {"params": params}, tokens, part, valid, logits_at=jnp.maximum(counts - 1, 0))
     cache = jax.tree.map(lambda full, new: full.at[slots].set(new, mode="drop"), cache, part)
-    return _everywhere(logits, mesh), cache
+    return everywhere(logits, mesh), cache
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def sample_first(mesh, logits, seed, step, temperature, top_k, top_p, min_p):
     """Requests' first tokens, from their prompts' last logits [P, V] (their sampling step 0) -> [P]."""
-    return _everywhere(sample_rows(logits, seed, step, temperature, top_k, top_p, min_p), mesh)
+    return everywhere(sample_rows(logits, seed, step, temperature, top_k, top_p, min_p), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
@@ -57,4 +53,4 @@ def decode_slots(config, kernels, mesh, params, cache, tokens, active, seeds, st
     logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens[:, None], cache,
                                                                          active[:, None])
     next_tokens = sample_rows(logits[:, 0], seeds, steps, temperature, top_k, top_p, min_p)
-    return _everywhere(next_tokens, mesh), cache
+    return everywhere(next_tokens, mesh), cache
