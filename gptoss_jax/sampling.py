@@ -59,22 +59,40 @@ def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+MODES = ("greedy", "draw", "rank")
+
+
+def rows_mode(samplings) -> str:
+    """The least work `sample_rows` needs for rows with these settings: "greedy" when none samples,
+    "rank" when some sampled row asks for top-k or top-p (a sort of the vocabulary), else "draw"."""
+    drawn = [s for s in samplings if s.temperature > 0]
+    if not drawn:
+        return "greedy"
+    return "rank" if any(s.top_k > 0 or s.top_p < 1 for s in drawn) else "draw"
+
+
 def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+                top_p: jax.Array, min_p: jax.Array, mode: str = "rank") -> jax.Array:
     """Each row by its own settings, as arrays (a serving batch mixes requests): logits [B, V], and
     [B] seeds, steps, temperature (0: greedy), top_k (0: off), top_p (1: off), min_p (0: off) ->
     token ids [B] int32.
 
     Row b draws with key fold_in(key(seeds[b]), steps[b]) and its own filters, so its token does not
     depend on the other rows: a seeded request samples the same tokens whatever shares its batch.
-    The filters are those of `sample`, in the same order (top-k, min-p, top-p); the sort they need
-    runs only when some row asks for top-k or top-p.
+    The filters are those of `sample`, in the same order (top-k, min-p, top-p). `mode` (static, from
+    `rows_mode`) leaves out work no row needs: "greedy" takes the argmax only, "draw" skips the sort
+    that top-k and top-p need; "rank" serves every row. It is a Python value rather than a branch on
+    the device, since a GPU branch makes the host wait for the device.
     """
     import jax
     import jax.numpy as jnp
 
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
     def min_p_filter(x):
@@ -92,7 +110,7 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperatu
         ranked = jnp.where((top_p[:, None] < 1) & (before >= top_p[:, None]), -jnp.inf, ranked)
         return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(ranked)
 
-    scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1)), by_rank, min_p_filter, scaled)
+    scaled = by_rank(scaled) if mode == "rank" else min_p_filter(scaled)
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
     drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)

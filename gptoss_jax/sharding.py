@@ -224,6 +224,14 @@ def on_every_device(x, mesh: Mesh | None):
     return jax.device_put(x) if mesh is None else jax.device_put(x, replicated(mesh))
 
 
+def to_host_soon(tokens: jax.Array) -> jax.Array:
+    """Queue the copy of a step's tokens to the host right behind the step, rather than when the host
+    asks for them (which cost the GPU about 0.7 ms of idling after a prompt); -> tokens."""
+    if tokens.is_fully_addressable:  # several processes: each reads its replica when asked
+        tokens.copy_to_host_async()
+    return tokens
+
+
 # Diagnostics --------------------------------------------------------------------------------------
 
 _COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")

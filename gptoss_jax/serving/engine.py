@@ -13,8 +13,14 @@ Each step of the engine (`step`):
 2. prefills one chunk (at most `prefill_chunk` prompt tokens) of each of the earliest admitted
    requests still prefilling, up to `prefill_rows` of them together; a chunk holding a prompt's
    last token also samples that request's first token;
-3. decodes one token for every slot past its prompt, each sampled by its own settings, and
-   finishes the requests that reach a stop token, a stop string or their token budget.
+3. decodes one token for every slot past its prompt, each sampled by its own settings;
+4. reads the tokens of the step before (the device meanwhile runs this one), hands them to their
+   requests, and finishes the requests that reach a stop token, a stop string or their token
+   budget.
+
+Each decode step takes the slots' latest tokens from the step before on the devices, so the host
+never waits for a step before queueing the next: the device runs steps back to back while the
+host streams. A request that meets a stop token is computed one step more, and that token dropped.
 
 So a long prompt delays the others' next token by one chunk at most. Shapes never change with the
 traffic (the cache is [slots, max_len], a prefill [1 or prefill_rows, prefill_chunk], a decode
@@ -36,7 +42,8 @@ import numpy as np
 from ..cache import init_cache
 from ..config import ModelConfig
 from ..kernels import Kernels
-from ..sharding import mesh_of, on_every_device
+from ..sampling import MODES, rows_mode
+from ..sharding import mesh_of, on_every_device, to_host_soon
 from ..weight import Params
 from . import steps
 from .metrics import Metrics
@@ -46,9 +53,8 @@ from .request import QueueFull, Request, Settings
 @dataclasses.dataclass
 class _Slot:
     request: Request
-    prefilled: int = 0  # prompt tokens already in the cache
-    last: int = 0  # the latest token (the next decode step's input)
-    sampled: int = 0  # tokens sampled so far (the next one's sampling step)
+    prefilled: int = 0  # prompt tokens sent to the cache
+    queued: int = 0  # tokens sampled on the devices so far, read or not (the next one's sampling step)
     text: str = ""  # the reply so far, for stop strings
 
 
@@ -68,6 +74,8 @@ class Engine:
         self.prefill_shapes = sorted({1, min(prefill_rows, slots)})
         self.mesh = mesh_of(params)
         self._cache = init_cache(config, slots, max_len, params["embedding"].dtype, mesh=self.mesh)
+        self._last = self._put(np.zeros(slots, np.int32))  # each slot's latest token, on the devices
+        self._in_flight: list = []  # the step before's (tokens on the devices, [(row, slot, _Slot)])
         self._slots: list[_Slot | None] = [None] * slots
         self._admitted: list[int] = []  # slots in the order their requests were admitted
         self._waiting: collections.deque[Request] = collections.deque()
@@ -141,14 +149,16 @@ class Engine:
         S, C = self.slots, self.prefill_chunk
         outputs = []
         for P in self.prefill_shapes:
-            logits = self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P)
-            outputs.append(steps.sample_first(self.mesh, logits, *self._sampling_arrays([None] * P)))
-        tokens, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._put(np.zeros(S, np.int32)),
-                                                 self._put(np.zeros(S, bool)), *self._sampling_arrays([None] * S))
-        for x in outputs + [tokens]:
+            for mode in MODES:
+                outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [False] * P, mode))
+        for mode in MODES:
+            self._slot_settings = (*self._sampling_arrays([None] * S), mode)
+            outputs.append(self._decode_call(np.full(S, -1, np.int32)))
+        self._slot_settings = None
+        for x in outputs:
             np.asarray(x)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
-            f"first-token sampling [{', '.join(map(str, self.prefill_shapes))}]", f"decode step [{S}]",
+            f"decode step [{S}]", f"token picks ({', '.join(MODES)}) [{', '.join(map(str, self.prefill_shapes + [S]))}]",
             f"KV cache [{S}, {self.max_len}]"]
         return self.compiled
 
@@ -166,36 +176,37 @@ class Engine:
     def _put(self, x):
         return on_every_device(x, self.mesh)
 
-    def _sampling_arrays(self, requests: Sequence[Request | None], steps_done: Sequence[int] | None = None):
-        """(seeds, steps, temperature, top_k, top_p, min_p) on the devices, a row per request (None:
-        an idle row, greedy); steps_done: each row's sampling step (default 0, a first token)."""
+    def _sampling_arrays(self, requests: Sequence[Request | None]):
+        """(seeds, temperature, top_k, top_p, min_p) on the devices, a row per request (None: an idle
+        row, greedy)."""
         n = len(requests)
-        out = {"seed": np.zeros(n, np.int32), "step": np.zeros(n, np.int32), "temperature": np.zeros(n, np.float32),
-               "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32)}
+        out = {"seed": np.zeros(n, np.int32), "temperature": np.zeros(n, np.float32), "top_k": np.zeros(n, np.int32),
+               "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32)}
         for i, r in enumerate(requests):
             if r is None:
                 continue
             s = r.settings.sampling
             out["seed"][i], out["temperature"][i], out["top_k"][i] = r.settings.seed, s.temperature, s.top_k
             out["top_p"][i], out["min_p"][i] = s.top_p, s.min_p
-            out["step"][i] = steps_done[i] if steps_done else 0
-        return tuple(self._put(out[k]) for k in ("seed", "step", "temperature", "top_k", "top_p", "min_p"))
+        return tuple(self._put(out[k]) for k in ("seed", "temperature", "top_k", "top_p", "min_p"))
 
     def step(self) -> bool:
         """One engine step (see the module's docstring); False when there was nothing to do."""
         with self._lock:
             self._free_cancelled()
             self._admit()
-        did = False
+        queued = []
         prefilling = [s for s in self._admitted if self._slots[s].prefilled < len(self._slots[s].request.prompt_ids)]
         if prefilling:
-            self._prefill(prefilling)
-            did = True
-        decoding = [s for s in self._admitted if self._slots[s].sampled > 0]
+            queued.append(self._prefill(prefilling))
+        decoding = [s for s in self._admitted
+                    if 0 < self._slots[s].queued < self._slots[s].request.settings.max_new_tokens]
         if decoding:
-            self._decode(decoding)
-            did = True
-        return did
+            queued.append(self._decode(decoding))
+        before, self._in_flight = self._in_flight, queued
+        for tokens, rows in before:  # read while the device runs this step's work
+            self._read(tokens, rows)
+        return bool(queued or before)
 
     def _free(self, slot: int, reason: str) -> None:
         request = self._slots[slot].request
@@ -223,57 +234,74 @@ class Engine:
                 self._admitted.append(slot)
                 self.metrics.prompt_tokens += len(request.prompt_ids)
 
-    def _prefill_call(self, slots: list[int | None], tokens: np.ndarray, counts: list[int]):
-        """prefill_slots for these rows (None: a padding row) -> logits [P, V] on the devices."""
-        index = np.array([self.slots if s is None else s for s in slots], np.int32)
+    def _prefill_call(self, slots: list[int | None], tokens: np.ndarray, counts: list[int], finishing: list[bool],
+                      mode: str):
+        """prefill_slots and pick_first for these rows (None: a padding row) -> their first tokens
+        [P] on the devices."""
+        index = self._put(np.array([self.slots if s is None else s for s in slots], np.int32))
         resets = np.array([s is not None and self._slots[s].prefilled == 0 for s in slots])
-        logits, self._cache = steps.prefill_slots(*self._model, self.params, self._cache, self._put(index),
-                                                  self._put(tokens), self._put(np.array(counts, np.int32)),
-                                                  self._put(resets))
-        return logits
+        logits, self._cache = steps.prefill_slots(*self._model, self.params, self._cache, index, self._put(tokens),
+                                                  self._put(np.array(counts, np.int32)), self._put(resets))
+        sampling = self._sampling_arrays([None if s is None else self._slots[s].request for s in slots])
+        first, self._last = steps.pick_first(self.mesh, mode, logits, self._last, index,
+                                             self._put(np.array(finishing)), *sampling)
+        return first
 
-    def _prefill(self, prefilling: list[int]) -> None:
-        """One chunk of each of the first prefilling slots (in admission order)."""
+    def _prefill(self, prefilling: list[int]):
+        """Queue one chunk of each of the first prefilling slots (in admission order) -> (first tokens
+        on the devices, the rows whose prompts it ends)."""
         P = self.prefill_shapes[-1] if len(prefilling) > 1 else 1
         rows: list[int | None] = prefilling[:P] + [None] * (P - len(prefilling[:P]))
         C = self.prefill_chunk
-        tokens, counts = np.zeros((P, C), np.int32), [0] * P
+        tokens, counts, finishing = np.zeros((P, C), np.int32), [0] * P, [False] * P
         for i, slot in enumerate(rows):
             if slot is not None:
                 state = self._slots[slot]
                 chunk = state.request.prompt_ids[state.prefilled:state.prefilled + C]
                 tokens[i, :len(chunk)], counts[i] = chunk, len(chunk)
-        logits = self._prefill_call(rows, tokens, counts)
+                finishing[i] = state.prefilled + len(chunk) == len(state.request.prompt_ids)
+        mode = rows_mode([self._slots[s].request.settings.sampling for i, s in enumerate(rows) if finishing[i]])
+        first = self._prefill_call(rows, tokens, counts, finishing, mode)
         done = []
         for i, slot in enumerate(rows):
             if slot is not None:
                 state = self._slots[slot]
                 state.prefilled += counts[i]
-                if state.prefilled == len(state.request.prompt_ids):
-                    done.append(i)
-        if done:  # their first tokens, sampled together
-            first = steps.sample_first(self.mesh, logits, *self._sampling_arrays(
-                [self._slots[s].request if i in done else None for i, s in enumerate(rows)]))
-            first = np.asarray(first)
-            for i in done:
-                self._emit(rows[i], int(first[i]))
+                if finishing[i]:
+                    state.queued = 1
+                    done.append((i, slot, state))
+        return to_host_soon(first), done
 
-    def _decode(self, slots: list[int]) -> None:
-        S = self.slots
-        tokens, active, done = np.zeros(S, np.int32), np.zeros(S, bool), np.zeros(S, np.int32)
+    def _decode_call(self, steps_done: np.ndarray):
+        """decode_slots and pick_next with each slot's sampling step (-1: idle) -> the next tokens [S]
+        on the devices."""
+        if self._slot_settings is None:  # changes only when a slot changes hands
+            requests = [s and s.request for s in self._slots]
+            mode = rows_mode([r.settings.sampling for r in requests if r is not None])
+            self._slot_settings = (*self._sampling_arrays(requests), mode)
+        *settings, mode = self._slot_settings
+        steps_done = self._put(steps_done)
+        logits, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._last, steps_done)
+        self._last = steps.pick_next(self.mesh, mode, logits, self._last, steps_done, *settings)
+        return self._last
+
+    def _decode(self, slots: list[int]):
+        """Queue one decode step of these slots -> (their tokens on the devices, the rows)."""
+        steps_done = np.full(self.slots, -1, np.int32)
+        rows = []
         for slot in slots:
             state = self._slots[slot]
-            tokens[slot], active[slot], done[slot] = state.last, True, state.sampled
-        if self._slot_settings is None:
-            seeds, _, *settings = self._sampling_arrays([s and s.request for s in self._slots])
-            self._slot_settings = (seeds, settings)
-        seeds, settings = self._slot_settings
-        next_tokens, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._put(tokens),
-                                                      self._put(active), seeds, self._put(done), *settings)
-        next_tokens = np.asarray(next_tokens)
-        for slot in slots:
-            if self._slots[slot] is not None:
-                self._emit(slot, int(next_tokens[slot]))
+            steps_done[slot] = state.queued
+            state.queued += 1
+            rows.append((slot, slot, state))
+        return to_host_soon(self._decode_call(steps_done)), rows
+
+    def _read(self, tokens, rows) -> None:
+        """Hand a queued step's tokens to their requests (rows of requests that ended since are dropped)."""
+        tokens = np.asarray(tokens)
+        for i, slot, state in rows:
+            if self._slots[slot] is state:
+                self._emit(slot, int(tokens[i]))
 
     def _emit(self, slot: int, token: int) -> None:
         """Hand a slot's new token to its request; free the slot if that ends it."""
@@ -282,18 +310,17 @@ class Engine:
         now = time.perf_counter()
         request._add(token, now)
         self.metrics.token(request, now)
-        state.last, state.sampled = token, state.sampled + 1
         if token in settings.stop_ids:
             return self._free(slot, "stop")
         if settings.stop_strings:
             state.text = self.tokenizer.decode(request.output_ids)
             if any(s in state.text for s in settings.stop_strings):
                 return self._free(slot, "stop")
-        if state.sampled >= settings.max_new_tokens:
+        if len(request.output_ids) >= settings.max_new_tokens:
             self._free(slot, "length")
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._admitted)
+        return bool(self._waiting or self._admitted or self._in_flight)
 
     def _run(self) -> None:
         while True:
@@ -311,6 +338,7 @@ class Engine:
         self._slot_settings = None
         # The step may have consumed the donated cache: start from a fresh one.
         self._cache = init_cache(self.config, self.slots, self.max_len, self.params["embedding"].dtype, mesh=self.mesh)
+        self._last, self._in_flight = self._put(np.zeros(self.slots, np.int32)), []
         for slot in list(self._admitted):
             request = self._slots[slot].request
             self._slots[slot] = None

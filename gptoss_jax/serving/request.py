@@ -52,6 +52,7 @@ class Request:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.settings = settings
         self.output_ids: list[int] = []
+        self.token_times: list[float] = []  # when each token reached the request (time.perf_counter)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.submitted_at = time.perf_counter()
@@ -99,6 +100,7 @@ class Request:
         if self.first_token_at is None:
             self.first_token_at = now
         self.output_ids.append(token)
+        self.token_times.append(now)
         self._events.put(token)
 
     def _finish(self, reason: str, now: float, error: str | None = None) -> None:

@@ -1,0 +1,281 @@
+"""Serving speed of full-size gpt-oss-20b (synthetic weights) on one GPU: the continuous-batching
+engine (gptoss_jax.serving.Engine) against Hugging Face transformers' continuous batching
+(ContinuousBatchingManager) on the same GPU in the same run, on the same requests.
+
+    python bench/serve_20b.py [--experts bf16,mxfp4] [--concurrency 1,16,64,256] [--arrivals all,poisson]
+        [--prompt 1024] [--new 1024] [--skip-peer] [--skip-jax]
+
+For each concurrency c: c requests of `--prompt` random token ids each (the same ids for both), each
+asking for exactly `--new` tokens (greedy, no stop token), into an engine of c slots;
+- all: every request arrives at once;
+- poisson: arrivals as a Poisson process of c / `--window` requests a second (the first at 0).
+Per run: output tokens/s and total (prompt + output) tokens/s over the run (first arrival to last
+token), time to first token (arrival to first token) and inter-token latency (the gaps between a
+request's successive tokens as its client gets them), p50 and p99 over all requests. Peak memory:
+the process's peak on the GPU so far. Each configuration is warmed up first (compilation, CUDA
+graphs) outside the timed runs. The engine's "CLI batch 1" row is `Generator` (what the command
+line runs) decoding one request of the same shape: the reference for the inter-token latency at
+concurrency 1.
+
+Each framework runs in a process of its own, one after the other, each alone on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout without installing
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def workload(vocab: int, c: int, arrivals: str, args) -> tuple[list[list[int]], np.ndarray]:
+    """The c prompts and their arrival times in seconds (the same for every framework)."""
+    rng = np.random.default_rng(1000 + c)
+    prompts = [rng.integers(0, vocab, args.prompt).tolist() for _ in range(c)]
+    if arrivals == "all":
+        return prompts, np.zeros(c)
+    gaps = np.random.default_rng(2000 + c).exponential(args.window / c, c)
+    return prompts, np.cumsum(gaps) - gaps[0]
+
+
+def summary(prompt_lens, submitted, token_times) -> dict:
+    """Rates and latency percentiles of one run from each request's submit time and token times."""
+    start = min(submitted)
+    end = max(t[-1] for t in token_times)
+    output = sum(len(t) for t in token_times)
+    ttft = np.array([t[0] - s for s, t in zip(submitted, token_times)])
+    itl = np.concatenate([np.diff(t) for t in token_times if len(t) > 1] or [np.zeros(0)])
+    p = lambda x, q: float(np.percentile(x, q) * 1e3) if len(x) else None  # noqa: E731
+    return {"requests": len(token_times), "seconds": end - start, "output_tokens": output,
+            "output_tokens_per_s": output / (end - start),
+            "total_tokens_per_s": (output + sum(prompt_lens)) / (end - start),
+            "ttft_p50_ms": p(ttft, 50), "ttft_p99_ms": p(ttft, 99), "itl_p50_ms": p(itl, 50), "itl_p99_ms": p(itl, 99),
+            "itl_mean_ms": float(itl.mean() * 1e3) if len(itl) else None}
+
+
+def drive(submit, prompts, at) -> list[float]:
+    """Call submit(i) for each request at its arrival time (seconds after now); -> submit times."""
+    t0 = time.perf_counter()
+    submitted = [0.0] * len(prompts)
+    for i in np.argsort(at, kind="stable"):
+        delay = t0 + at[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        submitted[i] = time.perf_counter()
+        submit(i)
+    return submitted
+
+
+def run_jax(args) -> dict:
+    # The KV cache of 256 slots and the bf16 weights take more than JAX's default 75% of the GPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    import jax
+
+    import gptoss_jax as gj
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.sampling import Sampling
+    from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.testing import random_params_on_device
+
+    config = gj.ModelConfig.preset(args.preset)
+    experts = "mxfp4" if args.experts == "mxfp4" else None
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=experts))
+    kernels = gj.Kernels()
+    out = {"framework": f"gptoss-jax ({args.experts} experts), jax {jax.__version__}",
+           "device": jax.devices()[0].device_kind, "kernels": kernels.describe(packed=experts == "mxfp4"), "runs": {}}
+    peak = lambda: (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30  # noqa: E731
+    max_len = args.prompt + args.new
+
+    # The command line's batch-1 decode on the same request shape.
+    prompt = workload(config.vocab_size, 1, "all", args)[0]
+    gen = Generator(config, params, max_len=max_len)
+    greedy = Sampling(temperature=0.0)
+    gen.generate(prompt, max_new_tokens=args.new, sampling=greedy)
+    r = gen.generate(prompt, max_new_tokens=args.new, sampling=greedy)[0]
+    out["cli_batch1"] = {"itl_mean_ms": 1e3 / r.timings["decode_tokens_per_s"],
+                         "ttft_ms": 1e3 * r.timings["time_to_first_token_s"]}
+    cli_tokens = r.output_ids
+    del gen
+    # The same with the prompt prefilled in the engine's chunks: where the greedy tokens part from
+    # the command line's, is it the chunking's rounding (then these agree with the engine's)?
+    gen = Generator(config, params, max_len=max_len, prefill_chunk=args.prefill_chunk)
+    chunked_tokens = gen.generate(prompt, max_new_tokens=args.new, sampling=greedy)[0].output_ids
+    out["cli_chunked_tokens_equal_to_cli"] = _agree(cli_tokens, chunked_tokens)
+    del gen
+    print(f"CLI batch 1: {out['cli_batch1']}", file=sys.stderr, flush=True)
+
+    for c in args.concurrency:
+        rows = min(args.prefill_rows, c)
+        engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
+                        prefill_rows=rows, max_waiting=c, kernels=kernels)
+        t = time.perf_counter()
+        engine.warm_up()
+        warm = time.perf_counter() - t
+        # One request end to end, outside the timings (the first steps' host paths).
+        engine.submit(prompt[0], Settings(max_new_tokens=4))
+        engine.run_until_idle()
+        engine.start()
+        for arrivals in args.arrivals:
+            prompts, at = workload(config.vocab_size, c, arrivals, args)
+            requests = [None] * c
+            settings = Settings(max_new_tokens=args.new, sampling=greedy)
+
+            def submit(i):
+                requests[i] = engine.submit(prompts[i], settings)
+
+            submitted = drive(submit, prompts, at)
+            for r in requests:
+                r.result()
+            assert all(len(r.output_ids) == args.new for r in requests)
+            if c == 1:  # the same prompt as the command line's: how far the greedy tokens agree (bf16
+                # synthetic weights: other chunkings of the prompt round differently, so they may part)
+                out[f"{arrivals}_c1_tokens_equal_to_cli"] = _agree(cli_tokens, requests[0].output_ids)
+                out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
+            s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
+            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"[{rows}, {args.prefill_chunk}]")
+            out["runs"][f"{arrivals}_c{c}"] = s
+            print(f"c={c} {arrivals}: {s['output_tokens_per_s']:.0f} output tok/s, ITL p50 {s['itl_p50_ms']:.2f} ms, "
+                  f"TTFT p50 {s['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
+        engine.stop()
+        del engine
+    return out
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two replies share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_peer(args) -> dict:
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    from peer import build
+
+    model, cfg, dev, sync = build(args.preset)
+    model.eval()
+    out = {"framework": f"transformers {transformers.__version__} continuous batching, torch {torch.__version__}",
+           "runs": {}}
+    max_len = args.prompt + args.new
+    for c in args.concurrency:
+        gen_config = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        hints = WorkloadHints(max_prompt_length=args.prompt, max_generated_length=args.new, num_requests=c)
+        cb = ContinuousBatchingConfig(max_blocks_per_request=-(-max_len // 256))
+        t = time.perf_counter()
+        with torch.no_grad(), model.continuous_batching_context_manager(
+                generation_config=gen_config, continuous_batching_config=cb, workload_hints=hints, block=True,
+                timeout=30) as manager:
+            warm = time.perf_counter() - t
+            out["attention"] = model.config._attn_implementation
+            manager.add_request(list(range(16)), request_id="warm", max_new_tokens=4)
+            while (r := manager.get_result(timeout=60)) is None or not r.is_finished():
+                pass
+            for arrivals in args.arrivals:
+                prompts, at = workload(cfg.vocab_size, c, arrivals, args)
+                ids = [f"{arrivals}-{c}-{i}" for i in range(c)]
+
+                def submit(i):
+                    manager.add_request(prompts[i], request_id=ids[i], max_new_tokens=args.new,
+                                        record_timestamps=True)
+
+                results, box = {}, {}
+                driver = threading.Thread(target=lambda: box.setdefault("submitted", drive(submit, prompts, at)))
+                driver.start()
+                while len(results) < c:
+                    r = manager.get_result(timeout=600)
+                    if r is None:
+                        raise RuntimeError(f"transformers gave no result in 600 s ({len(results)} of {c} done)")
+                    if r.is_finished():
+                        if r.error:
+                            raise RuntimeError(r.error)
+                        results[r.request_id] = r
+                driver.join()
+                times = [results[i].timestamps for i in ids]
+                assert all(len(t) == args.new for t in times), [len(t) for t in times]
+                s = summary([len(p) for p in prompts], box["submitted"], times)
+                s.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0, warm_up_s=warm)
+                out["runs"][f"{arrivals}_c{c}"] = s
+                print(f"peer c={c} {arrivals}: {s['output_tokens_per_s']:.0f} output tok/s", file=sys.stderr,
+                      flush=True)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def table(results: dict, args) -> str:
+    lines = ["| framework | arrivals | concurrency | output tok/s | total tok/s | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms | peak GiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    f = lambda x, d=1: "-" if x is None else f"{x:,.{d}f}"  # noqa: E731
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            lines.append(f"| {name} | failed: {str(r)[-300:]} | | | | | | |")
+            continue
+        for arrivals in args.arrivals:
+            for c in args.concurrency:
+                s = r["runs"].get(f"{arrivals}_c{c}")
+                if s:
+                    lines.append(f"| {name} | {arrivals} | {c} | {f(s['output_tokens_per_s'], 0)} | "
+                                 f"{f(s['total_tokens_per_s'], 0)} | {f(s['ttft_p50_ms'], 0)} / {f(s['ttft_p99_ms'], 0)}"
+                                 f" | {f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s['peak_gib'])} |")
+        if "cli_batch1" in r:
+            lines.append(f"| {name}: command line, batch 1 | | 1 | {f(1e3 / r['cli_batch1']['itl_mean_ms'], 0)} | | "
+                         f"{f(r['cli_batch1']['ttft_ms'], 0)} | mean {f(r['cli_batch1']['itl_mean_ms'], 2)} | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt-oss-20b")
+    parser.add_argument("--experts", default="bf16,mxfp4", help="gptoss-jax's expert formats, one process each")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--arrivals", default="all,poisson", help="all (at once), poisson, or both")
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=1024, help="new tokens per request")
+    parser.add_argument("--window", type=float, default=10.0,
+                        help="poisson: c requests arrive at c / WINDOW a second (seconds)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prompt tokens per row and step")
+    parser.add_argument("--prefill-rows", type=int, default=8, help="the engine's prompts prefilled together")
+    parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-jax", action="store_true")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--only", choices=("jax", "peer"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.arrivals = args.arrivals.split(",")
+    if any(a not in ("all", "poisson") for a in args.arrivals):
+        parser.error(f"--arrivals takes all, poisson or both, not {','.join(args.arrivals)!r}")
+    if args.only:
+        print("RESULT " + json.dumps(run_jax(args) if args.only == "jax" else run_peer(args)), flush=True)
+        return
+    runs = [] if args.skip_jax else [("jax", form) for form in args.experts.split(",")]
+    runs += [] if args.skip_peer else [("peer", "bf16")]
+    results = {}
+    for only, form in runs:
+        argv = [a for a in sys.argv[1:]]
+        proc = subprocess.run([sys.executable, __file__, *argv, "--only", only, "--experts", form],
+                              capture_output=True, text=True, cwd=ROOT)
+        print(proc.stderr[-4000:], file=sys.stderr, flush=True)
+        name = f"gptoss-jax, {form} experts" if only == "jax" else "transformers (bf16)"
+        results[name] = (json.loads(proc.stdout.split("RESULT ")[-1]) if proc.returncode == 0
+                         else f"exit {proc.returncode}: {proc.stderr[-300:]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()
