@@ -143,8 +143,7 @@ def run_jax(args) -> dict:
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
             s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"[{rows}, {args.prefill_chunk}]")
             out["runs"][f"{arrivals}_c{c}"] = s
-            print(f"c={c} {arrivals}: {s['output_tokens_per_s']:.0f} output tok/s, ITL p50 {s['itl_p50_ms']:.2f} ms, "
-                  f"TTFT p50 {s['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
+            print(f"c={c} {arrivals}: {json.dumps(s)}", file=sys.stderr, flush=True)
         engine.stop()
         del engine
     return out
@@ -172,7 +171,10 @@ def run_peer(args) -> dict:
     for c in args.concurrency:
         gen_config = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
         hints = WorkloadHints(max_prompt_length=args.prompt, max_generated_length=args.new, num_requests=c)
-        cb = ContinuousBatchingConfig(max_blocks_per_request=-(-max_len // 256))
+        # Its eager paged attention holds [heads, batch tokens, cache tokens] scores: with its default
+        # sizes (90% of the free memory for the cache) the 256-request runs ran out of memory.
+        cb = ContinuousBatchingConfig(max_blocks_per_request=-(-max_len // 256), max_batch_tokens=args.peer_batch_tokens,
+                                      max_memory_percent=args.peer_memory)
         t = time.perf_counter()
         with torch.no_grad(), model.continuous_batching_context_manager(
                 generation_config=gen_config, continuous_batching_config=cb, workload_hints=hints, block=True,
@@ -207,8 +209,7 @@ def run_peer(args) -> dict:
                 s = summary([len(p) for p in prompts], box["submitted"], times)
                 s.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0, warm_up_s=warm)
                 out["runs"][f"{arrivals}_c{c}"] = s
-                print(f"peer c={c} {arrivals}: {s['output_tokens_per_s']:.0f} output tok/s", file=sys.stderr,
-                      flush=True)
+                print(f"peer c={c} {arrivals}: {json.dumps(s)}", file=sys.stderr, flush=True)
         if dev == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -247,6 +248,8 @@ def main() -> None:
                         help="poisson: c requests arrive at c / WINDOW a second (seconds)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prompt tokens per row and step")
     parser.add_argument("--prefill-rows", type=int, default=8, help="the engine's prompts prefilled together")
+    parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")
+    parser.add_argument("--peer-memory", type=float, default=0.6, help="transformers' max_memory_percent (its cache)")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-jax", action="store_true")
     parser.add_argument("--json", help="also write the results here")
