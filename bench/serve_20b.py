@@ -266,8 +266,7 @@ def main() -> None:
     runs += [] if args.skip_peer else [("peer", "bf16")]
     results = {}
     for only, form in runs:
-        argv = [a for a in sys.argv[1:]]
-        proc = subprocess.run([sys.executable, __file__, *argv, "--only", only, "--experts", form],
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", only, "--experts", form],
                               capture_output=True, text=True, cwd=ROOT)
         print(proc.stderr[-4000:], file=sys.stderr, flush=True)
         name = f"gptoss-jax, {form} experts" if only == "jax" else "transformers (bf16)"

@@ -95,6 +95,14 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(engi
     crowd += [engine.submit(p, s) for p, s in zip(prompts[7:12], settings[7:12])]
     engine.run_until_idle()
     assert shared.output_ids == alone.output_ids
+    # A request that only draws (no top-k or top-p) gives the same tokens alone, where its step
+    # skips the sort, as next to one that needs the sort.
+    plain = Settings(max_new_tokens=10, sampling=Sampling(temperature=0.9, min_p=0.05), seed=7)
+    drawn_alone = engine.submit(prompts[5], plain)
+    engine.run_until_idle()
+    beside = [engine.submit(prompts[5], plain), engine.submit(prompts[3], seeded)]
+    engine.run_until_idle()
+    assert beside[0].output_ids == drawn_alone.output_ids and beside[1].output_ids == alone.output_ids
     other_seed = engine.submit(prompts[3], Settings(max_new_tokens=10, sampling=seeded.sampling, seed=99))
     engine.run_until_idle()
     assert other_seed.output_ids != alone.output_ids  # the seed matters: the check can fail

@@ -307,9 +307,8 @@ class Engine:
         """Hand a slot's new token to its request; free the slot if that ends it."""
         state = self._slots[slot]
         request, settings = state.request, state.request.settings
-        now = time.perf_counter()
-        request._add(token, now)
-        self.metrics.token(request, now)
+        request._add(token, time.perf_counter())
+        self.metrics.token(request)
         if token in settings.stop_ids:
             return self._free(slot, "stop")
         if settings.stop_strings:

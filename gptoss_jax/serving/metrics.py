@@ -20,20 +20,18 @@ class Metrics:
         self.rejected = 0  # submissions refused because the queue was full
         self.time_to_first_token = collections.deque(maxlen=WINDOW)
         self.inter_token = collections.deque(maxlen=WINDOW)
-        self._last_token: dict[int, float] = {}  # request id -> when its latest token came
 
-    def token(self, request, now: float) -> None:
+    def token(self, request) -> None:
+        """Count the token the request has just received (the last of its `token_times`)."""
         self.generated_tokens += 1
-        last = self._last_token.get(request.id)
-        if last is None:
-            self.time_to_first_token.append(now - request.submitted_at)
+        times = request.token_times
+        if len(times) == 1:
+            self.time_to_first_token.append(times[0] - request.submitted_at)
         else:
-            self.inter_token.append(now - last)
-        self._last_token[request.id] = now
+            self.inter_token.append(times[-1] - times[-2])
 
     def finish(self, request) -> None:
         self.finished[request.finish_reason] += 1
-        self._last_token.pop(request.id, None)
 
     def snapshot(self, **state) -> dict:
         """The counts, rates and latency percentiles (seconds), with the engine's `state` (running,
