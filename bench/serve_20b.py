@@ -3,7 +3,7 @@ engine (gptoss_jax.serving.Engine) against Hugging Face transformers' continuous
 (ContinuousBatchingManager) on the same GPU in the same run, on the same requests.
 
     python bench/serve_20b.py [--experts bf16,mxfp4] [--concurrency 1,16,64,256] [--arrivals all,poisson]
-        [--prompt 1024] [--new 1024] [--skip-peer] [--skip-jax]
+        [--prompt 1024] [--new 1024] [--prefill 8x512] [--multistep 8] [--skip-peer] [--skip-jax]
 
 For each concurrency c: c requests of `--prompt` random token ids each (the same ids for both), each
 asking for exactly `--new` tokens (greedy, no stop token), into an engine of c slots;
@@ -15,7 +15,9 @@ request's successive tokens as its client gets them), p50 and p99 over all reque
 the process's peak on the GPU so far. Each configuration is warmed up first (compilation, CUDA
 graphs) outside the timed runs. The engine's "CLI batch 1" row is `Generator` (what the command
 line runs) decoding one request of the same shape: the reference for the inter-token latency at
-concurrency 1.
+concurrency 1. `--prefill ROWSxCHUNK,...` runs the engine once per prompt-prefill shape (prompts
+prefilled together x tokens of each per step). `--multistep K` also times, at the smallest and the
+largest concurrency, K decode steps of every slot in one jitted call against one call a step.
 
 Each framework runs in a process of its own, one after the other, each alone on the GPU.
 """
@@ -107,16 +109,16 @@ def run_jax(args) -> dict:
     del gen
     # The same with the prompt prefilled in the engine's chunks: where the greedy tokens part from
     # the command line's, is it the chunking's rounding (then these agree with the engine's)?
-    gen = Generator(config, params, max_len=max_len, prefill_chunk=args.prefill_chunk)
+    gen = Generator(config, params, max_len=max_len, prefill_chunk=args.prefill[0][1])
     chunked_tokens = gen.generate(prompt, max_new_tokens=args.new, sampling=greedy)[0].output_ids
     out["cli_chunked_tokens_equal_to_cli"] = _agree(cli_tokens, chunked_tokens)
     del gen
     print(f"CLI batch 1: {out['cli_batch1']}", file=sys.stderr, flush=True)
 
-    for c in args.concurrency:
-        rows = min(args.prefill_rows, c)
-        engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                        prefill_rows=rows, max_waiting=c, kernels=kernels)
+    for c, shape in [(c, shape) for c in args.concurrency for shape in args.prefill]:
+        rows, chunk = min(shape[0], c), shape[1]
+        engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
+                        max_waiting=c, kernels=kernels)
         t = time.perf_counter()
         engine.warm_up()
         warm = time.perf_counter() - t
@@ -141,11 +143,66 @@ def run_jax(args) -> dict:
                 out[f"{arrivals}_c1_tokens_equal_to_cli"] = _agree(cli_tokens, requests[0].output_ids)
                 out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
-            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"[{rows}, {args.prefill_chunk}]")
-            out["runs"][f"{arrivals}_c{c}"] = s
+            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}")
+            out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}"] = s
             print(f"c={c} {arrivals}: {json.dumps(s)}", file=sys.stderr, flush=True)
         engine.stop()
+        if args.multistep > 1 and c in (min(args.concurrency), max(args.concurrency)) and shape == args.prefill[0]:
+            engine._cache = None  # room for the probe's own cache
+            out[f"multistep_c{c}"] = multistep_probe(engine, args.multistep, args.prompt)
+            print(f"c={c} multistep: {out[f'multistep_c{c}']}", file=sys.stderr, flush=True)
         del engine
+    return out
+
+
+def multistep_probe(engine, k: int, context: int, total: int = 128) -> dict:
+    """Milliseconds per decode step of all the engine's slots at `context` cached tokens, with the
+    engine's jitted decode and greedy pick: one call a step, queued back to back as the engine does,
+    against k steps per call (a fori_loop inside one jitted call): what fewer host round trips win."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from gptoss_jax.cache import init_cache
+    from gptoss_jax.serving import steps
+
+    S = engine.slots
+    settings = engine._sampling_arrays([None] * S)
+    config, kernels, mesh = engine._model
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def k_steps(params, cache, last, done, *settings):
+        def body(i, carry):
+            cache, last = carry
+            logits, cache = steps.decode_slots(config, kernels, mesh, params, cache, last, done + i)
+            return cache, steps.pick_next(mesh, "greedy", logits, last, done + i, *settings)
+        return jax.lax.fori_loop(0, k, body, (cache, last))
+
+    def fresh():
+        cache = init_cache(config, S, engine.max_len, engine.params["embedding"].dtype, mesh=mesh)
+        cache["lengths"] = jnp.full_like(cache["lengths"], context)
+        return cache, jnp.zeros(S, jnp.int32)
+
+    def one_a_call(cache, last, n):
+        for i in range(n):
+            done = jnp.full(S, i, jnp.int32)
+            logits, cache = steps.decode_slots(config, kernels, mesh, engine.params, cache, last, done)
+            last = steps.pick_next(mesh, "greedy", logits, last, done, *settings)
+        return jax.block_until_ready(last)
+
+    def k_a_call(cache, last, n):
+        for i in range(0, n, k):
+            cache, last = k_steps(engine.params, cache, last, jnp.full(S, i, jnp.int32), *settings)
+        return jax.block_until_ready(last)
+
+    out = {}
+    for name, run in (("one_step_per_call_ms", one_a_call), (f"{k}_steps_per_call_ms", k_a_call)):
+        run(*fresh(), k)  # compile
+        cache, last = fresh()
+        t = time.perf_counter()
+        run(cache, last, total)
+        out[name] = 1e3 * (time.perf_counter() - t) / total
     return out
 
 
@@ -216,23 +273,24 @@ def run_peer(args) -> dict:
 
 
 def table(results: dict, args) -> str:
-    lines = ["| framework | arrivals | concurrency | output tok/s | total tok/s | TTFT p50 / p99 ms | "
-             "ITL p50 / p99 ms | peak GiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| framework | arrivals | concurrency | prefill | output tok/s | total tok/s | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms | peak GiB |", "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     f = lambda x, d=1: "-" if x is None else f"{x:,.{d}f}"  # noqa: E731
     for name, r in results.items():
         if not isinstance(r, dict):
-            lines.append(f"| {name} | failed: {str(r)[-300:]} | | | | | | |")
+            lines.append(f"| {name} | failed: {str(r)[-300:]} | | | | | | | |")
             continue
-        for arrivals in args.arrivals:
-            for c in args.concurrency:
-                s = r["runs"].get(f"{arrivals}_c{c}")
-                if s:
-                    lines.append(f"| {name} | {arrivals} | {c} | {f(s['output_tokens_per_s'], 0)} | "
-                                 f"{f(s['total_tokens_per_s'], 0)} | {f(s['ttft_p50_ms'], 0)} / {f(s['ttft_p99_ms'], 0)}"
-                                 f" | {f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s['peak_gib'])} |")
+        for key, s in r["runs"].items():
+            arrivals, c = key.split("_")[:2]
+            lines.append(f"| {name} | {arrivals} | {c[1:]} | {s.get('prefill', '-')} | {f(s['output_tokens_per_s'], 0)} | "
+                         f"{f(s['total_tokens_per_s'], 0)} | {f(s['ttft_p50_ms'], 0)} / {f(s['ttft_p99_ms'], 0)}"
+                         f" | {f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s['peak_gib'])} |")
         if "cli_batch1" in r:
-            lines.append(f"| {name}: command line, batch 1 | | 1 | {f(1e3 / r['cli_batch1']['itl_mean_ms'], 0)} | | "
+            lines.append(f"| {name}: command line, batch 1 | | 1 | | {f(1e3 / r['cli_batch1']['itl_mean_ms'], 0)} | | "
                          f"{f(r['cli_batch1']['ttft_ms'], 0)} | mean {f(r['cli_batch1']['itl_mean_ms'], 2)} | |")
+        for key in (k for k in r if k.startswith("multistep_")):
+            lines.append(f"| {name}: decode ms a step, {key[len('multistep_'):]} | " + ", ".join(
+                f"{k.replace('_ms', '').replace('_', ' ')} {v:.2f}" for k, v in r[key].items()) + " | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -246,8 +304,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=1024, help="new tokens per request")
     parser.add_argument("--window", type=float, default=10.0,
                         help="poisson: c requests arrive at c / WINDOW a second (seconds)")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prompt tokens per row and step")
-    parser.add_argument("--prefill-rows", type=int, default=8, help="the engine's prompts prefilled together")
+    parser.add_argument("--prefill", default="8x512",
+                        help="the engine's prompt prefill shapes, ROWSxCHUNK: prompts prefilled together x tokens of "
+                             "each per step; several (comma-separated) run one after the other")
+    parser.add_argument("--multistep", type=int, default=0,
+                        help="also time K decode steps per jitted call against one (0: skip)")
     parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")
     parser.add_argument("--peer-memory", type=float, default=0.6, help="transformers' max_memory_percent (its cache)")
     parser.add_argument("--skip-peer", action="store_true")
@@ -257,6 +318,11 @@ def main() -> None:
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.arrivals = args.arrivals.split(",")
+    try:
+        args.prefill = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",")]
+        assert all(len(shape) == 2 and min(shape) > 0 for shape in args.prefill)
+    except (ValueError, AssertionError):
+        parser.error(f"--prefill takes ROWSxCHUNK shapes such as 8x512,16x1024, not {args.prefill!r}")
     if any(a not in ("all", "poisson") for a in args.arrivals):
         parser.error(f"--arrivals takes all, poisson or both, not {','.join(args.arrivals)!r}")
     if args.only:
