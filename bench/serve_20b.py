@@ -179,10 +179,10 @@ def multistep_probe(engine, k: int, context: int, total: int = 128) -> dict:
             return cache, steps.pick_next(mesh, "greedy", logits, last, done + i, *settings)
         return jax.lax.fori_loop(0, k, body, (cache, last))
 
-    def fresh():
+    def fresh():  # random latest tokens: the slots' tokens route to experts as real traffic does
         cache = init_cache(config, S, engine.max_len, engine.params["embedding"].dtype, mesh=mesh)
         cache["lengths"] = jnp.full_like(cache["lengths"], context)
-        return cache, jnp.zeros(S, jnp.int32)
+        return cache, engine._put(np.random.default_rng(0).integers(0, config.vocab_size, S, dtype=np.int32))
 
     def one_a_call(cache, last, n):
         for i in range(n):
