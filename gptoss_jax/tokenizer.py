@@ -116,24 +116,39 @@ def harmony_encoding(path: str | os.PathLike | None = None):
     return _harmony(os.path.abspath(find_vocab(path)))
 
 
-def render_chat(turns: list[tuple[str, str]], *, reasoning_effort: str = "medium", instructions: str | None = None,
-                vocab: str | os.PathLike | None = None) -> list[int]:
-    """Prompt tokens for the assistant's next reply, in the harmony format.
-
-    turns: ("user" | "assistant", text) pairs, oldest first; earlier assistant turns are rendered as
-    final answers. The system message carries the reasoning effort; `instructions` (what other
-    chat APIs call the system prompt) go in the developer message, as harmony specifies.
-    """
+def render_prompt(messages: list, *, reasoning_effort: str = "medium", instructions: str | None = None,
+                  tools: list | None = None, vocab: str | os.PathLike | None = None) -> list[int]:
+    """Prompt tokens for the assistant's next reply, in the harmony format: the system message (with
+    the reasoning effort), a developer message with `instructions` (what other chat APIs call the
+    system prompt) and function `tools` (openai_harmony ToolDescriptions) when there are any, then
+    `messages` (openai_harmony Messages), oldest first."""
     from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent
 
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning effort must be one of {', '.join(REASONING_EFFORTS)}, got {reasoning_effort!r}")
     effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
-    messages = [Message.from_role_and_content(Role.SYSTEM,
-                                              SystemContent.new().with_reasoning_effort(effort[reasoning_effort]))]
-    if instructions:
-        messages.append(Message.from_role_and_content(Role.DEVELOPER,
-                                                      DeveloperContent.new().with_instructions(instructions)))
+    head = [Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(effort[reasoning_effort]))]
+    if instructions or tools:
+        developer = DeveloperContent.new()
+        if instructions:
+            developer = developer.with_instructions(instructions)
+        if tools:
+            developer = developer.with_function_tools(tools)
+        head.append(Message.from_role_and_content(Role.DEVELOPER, developer))
+    conversation = Conversation.from_messages(head + list(messages))
+    return list(harmony_encoding(vocab).render_conversation_for_completion(conversation, Role.ASSISTANT))
+
+
+def render_chat(turns: list[tuple[str, str]], *, reasoning_effort: str = "medium", instructions: str | None = None,
+                vocab: str | os.PathLike | None = None) -> list[int]:
+    """Prompt tokens for the assistant's next reply, in the harmony format (`render_prompt`).
+
+    turns: ("user" | "assistant", text) pairs, oldest first; earlier assistant turns are rendered as
+    final answers.
+    """
+    from openai_harmony import Message, Role
+
+    messages = []
     for role, text in turns:
         if role == "user":
             messages.append(Message.from_role_and_content(Role.USER, text))
@@ -141,8 +156,7 @@ def render_chat(turns: list[tuple[str, str]], *, reasoning_effort: str = "medium
             messages.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("final"))
         else:
             raise ValueError(f"chat turns are 'user' or 'assistant', got {role!r}")
-    conversation = Conversation.from_messages(messages)
-    return list(harmony_encoding(vocab).render_conversation_for_completion(conversation, Role.ASSISTANT))
+    return render_prompt(messages, reasoning_effort=reasoning_effort, instructions=instructions, vocab=vocab)
 
 
 @dataclasses.dataclass

@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -91,9 +91,11 @@ class Engine:
 
     # The Python API ------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: Sequence[int], settings: Settings = Settings()) -> Request:
+    def submit(self, prompt_ids: Sequence[int], settings: Settings = Settings(),
+               listener: Callable[[int | None], None] | None = None) -> Request:
         """Queue a request; QueueFull at once when `max_waiting` requests already wait, ValueError for
-        a prompt the engine cannot take (empty, ids outside the vocabulary, too long)."""
+        a prompt the engine cannot take (empty, ids outside the vocabulary, too long). `listener`: called
+        on the engine's thread with each token, then None when the request finishes (request.py)."""
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("the prompt needs at least one token")
@@ -109,7 +111,7 @@ class Engine:
             if len(self._waiting) >= self.max_waiting:
                 self.metrics.rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues")
-            request = Request(next(self._ids), prompt, settings)
+            request = Request(next(self._ids), prompt, settings, listener)
             self._waiting.append(request)
             self._wake.notify()
         return request

@@ -2,7 +2,10 @@
 
 The engine's thread appends tokens and finishes the request; any other thread reads them with
 `tokens()` (a generator that blocks for the next one), `result()` (all of them, once finished) or
-cancels with `cancel()` (its slot is freed at the engine's next step).
+cancels with `cancel()` (its slot is freed at the engine's next step). A `listener` given to
+`Engine.submit` is called on the engine's thread with each token and with None once the request
+has finished (an asyncio server hands them to its event loop with `call_soon_threadsafe`); it must
+return at once and never raise.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..sampling import Sampling
 
@@ -47,7 +50,8 @@ _DONE = object()
 class Request:
     """One request in the engine; made by `Engine.submit`."""
 
-    def __init__(self, request_id: int, prompt_ids: Sequence[int], settings: Settings):
+    def __init__(self, request_id: int, prompt_ids: Sequence[int], settings: Settings,
+                 listener: Callable[[int | None], None] | None = None):
         self.id = request_id
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.settings = settings
@@ -61,6 +65,7 @@ class Request:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
         self._cancelled = False
+        self._listener = listener
 
     # Read by any thread ------------------------------------------------------------------------------
 
@@ -102,9 +107,13 @@ class Request:
         self.output_ids.append(token)
         self.token_times.append(now)
         self._events.put(token)
+        if self._listener is not None:
+            self._listener(token)
 
     def _finish(self, reason: str, now: float, error: str | None = None) -> None:
         assert reason in FINISH_REASONS, reason
         self.finish_reason, self.error, self.finished_at = reason, error, now
         self._events.put(_DONE)
         self._done.set()
+        if self._listener is not None:
+            self._listener(None)

@@ -1,0 +1,289 @@
+"""The OpenAI APIs' conversations in harmony, and a harmony reply back in the APIs' fields.
+
+Prompts (`chat_prompt`, `responses_prompt`): system and developer messages become the harmony
+developer message's instructions, function tools its tool list, user messages user messages; an
+assistant message's reasoning goes to the `analysis` channel, its text to `final`, each of its
+tool calls to `commentary` addressed to `functions.NAME` (JSON arguments), and a tool result comes
+from `functions.NAME` to the assistant, as gpt-oss was trained to read them (openai-harmony renders
+them; tokenizer.render_prompt).
+
+Replies (`ReplyStream`): fed the generated tokens one at a time, it tells what each adds: reasoning
+(the `analysis` channel), content (`final`, or a `commentary` preamble), or a tool call (a
+`commentary` message to `functions.NAME`: its name, then its arguments as they stream). A reply that
+is not harmony (a model with random weights, say) becomes content as raw text, as the command line
+shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+
+from .. import tokenizer as tk
+from .errors import bad_request
+
+MAX_HEADER_TOKENS = 32  # a message header longer than this is not harmony: the raw text is the reply
+
+
+def _text(content, param: str) -> str:
+    """A message's text: a string, or text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.type not in ("text", "input_text", "output_text") or part.text is None:
+            raise bad_request(f"only text content is supported, got a part of type {part.type!r}",
+                              f"{param}[{i}].type")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _tool_descriptions(tools: list[tuple[str, str | None, dict | None]]):
+    from openai_harmony import ToolDescription
+
+    return [ToolDescription.new(name, description or "", parameters) for name, description, parameters in tools]
+
+
+def _check_tool_choice(tool_choice, has_tools: bool) -> bool:
+    """Whether the tools go into the prompt: "auto" (the default with tools) or "none"; the model
+    cannot be made to call a tool, so "required" and a named function are refused."""
+    if tool_choice in (None, "auto"):
+        return has_tools
+    if tool_choice == "none":
+        return False
+    raise bad_request("tool_choice 'auto' and 'none' are supported; gpt-oss cannot be constrained to call a tool "
+                      f"(got {json.dumps(tool_choice)})", "tool_choice")
+
+
+def _assistant_messages(reasoning: str, text: str, calls: list[tuple[str, str]]) -> list:
+    from openai_harmony import Message, Role
+
+    out = []
+    if reasoning:
+        out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
+    if text:
+        out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel("final"))
+    for name, arguments in calls:
+        out.append(Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel("commentary")
+                   .with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))
+    return out
+
+
+def _tool_result(name: str, output: str):
+    from openai_harmony import Author, Message, Role
+
+    return (Message.from_author_and_content(Author.new(Role.TOOL, f"functions.{name}"), output)
+            .with_recipient("assistant").with_channel("commentary"))
+
+
+def chat_prompt(request, vocab) -> list[int]:
+    """The prompt tokens of a chat completion request (protocol.ChatCompletionRequest)."""
+    from openai_harmony import Message, Role
+
+    instructions, messages, call_names = [], [], {}
+    for i, m in enumerate(request.messages):
+        param = f"messages[{i}]"
+        if m.role in ("system", "developer"):
+            instructions.append(_text(m.content, f"{param}.content"))
+        elif m.role == "user":
+            messages.append(Message.from_role_and_content(Role.USER, _text(m.content, f"{param}.content")))
+        elif m.role == "assistant":
+            calls = []
+            for call in m.tool_calls or []:
+                call_names[call.id] = call.function.name
+                calls.append((call.function.name, call.function.arguments))
+            messages += _assistant_messages(m.reasoning_content or m.reasoning or "",
+                                            _text(m.content, f"{param}.content"), calls)
+        else:  # tool
+            name = m.name or call_names.get(m.tool_call_id or "")
+            if name is None:
+                raise bad_request(f"{param}: a tool message's tool_call_id ({m.tool_call_id!r}) must name a tool call "
+                                  "of an earlier assistant message", f"{param}.tool_call_id")
+            messages.append(_tool_result(name, _text(m.content, f"{param}.content")))
+    tools = None
+    if _check_tool_choice(request.tool_choice, bool(request.tools)):
+        tools = _tool_descriptions([(t.function.name, t.function.description, t.function.parameters)
+                                    for t in request.tools])
+    return tk.render_prompt(messages, reasoning_effort=request.reasoning_effort or "medium",
+                            instructions="\n\n".join(t for t in instructions if t) or None, tools=tools, vocab=vocab)
+
+
+def _item_text(content, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or a list of content parts", param)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text",
+                                                                    "reasoning_text", "summary_text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"only text content is supported, got {kind!r}", f"{param}[{i}]")
+        if not isinstance(part.get("text"), str):
+            raise bad_request("a text part needs a string 'text'", f"{param}[{i}].text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def responses_prompt(request, vocab) -> list[int]:
+    """The prompt tokens of a Responses API request (protocol.ResponsesRequest)."""
+    from openai_harmony import Message, Role
+
+    instructions = [request.instructions] if request.instructions else []
+    messages, call_names = [], {}
+    items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
+        else request.input
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            text = _item_text(item.get("content", ""), f"{param}.content")
+            if role in ("system", "developer"):
+                instructions.append(text)
+            elif role == "user":
+                messages.append(Message.from_role_and_content(Role.USER, text))
+            elif role == "assistant":
+                messages += _assistant_messages("", text, [])
+            else:
+                raise bad_request(f"{param}: role must be user, assistant, system or developer, got {role!r}",
+                                  f"{param}.role")
+        elif kind == "reasoning":
+            text = _item_text(item.get("content") or item.get("summary") or [], f"{param}.content")
+            messages += _assistant_messages(text, "", [])
+        elif kind == "function_call":
+            name, arguments = item.get("name"), item.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(arguments, str):
+                raise bad_request(f"{param}: a function_call needs a string name and string arguments", param)
+            call_names[item.get("call_id", "")] = name
+            messages += _assistant_messages("", "", [(name, arguments)])
+        elif kind == "function_call_output":
+            name = call_names.get(item.get("call_id", ""))
+            if name is None:
+                raise bad_request(f"{param}: call_id {item.get('call_id')!r} names no earlier function_call",
+                                  f"{param}.call_id")
+            output = item.get("output", "")
+            messages.append(_tool_result(name, output if isinstance(output, str) else json.dumps(output)))
+        else:
+            raise bad_request(f"{param}: input items of type {kind!r} are not supported", f"{param}.type")
+    tools = None
+    if _check_tool_choice(request.tool_choice, bool(request.tools)):
+        tools = _tool_descriptions([(t.name, t.description, t.parameters) for t in request.tools])
+    effort = (request.reasoning.effort if request.reasoning else None) or "medium"
+    return tk.render_prompt(messages, reasoning_effort=effort, instructions="\n\n".join(t for t in instructions if t)
+                            or None, tools=tools, vocab=vocab)
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one token added: `kind` is "reasoning", "content" or "tool_call" (then `index`, the call's
+    `id` and `name` on its first delta, and `text` is a piece of its JSON arguments)."""
+
+    kind: str
+    text: str = ""
+    index: int = 0
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclasses.dataclass
+class ToolCallOut:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+class ReplyStream:
+    """Generated tokens in (`feed`, then `finish`), the reply's pieces out (see the module docstring).
+    Stop tokens are fed too: they end the message they close."""
+
+    def __init__(self, tokenizer, vocab):
+        from openai_harmony import Role, StreamableParser
+
+        self._parser = StreamableParser(tk.harmony_encoding(vocab), role=Role.ASSISTANT)
+        self._raw = tk.StreamDecoder(tokenizer)
+        self._raw_text: list[str] = []
+        self.raw = False  # the reply is not harmony
+        self._header_tokens = 0
+        self.reasoning, self.content = [], []
+        self.tool_calls: list[ToolCallOut] = []
+        self._open: tuple | None = None  # (channel, recipient) of the message being read
+        self.reasoning_tokens = 0  # tokens of the analysis channel's text
+
+    def feed(self, token: int) -> list[Delta]:
+        self._raw_text.append(self._raw.add(token))
+        if self.raw:
+            return self._out("content", self._raw_text[-1])
+        try:
+            self._parser.process(token)
+        except Exception:  # openai_harmony's HarmonyError: not a harmony reply
+            return self._to_raw()
+        state = self._parser.state.name
+        if state == "HEADER":
+            self._header_tokens += 1
+            return self._to_raw() if self._header_tokens > MAX_HEADER_TOKENS else []
+        self._header_tokens = 0
+        if state != "CONTENT":  # a message ended
+            self._open = None
+            return []
+        channel, recipient = self._parser.current_channel, self._parser.current_recipient
+        text = self._parser.last_content_delta or ""
+        self.reasoning_tokens += channel == "analysis"
+        out = []
+        if (channel, recipient) != self._open:
+            self._open = (channel, recipient)
+            if recipient and recipient.startswith("functions."):
+                call = ToolCallOut("call_" + secrets.token_hex(12), recipient[len("functions."):])
+                self.tool_calls.append(call)
+                out.append(Delta("tool_call", "", len(self.tool_calls) - 1, call.id, call.name))
+        if recipient and recipient.startswith("functions."):
+            self.tool_calls[-1].arguments += text
+            return out + ([Delta("tool_call", text, len(self.tool_calls) - 1)] if text else [])
+        if recipient:  # a built-in tool this server does not run (browser, python): not shown
+            return out
+        return out + self._out("reasoning" if channel == "analysis" else "content", text)
+
+    def finish(self) -> list[Delta]:
+        """The reply ended, or was cut short: what is left (a reply cut inside its first header is raw)."""
+        out = []
+        if not self.raw and self._header_tokens and not (self.reasoning or self.content or self.tool_calls):
+            out = self._to_raw()
+        return out + (self._out("content", self._raw.flush()) if self.raw else [])
+
+    def _out(self, kind: str, text: str) -> list[Delta]:
+        if not text:
+            return []
+        (self.reasoning if kind == "reasoning" else self.content).append(text)
+        return [Delta(kind, text)]
+
+    def _to_raw(self) -> list[Delta]:
+        self.raw = True
+        self.reasoning, self.content, self.tool_calls = [], [], []
+        return self._out("content", "".join(self._raw_text))
+
+
+class StopTrimmer:
+    """Streamed text with everything from the first stop string on cut away: text that may begin a
+    stop string is held back until the next piece shows whether it does."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self._held, self.hit = stops, "", False
+
+    def add(self, text: str) -> str:
+        if not self.stops or self.hit:
+            return "" if self.hit else text
+        text = self._held + text
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self._held = True, ""
+            return text[:cut]
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.hit else held

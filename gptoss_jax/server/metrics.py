@@ -1,0 +1,44 @@
+"""The engine's metrics (Engine.stats) as Prometheus text, with prometheus-client."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _EngineCollector:
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats
+        for name, key, doc in (("running_requests", "running", "requests holding a slot"),
+                               ("waiting_requests", "waiting", "requests waiting for a slot"),
+                               ("kv_slots_in_use", "slots_in_use", "KV cache slots in use"),
+                               ("kv_slots", "slots", "KV cache slots"),
+                               ("generated_tokens_per_second", "generated_tokens_per_s",
+                                "generated tokens per second since start")):
+            yield GaugeMetricFamily(f"gptoss_{name}", doc, value=s[key])
+        yield CounterMetricFamily("gptoss_prompt_tokens", "prompt tokens admitted", value=s["prompt_tokens"])
+        yield CounterMetricFamily("gptoss_generated_tokens", "tokens generated", value=s["generated_tokens"])
+        yield CounterMetricFamily("gptoss_rejected_requests", "requests refused with a full queue",
+                                  value=s["rejected"])
+        finished = CounterMetricFamily("gptoss_finished_requests", "finished requests by how they ended",
+                                       labels=["reason"])
+        for reason, n in sorted(s["finished"].items()):
+            finished.add_metric([reason], n)
+        yield finished
+        for name, key in (("time_to_first_token_seconds", "time_to_first_token_s"),
+                          ("inter_token_latency_seconds", "inter_token_latency_s")):
+            g = GaugeMetricFamily(f"gptoss_{name}", f"{name.replace('_', ' ')}, percentiles over the latest 10,000",
+                                  labels=["quantile"])
+            for q, v in s[key].items():
+                if v is not None:
+                    g.add_metric([str(int(q[1:]) / 100)], v)
+            yield g
+
+
+def prometheus_text(stats: dict) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(stats))
+    return generate_latest(registry)

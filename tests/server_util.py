@@ -1,0 +1,72 @@
+"""Helpers of the server tests: an app served on a free port of 127.0.0.1 on a thread, and a
+stand-in engine that replies with given tokens (the tiny model's replies are random)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import uvicorn
+
+from gptoss_jax.serving import QueueFull, Request, Settings
+
+
+@contextlib.contextmanager
+def serving(app):
+    """The app on 127.0.0.1 (a free port) while the block runs -> its base URL (".../v1")."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+class ScriptedEngine:
+    """Engine.submit's contract, replying to every request with `reply` (token ids), one token every
+    `delay` seconds; `prompts` records what was submitted; `full` makes submit refuse (QueueFull)."""
+
+    def __init__(self, reply: list[int], *, max_len: int = 4096, delay: float = 0.0):
+        self.reply, self.max_len, self.delay = reply, max_len, delay
+        self.prompts: list[list[int]] = []
+        self.full = False
+        self.running: list[Request] = []
+
+    def submit(self, prompt_ids, settings: Settings = Settings(), listener=None) -> Request:
+        if self.full:
+            raise QueueFull("full")
+        if len(prompt_ids) + settings.max_new_tokens > self.max_len:
+            raise ValueError("too long")
+        request = Request(len(self.prompts), prompt_ids, settings, listener)
+        self.prompts.append(list(prompt_ids))
+        self.running.append(request)
+        threading.Thread(target=self._run, args=(request,), daemon=True).start()
+        return request
+
+    def _run(self, request: Request) -> None:
+        reason = "length"
+        for i, token in enumerate(self.reply[:request.settings.max_new_tokens]):
+            if request.cancelled:
+                reason = "cancelled"
+                break
+            time.sleep(self.delay)
+            request._add(token, time.perf_counter())
+            if token in request.settings.stop_ids:
+                reason = "stop"
+                break
+        self.running.remove(request)
+        request._finish(reason, time.perf_counter())
+
+    def stats(self) -> dict:
+        return {"running": len(self.running), "waiting": 0, "slots_in_use": len(self.running), "slots": 8,
+                "prompt_tokens": 0, "generated_tokens": 0, "generated_tokens_per_s": 0.0, "finished": {},
+                "rejected": 0, "time_to_first_token_s": {"p50": None, "p90": None, "p99": None},
+                "inter_token_latency_s": {"p50": None, "p90": None, "p99": None}}

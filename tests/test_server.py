@@ -1,0 +1,215 @@
+"""The OpenAI-compatible server over the real engine (the demo model: tiny, the genuine vocabulary,
+float32, random weights), through the official openai client: the same greedy text as the command
+line, usage counts, disconnects, load, and `gptoss-serve` itself (ready line, SIGTERM)."""
+
+import gc
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import jax.numpy as jnp
+import openai
+import pytest
+from conftest import VOCAB, needs_vocab
+from server_util import serving
+
+import gptoss_jax as gj
+import run_inference
+from gptoss_jax import tokenizer as tk
+from gptoss_jax.server.app import Server, create_app
+from gptoss_jax.serving import Engine
+from gptoss_jax.testing import random_params
+
+pytestmark = needs_vocab
+MODEL = "gpt-oss-demo"
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = gj.ModelConfig.demo()
+    params = random_params(config, seed=0, dtype=jnp.float32)  # what the command line runs for the demo
+    engine = Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64, prefill_rows=4, max_waiting=256,
+                    tokenizer=tk.load_tokenizer(VOCAB))
+    engine.warm_up()
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
+    server.ready.set()
+    with serving(create_app(server)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def cli_json(capsys, argv) -> dict:
+    """The command line's --json record for one prompt (greedy, the demo model)."""
+    capsys.readouterr()
+    assert run_inference.main(argv + ["--tokenizer", VOCAB, "--temperature", "0", "--json", "--max-context",
+                                      str(MAX_LEN)]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_chat_is_the_command_lines_greedy_text(client, capsys):
+    record = cli_json(capsys, ["--chat", "--prompt", "What is JAX?", "--system", "Be brief.", "--reasoning-effort",
+                               "low", "--max-new-tokens", "12"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is JAX?"}]
+    kw = dict(model=MODEL, messages=messages, temperature=0, max_tokens=12, reasoning_effort="low")
+    r = client.chat.completions.create(**kw)
+    # A random model's reply is no harmony: the content is its raw text, as the command line shows it.
+    assert r.choices[0].message.content == record["text"]
+    assert r.usage.prompt_tokens == len(record["prompt_ids"])
+    assert r.usage.completion_tokens == len(record["output_ids"]) == 12
+    assert r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == record["text"]
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_and_responses(client, capsys):
+    record = cli_json(capsys, ["--prompt", "The capital of France is", "--max-new-tokens", "10"])
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0)
+    assert r.choices[0].text == record["text"] and r.usage.completion_tokens == 10
+    ids = client.completions.create(model=MODEL, prompt=record["prompt_ids"], max_tokens=10, temperature=0)
+    assert ids.choices[0].text == record["text"]
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == record["text"]
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                          max_tokens=9)
+    resp = client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=9)
+    assert resp.output_text == chat.choices[0].message.content and resp.status == "incomplete"
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens and resp.usage.output_tokens == 9
+    events = list(client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=9, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=1.0, top_p=0.9)
+    a, b = (client.chat.completions.create(**kw, seed=7).choices[0].message.content for _ in range(2))
+    c = client.chat.completions.create(**kw, seed=8).choices[0].message.content
+    assert a == b != c
+
+
+def wait_idle(engine, timeout=20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (stats := engine.stats())["slots_in_use"] or stats["waiting"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    return stats
+
+
+def test_a_client_gone_mid_stream_frees_its_slot(client, engine):
+    cancelled = engine.stats()["finished"].get("cancelled", 0)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=MAX_LEN - 100, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    stats = wait_idle(engine)
+    assert stats["finished"].get("cancelled", 0) == cancelled + 1
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def test_load_64_streaming_clients_with_disconnects(client, engine):
+    """500 streamed requests, 64 at a time, a quarter of the clients leaving mid-stream: every
+    finished stream is whole and is the request's greedy reply; no slot stays taken; nothing piles
+    up (no request object outlives its reply, and memory stops growing)."""
+    prompts = [f"Question {i}: what is {i} + {i}?" for i in range(8)]
+    reference = {}
+    for p in prompts:
+        for n in (4, 12, 24):
+            r = client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0).choices[0]
+            reference[p, n] = r.text, r.finish_reason
+    requests = weakref.WeakSet()
+    original_submit = engine.submit
+
+    def tracked_submit(*args, **kw):
+        request = original_submit(*args, **kw)
+        requests.add(request)
+        return request
+
+    engine.submit = tracked_submit
+    rng = random.Random(0)
+    plan = [(rng.choice(prompts), rng.choice([4, 12, 24]), rng.random() < 0.25) for _ in range(500)]
+
+    def one(job):
+        prompt, n, leave = job
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True)
+        text, finish = "", None
+        for i, chunk in enumerate(stream):
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+            if leave and i == 1:
+                stream.close()
+                return None
+        return prompt, n, text, finish
+
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            first = list(pool.map(one, plan[:250]))
+            wait_idle(engine)
+            gc.collect()
+            middle = rss_mib()
+            second = list(pool.map(one, plan[250:]))
+    finally:
+        engine.submit = original_submit
+    wait_idle(engine)
+    done = [r for r in first + second if r is not None]
+    assert len(done) > 300
+    for prompt, n, text, finish in done:  # whole, and the request's greedy reply
+        assert (text, finish) == reference[prompt, n], (prompt, n)
+    gc.collect()
+    assert len(requests) == 0  # the server and the engine keep no finished request
+    assert rss_mib() - middle < 64, (middle, rss_mib())
+
+
+def test_gptoss_serve_command(tmp_path):
+    """The installed command: it says when it is ready (with its URL), serves, and on SIGTERM lets a
+    running request finish and exits 0."""
+    env = {**os.environ, "TIKTOKEN_ENCODINGS_BASE": os.path.dirname(os.path.abspath(VOCAB))}
+    process = subprocess.Popen([sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "2",
+                                "--max-context", "128", "--compile-cache", "none"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("gptoss-serve: ready at http://127.0.0.1:"), (line, process.stderr.read())
+        base = line.split()[3]
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        box = {}
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=60, temperature=0, stream=True)
+        first = next(iter(stream))
+        reader = threading.Thread(target=lambda: box.setdefault("chunks", list(stream)))
+        reader.start()
+        process.send_signal(signal.SIGTERM)
+        reader.join(60)
+        assert process.wait(60) == 0, process.stderr.read()
+        assert first.choices[0].delta.role == "assistant"
+        assert box["chunks"][-1].choices[0].finish_reason == "length"  # the running request finished
+    finally:
+        if process.poll() is None:
+            process.kill()

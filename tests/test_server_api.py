@@ -1,0 +1,219 @@
+"""The HTTP API's mapping of harmony replies and its errors, through the official openai client, over
+a stand-in engine that replies with fixed harmony token sequences (the tiny model's replies are
+random, so these are written out here)."""
+
+import json
+
+import urllib.error
+import urllib.request
+import openai
+import pytest
+from conftest import VOCAB, needs_vocab
+from server_util import ScriptedEngine, serving
+
+from gptoss_jax import tokenizer as tk
+from gptoss_jax.server.app import Server, create_app
+
+pytestmark = needs_vocab
+MODEL = "gpt-oss-test"
+KEY = "sk-test"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}
+
+
+def harmony(text: str) -> list[int]:
+    return tk.load_tokenizer(VOCAB).encode(text, allowed_special="all")
+
+
+ANSWER = harmony("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>Hello there!<|return|>")
+CALL = harmony("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>')
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(ANSWER, max_len=4096)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL, api_key=KEY)
+    server.ready.set()
+    return server
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    with serving(create_app(server)) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url, engine):
+    engine.reply, engine.full = ANSWER, False
+    return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], **kw)
+
+
+def test_reasoning_and_answer_fields(client):
+    r = chat(client)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content, m.tool_calls) == ("The user greets me.", "Hello there!", None)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(ANSWER)
+    chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.reasoning_content or "" for d in deltas if hasattr(d, "reasoning_content")) == m.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == "Hello there!"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(ANSWER) and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_tool_call_fields_and_round_trip(client, engine):
+    engine.reply = CALL
+    r = chat(client, tools=[WEATHER])
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    streamed = {}
+    for c in chat(client, tools=[WEATHER], stream=True):
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = streamed.setdefault(d.index, {"name": None, "arguments": ""})
+            entry["name"] = d.function.name or entry["name"]
+            entry["arguments"] += d.function.arguments or ""
+    assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+
+    # The tool's result goes back: the prompt is what openai-harmony renders for that conversation.
+    engine.reply = ANSWER
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+                 "tool_calls": [{"id": call.id, "type": "function",
+                                 "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], reasoning_effort="low")
+    assert r.choices[0].message.content == "Hello there!"
+    from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role,
+                                SystemContent, ToolDescription)
+
+    tool = ToolDescription.new("get_weather", "The weather in a city", WEATHER["function"]["parameters"])
+    expected = Conversation.from_messages([
+        Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort.LOW)),
+        Message.from_role_and_content(Role.DEVELOPER,
+                                      DeveloperContent.new().with_instructions("Be brief.").with_function_tools([tool])),
+        Message.from_role_and_content(Role.USER, "Weather in Rome?"),
+        Message.from_role_and_content(Role.ASSISTANT, "Need the weather.").with_channel("analysis"),
+        Message.from_role_and_content(Role.ASSISTANT, call.function.arguments).with_channel("commentary")
+        .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"),
+        Message.from_author_and_content(Author.new(Role.TOOL, "functions.get_weather"), '{"celsius": 21}')
+        .with_recipient("assistant").with_channel("commentary")])
+    rendered = tk.harmony_encoding(VOCAB).render_conversation_for_completion(expected, Role.ASSISTANT)
+    assert engine.prompts[-1] == list(rendered)
+
+
+def test_responses_items_and_events(client, engine):
+    r = client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "low"})
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "The user greets me." and r.output_text == "Hello there!"
+    assert r.status == "completed" and r.usage.output_tokens == len(ANSWER)
+    events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there!"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "The user greets me."
+    assert events[-1].response.output_text == "Hello there!"
+
+    engine.reply = CALL
+    r = client.responses.create(model=MODEL, input="Weather in Rome?",
+                                tools=[{"type": "function", **WEATHER["function"]}])
+    call = r.output[-1]
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Rome"})
+    engine.reply = ANSWER
+    follow = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": "Weather in Rome?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}],
+        tools=[{"type": "function", **WEATHER["function"]}])
+    assert follow.output_text == "Hello there!"
+    assert tk.harmony_encoding(VOCAB).decode(engine.prompts[-1]).endswith(
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"celsius": 21}<|end|>'
+        '<|start|>assistant')
+
+
+def test_stop_sequences_cut_the_text(client):
+    r = chat(client, stop=["there"])
+    assert r.choices[0].message.content == "Hello "
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, stop=["there"], stream=True)
+                       if c.choices)
+    assert streamed == "Hello "
+
+
+class Answer:
+    def __init__(self, status_code: int, text: str):
+        self.status_code, self.text = status_code, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def raw_post(url, path, body, key=KEY) -> Answer:
+    """POST a body as is (the openai client would refuse to send some of these)."""
+    data = (body if isinstance(body, str) else json.dumps(body)).encode()
+    request = urllib.request.Request(url + path, data=data, method="POST", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return Answer(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Answer(e.code, e.read().decode())
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ("{not json", 400, None),
+    ({"model": MODEL, "messages": "Hi"}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "top_p": 2}, 400, "top_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000}, 400, "messages"),
+    ({"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model"),
+])
+def test_bad_requests_are_answered_as_openai_does(url, client, body, status, param):
+    r = raw_post(url, "/chat/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    if body != "{not json" and body.get("max_tokens") == 5000:
+        assert "4096" in error["message"] and "5000" in error["message"]  # both lengths said
+    assert chat(client).choices[0].message.content == "Hello there!"  # and the next good request is served
+
+
+def test_key_queue_and_warm_up(url, client, engine, server):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    assert raw_post(url, "/chat/completions", {"model": MODEL, "messages": []}, key="").status_code == 401
+    engine.full = True
+    with pytest.raises(openai.RateLimitError):
+        chat(client)
+    engine.full = False
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert chat(client).choices[0].finish_reason == "stop"
+    server.ready.clear()  # warming up: 503, and /health says so
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(client)
+        assert e.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url[:-len("/v1")] + "/health", timeout=10)
+        assert e.value.code == 503
+    finally:
+        server.ready.set()
+    with urllib.request.urlopen(url[:-len("/v1")] + "/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    assert chat(client).choices[0].message.content == "Hello there!"
