@@ -37,6 +37,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without installing
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # server_util: the app on a free port, on a thread
 
 
 def workload(vocab: int, c: int, arrivals: str, args) -> tuple[list[list[int]], np.ndarray]:
@@ -146,6 +147,12 @@ def run_jax(args) -> dict:
             s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}")
             out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}"] = s
             print(f"c={c} {arrivals}: {json.dumps(s)}", file=sys.stderr, flush=True)
+        if args.http:
+            for arrivals in args.arrivals:
+                s = run_http(engine, config, c, arrivals, args)
+                s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}")
+                out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}_http"] = s
+                print(f"c={c} {arrivals} over HTTP: {json.dumps(s)}", file=sys.stderr, flush=True)
         engine.stop()
         if args.multistep > 1 and c in (min(args.concurrency), max(args.concurrency)) and shape == args.prefill[0]:
             engine._cache = None  # room for the probe's own cache
@@ -204,6 +211,69 @@ def multistep_probe(engine, k: int, context: int, total: int = 128) -> dict:
         run(cache, last, total)
         out[name] = 1e3 * (time.perf_counter() - t) / total
     return out
+
+
+def run_http(engine, config, c: int, arrivals: str, args) -> dict:
+    """The same workload through the OpenAI-compatible server over this engine (uvicorn on a thread of
+    this process), driven by the openai client in a process of its own: streamed /v1/completions of
+    the prompt ids, greedy, `ignore_eos`. Token times are the client's chunk arrivals."""
+    from gptoss_jax import tokenizer as tk
+    from gptoss_jax.server.app import Server, create_app
+    from server_util import serving
+
+    vocab = tk.find_vocab(args.vocab)
+    server = Server(engine, tk.load_tokenizer(vocab), vocab, model_name="bench")
+    server.ready.set()
+    with serving(create_app(server)) as url:
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", "http-client", "--url", url,
+                               "--concurrency", str(c), "--arrivals", arrivals, "--vocab-size", str(config.vocab_size)],
+                              capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode:
+        raise RuntimeError(f"the HTTP client failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.split("RESULT ")[-1])
+
+
+def run_http_client(args) -> dict:
+    import asyncio
+
+    import openai
+
+    c, arrivals = args.concurrency[0], args.arrivals[0]
+    prompts, at = workload(args.vocab_size, c, arrivals, args)
+    client = openai.AsyncOpenAI(base_url=args.url, api_key="unused", max_retries=0, timeout=3600)
+    submitted, times, counts = [0.0] * c, [[] for _ in range(c)], [0] * c
+
+    async def one(i):
+        await asyncio.sleep(max(0.0, at[i] - (time.perf_counter() - t0)))
+        submitted[i] = time.perf_counter()
+        stream = await client.completions.create(model="bench", prompt=prompts[i], max_tokens=args.new, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                times[i].append(time.perf_counter())
+            if chunk.usage:
+                counts[i] = chunk.usage.completion_tokens
+
+    async def main():
+        # One small request first: the connection and the client's first-call paths, outside the timings.
+        for _ in range(2):
+            async for _ in await client.completions.create(model="bench", prompt=prompts[0][:8], max_tokens=2,
+                                                           temperature=0, stream=True):
+                pass
+        nonlocal t0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(c)))
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    assert all(n == args.new for n in counts), counts
+    s = summary([len(p) for p in prompts], submitted, times)
+    s["output_tokens"] = sum(counts)  # chunks may carry several tokens: rates from the usage counts
+    s["output_tokens_per_s"] = sum(counts) / s["seconds"]
+    s["total_tokens_per_s"] = (sum(counts) + sum(len(p) for p in prompts)) / s["seconds"]
+    s["chunks_per_token"] = sum(len(t) for t in times) / sum(counts)
+    return s
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -282,7 +352,7 @@ def table(results: dict, args) -> str:
             continue
         for key, s in r["runs"].items():
             arrivals, c = key.split("_")[:2]
-            lines.append(f"| {name} | {arrivals} | {c[1:]} | {s.get('prefill', '-')} | {f(s['output_tokens_per_s'], 0)} | "
+            lines.append(f"| {name}{' over HTTP' * key.endswith('_http')} | {arrivals} | {c[1:]} | {s.get('prefill', '-')} | {f(s['output_tokens_per_s'], 0)} | "
                          f"{f(s['total_tokens_per_s'], 0)} | {f(s['ttft_p50_ms'], 0)} / {f(s['ttft_p99_ms'], 0)}"
                          f" | {f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s['peak_gib'])} |")
         if "cli_batch1" in r:
@@ -314,7 +384,13 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-jax", action="store_true")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--only", choices=("jax", "peer"), help=argparse.SUPPRESS)
+    parser.add_argument("--http", action="store_true",
+                        help="also run each workload through the OpenAI-compatible server (gptoss-serve's app) over "
+                             "the same engine, with the openai client in another process")
+    parser.add_argument("--vocab", help="o200k_base.tiktoken for --http (default: $TIKTOKEN_ENCODINGS_BASE)")
+    parser.add_argument("--only", choices=("jax", "peer", "http-client"), help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--vocab-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.arrivals = args.arrivals.split(",")
@@ -326,7 +402,8 @@ def main() -> None:
     if any(a not in ("all", "poisson") for a in args.arrivals):
         parser.error(f"--arrivals takes all, poisson or both, not {','.join(args.arrivals)!r}")
     if args.only:
-        print("RESULT " + json.dumps(run_jax(args) if args.only == "jax" else run_peer(args)), flush=True)
+        run = {"jax": run_jax, "peer": run_peer, "http-client": run_http_client}[args.only]
+        print("RESULT " + json.dumps(run(args)), flush=True)
         return
     runs = [] if args.skip_jax else [("jax", form) for form in args.experts.split(",")]
     runs += [] if args.skip_peer else [("peer", "bf16")]

@@ -72,9 +72,10 @@ class Generation:
             raise bad_request(str(e)) from None
         self.prompt_tokens = len(prompt)
 
-    async def tokens(self, http: HTTPRequest | None = None) -> AsyncIterator[int]:
-        """Each token as it comes; with `http`, checks every half second that the client is still there
-        (ClientGone if not). The request is cancelled if the reading stops before it ends."""
+    async def batches(self, http: HTTPRequest | None = None) -> AsyncIterator[list[int]]:
+        """The tokens as they come, all those already there at once (a stream that falls behind
+        catches up in fewer, larger chunks); with `http`, checks every half second that the client is
+        still there (ClientGone if not). The request is cancelled if the reading stops before it ends."""
         try:
             while True:
                 try:
@@ -83,12 +84,25 @@ class Generation:
                     if await http.is_disconnected():
                         raise ClientGone() from None
                     continue
+                batch = []
+                while token is not None:
+                    batch.append(token)
+                    try:
+                        token = self.queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                if batch:
+                    yield batch
                 if token is None:
                     return
-                yield token
         finally:
             if not self.request.finished:
                 self.request.cancel()
+
+    async def tokens(self, http: HTTPRequest | None = None) -> AsyncIterator[int]:
+        async for batch in self.batches(http):
+            for token in batch:
+                yield token
 
     def check_error(self) -> None:
         if self.request.finish_reason == "error":
@@ -117,8 +131,8 @@ def _settings(server: Server, prompt: list[int], max_tokens: int | None, body, s
         raise bad_request("a stop sequence must not be empty", "stop")
     if len(stops) > 4:
         raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
-    return Settings(max_new_tokens=budget, sampling=sampling, seed=seed, stop_ids=tk.STOP_TOKENS,
-                    stop_strings=tuple(stops))
+    return Settings(max_new_tokens=budget, sampling=sampling, seed=seed,
+                    stop_ids=() if getattr(body, "ignore_eos", False) else tk.STOP_TOKENS, stop_strings=tuple(stops))
 
 
 def _finish_reason(generation: Generation, tool_calls: bool, trimmed: bool) -> str:
@@ -126,6 +140,20 @@ def _finish_reason(generation: Generation, tool_calls: bool, trimmed: bool) -> s
     if reason == "length" and not trimmed:
         return "length"
     return "tool_calls" if tool_calls else "stop"
+
+
+def _merge(deltas: list[dict | None]) -> list[dict]:
+    """Chat deltas with the text of neighbours of one kind (content, reasoning) joined, Nones dropped."""
+    out = []
+    for d in deltas:
+        if d is None:
+            continue
+        key = next(iter(d)) if len(d) == 1 and next(iter(d)) in ("content", "reasoning_content") else None
+        if key and out and list(out[-1]) == [key]:
+            out[-1] = {key: out[-1][key] + d[key]}
+        else:
+            out.append(d)
+    return out
 
 
 def _sse(data) -> str:
@@ -235,13 +263,12 @@ def create_app(server: Server) -> FastAPI:
         if req.stream:
             async def chunks():
                 yield chunk({"role": "assistant", "content": ""})
-                async for token in generation.tokens():
-                    for d in reply.feed(token):
-                        if (delta := as_delta(d)) is not None:
-                            yield chunk(delta)
-                for d in reply.finish():
-                    if (delta := as_delta(d)) is not None:
-                        yield chunk(delta)
+                async for batch in generation.batches():
+                    deltas = [as_delta(d) for token in batch for d in reply.feed(token)]
+                    if text := "".join(chunk(d) for d in _merge(deltas)):
+                        yield text
+                if text := "".join(chunk(d) for d in _merge([as_delta(d) for d in reply.finish()])):
+                    yield text
                 if rest := trim.finish():
                     yield chunk({"content": rest})
                 generation.check_error()
@@ -295,8 +322,8 @@ def create_app(server: Server) -> FastAPI:
 
         if req.stream:
             async def chunks():
-                async for token in generation.tokens():
-                    if text := text_of(token):
+                async for batch in generation.batches():
+                    if text := "".join(text_of(token) for token in batch):
                         yield chunk(text)
                 if rest := trim.add(decoder.flush()) + trim.finish():
                     yield chunk(rest)
@@ -333,10 +360,10 @@ def create_app(server: Server) -> FastAPI:
             async def events():
                 for kind, data in builder.start():
                     yield _event(kind, data)
-                async for token in generation.tokens():
-                    for d in reply.feed(token):
-                        for kind, data in builder.delta(d):
-                            yield _event(kind, data)
+                async for batch in generation.batches():
+                    if text := "".join(_event(kind, data) for token in batch for d in reply.feed(token)
+                                       for kind, data in builder.delta(d)):
+                        yield text
                 for d in reply.finish():
                     for kind, data in builder.delta(d):
                         yield _event(kind, data)

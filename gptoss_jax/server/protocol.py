@@ -64,6 +64,7 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
+    ignore_eos: StrictBool = False  # an extension, as vLLM's: generate past the stop tokens (benchmarks)
 
 
 class ChatCompletionRequest(_Sampling):
