@@ -149,10 +149,14 @@ def run_jax(args) -> dict:
             print(f"c={c} {arrivals}: {json.dumps(s)}", file=sys.stderr, flush=True)
         if args.http:
             for arrivals in args.arrivals:
-                s = run_http(engine, config, c, arrivals, args)
-                s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}")
-                out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}_http"] = s
-                print(f"c={c} {arrivals} over HTTP: {json.dumps(s)}", file=sys.stderr, flush=True)
+                for interval in args.switch_interval:
+                    sys.setswitchinterval(interval)
+                    s = run_http(engine, config, c, arrivals, args)
+                    s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", switch_interval=interval)
+                    out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}_si{interval}_http"] = s
+                    print(f"c={c} {arrivals} over HTTP (switch interval {interval}): {json.dumps(s)}", file=sys.stderr,
+                          flush=True)
+            sys.setswitchinterval(0.005)
         engine.stop()
         if args.multistep > 1 and c in (min(args.concurrency), max(args.concurrency)) and shape == args.prefill[0]:
             engine._cache = None  # room for the probe's own cache
@@ -215,8 +219,9 @@ def multistep_probe(engine, k: int, context: int, total: int = 128) -> dict:
 
 def run_http(engine, config, c: int, arrivals: str, args) -> dict:
     """The same workload through the OpenAI-compatible server over this engine (uvicorn on a thread of
-    this process), driven by the openai client in a process of its own: streamed /v1/completions of
-    the prompt ids, greedy, `ignore_eos`. Token times are the client's chunk arrivals."""
+    this process), driven by the openai client in `--http-clients` processes of their own: streamed
+    /v1/completions of the prompt ids, greedy, `ignore_eos`. Token times are the clients' chunk
+    arrivals; the "engine side" figures are the same requests' times in the engine."""
     from gptoss_jax import tokenizer as tk
     from gptoss_jax.server.app import Server, create_app
     from server_util import serving
@@ -224,27 +229,61 @@ def run_http(engine, config, c: int, arrivals: str, args) -> dict:
     vocab = tk.find_vocab(args.vocab)
     server = Server(engine, tk.load_tokenizer(vocab), vocab, model_name="bench")
     server.ready.set()
-    with serving(create_app(server)) as url:
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", "http-client", "--url", url,
-                               "--concurrency", str(c), "--arrivals", arrivals, "--vocab-size", str(config.vocab_size)],
-                              capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode:
-        raise RuntimeError(f"the HTTP client failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.split("RESULT ")[-1])
+    requests, submit = [], engine.submit
+
+    def recorded(*a, **kw):
+        requests.append(submit(*a, **kw))
+        return requests[-1]
+
+    engine.submit = recorded
+    k = min(args.http_clients, c)
+    try:
+        with serving(create_app(server)) as url:
+            start = time.perf_counter() + 5.0  # every client process starts its arrivals then, warmed up
+            procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--only", "http-client", "--url", url,
+                                       "--concurrency", str(c), "--arrivals", arrivals, "--vocab-size",
+                                       str(config.vocab_size), "--client-part", f"{i}/{k}", "--start-at", str(start)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                     for i in range(k)]
+            outs = [(p.communicate(), p.returncode) for p in procs]
+    finally:
+        engine.submit = submit
+    for (out, err), code in outs:
+        if code:
+            raise RuntimeError(f"an HTTP client failed: {err[-2000:]}")
+    parts = [json.loads(out.split("RESULT ")[-1]) for (out, _), _ in outs]
+    submitted, times, counts = ([x for part in parts for x in part[key]] for key in ("submitted", "times", "counts"))
+    assert all(n == args.new for n in counts), counts
+    lens = [args.prompt] * c
+    s = summary(lens, submitted, times)
+    s["output_tokens"] = sum(counts)  # chunks may carry several tokens: rates from the usage counts
+    s["output_tokens_per_s"] = sum(counts) / s["seconds"]
+    s["total_tokens_per_s"] = (sum(counts) + sum(lens)) / s["seconds"]
+    s["chunks_per_token"] = sum(len(t) for t in times) / sum(counts)
+    s["clients"] = k
+    mine = requests[-c:]  # the timed ones (each client's warm-up requests come first)
+    side = summary(lens, [r.submitted_at for r in mine], [r.token_times for r in mine])
+    s["engine_side"] = {key: side[key] for key in ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")}
+    return s
 
 
 def run_http_client(args) -> dict:
+    """One client process: its share of the requests (`--client-part i/k`: every k-th from i), each
+    submitted at its arrival time after `--start-at` (a time.perf_counter() instant, the same clock in
+    every process) -> each request's submit time, chunk arrival times and token count."""
     import asyncio
 
     import openai
 
     c, arrivals = args.concurrency[0], args.arrivals[0]
+    part, parts = (int(x) for x in args.client_part.split("/"))
     prompts, at = workload(args.vocab_size, c, arrivals, args)
+    mine = list(range(part, c, parts))
     client = openai.AsyncOpenAI(base_url=args.url, api_key="unused", max_retries=0, timeout=3600)
-    submitted, times, counts = [0.0] * c, [[] for _ in range(c)], [0] * c
+    submitted, times, counts = {}, {i: [] for i in mine}, {}
 
     async def one(i):
-        await asyncio.sleep(max(0.0, at[i] - (time.perf_counter() - t0)))
+        await asyncio.sleep(max(0.0, args.start_at + at[i] - time.perf_counter()))
         submitted[i] = time.perf_counter()
         stream = await client.completions.create(model="bench", prompt=prompts[i], max_tokens=args.new, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
@@ -256,24 +295,16 @@ def run_http_client(args) -> dict:
                 counts[i] = chunk.usage.completion_tokens
 
     async def main():
-        # One small request first: the connection and the client's first-call paths, outside the timings.
+        # Small requests first: the connection and the client's first-call paths, outside the timings.
         for _ in range(2):
             async for _ in await client.completions.create(model="bench", prompt=prompts[0][:8], max_tokens=2,
                                                            temperature=0, stream=True):
                 pass
-        nonlocal t0
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(c)))
+        await asyncio.gather(*(one(i) for i in mine))
 
-    t0 = time.perf_counter()
     asyncio.run(main())
-    assert all(n == args.new for n in counts), counts
-    s = summary([len(p) for p in prompts], submitted, times)
-    s["output_tokens"] = sum(counts)  # chunks may carry several tokens: rates from the usage counts
-    s["output_tokens_per_s"] = sum(counts) / s["seconds"]
-    s["total_tokens_per_s"] = (sum(counts) + sum(len(p) for p in prompts)) / s["seconds"]
-    s["chunks_per_token"] = sum(len(t) for t in times) / sum(counts)
-    return s
+    return {"submitted": [submitted[i] for i in mine], "times": [times[i] for i in mine],
+            "counts": [counts.get(i, 0) for i in mine]}
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -389,11 +420,20 @@ def main() -> None:
                              "the same engine, with the openai client in another process")
     parser.add_argument("--vocab", help="o200k_base.tiktoken for --http (default: $TIKTOKEN_ENCODINGS_BASE)")
     parser.add_argument("--only", choices=("jax", "peer", "http-client"), help=argparse.SUPPRESS)
+    parser.add_argument("--http-clients", type=int, default=4,
+                        help="--http: client processes sharing the requests (default: %(default)s)")
+    parser.add_argument("--switch-interval", default="0.005",
+                        help="--http: the server process's sys.setswitchinterval, seconds (how long a thread waits for "
+                             "the interpreter lock); several (comma-separated) run one after the other "
+                             "(default: Python's, %(default)s)")
     parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--client-part", help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--vocab-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.arrivals = args.arrivals.split(",")
+    args.switch_interval = [float(x) for x in args.switch_interval.split(",")]
     try:
         args.prefill = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",")]
         assert all(len(shape) == 2 and min(shape) > 0 for shape in args.prefill)
