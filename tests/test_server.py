@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -187,20 +188,45 @@ def test_load_64_streaming_clients_with_disconnects(client, engine):
     assert rss_mib() - middle < 64, (middle, rss_mib())
 
 
+def test_metrics_are_prometheus_text(url, client, engine):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    with urllib.request.urlopen(url[:-len("/v1")] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    stats = engine.stats()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples["gptoss_kv_slots"] == stats["slots"] == 8
+    assert samples["gptoss_generated_tokens_total"] == stats["generated_tokens"] > 0
+    assert samples['gptoss_finished_requests_total{reason="length"}'] == stats["finished"]["length"]
+    assert 'gptoss_inter_token_latency_seconds{quantile="0.5"}' in samples
+
+
+def readme_client_example() -> str:
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    serving = text[text.index("## Serving"):text.index("## How fast")]
+    return serving.split("```python\n")[1].split("```")[0]
+
+
 def test_gptoss_serve_command(tmp_path):
-    """The installed command: it says when it is ready (with its URL), serves, and on SIGTERM lets a
-    running request finish and exits 0."""
+    """The installed command: it says when it is ready (with its URL), answers the README's client
+    example as written (on a free port rather than 8000), and on SIGTERM lets a running request
+    finish and exits 0."""
     env = {**os.environ, "TIKTOKEN_ENCODINGS_BASE": os.path.dirname(os.path.abspath(VOCAB))}
     process = subprocess.Popen([sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "2",
-                                "--max-context", "128", "--compile-cache", "none"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+                                "--max-context", "128", "--compile-cache", "none", "--served-model-name",
+                                "gpt-oss-20b"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = process.stdout.readline()
         assert line.startswith("gptoss-serve: ready at http://127.0.0.1:"), (line, process.stderr.read())
         base = line.split()[3]
+        example = readme_client_example()
+        assert "http://127.0.0.1:8000/v1" in example
+        run = subprocess.run([sys.executable, "-c", example.replace("http://127.0.0.1:8000/v1", base)],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip(), run.stderr
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
         box = {}
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+        stream = client.chat.completions.create(model="gpt-oss-20b", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=60, temperature=0, stream=True)
         first = next(iter(stream))
         reader = threading.Thread(target=lambda: box.setdefault("chunks", list(stream)))
