@@ -21,6 +21,7 @@ from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, QueueFull, Settings
 from gptoss_jax.testing import random_params
+from conftest import VOCAB, needs_vocab
 
 MAX_LEN = 512
 GREEDY = Sampling(temperature=0.0)
@@ -206,3 +207,30 @@ def test_on_a_mesh_the_engine_gives_one_device_tokens(model, traffic):
     for i, r in enumerate(requests):
         assert r.output_ids == want[i], f"request {i}"
     assert engine._cache["lengths"].sharding.spec[0] == "data"
+
+
+@needs_vocab
+def test_stop_strings_end_a_request_where_its_text_first_holds_one(model):
+    """Stop strings across token boundaries: the request ends at the first token whose text completes
+    one (the reply's text after each token, decoded from the start)."""
+    from gptoss_jax.tokenizer import StreamDecoder, load_tokenizer
+
+    config, params = model
+    tokenizer = load_tokenizer(VOCAB)
+    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=64, tokenizer=tokenizer)
+    prompt = np.random.default_rng(5).integers(0, config.vocab_size, 20).tolist()
+    full = engine.submit(prompt, Settings(max_new_tokens=60, sampling=GREEDY))
+    engine.run_until_idle()
+    decoder, texts = StreamDecoder(tokenizer), [""]
+    for token in full.output_ids:
+        texts.append(texts[-1] + decoder.add(token))
+    # A stop string of printable ASCII that spans the end of some token's text past the 20th.
+    n0 = next(n for n in range(20, 58) if len(texts[n]) >= 3 and len(texts[n + 2]) >= len(texts[n]) + 2 and
+              texts[n + 2][len(texts[n]) - 3:len(texts[n]) + 2].isascii() and
+              texts[n + 2][len(texts[n]) - 3:len(texts[n]) + 2].isprintable())
+    stop = texts[n0 + 2][len(texts[n0]) - 3:len(texts[n0]) + 2]
+    want = next(n for n in range(1, 61) if stop in texts[n])
+    assert want > n0 >= 20  # it spans tokens, so a per-token check alone would miss it
+    request = engine.submit(prompt, Settings(max_new_tokens=60, sampling=GREEDY, stop_strings=("never here", stop)))
+    engine.run_until_idle()
+    assert request.finish_reason == "stop" and request.output_ids == full.output_ids[:want]

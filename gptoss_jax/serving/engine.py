@@ -44,6 +44,7 @@ from ..config import ModelConfig
 from ..kernels import Kernels
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, on_every_device, to_host_soon
+from ..tokenizer import StreamDecoder
 from ..weight import Params
 from . import steps
 from .metrics import Metrics
@@ -55,7 +56,8 @@ class _Slot:
     request: Request
     prefilled: int = 0  # prompt tokens sent to the cache
     queued: int = 0  # tokens sampled on the devices so far, read or not (the next one's sampling step)
-    text: str = ""  # the reply so far, for stop strings
+    text: str = ""  # the reply's last characters, as many as a stop string can need
+    decoder: StreamDecoder | None = None  # the reply as text, token by token, for stop strings
 
 
 class Engine:
@@ -313,10 +315,13 @@ class Engine:
         self.metrics.token(request)
         if token in settings.stop_ids:
             return self._free(slot, "stop")
-        if settings.stop_strings:
-            state.text = self.tokenizer.decode(request.output_ids)
-            if any(s in state.text for s in settings.stop_strings):
+        if settings.stop_strings:  # the new text with the characters before it a stop string could span
+            state.decoder = state.decoder or StreamDecoder(self.tokenizer)
+            text = state.text + state.decoder.add(token)
+            if any(s in text for s in settings.stop_strings):
                 return self._free(slot, "stop")
+            keep = max(map(len, settings.stop_strings)) - 1
+            state.text = text[len(text) - keep:] if keep else ""
         if len(request.output_ids) >= settings.max_new_tokens:
             self._free(slot, "length")
 
