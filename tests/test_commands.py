@@ -10,7 +10,7 @@ import gptoss_jax
 
 
 @pytest.mark.parametrize("command, first_flag", [("gptoss-generate", "--checkpoint"), ("gptoss-convert", "--dtype"),
-                                                 ("gptoss-finetune", "--data")])
+                                                 ("gptoss-finetune", "--data"), ("gptoss-serve", "--slots")])
 def test_installed_command_names_itself(command, first_flag):
     path = shutil.which(command)
     assert path, f"{command} is not installed: run `pip install -e .` (tests/run.sh does)"
@@ -26,4 +26,5 @@ def test_the_library_is_the_only_installed_top_level_package():
     with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
     assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["gptoss_jax*"]
-    assert set(project["project"]["scripts"]) == {"gptoss-generate", "gptoss-convert", "gptoss-finetune"}
+    assert set(project["project"]["scripts"]) == {"gptoss-generate", "gptoss-convert", "gptoss-finetune",
+                                                   "gptoss-serve"}
