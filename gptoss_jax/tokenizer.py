@@ -186,6 +186,64 @@ def parse_reply(tokens: list[int], *, vocab: str | os.PathLike | None = None) ->
     return Reply("\n".join(channels["analysis"]), "\n".join(channels["final"]), messages)
 
 
+MAX_HEADER_TOKENS = 32  # a message header longer than this is not harmony: the reply is raw text
+
+
+class ReplyReader:
+    """A reply read token by token as harmony (openai-harmony's StreamableParser), deciding as it goes
+    whether it is harmony at all: a token the parser refuses, or a message header longer than
+    MAX_HEADER_TOKENS, makes it raw text from then on (a model with random weights, say).
+
+    `feed` -> "to_raw" (it just turned out not to be harmony), "raw" (it was not already), "header",
+    "content" (then `channel`, `recipient` and `delta` say what the token added) or "end" (a message
+    ended). `raw_text` holds every token's text, for the raw reply."""
+
+    def __init__(self, tokenizer: tiktoken.Encoding, vocab: str | os.PathLike | None = None):
+        from openai_harmony import Role, StreamableParser
+
+        self._parser = StreamableParser(harmony_encoding(vocab), role=Role.ASSISTANT)
+        self._decoder = StreamDecoder(tokenizer)
+        self.raw_text: list[str] = []
+        self.raw = False
+        self.header_tokens = 0  # tokens of the message header being read
+
+    def feed(self, token: int) -> str:
+        self.raw_text.append(self._decoder.add(token))
+        if self.raw:
+            return "raw"
+        try:
+            self._parser.process(token)
+        except Exception:  # openai_harmony's HarmonyError: not a harmony reply
+            return self.give_up()
+        state = self._parser.state.name
+        if state == "HEADER":
+            self.header_tokens += 1
+            return self.give_up() if self.header_tokens > MAX_HEADER_TOKENS else "header"
+        self.header_tokens = 0
+        return "content" if state == "CONTENT" else "end"
+
+    def give_up(self) -> str:
+        """Read the reply as raw text from now on -> "to_raw"."""
+        self.raw = True
+        return "to_raw"
+
+    def flush(self) -> str:
+        """The raw text held back at the end (a character's bytes cut short)."""
+        return self._decoder.flush()
+
+    @property
+    def channel(self) -> str | None:
+        return self._parser.current_channel
+
+    @property
+    def recipient(self) -> str | None:
+        return self._parser.current_recipient
+
+    @property
+    def delta(self) -> str:
+        return self._parser.last_content_delta or ""
+
+
 class StreamDecoder:
     """Token ids in, text out, never emitting a broken UTF-8 sequence: bytes of a character split
     across tokens are held back until the character is complete."""

@@ -14,7 +14,6 @@ from typing import TextIO
 from .. import tokenizer as tk
 
 DIM, RESET = "\033[2m", "\033[0m"
-_MAX_HEADER_TOKENS = 32  # a message header longer than this is not harmony: show the raw text
 
 
 class ChatPrinter:
@@ -22,16 +21,10 @@ class ChatPrinter:
 
     def __init__(self, tokenizer, vocab: str | None, *, show_reasoning: bool = True, out: TextIO | None = None,
                  color: bool | None = None):
-        from openai_harmony import Role, StreamableParser
-
         self.out = out or sys.stdout
         self.color = self.out.isatty() if color is None else color
         self.show_reasoning = show_reasoning
-        self._parser = StreamableParser(tk.harmony_encoding(vocab), role=Role.ASSISTANT)
-        self._raw = tk.StreamDecoder(tokenizer)
-        self._raw_text: list[str] = []
-        self._raw_mode = False
-        self._header_tokens = 0
+        self._reader = tk.ReplyReader(tokenizer, vocab)
         self._open: tuple[str | None, str | None] | None = None  # (channel, recipient) of the message shown
         self._wrote_any = False
         self._at_line_start = True
@@ -49,27 +42,17 @@ class ChatPrinter:
             self._write("\n")
 
     def feed(self, token: int) -> None:
-        self._raw_text.append(self._raw.add(token))
-        if self._raw_mode:
-            self._write(self._raw_text[-1])
-            return
-        try:
-            self._parser.process(token)
-        except Exception:  # openai_harmony's HarmonyError: not a harmony reply
-            return self._to_raw()
-        state = self._parser.state.name
-        if state == "HEADER":
-            self._header_tokens += 1
-            if self._header_tokens > _MAX_HEADER_TOKENS:
-                self._to_raw()
-            return
-        self._header_tokens = 0
-        if state == "CONTENT":
-            message = (self._parser.current_channel, self._parser.current_recipient)
+        kind = self._reader.feed(token)
+        if kind == "raw":
+            self._write(self._reader.raw_text[-1])
+        elif kind == "to_raw":
+            self._to_raw()
+        elif kind == "content":
+            message = (self._reader.channel, self._reader.recipient)
             if self._open != message:
                 self._begin(*message)
-            self._content(self._parser.last_content_delta or "")
-        else:  # the message ended (<|end|>, <|return|>, <|call|>)
+            self._content(self._reader.delta)
+        elif kind == "end":  # the message ended (<|end|>, <|return|>, <|call|>)
             self._end()
 
     def _begin(self, channel: str | None, recipient: str | None) -> None:
@@ -102,18 +85,18 @@ class ChatPrinter:
         self._open = None
 
     def _to_raw(self) -> None:
-        self._raw_mode = True
+        self._reader.give_up()
         self._newline()
         self._write("[the reply is not in the harmony chat format; its raw text follows]\n", dim=True)
-        self._write("".join(self._raw_text))
+        self._write("".join(self._reader.raw_text))
 
     def finish(self) -> None:
         """The reply ended (or was cut short): close what is open and end the line."""
-        if self._raw_mode:
-            self._write(self._raw.flush())
-        elif self._header_tokens and not self._wrote_any:  # cut short inside a first header: not harmony
+        if self._reader.raw:
+            self._write(self._reader.flush())
+        elif self._reader.header_tokens and not self._wrote_any:  # cut short inside a first header: not harmony
             self._to_raw()
-            self._write(self._raw.flush())
+            self._write(self._reader.flush())
         elif self._open is not None and self._open[1]:
             self._write(" ...")  # a tool call cut short
         self._open = None

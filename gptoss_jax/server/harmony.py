@@ -23,7 +23,6 @@ import secrets
 from .. import tokenizer as tk
 from .errors import bad_request
 
-MAX_HEADER_TOKENS = 32  # a message header longer than this is not harmony: the raw text is the reply
 
 
 def _text(content, param: str) -> str:
@@ -201,36 +200,27 @@ class ReplyStream:
     Stop tokens are fed too: they end the message they close."""
 
     def __init__(self, tokenizer, vocab):
-        from openai_harmony import Role, StreamableParser
-
-        self._parser = StreamableParser(tk.harmony_encoding(vocab), role=Role.ASSISTANT)
-        self._raw = tk.StreamDecoder(tokenizer)
-        self._raw_text: list[str] = []
-        self.raw = False  # the reply is not harmony
-        self._header_tokens = 0
+        self._reader = tk.ReplyReader(tokenizer, vocab)
         self.reasoning, self.content = [], []
         self.tool_calls: list[ToolCallOut] = []
         self._open: tuple | None = None  # (channel, recipient) of the message being read
         self.reasoning_tokens = 0  # tokens of the analysis channel's text
 
+    @property
+    def raw(self) -> bool:
+        """Whether the reply turned out not to be harmony."""
+        return self._reader.raw
+
     def feed(self, token: int) -> list[Delta]:
-        self._raw_text.append(self._raw.add(token))
-        if self.raw:
-            return self._out("content", self._raw_text[-1])
-        try:
-            self._parser.process(token)
-        except Exception:  # openai_harmony's HarmonyError: not a harmony reply
+        kind = self._reader.feed(token)
+        if kind == "raw":
+            return self._out("content", self._reader.raw_text[-1])
+        if kind == "to_raw":
             return self._to_raw()
-        state = self._parser.state.name
-        if state == "HEADER":
-            self._header_tokens += 1
-            return self._to_raw() if self._header_tokens > MAX_HEADER_TOKENS else []
-        self._header_tokens = 0
-        if state != "CONTENT":  # a message ended
-            self._open = None
+        if kind != "content":  # a header, or a message ended
+            self._open = None if kind == "end" else self._open
             return []
-        channel, recipient = self._parser.current_channel, self._parser.current_recipient
-        text = self._parser.last_content_delta or ""
+        channel, recipient, text = self._reader.channel, self._reader.recipient, self._reader.delta
         self.reasoning_tokens += channel == "analysis"
         out = []
         if (channel, recipient) != self._open:
@@ -249,9 +239,9 @@ class ReplyStream:
     def finish(self) -> list[Delta]:
         """The reply ended, or was cut short: what is left (a reply cut inside its first header is raw)."""
         out = []
-        if not self.raw and self._header_tokens and not (self.reasoning or self.content or self.tool_calls):
+        if not self.raw and self._reader.header_tokens and not (self.reasoning or self.content or self.tool_calls):
             out = self._to_raw()
-        return out + (self._out("content", self._raw.flush()) if self.raw else [])
+        return out + (self._out("content", self._reader.flush()) if self.raw else [])
 
     def _out(self, kind: str, text: str) -> list[Delta]:
         if not text:
@@ -260,9 +250,9 @@ class ReplyStream:
         return [Delta(kind, text)]
 
     def _to_raw(self) -> list[Delta]:
-        self.raw = True
+        self._reader.give_up()
         self.reasoning, self.content, self.tool_calls = [], [], []
-        return self._out("content", "".join(self._raw_text))
+        return self._out("content", "".join(self._reader.raw_text))
 
 
 class StopTrimmer:
