@@ -234,3 +234,19 @@ def test_stop_strings_end_a_request_where_its_text_first_holds_one(model):
     request = engine.submit(prompt, Settings(max_new_tokens=60, sampling=GREEDY, stop_strings=("never here", stop)))
     engine.run_until_idle()
     assert request.finish_reason == "stop" and request.output_ids == full.output_ids[:want]
+
+
+def test_a_lockstep_message_carries_admissions_exactly():
+    """What process 0 sends the others each step: the admitted prompts and settings (floats, stop
+    strings with any characters), the cancelled slots, the stop flag, back as they were."""
+    from gptoss_jax.serving.lockstep import Message, decode, encode
+    from gptoss_jax.serving.request import Request
+
+    settings = Settings(max_new_tokens=7, sampling=Sampling(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05), seed=-5,
+                        stop_ids=(1, 2), stop_strings=("\n\n", "é\"}"))
+    sent = Message(cancel=[3, 0], admit=[(1, Request(10, [5, 200_000, 0], settings)), (2, Request(11, [9], Settings()))])
+    got = decode(encode(sent))
+    assert got.cancel == [3, 0] and not got.stop
+    assert [(s, r.id, r.prompt_ids, r.settings) for s, r in got.admit] == [
+        (1, 10, [5, 200_000, 0], settings), (2, 11, [9], Settings())]
+    assert decode(encode(Message(stop=True))).stop

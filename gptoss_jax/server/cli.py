@@ -33,6 +33,11 @@ examples:
   %(prog)s                                                   # the demo model on 127.0.0.1:8000
   %(prog)s --checkpoint CKPT --tokenizer o200k_base.tiktoken --slots 64 --served-model-name gpt-oss-20b
   %(prog)s --checkpoint CKPT --dtype mxfp4 --host 0.0.0.0 --api-key "$KEY"
+  %(prog)s --checkpoint CKPT --coordinator host0:1234 --num-processes 2 --process-id 0   # on host 0
+  %(prog)s --checkpoint CKPT --coordinator host0:1234 --num-processes 2 --process-id 1   # on host 1
+
+With several processes (hosts), process 0 listens and takes the requests; the others run the same
+engine steps over their devices and stop when process 0 stops.
 
 then, with the openai client:
   client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
@@ -109,9 +114,7 @@ def _run(args, signals: Signals) -> int:
     from .. import tokenizer as tk
 
     check_flags(args)
-    if devices.process_settings(args) is not None:
-        raise UsageError("gptoss-serve runs in one process, over all of its devices (--mesh); serving from "
-                         "several processes (hosts) is not supported yet")
+    processes = devices.process_settings(args)
     mesh_sizes = devices.mesh_sizes(args)
     config, what = model_config(args)
     max_len = max_context(args, config)
@@ -129,20 +132,27 @@ def _run(args, signals: Signals) -> int:
 
     from ..cli.generate import _experts, _load_params
     from ..serving import Engine
+    from ..serving.lockstep import LockstepError
     from ..sharding import describe
     from .app import Server, create_app, serve_forever
 
     devices.use_compile_cache(args.compile_cache)
+    devices.start_processes(processes)
     mesh = devices.choose_mesh(mesh_sizes, config, experts=_experts(args))
+    main_process = devices.quiet_other_processes()  # only process 0 listens and speaks
+    args.quiet = args.quiet or not main_process
     unsplit = devices.unsplit_batch(args.slots, mesh, f"--slots {args.slots}")
-    if unsplit:
-        _say(f"warning: {unsplit}")
-    experts = "; experts packed in MXFP4" if _experts(args) else ""
-    _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots of {max_len} tokens")
-    _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
+    if main_process:
+        if unsplit:
+            _say(f"warning: {unsplit}")
+        experts = "; experts packed in MXFP4" if _experts(args) else ""
+        _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots of {max_len} tokens")
+        _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     params = _load_params(args, config, mesh)
     engine = Engine(config, params, slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
                     prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer)
+    if not main_process:
+        return _follow(engine, signals, LockstepError)
     server = Server(engine, tokenizer, args.tokenizer, model_name=name, api_key=api_key)
     app = create_app(server)
     listening = threading.Event()
@@ -181,6 +191,23 @@ def _run(args, signals: Signals) -> int:
     server.stopping = True
     engine.stop(cancel=True)
     _say("stopped")
+    return 0
+
+
+def _follow(engine, signals: Signals, lost: type[Exception]) -> int:
+    """A process other than 0: the same steps as process 0, until it stops. SIGINT and SIGTERM are
+    left to process 0 (stopping here alone would hang the others' collectives)."""
+    import jax
+
+    engine.warm_up()
+    signals.restore()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        engine.follow()
+    except lost as e:
+        _say(f"error: process {jax.process_index()}: {e}")
+        return 1
     return 0
 
 

@@ -26,6 +26,10 @@ So a long prompt delays the others' next token by one chunk at most. Shapes neve
 traffic (the cache is [slots, max_len], a prefill [1 or prefill_rows, prefill_chunk], a decode
 step [slots]), so nothing compiles after `warm_up`. On a mesh the slots are split over `data`, as
 `Generator`'s batch is.
+
+With several processes (jax.distributed), process 0 takes the requests and sends each step's
+admissions and cancellations to the others, which run the same steps with `follow()`
+(lockstep.py).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..sharding import mesh_of, on_every_device, to_host_soon
 from ..tokenizer import StreamDecoder
 from ..weight import Params
 from . import steps
+from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .request import QueueFull, Request, Settings
 
@@ -90,6 +95,8 @@ class Engine:
         self.compiled: list[str] = []
         self._slot_settings = None  # the decode step's per-slot sampling settings on the devices, kept
         # until a slot changes hands (they change only then; only the steps array changes every step)
+        self._lockstep = Lockstep.of_this_process()  # None: one process
+        self._lost: str | None = None  # why the other processes were lost (then nothing more is taken)
 
     # The Python API ------------------------------------------------------------------------------------
 
@@ -109,6 +116,10 @@ class Engine:
                              f"max context of {self.max_len}")
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
+        if self._following:
+            raise RuntimeError(f"process {self._lockstep.process_index} follows process 0: submit requests there")
+        if self._lost is not None:
+            raise RuntimeError(f"the engine stopped: {self._lost}")
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 self.metrics.rejected += 1
@@ -126,8 +137,15 @@ class Engine:
                      "slots": self.slots}
         return self.metrics.snapshot(**state)
 
+    @property
+    def _following(self) -> bool:
+        return self._lockstep is not None and not self._lockstep.leader
+
     def start(self) -> None:
-        """Run the steps on a thread of their own until `stop`."""
+        """Run the steps on a thread of their own until `stop` (process 0 of several: the others run
+        `follow`)."""
+        if self._following:
+            raise RuntimeError("a process other than 0 runs follow(), not start()")
         if self._thread is None:
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name="gptoss-engine", daemon=True)
@@ -147,6 +165,21 @@ class Engine:
             self._thread = None
         else:
             self.run_until_idle()
+        if self._lockstep is not None and self._lockstep.leader and self._lost is None:
+            self._lockstep.send(Message(stop=True))
+
+    def follow(self) -> None:
+        """On a process other than 0: run the steps process 0 runs, as it sends them, until it stops
+        (LockstepError if it is lost)."""
+        if not self._following:
+            raise RuntimeError("follow() runs on processes other than 0 of several")
+        while not self._stopping:
+            try:
+                self.step()
+            except LockstepError:
+                raise
+            except Exception as e:  # as process 0 does (`_run`): the step failed there as well
+                self._fail_running(f"{type(e).__name__}: {e}")
 
     def warm_up(self) -> list[str]:
         """Compile the steps (nothing is generated, no slot changes) and say what was compiled."""
@@ -196,9 +229,18 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step (see the module's docstring); False when there was nothing to do."""
-        with self._lock:
-            self._free_cancelled()
-            self._admit()
+        if self._following:
+            message = self._lockstep.receive()
+            if message.stop:
+                self._stopping = True
+                return False
+            self._apply(message)
+        else:
+            with self._lock:
+                cancelled = self._free_cancelled()
+                admitted = self._admit()
+                if self._lockstep is not None:
+                    self._lockstep.send(Message(cancelled, [(s, self._slots[s].request) for s in admitted]))
         queued = []
         prefilling = [s for s in self._admitted if self._slots[s].prefilled < len(self._slots[s].request.prompt_ids)]
         if prefilling:
@@ -220,23 +262,41 @@ class Engine:
         request._finish(reason, time.perf_counter())
         self.metrics.finish(request)
 
-    def _free_cancelled(self) -> None:
+    def _free_cancelled(self) -> list[int]:
+        """Drop cancelled requests -> the slots freed, in order."""
         for r in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(r)
             r._finish("cancelled", time.perf_counter())
             self.metrics.finish(r)
-        for slot in list(self._admitted):
-            if self._slots[slot].request.cancelled:
-                self._free(slot, "cancelled")
+        freed = [slot for slot in self._admitted if self._slots[slot].request.cancelled]
+        for slot in freed:
+            self._free(slot, "cancelled")
+        return freed
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[int]:
+        """Waiting requests into free slots -> the slots filled."""
+        filled = []
         for slot in range(self.slots):
             if self._slots[slot] is None and self._waiting:
-                request = self._waiting.popleft()
-                self._slots[slot] = _Slot(request)
-                self._slot_settings = None
-                self._admitted.append(slot)
-                self.metrics.prompt_tokens += len(request.prompt_ids)
+                self._take(slot, self._waiting.popleft())
+                filled.append(slot)
+        return filled
+
+    def _take(self, slot: int, request: Request) -> None:
+        self._slots[slot] = _Slot(request)
+        self._slot_settings = None
+        self._admitted.append(slot)
+        self.metrics.prompt_tokens += len(request.prompt_ids)
+
+    def _apply(self, message: Message) -> None:
+        """A follower: process 0's decisions for this step."""
+        for slot in message.cancel:
+            self._free(slot, "cancelled")
+        for slot, request in message.admit:
+            if self._slots[slot] is not None:
+                raise LockstepError(f"process {self._lockstep.process_index} differs from process 0: slot {slot} is "
+                                    f"still taken here")
+            self._take(slot, request)
 
     def _prefill_call(self, slots: list[int | None], tokens: np.ndarray, counts: list[int], finishing: list[bool],
                       mode: str):
@@ -337,6 +397,16 @@ class Engine:
                     return
             try:
                 self.step()
+            except LockstepError as e:  # the other processes are gone: nothing more can run
+                with self._lock:
+                    self._lost = str(e)
+                    ended = list(self._waiting) + [self._slots[s].request for s in self._admitted]
+                    self._waiting.clear()
+                    self._slots, self._admitted, self._in_flight = [None] * self.slots, [], []
+                for request in ended:
+                    request._finish("error", time.perf_counter(), error=self._lost)
+                    self.metrics.finish(request)
+                return
             except Exception as e:  # a failed step ends the requests it held, never the engine
                 self._fail_running(f"{type(e).__name__}: {e}")
 
