@@ -144,6 +144,57 @@ def test_responses_items_and_events(client, engine):
         '<|start|>assistant')
 
 
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "A word's meaning",
+                                          "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}
+
+
+def streamed_calls(chunks) -> dict:
+    calls = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(d.index, {"name": None, "arguments": ""})
+            entry["name"] = d.function.name or entry["name"]
+            entry["arguments"] += d.function.arguments or ""
+    return calls
+
+
+def test_a_required_or_named_tool_is_called(client, engine):
+    """tool_choice "required" or a named function: the tool call's header is written for the model
+    after the prompt (the whole header for one function, ` to=functions` for a choice among several),
+    so the reply is that call; the header counts as prompt, the model's tokens as completion."""
+    decode = tk.harmony_encoding(VOCAB).decode
+    chat(client, tools=[WEATHER, LOOKUP])
+    base = engine.prompts[-1]  # the prompt with tool_choice "auto"
+    header = " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+    engine.reply = harmony('{"city": "Oslo"}<|call|>')
+    for tools, choice in (([WEATHER, LOOKUP], {"type": "function", "function": {"name": "get_weather"}}),
+                          ([WEATHER], "required")):
+        r = chat(client, tools=tools, tool_choice=choice)
+        prompt = engine.prompts[-1]
+        assert decode(prompt[len(prompt) - len(harmony(header)):]) == header
+        call = r.choices[0].message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.reasoning_content is None
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(engine.reply))
+        assert streamed_calls(chat(client, tools=tools, tool_choice=choice, stream=True)) == {
+            0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert engine.prompts[-3][:len(base)] == base and decode(engine.prompts[-3][len(base):]) == header
+
+    engine.reply = harmony('.lookup<|channel|>commentary <|constrain|>json<|message|>{"word": "jax"}<|call|>')
+    r = chat(client, tools=[WEATHER, LOOKUP], tool_choice="required")
+    assert decode(engine.prompts[-1][len(base):]) == " to=functions"
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == ("lookup", {"word": "jax"})
+    assert streamed_calls(chat(client, tools=[WEATHER, LOOKUP], tool_choice="required", stream=True)) == {
+        0: {"name": "lookup", "arguments": call.function.arguments}}
+
+    engine.reply = harmony('{"city": "Oslo"}<|call|>')
+    r = client.responses.create(model=MODEL, input="Weather in Oslo?", tool_choice={"type": "function",
+                                "name": "get_weather"}, tools=[{"type": "function", **WEATHER["function"]}])
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in r.output] == [
+        ("function_call", "get_weather", {"city": "Oslo"})]
+
+
 def test_stop_sequences_cut_the_text(client):
     r = chat(client, stop=["there"])
     assert r.choices[0].message.content == "Hello "
@@ -182,6 +233,11 @@ def raw_post(url, path, body, key=KEY) -> Answer:
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages.0.role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000}, 400, "messages"),
     ({"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
+      "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, 400, "tool_choice"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
+      "tool_choice": {"type": "custom", "name": "x"}}, 400, "tool_choice"),
 ])
 def test_bad_requests_are_answered_as_openai_does(url, client, body, status, param):
     r = raw_post(url, "/chat/completions", body)

@@ -267,8 +267,9 @@ def create_app(server: Server) -> FastAPI:
         req = await body(http, protocol.ChatCompletionRequest)
         prompt = chat_prompt(req, server.vocab)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        generation = Generation(server, prompt, _settings(server, prompt, max_tokens, req, req.stop))
-        reply, trim = ReplyStream(server.tokenizer, server.vocab), StopTrimmer(generation.request.settings.stop_strings)
+        generation = Generation(server, prompt.tokens, _settings(server, prompt.tokens, max_tokens, req, req.stop))
+        reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
+        trim = StopTrimmer(generation.request.settings.stop_strings)
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
 
         def chunk(delta: dict, finish: str | None = None) -> str:
@@ -379,8 +380,9 @@ def create_app(server: Server) -> FastAPI:
             raise bad_request("previous_response_id is not supported: this server keeps no responses; send the "
                               "whole conversation as input items", "previous_response_id")
         prompt = responses_prompt(req, server.vocab)
-        generation = Generation(server, prompt, _settings(server, prompt, req.max_output_tokens, req, None))
-        reply = ReplyStream(server.tokenizer, server.vocab)
+        settings = _settings(server, prompt.tokens, req.max_output_tokens, req, None)
+        generation = Generation(server, prompt.tokens, settings)
+        reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         builder = ResponseBuilder(req, server.model_name, generation)
         if req.stream:
             async def events():

@@ -7,6 +7,14 @@ tool calls to `commentary` addressed to `functions.NAME` (JSON arguments), and a
 from `functions.NAME` to the assistant, as gpt-oss was trained to read them (openai-harmony renders
 them; tokenizer.render_prompt).
 
+`tool_choice`: "auto" (the default with tools) and "none" (the tools left out of the prompt) leave the
+reply to the model. "required" and a named function write the start of a tool call for it, right
+after `<|start|>assistant`: for a named function (or "required" with one tool) the whole header,
+` to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>`, so that the model writes
+only the JSON arguments; for "required" with several tools ` to=functions`, so that the model
+writes the name (of one of the listed tools, as gpt-oss was trained to; nothing constrains the
+name's tokens) and the rest. Either way the reply skips the reasoning channel.
+
 Replies (`ReplyStream`): fed the generated tokens one at a time, it tells what each adds: reasoning
 (the `analysis` channel), content (`final`, or a `commentary` preamble), or a tool call (a
 `commentary` message to `functions.NAME`: its name, then its arguments as they stream). A reply that
@@ -46,15 +54,49 @@ def _tool_descriptions(tools: list[tuple[str, str | None, dict | None]]):
     return [ToolDescription.new(name, description or "", parameters) for name, description, parameters in tools]
 
 
-def _check_tool_choice(tool_choice, has_tools: bool) -> bool:
-    """Whether the tools go into the prompt: "auto" (the default with tools) or "none"; the model
-    cannot be made to call a tool, so "required" and a named function are refused."""
+@dataclasses.dataclass
+class Prompt:
+    """A request's prompt: the rendered conversation, and the start of the reply written for the model
+    (tokens after `<|start|>assistant`: a forced tool call's header, or none)."""
+
+    conversation: list[int]
+    reply_start: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the engine is given."""
+        return self.conversation + self.reply_start
+
+
+def _tool_choice(tool_choice, names: list[str], vocab) -> tuple[bool, list[int]]:
+    """(whether the tools go into the prompt, the reply's forced start) for a request's tool_choice
+    (see the module docstring). A named function is {"type": "function", "function": {"name": ...}}
+    (chat completions) or {"type": "function", "name": ...} (Responses)."""
     if tool_choice in (None, "auto"):
-        return has_tools
+        return bool(names), []
     if tool_choice == "none":
-        return False
-    raise bad_request("tool_choice 'auto' and 'none' are supported; gpt-oss cannot be constrained to call a tool "
-                      f"(got {json.dumps(tool_choice)})", "tool_choice")
+        return False, []
+    if not names:
+        raise bad_request(f"tool_choice {json.dumps(tool_choice)} needs function tools in 'tools'", "tool_choice")
+    if tool_choice == "required":
+        return True, _call_start(names[0] if len(names) == 1 else None, vocab)
+    name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name") \
+        if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise bad_request("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
+                          f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", "tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
+                          f"({', '.join(names)})", "tool_choice")
+    return True, _call_start(name, vocab)
+
+
+def _call_start(name: str | None, vocab) -> list[int]:
+    """The tokens after `<|start|>assistant` that begin a call of functions.NAME, up to its arguments,
+    as openai-harmony renders them; name None: up to `functions` (the model writes `.NAME` on)."""
+    rendered = tk.harmony_encoding(vocab).render(_assistant_messages("", "", [(name or "x", "{}")])[0])
+    start = rendered[2:rendered.index(tk.MESSAGE) + 1]  # after <|start|> and "assistant"
+    return start if name else start[:3]  # " to", "=", "functions"
 
 
 def _assistant_messages(reasoning: str, text: str, calls: list[tuple[str, str]]) -> list:
@@ -78,8 +120,8 @@ def _tool_result(name: str, output: str):
             .with_recipient("assistant").with_channel("commentary"))
 
 
-def chat_prompt(request, vocab) -> list[int]:
-    """The prompt tokens of a chat completion request (protocol.ChatCompletionRequest)."""
+def chat_prompt(request, vocab) -> Prompt:
+    """The prompt of a chat completion request (protocol.ChatCompletionRequest)."""
     from openai_harmony import Message, Role
 
     instructions, messages, call_names = [], [], {}
@@ -102,12 +144,11 @@ def chat_prompt(request, vocab) -> list[int]:
                 raise bad_request(f"{param}: a tool message's tool_call_id ({m.tool_call_id!r}) must name a tool call "
                                   "of an earlier assistant message", f"{param}.tool_call_id")
             messages.append(_tool_result(name, _text(m.content, f"{param}.content")))
-    tools = None
-    if _check_tool_choice(request.tool_choice, bool(request.tools)):
-        tools = _tool_descriptions([(t.function.name, t.function.description, t.function.parameters)
-                                    for t in request.tools])
-    return tk.render_prompt(messages, reasoning_effort=request.reasoning_effort or "medium",
-                            instructions="\n\n".join(t for t in instructions if t) or None, tools=tools, vocab=vocab)
+    tools = [(t.function.name, t.function.description, t.function.parameters) for t in request.tools or []]
+    with_tools, start = _tool_choice(request.tool_choice, [name for name, _, _ in tools], vocab)
+    return Prompt(tk.render_prompt(messages, reasoning_effort=request.reasoning_effort or "medium",
+                                   instructions="\n\n".join(t for t in instructions if t) or None,
+                                   tools=_tool_descriptions(tools) if with_tools else None, vocab=vocab), start)
 
 
 def _item_text(content, param: str) -> str:
@@ -127,8 +168,8 @@ def _item_text(content, param: str) -> str:
     return "".join(texts)
 
 
-def responses_prompt(request, vocab) -> list[int]:
-    """The prompt tokens of a Responses API request (protocol.ResponsesRequest)."""
+def responses_prompt(request, vocab) -> Prompt:
+    """The prompt of a Responses API request (protocol.ResponsesRequest)."""
     from openai_harmony import Message, Role
 
     instructions = [request.instructions] if request.instructions else []
@@ -168,12 +209,12 @@ def responses_prompt(request, vocab) -> list[int]:
             messages.append(_tool_result(name, output if isinstance(output, str) else json.dumps(output)))
         else:
             raise bad_request(f"{param}: input items of type {kind!r} are not supported", f"{param}.type")
-    tools = None
-    if _check_tool_choice(request.tool_choice, bool(request.tools)):
-        tools = _tool_descriptions([(t.name, t.description, t.parameters) for t in request.tools])
+    tools = [(t.name, t.description, t.parameters) for t in request.tools or []]
+    with_tools, start = _tool_choice(request.tool_choice, [name for name, _, _ in tools], vocab)
     effort = (request.reasoning.effort if request.reasoning else None) or "medium"
-    return tk.render_prompt(messages, reasoning_effort=effort, instructions="\n\n".join(t for t in instructions if t)
-                            or None, tools=tools, vocab=vocab)
+    return Prompt(tk.render_prompt(messages, reasoning_effort=effort,
+                                   instructions="\n\n".join(t for t in instructions if t) or None,
+                                   tools=_tool_descriptions(tools) if with_tools else None, vocab=vocab), start)
 
 
 @dataclasses.dataclass
@@ -197,14 +238,20 @@ class ToolCallOut:
 
 class ReplyStream:
     """Generated tokens in (`feed`, then `finish`), the reply's pieces out (see the module docstring).
-    Stop tokens are fed too: they end the message they close."""
+    Stop tokens are fed too: they end the message they close. `start`: the reply's start written for
+    the model (Prompt.reply_start), read first; what it says (a tool call's name) comes with the
+    first token's pieces."""
 
-    def __init__(self, tokenizer, vocab):
+    def __init__(self, tokenizer, vocab, start: list[int] = ()):
         self._reader = tk.ReplyReader(tokenizer, vocab)
         self.reasoning, self.content = [], []
         self.tool_calls: list[ToolCallOut] = []
         self._open: tuple | None = None  # (channel, recipient) of the message being read
         self.reasoning_tokens = 0  # tokens of the analysis channel's text
+        self._pending: list[Delta] = []
+        self._written = 0  # raw text from this token on is the model's
+        self._pending = [d for token in start for d in self._read(token)]
+        self._written = len(start)
 
     @property
     def raw(self) -> bool:
@@ -212,6 +259,10 @@ class ReplyStream:
         return self._reader.raw
 
     def feed(self, token: int) -> list[Delta]:
+        out, self._pending = self._pending, []
+        return out + self._read(token)
+
+    def _read(self, token: int) -> list[Delta]:
         kind = self._reader.feed(token)
         if kind == "raw":
             return self._out("content", self._reader.raw_text[-1])
@@ -238,7 +289,7 @@ class ReplyStream:
 
     def finish(self) -> list[Delta]:
         """The reply ended, or was cut short: what is left (a reply cut inside its first header is raw)."""
-        out = []
+        out, self._pending = self._pending, []
         if not self.raw and self._reader.header_tokens and not (self.reasoning or self.content or self.tool_calls):
             out = self._to_raw()
         return out + (self._out("content", self._reader.flush()) if self.raw else [])
@@ -252,7 +303,7 @@ class ReplyStream:
     def _to_raw(self) -> list[Delta]:
         self._reader.give_up()
         self.reasoning, self.content, self.tool_calls = [], [], []
-        return self._out("content", "".join(self._reader.raw_text))
+        return self._out("content", "".join(self._reader.raw_text[self._written:]))
 
 
 class StopTrimmer:
