@@ -277,7 +277,7 @@ def grouped_mxfp4(rng):
         blocks = jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8)
         scales = jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)
         w = decode(blocks, scales)  # bf16 [E, F, D]
-        for pairs in (16384, 256):
+        for pairs in (16384, 4096, 1024, 256):
             idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)
             flat = np.asarray(idx).reshape(-1)
             sizes = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
@@ -294,6 +294,15 @@ def grouped_mxfp4(rng):
                       (256, 128, 8, 2, "ptx"), (256, 128, 4, 2, "ptx"), (64, 128, 4, 3, "ptx"))
             batch = ((16, 64, 4, 3, "ptx"), (16, 64, 4, 3, "jnp"), (16, 32, 4, 3, "ptx"), (16, 64, 4, 2, "ptx"),
                      (32, 64, 4, 3, "ptx"))
+            if pairs > 256:
+                from gptoss_jax.kernels import mosaic_mxfp4
+                for block, bn, gs, stages in ((128, 256, 2, 3), (128, 256, 4, 2), (128, 128, 2, 4)):
+                    order, dest, block_expert, used = group_by_expert(idx, E, block)
+                    rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+                    timed(f"{tag} mosaic grouped block={block} bn={bn} gs={gs} stages={stages}",
+                          lambda r, b, s: mosaic_mxfp4.grouped_matmul_mxfp4(
+                              r, block_expert, used, b, s, block_m=block, block_n=bn, gs=gs, stages=stages)[dest],
+                          rows, blocks, scales, ref=ref, flops=flops)
             for block, bn, warps, stages, decoder in (prompt if pairs > 256 else batch):
                 order, dest, block_expert, used = group_by_expert(idx, E, block)
                 rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")

@@ -13,10 +13,11 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
 - "mosaic_gpu" or "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
   matmul (ragged dot) per projection that skips empty experts (kernels/gpu.py, kernels/tpu.py).
 
-Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a GPU two Pallas
-Triton kernels read them packed and decode in registers, never writing decoded weights: "triton"
-for decode and "triton_grouped" (the pairs in expert blocks, as "grouped") for prompts and large
-batches. At decode on one device with 16-bit activations the whole block (norm, router, experts)
+Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a GPU, kernels
+read them packed and decode on the chip, never writing decoded weights to memory: "triton" for
+decode, "mosaic_grouped" (Pallas Mosaic GPU, Hopper: the pairs in expert blocks, as "grouped",
+decoded weights in shared memory for the tensor cores) for prompts, and "triton_grouped" (the same
+in Pallas Triton) for large batches and GPUs before Hopper. At decode on one device with 16-bit activations the whole block (norm, router, experts)
 runs as kernels/decode_moe.py's four fused kernels instead (`MLPBlock._fused_decode`).
 The jnp paths decode them inside the jitted step: "gather" only the selected experts'
 (`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels, decode_moe, gpu, tpu
+from .kernels import Kernels, decode_moe, gpu, mosaic_mxfp4, tpu
 from .kernels.loops import late_map
 from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
@@ -265,21 +266,28 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
         dict(block_n=128, num_warps=4, num_stages=2)
 
 
-def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool):
-    """The grouped path's contract for MXFP4-packed experts, by the Pallas Triton grouped matmul that
-    decodes weight tiles in registers (kernels/triton_mxfp4.py): the pairs in blocks of one expert
-    each, sized to the pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
+def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = False):
+    """The grouped path's contract for MXFP4-packed experts, by a grouped matmul that decodes weight
+    tiles on the chip: the pairs in blocks of one expert each. mosaic: the Pallas Mosaic GPU kernel
+    (kernels/mosaic_mxfp4.py, Hopper; blocks of 128 rows); else the Pallas Triton one
+    (kernels/triton_mxfp4.py), its blocks sized to the pairs per expert (16 rows at a batch of 64,
+    128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
-    block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
+    block = 128 if mosaic else min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
     rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 
     def project(inputs, name):
         weight = w[name]
         if not packed(weight):
-            raise ValueError("the 'triton_grouped' expert kernel takes MXFP4-packed experts only")
-        out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
-                                   interpret=interpret, **_grouped_mxfp4_settings(block, name))
+            raise ValueError(f"the {'mosaic' if mosaic else 'triton'}_grouped expert kernel takes MXFP4-packed "
+                             "experts only")
+        if mosaic:
+            out = mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
+                                                    block_m=block, interpret=interpret)
+        else:
+            out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
+                                       interpret=interpret, **_grouped_mxfp4_settings(block, name))
         bias = w[name.replace("weight", "bias")][block_expert][:, None]  # [num_blocks, 1, out]
         return (out.reshape(num_blocks, block, -1) + bias).reshape(num_blocks * block, -1)
 
@@ -328,8 +336,9 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
         y = _experts_gather(x, jnp.where(mine, local, 0), w, act)
     elif impl == "triton":
         y = _experts_pairwise(x, jnp.where(mine, local, 0), w, act, interpret=interpret)
-    elif impl == "triton_grouped":
-        y = _experts_grouped_mxfp4(x, jnp.where(mine, local, -1), w, act, interpret=interpret)
+    elif impl in ("triton_grouped", "mosaic_grouped"):
+        y = _experts_grouped_mxfp4(x, jnp.where(mine, local, -1), w, act, interpret=interpret,
+                                   mosaic=impl == "mosaic_grouped")
     elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
     elif impl in ("mosaic_gpu", "tokamax"):

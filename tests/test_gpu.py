@@ -16,7 +16,7 @@ import torch
 import gptoss_jax as gj
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.generate import Generator
-from gptoss_jax.kernels import gpu, triton, xla
+from gptoss_jax.kernels import gpu, mosaic_mxfp4, triton, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.moe import MLPBlock
 from gptoss_jax.sampling import Sampling
@@ -147,13 +147,15 @@ def test_auto_picks_the_gpu_kernels():
     fused = gpu.available()
     assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
     assert k.moe_for(4096, jnp.float32) == "grouped"
-    assert k.moe_for(4096, packed=True) == "triton_grouped" and k.moe_for(4, packed=True) == "triton"
+    mosaic = gpu.is_hopper() and mosaic_mxfp4.supported()
+    assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "triton_grouped")
+    assert k.moe_for(512, packed=True) == "triton_grouped" and k.moe_for(4, packed=True) == "triton"
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "triton"
 
 
-@pytest.mark.parametrize("impl", ["auto", "mosaic_gpu", "triton_grouped"])
+@pytest.mark.parametrize("impl", ["auto", "mosaic_gpu", "triton_grouped", "mosaic_grouped"])
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_packed_experts_decode_on_the_gpu(impl, tokens):
     """MXFP4 experts decoded inside the step on the GPU (bits assembled with integer operations, so
@@ -164,7 +166,7 @@ def test_packed_experts_decode_on_the_gpu(impl, tokens):
     packed = random_params(CONFIG, seed=2, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(tokens), (1, tokens, CONFIG.hidden_size), jnp.bfloat16)
     got = MLPBlock(CONFIG, jnp.bfloat16, gj.Kernels(moe=impl)).apply({"params": packed}, x)
-    dense = gj.Kernels(moe="auto" if impl == "triton_grouped" else impl)  # triton_grouped: packed experts only
+    dense = gj.Kernels(moe="auto" if impl.endswith("_grouped") else impl)  # packed experts only
     want = MLPBlock(CONFIG, jnp.bfloat16, dense).apply({"params": decode_params(packed)}, x)
     exact = exact_moe_block(CONFIG, packed, x, precision="bfloat16")
     exact.check(got[0], f"{impl}, packed")
@@ -181,6 +183,27 @@ def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
         np.testing.assert_array_equal(got.view(bits), decode_mxfp4(blocks, scales, dtype).view(bits))
 
 
+
+
+def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul():
+    """The Mosaic GPU prompt kernel for packed experts on gpt-oss's shapes (90 blocks a row; 2,880
+    outputs, so the last 256-output tile is cut), every used block of rows against its expert decoded
+    first and a matmul in float64 (noise: in torch bfloat16), with scale extremes."""
+    rng = np.random.default_rng(7)
+    E, F, D, block = 4, 2880, 2880, 128
+    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
+    block_expert = jnp.asarray([3, 0, 0, 2, 3, 3], jnp.int32)
+    rows = jax.random.normal(jax.random.key(7), (6 * block, D), jnp.bfloat16)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block),
+                     np.float32)
+    from gptoss_jax.mxfp4 import decode_mxfp4
+
+    w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")
+    e = np.repeat(np.asarray(block_expert)[:5], block)
+    used = np.asarray(rows[:5 * block], np.float32)
+    runs = [torch.einsum("md,mfd->mf", t(used, d), t(w[e], d)).double().numpy() for d in (torch.bfloat16, torch.float64)]
+    for cols in EXTREME_ROWS:
+        Exact.measure(runs[0][:, cols], runs[1][:, cols], precision="bfloat16").check(got[:5 * block, cols], str(cols))
 
 
 @pytest.mark.parametrize("decoder", ["jnp", "ptx"])

@@ -4,12 +4,13 @@
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | Pallas Triton over the filled cache ("triton") | jnp over the whole cache ("blockwise") | same as TPU |
-| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Triton grouped matmul ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
+| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), else Pallas Triton's ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
-Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas Triton kernels read them packed
-and decode in registers, for decode ("triton") and for prompts ("triton_grouped", 16-bit
-activations); no decoded weight is written (kernels/triton_mxfp4.py). At decode on one device with
+Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas kernels read them packed and
+decode on the chip, for decode ("triton") and for prompts ("mosaic_grouped": decoded into shared
+memory for the tensor cores, kernels/mosaic_mxfp4.py; "triton_grouped": in registers,
+kernels/triton_mxfp4.py; both with 16-bit activations); no decoded weight is written to memory. At decode on one device with
 16-bit activations, "triton" runs the whole MoE block, norm and router included, as four fused
 kernels (kernels/decode_moe.py). Elsewhere the jnp paths decode
 them inside the jitted step (gather: the selected experts only; grouped: one expert block at a
@@ -30,16 +31,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import gpu
+from . import gpu, mosaic_mxfp4
 
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "triton")
-MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "triton_grouped", "megablox")
+MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "triton_grouped", "mosaic_grouped", "megablox")
 # Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
 NEEDS = {
     "tokamax": ("gpu", False, "NVIDIA GPUs"),
     "mosaic_gpu": ("gpu", False, "NVIDIA Hopper GPUs"),
     "triton": ("gpu", True, "NVIDIA GPUs"),
     "triton_grouped": ("gpu", True, "NVIDIA GPUs"),
+    "mosaic_grouped": ("gpu", True, "NVIDIA Hopper GPUs"),
     "splash": ("tpu", True, "TPUs"),
     "megablox": ("tpu", True, "TPUs"),
 }
@@ -53,6 +55,9 @@ class Kernels:
     attention_block: int = 512  # query and key block size of the blockwise (jnp) attention
     moe: str = "auto"  # one of MOE; "auto" picks by backend and by the number of (token, expert) pairs
     moe_gather_max_pairs: int = 64  # auto: a decode path when tokens * experts_per_token <= this
+    # auto, MXFP4 experts on Hopper: the Mosaic GPU grouped matmul from this many pairs on (one H100 80GB,
+    # bench/kernels.py: as fast as the Triton kernel's best at 1,024 pairs, 1.5x faster at 4,096 and 16,384)
+    moe_mosaic_min_pairs: int = 1024
     moe_block: int = 64  # rows per expert block on the grouped (jnp) path
     interpret: bool = False  # run the Pallas kernels in interpret mode (tests on CPU)
 
@@ -86,7 +91,12 @@ class Kernels:
         if pairs <= self.moe_gather_max_pairs:
             return "triton" if backend == "gpu" else "gather"
         if packed and backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
-            return "triton_grouped"  # decodes in registers; the ragged dots would need decoded experts
+            # Decoded on the chip; the ragged dots would need decoded experts. The Mosaic GPU kernel
+            # takes blocks of 128 rows of one expert: for long prompts.
+            if (pairs >= self.moe_mosaic_min_pairs and jnp.dtype(dtype) == jnp.bfloat16 and gpu.is_hopper()
+                    and mosaic_mxfp4.supported()):
+                return "mosaic_grouped"
+            return "triton_grouped"
         # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot
         # hands shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
         if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():

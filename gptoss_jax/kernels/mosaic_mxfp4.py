@@ -1,0 +1,144 @@
+"""The grouped matmul over MXFP4-packed experts for prompts, in Pallas Mosaic GPU (NVIDIA Hopper,
+JAX >= 0.11): the packed bytes reach shared memory through the TMA engine, are decoded in registers
+and written decoded to shared memory only, where the tensor cores (wgmma) read them; no decoded
+weight reaches device memory.
+
+The contract of triton_mxfp4.grouped_matmul_mxfp4 (MXFP4 is described there). A program multiplies
+one block of `block_m` rows (all of one expert) by `block_n` output rows of that expert, with three
+warpgroups: one issues the TMA copies of each step's tiles, and two compute, each decoding and
+multiplying its half of the output rows, so that one's decoding (integer work) runs while the
+other's products are on the tensor cores. A step brings `gs` scale blocks (32 gs inputs): the rows'
+even inputs and their odd inputs ([block_m, 16 gs] each), the weights' packed bytes ([block_n,
+16 gs]) and scales ([gs, block_n], read from the scales transposed, [E, G, F], so that a tile is
+contiguous rows). Each compute warpgroup decodes its rows' bytes block by block into low-nibble
+(even-input) and high-nibble (odd-input) weights times their scale, stores them in shared memory,
+and adds two products. Tiles past the inputs' end (G not a multiple of gs) or the outputs' end (F
+not a multiple of block_n) are filled with zeros by the TMA engine on the way in, and cut on the way
+out.
+
+Legend: M = grouped rows, D = input features, F = output features, E = experts, G = D / 32 scale
+blocks per row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# Tiles of 16 bf16 columns (32 bytes), swizzled: the layout wgmma reads its operands in.
+_TILES = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+
+
+def supported() -> bool:
+    """JAX's Mosaic GPU interface this module is written for (0.10's differs: loads, interpret mode)."""
+    return jax.__version_info__ >= (0, 11)
+
+
+def _interpret(interpret: bool):
+    """Pallas Mosaic GPU's interpret mode (CPU: tests) or none."""
+    if not interpret:
+        return None
+    return plgpu.InterpretGPUParams()
+
+
+def _load(ref, idx, layout, interpret: bool):
+    """ref[idx] (shared memory) into registers in `layout`, bank conflicts allowed (interpret mode:
+    a plain read)."""
+    return ref[idx] if interpret else plgpu.load(ref.at[idx], layout=layout, optimized=False)
+
+
+def _decode(p, s):
+    """Packed bytes [n, 16] and their block's scales [n] (int32, loaded in the wgmma layout) -> the low
+    and high nibbles' weights [n, 16] in float32: each e2m1 code is placed in a float16's sign, lowest
+    exponent bits and top mantissa bit (exactly code value x 2^-14, zero and 0.5 as subnormals), and
+    the block scale 2^(s - 127) carries the 2^14 back. Scales above 240 give inf (none published)."""
+    scale = lax.bitcast_convert_type(jnp.minimum(s + 14, 255) << 23, jnp.float32)[:, None]
+    low = (((p & 0x08) << 12) | ((p & 0x07) << 9)).astype(jnp.int16)
+    high = (((p & 0x80) << 8) | ((p & 0x70) << 5)).astype(jnp.int16)
+    return tuple(lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32) * scale for bits in (low, high))
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "interpret"))
+def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 128, block_n: int = 256, gs: int = 4,
+                         stages: int = 2, interpret: bool = False) -> jax.Array:
+    """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
+    expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
+    [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
+    64; block_n: of 128 (F need not be a multiple: the last tile is cut). The defaults are the
+    fastest of bench/kernels.py --part grouped-mxfp4 on one H100 80GB for both of gpt-oss-20b's
+    projections."""
+    M, D = rows.shape
+    E, F, G, _ = blocks.shape
+    if not supported():
+        raise RuntimeError(f"the Mosaic GPU MXFP4 matmul needs JAX >= 0.11, this is {jax.__version__}")
+    if rows.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU MXFP4 matmul takes bfloat16 rows, got {rows.dtype}")
+    if M % block_m or block_m % 64 or block_n % 128:
+        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 64), output tiles of {block_n} (of 128)")
+    pairs = rows.reshape(M, G, 16, 2)
+    x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
+    flat = blocks.reshape(E, F, G * 16)
+    scales_t = jnp.swapaxes(scales, 1, 2)  # [E, G, F]
+    K, bn, half = 16 * gs, block_n, block_n // 2
+
+    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
+        b, j = lax.axis_index("m"), lax.axis_index("n")
+        e = be_ref[b]
+
+        def pipeline(step, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(pl.cdiv(G, gs),), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=stages, compute_context=compute_context,
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, k), transforms=_TILES),
+                          plgpu.BlockSpec((block_m, K), lambda k: (b, k), transforms=_TILES),
+                          plgpu.BlockSpec((bn, K), lambda k: (j, k)),
+                          plgpu.BlockSpec((gs, bn), lambda k: (k, j))])
+
+        ignore = lambda *_, **__: None
+
+        @pl.when(b < used_ref[0])
+        def _():
+            @functools.partial(pl.run_scoped, collective_axes="wg",
+                               allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e]))
+            def _(allocs):
+                wg = lax.axis_index("wg")
+                mine = pl.ds(wg * half, half)
+
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_m, half), jnp.float32))
+                    def _(acc):
+                        run(acc)
+                        o_smem[wg] = acc[...].astype(o_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                                                o_ref.at[pl.ds(b * block_m, block_m), pl.ds(j * bn + wg * half, half)])
+                        plgpu.wait_smem_to_gmem(0)
+
+                def step(_, xe, xo, packed, s, acc):
+                    for g in range(gs):
+                        p = _load(packed, (mine, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret).astype(jnp.int32)
+                        sc = _load(s, (g, mine), plgpu.Layout.WGMMA.reduce(1), interpret)
+                        low, high = _decode(p, sc.astype(jnp.int32))
+                        w_low.at[wg][:, pl.ds(16 * g, 16)] = low.astype(jnp.bfloat16)
+                        w_high.at[wg][:, pl.ds(16 * g, 16)] = high.astype(jnp.bfloat16)
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, xe, w_low.at[wg].T)
+                    plgpu.wgmma(acc, xo, w_high.at[wg].T)
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((M, F), rows.dtype), grid=(M // block_m, pl.cdiv(F, bn)),
+        grid_names=("m", "n"), num_threads=3, thread_name="wg", interpret=_interpret(interpret),
+        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
+                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
+                           o_smem=plgpu.SMEM((2, block_m, half), rows.dtype, transforms=_TILES)))
+    return kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
+                  scales_t)

@@ -1,0 +1,66 @@
+"""The Pallas Mosaic GPU grouped matmul over MXFP4-packed experts (kernels/mosaic_mxfp4.py) on CPU, in
+Mosaic GPU's interpret mode (simulated warpgroups, shared memory, TMA copies and barriers), which
+JAX offers from 0.11 on for these kernels; tests/test_gpu.py runs the same kernel compiled on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import EXTREME_ROWS, packed_with_extreme_scales
+from noise import Exact
+
+import gptoss_jax as gj
+from gptoss_jax.kernels import mosaic_mxfp4
+from gptoss_jax.mxfp4 import decode_mxfp4
+
+pytestmark = pytest.mark.skipif(not mosaic_mxfp4.supported(),
+                                reason=f"Mosaic GPU interpret mode of these kernels needs JAX >= 0.11 (this is "
+                                       f"{jax.__version__})")
+
+
+def grouped_reference(rows, block_expert, used, blocks, scales, block):
+    """Each used block of rows times its expert decoded first: (bfloat16 run, float64 run), [rows, F]."""
+    w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")  # [E, F, D], exact
+    e = np.repeat(np.asarray(block_expert)[:used], block)
+    x = np.asarray(rows[:used * block], np.float32)
+    low = jnp.einsum("md,mfd->mf", jnp.asarray(x, jnp.bfloat16), jnp.asarray(w[e], jnp.bfloat16),
+                     preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return np.asarray(low, np.float64), np.einsum("md,mfd->mf", x.astype(np.float64), w[e].astype(np.float64))
+
+
+@pytest.mark.parametrize("F", [256, 320])
+def test_grouped_kernel_equals_decoding_then_a_matmul(F):
+    """Every used block of rows against its expert decoded first and multiplied in float64, within
+    NOISE_FACTOR x the noise of that product in bfloat16, for each group of scale extremes (2^-117,
+    2^73, both in one row, typical); 3 scale blocks per row (the second step's second block lies past
+    the end: zeros from the TMA copy), and 320 outputs (the second tile cut at the end); blocks past
+    `used` are not computed."""
+    rng = np.random.default_rng(F)
+    E, D, block = 3, 96, 128
+    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
+    block_expert = jnp.asarray([2, 0, 1, 1], jnp.int32)
+    rows = jax.random.normal(jax.random.key(F), (4 * block, D), jnp.bfloat16)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 3, blocks, scales, block_m=block,
+                                                       interpret=True), np.float32)
+    low, exact = grouped_reference(rows, block_expert, 3, blocks, scales, block)
+    for cols in EXTREME_ROWS:
+        Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * block, cols], str(cols))
+
+
+def test_the_kernels_switch_runs_it_for_packed_prompts():
+    """Kernels(moe="mosaic_grouped") is the MoE block's path: the same output as the jnp grouped path
+    on the experts decoded first, within the noise of a bfloat16 run."""
+    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.mxfp4 import decode_params
+    from gptoss_jax.testing import random_params
+
+    config = gj.ModelConfig.tiny().replace(hidden_size=128, intermediate_size=128)
+    packed = random_params(config, seed=4, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(1), (1, 40, config.hidden_size), jnp.bfloat16)
+    got = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply({"params": packed}, x)
+    decoded = decode_params(packed)
+    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="grouped")).apply({"params": decoded}, x)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
+    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="grouped")).apply({"params": f32}, x.astype(jnp.float32))
+    Exact.measure(np.asarray(want[0], np.float64), np.asarray(exact[0], np.float64),
+                  precision="bfloat16").check(np.asarray(got[0], np.float32), "mosaic_grouped")
