@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -327,6 +327,25 @@ def decode64():
                           q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
 
 
+def decode_attention():
+    """Decode attention to a cache (filled part only): the Pallas Mosaic GPU kernel's settings against
+    the Pallas Triton kernel's default and the jnp pass over the whole cache."""
+    from gptoss_jax.kernels import mosaic_attention
+
+    for B, S, filled in ((1, 4224, 4100), (1, 4224, 256), (8, 4224, 4100), (64, 4224, 4100), (1, 32896, 32800),
+                         (16, 32896, 32800)):
+        q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(B, S, filled)
+        tag = f"decode attention B={B} S={S} filled={filled}"
+        timed(f"{tag} xla dense", lambda q, k, v, s: combine([xla.prefix(q, k, v, kv_len, block=512)], s, q.dtype),
+              q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
+        timed(f"{tag} triton", lambda q, k, v, s: combine([cache_attention(q, k, v, kv_len)], s, q.dtype),
+              q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
+        for bk, splits in ((None, None), (64, None), (128, None), (256, None), (128, 4)):
+            timed(f"{tag} mosaic block={bk} splits={splits}", lambda q, k, v, s: combine(
+                [mosaic_attention.cache_attention(q, k, v, kv_len, block_k=bk, splits=splits)], s, q.dtype),
+                q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
+
+
 def decode(rng):
     """Decode attention to a cache (filled part only) and the decode expert matvec, with variants."""
     for B, S, filled in ((1, 4224, 4100), (1, 4224, 256), (8, 4224, 4100), (64, 4224, 4100), (1, 32896, 32800),
@@ -358,7 +377,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -372,6 +391,8 @@ def main():
         tiles(rng)
     if args.part == "decode64":
         decode64()
+    if args.part == "decode-attention":
+        decode_attention()
     if args.part == "matvec-mxfp4":
         matvec_mxfp4(rng)
     if args.part == "grouped-mxfp4":

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .cache import ring_positions
 from .config import ModelConfig
-from .kernels import Kernels, gpu, tpu, triton, xla
+from .kernels import Kernels, gpu, mosaic_attention, tpu, triton, xla
 from .kernels.attention_vjp import causal_attention
 from .kernels.combine import combine
 from .kernels.xla import MASKED, visible
@@ -174,6 +174,8 @@ class AttentionBlock(nn.Module):
     def _prefix_local(self, impl, q, cache_k, cache_v, lengths):
         if impl == "tokamax":
             return gpu.prefix(q, cache_k, cache_v, lengths)
+        if impl == "mosaic" and mosaic_attention.fits(q.shape, cache_k.shape[1], q.dtype):  # decode-sized
+            return mosaic_attention.cache_attention(q, cache_k, cache_v, lengths, interpret=self.kernels.interpret)
         if impl == "triton" and q.shape[1] * q.shape[3] <= 128:  # decode-sized: rows of one program
             return triton.cache_attention(q, cache_k, cache_v, lengths, interpret=self.kernels.interpret)
         dense_max = q.shape[1] if impl == "reference" else 16

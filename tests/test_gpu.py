@@ -16,7 +16,7 @@ import torch
 import gptoss_jax as gj
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.generate import Generator
-from gptoss_jax.kernels import gpu, mosaic_mxfp4, triton, xla
+from gptoss_jax.kernels import gpu, mosaic_attention, mosaic_mxfp4, triton, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.moe import MLPBlock
 from gptoss_jax.sampling import Sampling
@@ -91,13 +91,37 @@ def test_flash_attention_over_a_cache_prefix():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("T", [1, 4])
-def test_triton_cache_attention(dtype, T):
+def test_cache_attention(dtype, T):
     q, k, v, sinks = _qkv(T, 4224, dtype, seed=2)
     kv_len = jnp.array([0, 4100], jnp.int32)
     with jax.default_matmul_precision("highest"):  # the jnp code in float32 in full, not TF32
         ref = xla.prefix(q, k, v, kv_len, block=512)
-    _check_prefix(q, k, v, sinks, kv_len, {"triton": triton.cache_attention(q, k, v, kv_len), "jnp": ref},
-                  _precision(dtype))
+    outputs = {"triton": triton.cache_attention(q, k, v, kv_len), "jnp": ref}
+    if gpu.is_hopper() and mosaic_attention.fits(q.shape, k.shape[1], dtype):
+        # 33 blocks of 128 keys, the last one cut at 4100; by default 66 ranges (half of them empty),
+        # and 5 ranges of 7 blocks (the last one short)
+        outputs["mosaic"] = mosaic_attention.cache_attention(q, k, v, kv_len)
+        outputs["mosaic, 5 ranges"] = mosaic_attention.cache_attention(q, k, v, kv_len, splits=5)
+        outputs["mosaic, blocks of 64"] = mosaic_attention.cache_attention(q, k, v, kv_len, block_k=64, splits=3)
+    _check_prefix(q, k, v, sinks, kv_len, outputs, _precision(dtype))
+
+
+def test_mosaic_cache_attention_reads_only_the_filled_part():
+    """Slots past each sequence's length hold huge values that would show in any output that read
+    them; 16 query rows (T = 2, G = 8), sequences of 1, 127, 128 and 129 keys (block edges)."""
+    kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+    B, S = 4, 512
+    q = jax.random.normal(kq, (B, 2, 2, 8, 64), jnp.bfloat16)
+    kv_len = jnp.array([1, 127, 128, 129], jnp.int32)
+    beyond = (jnp.arange(S)[None] >= kv_len[:, None])[..., None, None]
+    k = jnp.where(beyond, 3e4, jax.random.normal(kk, (B, S, 2, 64), jnp.bfloat16)).astype(jnp.bfloat16)
+    v = jnp.where(beyond, -3e4, jax.random.normal(kv, (B, S, 2, 64), jnp.bfloat16)).astype(jnp.bfloat16)
+    sinks = jnp.zeros((2, 8), jnp.float32)
+    exact = exact_attention(q, k, v, sinks, np.full((B, 2), S), np.where(beyond[..., 0, 0], -1, np.arange(S)[None]),
+                            None, precision="bfloat16")
+    for splits in (None, 1, 2):
+        o, lse = mosaic_attention.cache_attention(q, k, v, kv_len, splits=splits)
+        exact.check(combine([(o, lse)], sinks, jnp.float32), f"splits={splits}")
 
 
 @pytest.mark.parametrize("impl", ["triton", "mosaic_gpu", "tokamax"])
@@ -152,7 +176,9 @@ def test_auto_picks_the_gpu_kernels():
     assert k.moe_for(512, packed=True) == "triton_grouped" and k.moe_for(4, packed=True) == "triton"
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
-    assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == "triton"
+    decode = "mosaic" if gpu.is_hopper() and mosaic_attention.supported() else "blockwise"
+    assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == decode
+    assert k.attention_for(1, jnp.float32) == "blockwise"  # the Mosaic GPU kernel takes 16-bit inputs
 
 
 @pytest.mark.parametrize("impl", ["auto", "mosaic_gpu", "triton_grouped", "mosaic_grouped"])

@@ -31,14 +31,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import gpu, mosaic_mxfp4
+from . import gpu, mosaic_attention, mosaic_mxfp4
 
-ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "triton")
+ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "mosaic", "triton")
 MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "triton_grouped", "mosaic_grouped", "megablox")
 # Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
 NEEDS = {
     "tokamax": ("gpu", False, "NVIDIA GPUs"),
     "mosaic_gpu": ("gpu", False, "NVIDIA Hopper GPUs"),
+    "mosaic": ("gpu", True, "NVIDIA Hopper GPUs"),
     "triton": ("gpu", True, "NVIDIA GPUs"),
     "triton_grouped": ("gpu", True, "NVIDIA GPUs"),
     "mosaic_grouped": ("gpu", True, "NVIDIA Hopper GPUs"),
@@ -78,8 +79,9 @@ class Kernels:
                 return "tokamax"
             if backend == "tpu":
                 return "splash"
-        elif backend == "gpu":
-            return "triton"  # reads the filled cache only; float32 inputs get full float32 dots
+        elif (backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and gpu.is_hopper()
+              and mosaic_attention.supported()):
+            return "mosaic"  # reads the filled cache only
         return "blockwise"
 
     def moe_for(self, pairs: int, dtype=jnp.bfloat16, packed: bool = False) -> str:

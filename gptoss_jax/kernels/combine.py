@@ -41,3 +41,15 @@ def combine(parts: Sequence[tuple[jax.Array, jax.Array]], sinks: jax.Array, dtyp
 def lse_of(m: jax.Array, l: jax.Array) -> jax.Array:
     """A kernel's row max and sum (natural base) -> log-sum-exp, -inf where the sum is 0."""
     return jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)
+
+
+def fold_splits(o: jax.Array, lse: jax.Array, T: int, G: int) -> tuple[jax.Array, jax.Array]:
+    """A decode kernel's partial results over disjoint key ranges: o [B, splits, K, T*G, H] (each range
+    normalised over its keys), lse [B, splits, K, T*G] (-inf for a range with no key) -> (o [B, T, K, G,
+    H], lse [B, T, K, G]) over all the keys, each range weighted by its share of the total denominator."""
+    B, _, K, _, H = o.shape
+    total = jax.nn.logsumexp(lse, axis=1, keepdims=True)  # [B, 1, K, T*G]; -inf when no key at all
+    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)), 0.0)
+    o = jnp.sum(o * w[..., None], axis=1)  # [B, K, T*G, H]
+    o = o.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+    return o, total[:, 0].reshape(B, K, T, G).transpose(0, 2, 1, 3)

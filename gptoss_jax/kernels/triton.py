@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .combine import fold_splits
 from .xla import MASKED
 
 
@@ -163,10 +164,4 @@ def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 
         out_shape=(jax.ShapeDtypeStruct((B, splits, K, R, H), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, K, R), jnp.float32)),
         **compiler_params(interpret, num_warps, num_stages))(kv_len.astype(jnp.int32), rows, k, v)
-    # Fold the ranges: each weighted by its share of the total denominator.
-    total = jax.nn.logsumexp(lse, axis=1, keepdims=True)  # [B, 1, K, R]; -inf when no key at all
-    w = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(total), total, 0.0)), 0.0)
-    o = jnp.sum(o * w[..., None], axis=1)[:, :, : T * G]  # [B, K, T*G, H]
-    lse = total[:, 0, :, : T * G]
-    o = o.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
-    return o, lse.reshape(B, K, T, G).transpose(0, 2, 1, 3)
+    return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)

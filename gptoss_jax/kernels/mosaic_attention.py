@@ -1,0 +1,178 @@
+"""Decode attention to a KV cache in Pallas Mosaic GPU (NVIDIA Hopper, JAX >= 0.11): the contract of
+the readable `xla.prefix` for decode-sized queries, reading only each sequence's filled positions.
+
+A program holds the T * G query rows of one sequence and one KV head (padded to 64, the rows of one
+wgmma), and walks a range of that sequence's filled key blocks: the TMA engine brings each block's
+keys and values ([block_k, H] each) into shared memory, two blocks deep, while the tensor cores
+score the block before (wgmma, float32 sums) and the warpgroup keeps a running max, sum and output
+in registers. The ranges are the filled blocks split evenly over `splits` programs per (sequence,
+KV head), counted on the device from kv_len, so a batch of one still fills the GPU and no program
+reads a slot past its sequence's length (beyond the last block's tail). combine.fold_splits folds
+the ranges' partial results by their log-sum-exp.
+
+Only 8 of the 64 rows are real at gpt-oss's decode (one token, 8 query heads per KV head): the
+tensor cores do 8x the useful work, which is still far below what reading the cache costs.
+
+Legend: B = batch, T = queries, S = cache slots, K = KV heads, G = query heads per KV head, H = head
+dim, R = 64 query rows per program.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .blockwise import MASKED
+from .combine import fold_splits
+
+ROWS = 64  # query rows of one program: one wgmma's M
+LOG2E = math.log2(math.e)
+
+
+def supported() -> bool:
+    """JAX's Mosaic GPU interface this module is written for (0.10's differs)."""
+    return jax.__version_info__ >= (0, 11)
+
+
+def fits(q_shape, slots: int, dtype) -> bool:
+    """Whether `cache_attention` takes queries of this shape [B, T, K, G, H] and dtype over a cache of
+    this many slots (the TMA engine copies tiles of 8 rows)."""
+    _, T, _, G, H = q_shape
+    return (T * G <= ROWS and H % 64 == 0 and H <= 256 and slots % 8 == 0
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def _tiles(dtype):
+    """Swizzled tiles of 128 bytes a row: the layout wgmma reads its operands in."""
+    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
+
+
+def _interpret(interpret: bool):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def default_block(programs: int) -> int:
+    """Keys per block for this many (sequence, KV head) pairs: the fastest of 64, 128 and 256 on one
+    NVIDIA H100 80GB at gpt-oss-20b's shapes (bench/kernels.py --part decode-attention): long blocks
+    for one sequence (8 pairs), short ones for 64 (512 pairs), 128 between."""
+    return 256 if programs <= 8 else 64 if programs >= 512 else 128
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "interpret"))
+def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int | None = None,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, K, G, H], k and v [B, S, K, H] (16-bit), every query seeing keys [0, kv_len[b]) ->
+    (o [B, T, K, G, H] float32, lse [B, T, K, G] float32, -inf for a row that saw no key), sink-free.
+
+    `block_k`: keys per block (a multiple of 64; by default `default_block`); `splits`: key ranges per
+    (sequence, KV head), by default enough programs for about four per SM of a large GPU."""
+    B, T, K, G, H = q.shape
+    S = k.shape[1]
+    block_k = block_k or default_block(B * K)
+    if not supported():
+        raise RuntimeError(f"the Mosaic GPU cache attention needs JAX >= 0.11, this is {jax.__version__}")
+    if block_k % 64:
+        raise ValueError(f"block_k={block_k} must be a multiple of 64")
+    if not fits(q.shape, S, q.dtype) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"the Mosaic GPU cache attention takes at most {ROWS} query rows (T * G = {T * G}), a head "
+                         f"dim that is a multiple of 64 up to 256 (H = {H}), a multiple of 8 cache slots (S = {S}) "
+                         f"and 16-bit q, k and v of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    bk = block_k
+    if splits is None:
+        splits = max(1, min(-(-S // bk), -(-528 // (B * K))))
+    c = LOG2E / math.sqrt(H)  # scores in base 2: exp2(c * q.k) = exp(q.k / sqrt(H))
+    rows = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, T*G, H], row = t * G + g
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - T * G), (0, 0)))
+    tiles = _tiles(q.dtype)
+
+    def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem,
+             q_bar, k_bar, v_bar):
+        b, kh, part = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
+        n = len_ref[b]
+        blocks = (n + bk - 1) // bk  # filled key blocks of this sequence
+        per = (blocks + splits - 1) // splits
+        first = part * per
+        count = jnp.maximum(jnp.minimum(first + per, blocks) - first, 0)  # this program's blocks
+
+        def fetch(i, slot):  # block first + i of this KV head into a buffer slot
+            keys = (b, pl.ds((first + i) * bk, bk), kh)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar)
+
+        @pl.when(count > 0)
+        def _():
+            fetch(0, 0)
+
+        plgpu.barrier_wait(q_bar)
+        m = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+
+        def visit(i, carry):
+            m, l, acc = carry
+            slot = lax.rem(i, 2)
+
+            @pl.when(i + 1 < count)
+            def _():  # the next block streams in while this one is scored (its slot was read last step)
+                fetch(i + 1, 1 - slot)
+
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def scores(ref):
+                plgpu.wgmma(ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))  # [R, bk]
+            key = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(key < n - (first + i) * bk, s * c, MASKED)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            p_smem[...] = p.astype(p_smem.dtype)  # the tensor cores read both operands from shared memory
+            plgpu.commit_smem()
+
+            def values(ref):
+                plgpu.wgmma(ref, p_smem, v_smem.at[slot])
+                return ref[...]
+
+            pv = pl.run_scoped(values, plgpu.ACC((ROWS, H), jnp.float32))  # [R, H]
+            return m_new, l, acc + pv
+
+        m, l, acc = lax.fori_loop(0, count, visit, (m, l, acc))
+        o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+        m_smem[...] = m
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, part, kh])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, part, kh])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, part, kh])
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    kernel = plgpu.kernel(
+        body, grid=(B, K, splits), grid_names=("b", "k", "s"), interpret=_interpret(interpret),
+        out_type=(jax.ShapeDtypeStruct((B, splits, K, ROWS, H), f32), jax.ShapeDtypeStruct((B, splits, K, ROWS), f32),
+                  jax.ShapeDtypeStruct((B, splits, K, ROWS), f32)),
+        scratch_types=dict(q_smem=plgpu.SMEM((ROWS, H), q.dtype, transforms=tiles),
+                           k_smem=plgpu.SMEM((2, bk, H), k.dtype, transforms=tiles),
+                           v_smem=plgpu.SMEM((2, bk, H), v.dtype, transforms=tiles),
+                           p_smem=plgpu.SMEM((ROWS, bk), v.dtype, transforms=tiles),
+                           o_smem=plgpu.SMEM((ROWS, H), f32, transforms=_tiles(f32)),
+                           m_smem=plgpu.SMEM((ROWS,), f32), l_smem=plgpu.SMEM((ROWS,), f32),
+                           q_bar=plgpu.Barrier(), k_bar=plgpu.Barrier(num_barriers=2),
+                           v_bar=plgpu.Barrier(num_barriers=2)))
+    o, m, l = kernel(kv_len.astype(jnp.int32), rows, k, v)
+    lse = jnp.where(l > 0, m / LOG2E + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)  # natural base
+    return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)

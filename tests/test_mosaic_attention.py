@@ -1,0 +1,74 @@
+"""The Pallas Mosaic GPU decode attention to the cache (kernels/mosaic_attention.py) on CPU, in Mosaic
+GPU's interpret mode (simulated warpgroup, shared memory, TMA copies and barriers), which JAX offers
+from 0.11 on for these kernels; tests/test_gpu.py runs the same kernel compiled on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from noise import Exact
+from refs import exact_attention
+
+import gptoss_jax as gj
+from gptoss_jax.attention import AttentionBlock
+from gptoss_jax.kernels import mosaic_attention
+from gptoss_jax.kernels.combine import combine
+from gptoss_jax.testing import random_params
+
+pytestmark = pytest.mark.skipif(not mosaic_attention.supported(),
+                                reason=f"Mosaic GPU interpret mode of these kernels needs JAX >= 0.11 (this is "
+                                       f"{jax.__version__})")
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_cache_attention_reads_only_the_filled_part(T):
+    """Sequences of 0, 70 (a block cut short) and 256 keys (all 4 blocks of 64) in 256 slots; the slots
+    past a sequence's length hold huge keys and values, which would show in any output that read them.
+    Against the definition in float64, within the noise of a bfloat16 run of it; the empty sequence
+    gives lse -inf and, with the sinks, an output of exactly zero."""
+    kq, kk, kv, ks = jax.random.split(jax.random.key(T), 4)
+    B, S, K, G, H = 3, 256, 2, 4, 64
+    kv_len = jnp.array([0, 70, 256], jnp.int32)
+    beyond = (jnp.arange(S)[None] >= kv_len[:, None])[..., None, None]  # [B, S, 1, 1]
+    q = jax.random.normal(kq, (B, T, K, G, H), jnp.bfloat16)
+    k = jnp.where(beyond, 3e4, jax.random.normal(kk, (B, S, K, H))).astype(jnp.bfloat16)
+    v = jnp.where(beyond, -3e4, jax.random.normal(kv, (B, S, K, H))).astype(jnp.bfloat16)
+    sinks = jax.random.normal(ks, (K, G), jnp.float32)
+    k_pos = np.where(np.asarray(beyond[..., 0, 0]), -1, np.arange(S)[None])
+    q_pos = np.full((B, T), S)
+    exact = exact_attention(q[1:], k[1:], v[1:], sinks, q_pos[1:], k_pos[1:], None, precision="bfloat16")
+    _, exact_lse = exact_attention(q[1:], k[1:], v[1:], None, q_pos[1:], k_pos[1:], None, with_lse=True,
+                                   precision="bfloat16")
+    for splits in (None, 3):  # by default 4 ranges of one block each; 3 ranges: 2, 2 and 0 blocks for 256 keys
+        o, lse = mosaic_attention.cache_attention(q, k, v, kv_len, block_k=64, splits=splits, interpret=True)
+        assert bool(jnp.all(jnp.isneginf(lse[0])))
+        assert not np.any(np.asarray(combine([(o, lse)], sinks, jnp.float32)[0]))
+        exact_lse.check(lse[1:], f"lse, splits={splits}")
+        exact.check(combine([(o[1:], lse[1:])], sinks, jnp.float32), f"o with sinks, splits={splits}")
+
+
+def test_the_kernels_switch_runs_it_for_decode():
+    """Kernels(attention="mosaic") in a full-attention layer's cached decode step: the output of the
+    jnp path within the noise of a bfloat16 run (measured against the same layer in float32)."""
+    config = gj.ModelConfig.tiny().replace(head_dim=64)
+    layer = next(n for n in range(config.num_hidden_layers) if not config.is_sliding(n))
+    params = random_params(config, seed=3, dtype=jnp.bfloat16)[f"block_{layer}"]["attn"]
+    B, S = 2, 128
+    lengths = jnp.array([37, 128 - 1], jnp.int32)
+    kk, kv, kx = jax.random.split(jax.random.key(0), 3)
+    cache = {"k": jax.random.normal(kk, (B, S, config.num_key_value_heads, config.head_dim)),
+             "v": jax.random.normal(kv, (B, S, config.num_key_value_heads, config.head_dim))}
+    x = jax.random.normal(kx, (B, 1, config.hidden_size))
+    valid = jnp.ones((B, 1), bool)
+
+    def run(kernels, dtype):
+        cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
+        block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
+        out, _ = block.apply({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
+                             jax.tree.map(cast, cache), lengths, valid)
+        return np.asarray(out, np.float64)
+
+    assert gj.Kernels(attention="mosaic", interpret=True).attention_for(1) == "mosaic"
+    got = run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16)
+    Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32),
+                  precision="bfloat16").check(got, "mosaic")
