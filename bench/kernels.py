@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|grouped-mosaic]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -312,41 +312,6 @@ def grouped_mxfp4(rng):
                       rows, blocks, scales, ref=ref, flops=flops)
 
 
-def grouped_mosaic(rng):
-    """The Mosaic GPU MXFP4 prompt kernels (one decoded tile per warpgroup, blocks of 128 rows; one
-    decoded tile shared by both, blocks of 256) against the bf16 weights' Mosaic GPU ragged dot."""
-    from gptoss_jax.kernels import mosaic_mxfp4
-    from gptoss_jax.moe import group_by_expert
-    from gptoss_jax.mxfp4 import decode
-
-    for F, name in ((F2, "mlp1"), (D, "mlp2")):
-        kb, ks = jax.random.split(jax.random.key(30))
-        blocks = jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8)
-        scales = jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)
-        w = decode(blocks, scales)  # bf16 [E, F, D]
-        for pairs in (16384, 1024):
-            idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)
-            flat = np.asarray(idx).reshape(-1)
-            sizes = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
-            x = jax.random.normal(jax.random.key(3), (pairs, D), jnp.bfloat16)
-            xs = x[np.argsort(flat, kind="stable")]
-            flops = 2 * pairs * F * D
-            tag = f"{name} [{E},{F},{D}] pairs={pairs}"
-            ref = timed(f"{tag} bf16 weights, mosaic ragged dot", lambda x, w: gpu.mosaic_ragged_dot(x, w, sizes),
-                        xs, w, flops=flops)
-            variants = [(128, "one tile per warpgroup", lambda r, be, u, b, s: mosaic_mxfp4.grouped_matmul_mxfp4(
-                r, be, u, b, s))]
-            for gs, stages in ((2, 3), (2, 2)):
-                variants.append((256, f"shared tile gs={gs} stages={stages}",
-                                 lambda r, be, u, b, s, gs=gs, st=stages: mosaic_mxfp4.grouped_matmul_mxfp4_shared(
-                                     r, be, u, b, s, gs=gs, stages=st)))
-            for block, label, fn in variants:
-                order, dest, block_expert, used = group_by_expert(idx, E, block)
-                rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
-                timed(f"{tag} mosaic {label}", lambda r, b, s, fn=fn, be=block_expert, u=used, d=dest: fn(r, be, u, b, s)[d],
-                      rows, blocks, scales, ref=ref, flops=flops)
-
-
 def decode64():
     """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
     q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(64, 4224, 4100)
@@ -412,7 +377,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "grouped-mosaic"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -428,8 +393,6 @@ def main():
         decode64()
     if args.part == "decode-attention":
         decode_attention()
-    if args.part == "grouped-mosaic":
-        grouped_mosaic(rng)
     if args.part == "matvec-mxfp4":
         matvec_mxfp4(rng)
     if args.part == "grouped-mxfp4":

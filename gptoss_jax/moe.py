@@ -269,11 +269,11 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
 def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = False):
     """The grouped path's contract for MXFP4-packed experts, by a grouped matmul that decodes weight
     tiles on the chip: the pairs in blocks of one expert each. mosaic: the Pallas Mosaic GPU kernel
-    (kernels/mosaic_mxfp4.py, Hopper; blocks of mosaic_mxfp4.PROMPT_BLOCK rows); else the Pallas Triton one
+    (kernels/mosaic_mxfp4.py, Hopper; blocks of 128 rows); else the Pallas Triton one
     (kernels/triton_mxfp4.py), its blocks sized to the pairs per expert (16 rows at a batch of 64,
     128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
-    block = mosaic_mxfp4.PROMPT_BLOCK if mosaic else min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
+    block = 128 if mosaic else min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
     rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 
@@ -283,8 +283,8 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = Fa
             raise ValueError(f"the {'mosaic' if mosaic else 'triton'}_grouped expert kernel takes MXFP4-packed "
                              "experts only")
         if mosaic:
-            out = mosaic_mxfp4.prompt_matmul(inputs, block_expert, used, weight["blocks"], weight["scales"],
-                                             interpret=interpret)
+            out = mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
+                                                    block_m=block, interpret=interpret)
         else:
             out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
                                        interpret=interpret, **_grouped_mxfp4_settings(block, name))

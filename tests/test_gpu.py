@@ -211,23 +211,17 @@ def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
 
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(shared):
-    """The Mosaic GPU prompt kernels for packed experts on gpt-oss's shapes (90 blocks a row; 2,880
-    outputs, so the last 256-output tile is cut; the shared-tile kernel: 45 steps of 2 blocks over
-    128-output tiles), every used block of rows against its expert decoded first and a matmul in
-    float64 (noise: in torch bfloat16), with scale extremes."""
+def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul():
+    """The Mosaic GPU prompt kernel for packed experts on gpt-oss's shapes (90 blocks a row; 2,880
+    outputs, so the last 256-output tile is cut), every used block of rows against its expert decoded
+    first and a matmul in float64 (noise: in torch bfloat16), with scale extremes."""
     rng = np.random.default_rng(7)
-    E, F, D = 4, 2880, 2880
-    block = 256 if shared else 128
+    E, F, D, block = 4, 2880, 2880, 128
     blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     block_expert = jnp.asarray([3, 0, 0, 2, 3, 3], jnp.int32)
     rows = jax.random.normal(jax.random.key(7), (6 * block, D), jnp.bfloat16)
-    if shared:
-        got = mosaic_mxfp4.grouped_matmul_mxfp4_shared(rows, block_expert, 5, blocks, scales)
-    else:
-        got = mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block)
-    got = np.asarray(got, np.float32)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block),
+                     np.float32)
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")

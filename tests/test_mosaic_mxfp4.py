@@ -28,25 +28,20 @@ def grouped_reference(rows, block_expert, used, blocks, scales, block):
     return np.asarray(low, np.float64), np.einsum("md,mfd->mf", x.astype(np.float64), w[e].astype(np.float64))
 
 
-@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("F", [256, 320])
-def test_grouped_kernel_equals_decoding_then_a_matmul(F, shared):
+def test_grouped_kernel_equals_decoding_then_a_matmul(F):
     """Every used block of rows against its expert decoded first and multiplied in float64, within
     NOISE_FACTOR x the noise of that product in bfloat16, for each group of scale extremes (2^-117,
     2^73, both in one row, typical); 3 scale blocks per row (the second step's second block lies past
     the end: zeros from the TMA copy), and 320 outputs (the second tile cut at the end); blocks past
-    `used` are not computed. shared: the kernel that decodes one tile for both compute warpgroups
-    (blocks of 256 rows, tiles of 128 outputs)."""
+    `used` are not computed."""
     rng = np.random.default_rng(F)
-    E, D, block = 3, 96, 256 if shared else 128
+    E, D, block = 3, 96, 128
     blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     block_expert = jnp.asarray([2, 0, 1, 1], jnp.int32)
     rows = jax.random.normal(jax.random.key(F), (4 * block, D), jnp.bfloat16)
-    if shared:
-        got = mosaic_mxfp4.grouped_matmul_mxfp4_shared(rows, block_expert, 3, blocks, scales, interpret=True)
-    else:
-        got = mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 3, blocks, scales, block_m=block, interpret=True)
-    got = np.asarray(got, np.float32)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 3, blocks, scales, block_m=block,
+                                                       interpret=True), np.float32)
     low, exact = grouped_reference(rows, block_expert, 3, blocks, scales, block)
     for cols in EXTREME_ROWS:
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * block, cols], str(cols))

@@ -34,17 +34,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 _TILES = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
 
-# The MoE block's prompt kernel: blocks of PROMPT_BLOCK rows of one expert each (moe.py groups them).
-PROMPT_BLOCK = 256
-
-
-def prompt_matmul(rows, block_expert, used, blocks, scales, *, interpret: bool = False) -> jax.Array:
-    """The MoE block's grouped matmul for prompts: `grouped_matmul_mxfp4_shared` over blocks of
-    PROMPT_BLOCK rows (on one H100 80GB faster than `grouped_matmul_mxfp4` at gpt-oss's shapes:
-    docs/benchmarks.md)."""
-    return grouped_matmul_mxfp4_shared(rows, block_expert, used, blocks, scales, interpret=interpret)
-
-
 def supported() -> bool:
     """JAX's Mosaic GPU interface this module is written for (0.10's differs: loads, interpret mode)."""
     return jax.__version_info__ >= (0, 11)
@@ -156,96 +145,5 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
                            w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
                            o_smem=plgpu.SMEM((2, block_m, half), rows.dtype, transforms=_TILES)))
-    return kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
-                  scales_t)
-
-
-@functools.partial(jax.jit, static_argnames=("gs", "stages", "interpret"))
-def grouped_matmul_mxfp4_shared(rows, block_expert, used, blocks, scales, *, gs: int = 2, stages: int = 3,
-                                interpret: bool = False) -> jax.Array:
-    """`grouped_matmul_mxfp4`'s contract with blocks of 256 rows and tiles of 128 outputs, each weight
-    tile decoded once for both compute warpgroups: each decodes half of the tile's 128 output rows
-    into one shared decoded tile, and multiplies its own 128 rows by the whole tile, so a program
-    decodes half as many weights per product as `grouped_matmul_mxfp4`. The decoded tile has two
-    slots: a step's decoding runs while the tensor cores still multiply the step before (its inputs
-    are released one step late); a barrier of the two warpgroups per step says that both halves of
-    the new tile are written and that both are done with the products of the step before, whose
-    slot the next step overwrites."""
-    M, D = rows.shape
-    E, F, G, _ = blocks.shape
-    block_m, bn, rows_wg, dec = 256, 128, 128, 64
-    if not supported():
-        raise RuntimeError(f"the Mosaic GPU MXFP4 matmul needs JAX >= 0.11, this is {jax.__version__}")
-    if rows.dtype != jnp.bfloat16:
-        raise ValueError(f"the Mosaic GPU MXFP4 matmul takes bfloat16 rows, got {rows.dtype}")
-    if M % block_m:
-        raise ValueError(f"{M} rows in blocks of {block_m}")
-    pairs = rows.reshape(M, G, 16, 2)
-    x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
-    flat = blocks.reshape(E, F, G * 16)
-    scales_t = jnp.swapaxes(scales, 1, 2)  # [E, G, F]
-    K = 16 * gs
-
-    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem, both):
-        b, j = lax.axis_index("m"), lax.axis_index("n")
-        e = be_ref[b]
-
-        def pipeline(step, compute_context):
-            late = dict(delay_release=1)
-            return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(pl.cdiv(G, gs),), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, k), transforms=_TILES, **late),
-                          plgpu.BlockSpec((block_m, K), lambda k: (b, k), transforms=_TILES, **late),
-                          plgpu.BlockSpec((bn, K), lambda k: (j, k), **late),
-                          plgpu.BlockSpec((gs, bn), lambda k: (k, j), **late)])
-
-        ignore = lambda *_, **__: None
-
-        @pl.when(b < used_ref[0])
-        def _():
-            @functools.partial(pl.run_scoped, collective_axes="wg",
-                               allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e]))
-            def _(allocs):
-                wg = lax.axis_index("wg")
-                mine = pl.ds(wg * rows_wg, rows_wg)  # this warpgroup's rows of the block
-                decodes = pl.ds(wg * dec, dec)  # and the output rows whose weights it decodes
-
-                def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((rows_wg, bn), jnp.float32))
-                    def _(acc):
-                        run(acc)
-                        o_smem[wg] = acc[...].astype(o_smem.dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                                o_ref.at[pl.ds(b * block_m + wg * rows_wg, rows_wg), pl.ds(j * bn, bn)])
-                        plgpu.wait_smem_to_gmem(0)
-
-                def step(idx, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [bn, K] [gs, bn]
-                    slot = lax.rem(idx[0], 2)
-                    wl, wh = w_low.at[slot], w_high.at[slot]  # the shared decoded tile, [bn, K] each
-                    for g in range(gs):
-                        p = _load(packed, (decodes, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-                        sc = _load(s, (g, decodes), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
-                        low, high = _decode(p, sc)
-                        wl[decodes, pl.ds(16 * g, 16)] = low
-                        wh[decodes, pl.ds(16 * g, 16)] = high
-                    plgpu.commit_smem()
-                    plgpu.wgmma_wait(0)  # this warpgroup's products of the step before: done
-                    plgpu.barrier_arrive(both)
-                    plgpu.barrier_wait(both)  # both halves written, both warpgroups past the step before
-                    plgpu.wgmma(acc, xe.at[mine], wl.T)
-                    plgpu.wgmma(acc, xo.at[mine], wh.T)
-                    return acc
-
-                pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
-
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((M, F), rows.dtype), grid=(M // block_m, pl.cdiv(F, bn)),
-        grid_names=("m", "n"), num_threads=3, thread_name="wg", interpret=_interpret(interpret),
-        scratch_types=dict(w_low=plgpu.SMEM((2, bn, K), jnp.bfloat16, transforms=_TILES),
-                           w_high=plgpu.SMEM((2, bn, K), jnp.bfloat16, transforms=_TILES),
-                           o_smem=plgpu.SMEM((2, rows_wg, bn), rows.dtype, transforms=_TILES),
-                           both=plgpu.Barrier(num_arrivals=2)))
     return kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                   scales_t)
