@@ -3,7 +3,7 @@
 | op | "auto" on an NVIDIA GPU | "auto" on a TPU | "auto" elsewhere (the readable reference) |
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
-| attention, decode | Pallas Triton over the filled cache ("triton") | jnp over the whole cache ("blockwise") | same as TPU |
+| attention, decode | Pallas Mosaic GPU over the filled cache ("mosaic": Hopper, 16-bit, JAX >= 0.11), else jnp ("blockwise") | jnp over the whole cache ("blockwise") | same as TPU |
 | experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), else Pallas Triton's ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
 | experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
 
@@ -15,6 +15,9 @@ kernels/triton_mxfp4.py; both with 16-bit activations); no decoded weight is wri
 kernels (kernels/decode_moe.py). Elsewhere the jnp paths decode
 them inside the jitted step (gather: the selected experts only; grouped: one expert block at a
 time; megablox on TPU: a layer's experts).
+
+Pallas Triton kernels ("triton", "triton_grouped") remain for the experts at decode; JAX deprecated
+that backend, and the decode attention no longer uses it ("triton" there is picked only by name).
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
