@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -264,6 +264,90 @@ def matvec_mxfp4(rng):
                   x, *args, ref=ref, weight_bytes=nbytes, n=30)
 
 
+def decode_mxfp4(rng):
+    """Decode-sized expert products (--part decode-experts) over MXFP4-packed experts (4, 32, 64 and
+    256 pairs: batches 1, 8, 16 and 64), 8 layers' calls per jitted function, then 16-bit ones: the Pallas Triton kernels the decode path uses
+    (the per-pair matvec; the grouped matmul at 256 pairs) against the Pallas Mosaic GPU grouped
+    matmul with decode's settings (blocks of 64, split steps), its grouping of the pairs included."""
+    from gptoss_jax.kernels import mosaic_mxfp4
+    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
+    from gptoss_jax.moe import _to_blocks
+    from gptoss_jax.mxfp4 import decode
+
+    L = 8
+    for F in (F2, D):
+        packed = []
+        for i in range(L):
+            kb, ks = jax.random.split(jax.random.key(20 + i))
+            packed.append((jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8),
+                           jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)))
+        args = [a for pair in packed for a in pair]
+        for P in (4, 32, 64, 256):
+            idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
+            flat = idx.reshape(-1)
+            x = jax.random.normal(jax.random.key(2), (P // 4, D), jnp.bfloat16)
+            xp = jnp.repeat(x, 4, axis=0)  # each pair's input
+            ref = jnp.stack([jnp.einsum("pd,pfd->pf", xp, decode(b, s)[flat], preferred_element_type=jnp.float32)
+                             for b, s in packed])
+            experts_read = len(set(np.asarray(flat).tolist()))
+            nbytes = L * experts_read * F * (D // 2 + D // 32)
+            tag = f"mxfp4 x{L} layers [{E},{F},{D}] pairs={P}"
+            if P <= 64:
+                timed(f"{tag} triton pair matvec", lambda x, *a: jnp.stack(
+                    [pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1]) for i in range(L)]),
+                    xp, *args, ref=ref, weight_bytes=nbytes, n=30)
+            else:
+                def triton_grouped(x, *a):
+                    rows, undo, be, used = _to_blocks(x, idx, E, 16)
+                    return jnp.stack([undo(grouped_matmul_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1], block_m=16,
+                                                                block_n=64, num_warps=4, num_stages=3)).reshape(P, F)
+                                      for i in range(L)])
+
+                timed(f"{tag} triton grouped block=16", triton_grouped, x, *args, ref=ref, weight_bytes=nbytes, n=30)
+            bound = _to_blocks(x, idx, E, 64)[2].shape[0]
+            default = mosaic_mxfp4.decode_settings(bound, F, D // 32)
+            for settings in (default, {**default, "splits": 1}, {**default, "stages": 2}, {**default, "gs": 2, "splits": 5}):
+                def mosaic(x, *a, settings=settings):
+                    rows, undo, be, used = _to_blocks(x, idx, E, 64)
+                    return jnp.stack([undo(mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
+                                                                              **settings)).reshape(P, F)
+                                      for i in range(L)])
+
+                timed(f"{tag} mosaic {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
+    decode_bf16(rng)
+
+
+def decode_bf16(rng):
+    """The same for 16-bit experts, 4 layers' calls per jitted function: the Pallas Triton per-pair
+    matvec (the decode path up to 64 pairs) against the Pallas Mosaic GPU grouped matmul with
+    decode's settings, its grouping of the pairs included."""
+    from gptoss_jax.kernels import mosaic_grouped
+    from gptoss_jax.moe import _to_blocks
+
+    L = 4
+    for F in (F2, D):
+        ws = [jax.random.normal(jax.random.key(40 + i), (E, F, D), jnp.bfloat16) * 0.02 for i in range(L)]
+        for P in (4, 32, 64, 256):
+            idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
+            flat = idx.reshape(-1)
+            x = jax.random.normal(jax.random.key(2), (P // 4, D), jnp.bfloat16)
+            xp = jnp.repeat(x, 4, axis=0)
+            ref = jnp.stack([jnp.einsum("pd,pfd->pf", xp, w[flat], preferred_element_type=jnp.float32) for w in ws])
+            nbytes = L * len(set(np.asarray(flat).tolist())) * F * D * 2
+            tag = f"bf16 x{L} layers [{E},{F},{D}] pairs={P}"
+            timed(f"{tag} triton pair matvec", lambda x, *w: jnp.stack([pair_matvec(x, flat, wi) for wi in w]),
+                  xp, *ws, ref=ref, weight_bytes=nbytes, n=30)
+            bound = _to_blocks(x, idx, E, 64)[2].shape[0]
+            default = mosaic_grouped.decode_settings(bound, F, D)
+            for settings in (default, {**default, "splits": 1}, {**default, "block_n": 256}, {**default, "stages": 6}):
+                def mosaic(x, *w, settings=settings):
+                    rows, undo, be, used = _to_blocks(x, idx, E, 64)
+                    return jnp.stack([undo(mosaic_grouped.grouped_matmul(rows, be, used, wi, **settings)).reshape(P, F)
+                                      for wi in w])
+
+                timed(f"{tag} mosaic {settings}", mosaic, x, *ws, ref=ref, weight_bytes=nbytes, n=30)
+
+
 def grouped_mxfp4(rng):
     """Experts over MXFP4-packed weights at a 4096-token prompt (16,384 pairs) and at a decode batch of
     64 (256 pairs): the Triton grouped matmul's settings against the bf16 weights' Mosaic GPU ragged
@@ -377,7 +461,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -393,6 +477,8 @@ def main():
         decode64()
     if args.part == "decode-attention":
         decode_attention()
+    if args.part == "decode-experts":
+        decode_mxfp4(rng)
     if args.part == "matvec-mxfp4":
         matvec_mxfp4(rng)
     if args.part == "grouped-mxfp4":

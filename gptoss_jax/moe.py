@@ -17,7 +17,9 @@ Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On
 read them packed and decode on the chip, never writing decoded weights to memory: "triton" for
 decode, "mosaic_grouped" (Pallas Mosaic GPU, Hopper: the pairs in expert blocks, as "grouped",
 decoded weights in shared memory for the tensor cores) for prompts, and "triton_grouped" (the same
-in Pallas Triton) for large batches and GPUs before Hopper. At decode on one device with 16-bit activations the whole block (norm, router, experts)
+in Pallas Triton) for large batches and GPUs before Hopper. Picked by name, "mosaic_grouped" also
+serves decode-sized calls (blocks of 64 rows, split input dimension) and 16-bit experts
+(kernels/mosaic_grouped.py): the Mosaic GPU path for decode's experts, not yet picked by "auto". At decode on one device with 16-bit activations the whole block (norm, router, experts)
 runs as kernels/decode_moe.py's four fused kernels instead (`MLPBlock._fused_decode`).
 The jnp paths decode them inside the jitted step: "gather" only the selected experts'
 (`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels, decode_moe, gpu, mosaic_mxfp4, tpu
+from .kernels import Kernels, decode_moe, gpu, mosaic_grouped, mosaic_mxfp4, tpu
 from .kernels.loops import late_map
 from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
@@ -200,8 +202,9 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
 
     Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair (past the
     end for dropped pairs), block_expert [num_blocks], used: how many blocks hold pairs). num_blocks
-    is the static bound ceil((P + E * (block - 1)) / block): the selected pairs plus at most
-    block - 1 padding rows per expert; blocks from `used` on hold no pair (their expert is the last).
+    is the static bound ceil((P + min(E, P) * (block - 1)) / block): the selected pairs plus at
+    most block - 1 padding rows for each expert that holds a pair (at most P of them: 4 blocks, not
+    E, at a decode batch of one); blocks from `used` on hold no pair (their expert is the last).
     """
     P = idx.size
     order, sorted_expert, counts = sort_by_expert(idx, num_experts)
@@ -209,7 +212,7 @@ def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
     start = jnp.cumsum(counts) - counts
-    num_blocks = -(-(P + num_experts * (block - 1)) // block)
+    num_blocks = -(-(P + min(num_experts, P) * (block - 1)) // block)  # at most P experts hold a pair
     # Padded row of each sorted pair: its expert's padded start + its rank within the expert.
     e = jnp.minimum(sorted_expert, num_experts - 1)
     dest = jnp.where(sorted_expert < num_experts, padded_start[e] + jnp.arange(P) - start[e], num_blocks * block)
@@ -266,25 +269,39 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
         dict(block_n=128, num_warps=4, num_stages=2)
 
 
+# The Mosaic GPU MXFP4 kernel's settings for decode-sized calls (fewer pairs than this): blocks of 64
+# rows, about one per expert in use, and each row's steps split over several programs.
+MOSAIC_FEW_PAIRS = 1024
+
+
 def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = False):
     """The grouped path's contract for MXFP4-packed experts, by a grouped matmul that decodes weight
     tiles on the chip: the pairs in blocks of one expert each. mosaic: the Pallas Mosaic GPU kernel
-    (kernels/mosaic_mxfp4.py, Hopper; blocks of 128 rows); else the Pallas Triton one
+    (kernels/mosaic_mxfp4.py, Hopper; blocks of 128 rows, or under MOSAIC_FEW_PAIRS pairs blocks of
+    64 with each row's steps split over several programs; 16-bit experts: kernels/mosaic_grouped.py,
+    the same blocks); else the Pallas Triton one
     (kernels/triton_mxfp4.py), its blocks sized to the pairs per expert (16 rows at a batch of 64,
     128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
-    block = 128 if mosaic else min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
+    few = mosaic and idx.size < MOSAIC_FEW_PAIRS
+    block = (64 if few else 128) if mosaic else min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
     rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 
     def project(inputs, name):
         weight = w[name]
-        if not packed(weight):
-            raise ValueError(f"the {'mosaic' if mosaic else 'triton'}_grouped expert kernel takes MXFP4-packed "
-                             "experts only")
-        if mosaic:
+        if mosaic and not packed(weight):  # 16-bit experts: the weights' tiles straight to the tensor cores
+            _, F, D = weight.shape
+            settings = mosaic_grouped.decode_settings(num_blocks, F, D) if few else {"block_m": block}
+            out = mosaic_grouped.grouped_matmul(inputs, block_expert, used, weight.astype(inputs.dtype),
+                                                interpret=interpret, **settings)
+        elif not packed(weight):
+            raise ValueError("the triton_grouped expert kernel takes MXFP4-packed experts only")
+        elif mosaic:
+            _, F, G, _ = weight["blocks"].shape
+            settings = mosaic_mxfp4.decode_settings(num_blocks, F, G) if few else {"block_m": block}
             out = mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
-                                                    block_m=block, interpret=interpret)
+                                                    interpret=interpret, **settings)
         else:
             out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
                                        interpret=interpret, **_grouped_mxfp4_settings(block, name))

@@ -28,20 +28,23 @@ def grouped_reference(rows, block_expert, used, blocks, scales, block):
     return np.asarray(low, np.float64), np.einsum("md,mfd->mf", x.astype(np.float64), w[e].astype(np.float64))
 
 
+@pytest.mark.parametrize("settings", [{}, {"block_m": 64, "gs": 1, "splits": 3}])
 @pytest.mark.parametrize("F", [256, 320])
-def test_grouped_kernel_equals_decoding_then_a_matmul(F):
+def test_grouped_kernel_equals_decoding_then_a_matmul(F, settings):
     """Every used block of rows against its expert decoded first and multiplied in float64, within
     NOISE_FACTOR x the noise of that product in bfloat16, for each group of scale extremes (2^-117,
-    2^73, both in one row, typical); 3 scale blocks per row (the second step's second block lies past
-    the end: zeros from the TMA copy), and 320 outputs (the second tile cut at the end); blocks past
-    `used` are not computed."""
+    2^73, both in one row, typical); 3 scale blocks per row (by default the second step's second
+    block lies past the end: zeros from the TMA copy; with splits=3, decode's settings, each of three
+    programs takes one block and their float32 partial sums are added), and 320 outputs (the second
+    tile cut at the end); blocks past `used` are not computed."""
     rng = np.random.default_rng(F)
-    E, D, block = 3, 96, 128
+    E, D = 3, 96
+    block = settings.get("block_m", 128)
     blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     block_expert = jnp.asarray([2, 0, 1, 1], jnp.int32)
     rows = jax.random.normal(jax.random.key(F), (4 * block, D), jnp.bfloat16)
-    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 3, blocks, scales, block_m=block,
-                                                       interpret=True), np.float32)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 3, blocks, scales, interpret=True,
+                                                       **{"block_m": block, **settings}), np.float32)
     low, exact = grouped_reference(rows, block_expert, 3, blocks, scales, block)
     for cols in EXTREME_ROWS:
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * block, cols], str(cols))
@@ -64,3 +67,24 @@ def test_the_kernels_switch_runs_it_for_packed_prompts():
     exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="grouped")).apply({"params": f32}, x.astype(jnp.float32))
     Exact.measure(np.asarray(want[0], np.float64), np.asarray(exact[0], np.float64),
                   precision="bfloat16").check(np.asarray(got[0], np.float32), "mosaic_grouped")
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", None])
+def test_the_kernels_switch_runs_it_for_decode(experts):
+    """Kernels(moe="mosaic_grouped") at decode sizes (a batch of 3 tokens: 12 pairs, blocks of 64 rows
+    with the input dimension split), MXFP4-packed and 16-bit experts: the jnp gather path's output on
+    the same weights within the noise of a bfloat16 run."""
+    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.mxfp4 import decode_params
+    from gptoss_jax.testing import random_params
+
+    config = gj.ModelConfig.tiny().replace(hidden_size=256, intermediate_size=128)
+    weights = random_params(config, seed=5, dtype=jnp.bfloat16, experts=experts)["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(2), (3, 1, config.hidden_size), jnp.bfloat16)
+    got = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply({"params": weights}, x)
+    decoded = decode_params(weights) if experts == "mxfp4" else weights
+    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": decoded}, x)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
+    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32}, x.astype(jnp.float32))
+    Exact.measure(np.asarray(want[:, 0], np.float64), np.asarray(exact[:, 0], np.float64),
+                  precision="bfloat16").check(np.asarray(got[:, 0], np.float32), "mosaic_grouped")

@@ -30,14 +30,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .blockwise import MASKED
 from .combine import fold_splits
+from .mosaic_mxfp4 import supported  # JAX's Mosaic GPU interface, shared by the Mosaic GPU kernels
 
 ROWS = 64  # query rows of one program: one wgmma's M
 LOG2E = math.log2(math.e)
-
-
-def supported() -> bool:
-    """JAX's Mosaic GPU interface this module is written for (0.10's differs)."""
-    return jax.__version_info__ >= (0, 11)
+__all__ = ["cache_attention", "default_block", "fits", "supported"]
 
 
 def fits(q_shape, slots: int, dtype) -> bool:

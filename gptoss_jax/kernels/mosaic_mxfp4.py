@@ -67,17 +67,34 @@ def _decode(p, s):
     return tuple(lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.bfloat16) * scale for bits in (low, high))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "interpret"))
+def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
+    """Settings for few rows (decode: blocks of 64, about one per expert in use): 3 scale blocks a
+    step, and the steps split over enough programs (blocks x output tiles x splits) for two per SM
+    of a large GPU, their float32 partial sums added after."""
+    gs = 3
+    steps = -(-G // gs)
+    tiles = blocks_bound * -(-F // 256)
+    splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (tiles * d >= 264 or d == steps))
+    return dict(block_m=64, gs=gs, stages=3, splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "interpret"))
 def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 128, block_n: int = 256, gs: int = 4,
-                         stages: int = 2, interpret: bool = False) -> jax.Array:
+                         stages: int = 2, splits: int = 1, interpret: bool = False) -> jax.Array:
     """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
     expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
-    64; block_n: of 128 (F need not be a multiple: the last tile is cut). The defaults are the
-    fastest of bench/kernels.py --part grouped-mxfp4 on one H100 80GB for both of gpt-oss-20b's
-    projections."""
+    64; block_n: of 128 (F need not be a multiple: the last tile is cut). `splits` (dividing the
+    cdiv(G, gs) steps): each program walks one range of the steps, and the ranges' float32 partial
+    sums are added after (few rows: `decode_settings`). The defaults are the fastest of
+    bench/kernels.py --part grouped-mxfp4 on one H100 80GB for both of gpt-oss-20b's projections
+    at prompt sizes."""
     M, D = rows.shape
     E, F, G, _ = blocks.shape
+    steps = pl.cdiv(G, gs)
+    if steps % splits:
+        raise ValueError(f"splits={splits} must divide the {steps} steps of {gs} scale blocks over G={G}")
+    per = steps // splits
     if not supported():
         raise RuntimeError(f"the Mosaic GPU MXFP4 matmul needs JAX >= 0.11, this is {jax.__version__}")
     if rows.dtype != jnp.bfloat16:
@@ -89,19 +106,22 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     flat = blocks.reshape(E, F, G * 16)
     scales_t = jnp.swapaxes(scales, 1, 2)  # [E, G, F]
     K, bn, half = 16 * gs, block_n, block_n // 2
+    out_dtype = rows.dtype if splits == 1 else jnp.float32
 
     def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
-        b, j = lax.axis_index("m"), lax.axis_index("n")
+        b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
         e = be_ref[b]
+        out = o_ref if splits == 1 else o_ref.at[part]
 
         def pipeline(step, compute_context):
+            first = part * per
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(pl.cdiv(G, gs),), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, k), transforms=_TILES),
-                          plgpu.BlockSpec((block_m, K), lambda k: (b, k), transforms=_TILES),
-                          plgpu.BlockSpec((bn, K), lambda k: (j, k)),
-                          plgpu.BlockSpec((gs, bn), lambda k: (k, j))])
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=_TILES),
+                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=_TILES),
+                          plgpu.BlockSpec((bn, K), lambda k: (j, first + k)),
+                          plgpu.BlockSpec((gs, bn), lambda k: (first + k, j))])
 
         ignore = lambda *_, **__: None
 
@@ -120,7 +140,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                         o_smem[wg] = acc[...].astype(o_smem.dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                                o_ref.at[pl.ds(b * block_m, block_m), pl.ds(j * bn + wg * half, half)])
+                                                out.at[pl.ds(b * block_m, block_m), pl.ds(j * bn + wg * half, half)])
                         plgpu.wait_smem_to_gmem(0)
 
                 def step(_, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
@@ -139,11 +159,14 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
                 pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
 
+    out_shape = (M, F) if splits == 1 else (splits, M, F)
+    out_tiles = _TILES if splits == 1 else (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # float32
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((M, F), rows.dtype), grid=(M // block_m, pl.cdiv(F, bn)),
-        grid_names=("m", "n"), num_threads=3, thread_name="wg", interpret=_interpret(interpret),
+        body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(M // block_m, pl.cdiv(F, bn), splits),
+        grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", interpret=_interpret(interpret),
         scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
                            w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
-                           o_smem=plgpu.SMEM((2, block_m, half), rows.dtype, transforms=_TILES)))
-    return kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
-                  scales_t)
+                           o_smem=plgpu.SMEM((2, block_m, half), out_dtype, transforms=out_tiles)))
+    out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
+                 scales_t)
+    return out if splits == 1 else out.sum(axis=0).astype(rows.dtype)
