@@ -9,7 +9,12 @@
 #   2. this package with its `test` extra (pytest, transformers, accelerate, peft), editable;
 #   3. OpenAI's reference, gpt-oss 0.0.9, without its serving dependencies (--no-deps; it declares
 #      Python >= 3.12 but its torch model runs on 3.11, hence --ignore-requires-python).
-# Then pytest, with any arguments given to this script.
+# Then, with no arguments given: the Pallas Mosaic GPU kernels' tests in Mosaic GPU's interpret mode
+# (tests/test_mosaic_*.py), which need JAX >= 0.11 and so Python >= 3.12. Where this Python's JAX is
+# older (Python 3.11 gets 0.10), they run in a virtual environment of their own (.venv-mosaic, JAX
+# 0.11.2 as on the GPU machines, this package, pytest; no torch) under a Python >= 3.12 found on
+# PATH or in pyenv; with none, it says so, and the main run skips them with that reason.
+# Last, pytest, with any arguments given to this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -39,5 +44,22 @@ say "installing gptoss-jax (editable) with its test extra: pytest, transformers,
 "$PY" -m pip install -q -e ".[test]"
 say "installing OpenAI's reference gpt-oss==0.0.9 (--no-deps --ignore-requires-python)"
 "$PY" -m pip install -q --no-deps --ignore-requires-python "gpt-oss==0.0.9"
+mosaic_python() {  # an interpreter for JAX >= 0.11: Python >= 3.12 on PATH or in pyenv, if any
+  local cand
+  for cand in python3.13 python3.12 $(ls -d "$(pyenv root 2>/dev/null)"/versions/3.1[2-9]*/bin/python3 2>/dev/null); do
+    if "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then echo "$cand"; return; fi
+  done
+}
+if [[ $# -eq 0 ]] && ! "$PY" -c 'import jax, sys; sys.exit(jax.__version_info__ < (0, 11))' 2>/dev/null; then
+  newer=$(mosaic_python)
+  if [[ -z "$newer" ]]; then
+    say "no Python >= 3.12 here: the Mosaic GPU interpret-mode tests need JAX >= 0.11 and will be skipped"
+  else
+    say "the Mosaic GPU kernels in interpret mode need JAX >= 0.11: running them under $("$newer" -V) in .venv-mosaic"
+    [[ -x .venv-mosaic/bin/python ]] || "$newer" -m venv .venv-mosaic
+    .venv-mosaic/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" pytest -e .
+    .venv-mosaic/bin/python -m pytest -q tests/test_mosaic_attention.py tests/test_mosaic_mxfp4.py
+  fi
+fi
 say "running pytest $*"
 "$PY" -m pytest -q "$@"

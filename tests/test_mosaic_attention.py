@@ -7,24 +7,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from noise import Exact
-from refs import exact_attention
 
 import gptoss_jax as gj
 from gptoss_jax.attention import AttentionBlock
-from gptoss_jax.kernels import mosaic_attention
+from gptoss_jax.kernels import mosaic_attention, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.testing import random_params
 
 pytestmark = pytest.mark.skipif(not mosaic_attention.supported(),
                                 reason=f"Mosaic GPU interpret mode of these kernels needs JAX >= 0.11 (this is "
-                                       f"{jax.__version__})")
+                                       f"{jax.__version__}); tests/run.sh runs them under Python >= 3.12")
 
 
 @pytest.mark.parametrize("T", [1, 2])
 def test_cache_attention_reads_only_the_filled_part(T):
     """Sequences of 0, 70 (a block cut short) and 256 keys (all 4 blocks of 64) in 256 slots; the slots
     past a sequence's length hold huge keys and values, which would show in any output that read them.
-    Against the definition in float64, within the noise of a bfloat16 run of it; the empty sequence
+    Against the definition in float64 (numpy), within the noise of the jnp pass in bfloat16; the empty sequence
     gives lse -inf and, with the sinks, an output of exactly zero."""
     kq, kk, kv, ks = jax.random.split(jax.random.key(T), 4)
     B, S, K, G, H = 3, 256, 2, 4, 64
@@ -34,17 +33,37 @@ def test_cache_attention_reads_only_the_filled_part(T):
     k = jnp.where(beyond, 3e4, jax.random.normal(kk, (B, S, K, H))).astype(jnp.bfloat16)
     v = jnp.where(beyond, -3e4, jax.random.normal(kv, (B, S, K, H))).astype(jnp.bfloat16)
     sinks = jax.random.normal(ks, (K, G), jnp.float32)
-    k_pos = np.where(np.asarray(beyond[..., 0, 0]), -1, np.arange(S)[None])
-    q_pos = np.full((B, T), S)
-    exact = exact_attention(q[1:], k[1:], v[1:], sinks, q_pos[1:], k_pos[1:], None, precision="bfloat16")
-    _, exact_lse = exact_attention(q[1:], k[1:], v[1:], None, q_pos[1:], k_pos[1:], None, with_lse=True,
-                                   precision="bfloat16")
+    # The noise: the jnp pass over the cache in bfloat16, against the definition in float64.
+    low_o, low_lse = xla.prefix(q[1:], k[1:], v[1:], kv_len[1:], block=64)
+    exact_o, exact_lse = _attention64(q[1:], k[1:], v[1:], kv_len[1:])
+    exact = Exact.measure(np.asarray(combine([(low_o, low_lse)], sinks, jnp.float32), np.float64),
+                          _with_sinks64(exact_o, exact_lse, sinks), precision="bfloat16")
+    exact_lse = Exact.measure(np.asarray(low_lse, np.float64), exact_lse, precision="bfloat16")
     for splits in (None, 3):  # by default 4 ranges of one block each; 3 ranges: 2, 2 and 0 blocks for 256 keys
         o, lse = mosaic_attention.cache_attention(q, k, v, kv_len, block_k=64, splits=splits, interpret=True)
         assert bool(jnp.all(jnp.isneginf(lse[0])))
         assert not np.any(np.asarray(combine([(o, lse)], sinks, jnp.float32)[0]))
         exact_lse.check(lse[1:], f"lse, splits={splits}")
         exact.check(combine([(o[1:], lse[1:])], sinks, jnp.float32), f"o with sinks, splits={splits}")
+
+
+def _attention64(q, k, v, kv_len):
+    """Sink-free attention of every query to keys [0, kv_len[b]) in float64 numpy: (o [B, T, K, G, H],
+    lse [B, T, K, G])."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = np.einsum("btkgh,bskh->btkgs", q, k) / np.sqrt(q.shape[-1])
+    seen = np.arange(k.shape[1])[None] < np.asarray(kv_len)[:, None]  # [B, S]
+    s = np.where(seen[:, None, None, None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    lse = (m + np.log(p.sum(axis=-1, keepdims=True)))[..., 0]
+    return np.einsum("btkgs,bskh->btkgh", p / p.sum(axis=-1, keepdims=True), v), lse
+
+
+def _with_sinks64(o, lse, sinks):
+    """The sinks folded in (each row's sink one more logit whose value is dropped), in float64."""
+    sink = np.asarray(sinks, np.float64)
+    return o / (1 + np.exp(sink - lse))[..., None]
 
 
 def test_the_kernels_switch_runs_it_for_decode():

@@ -15,7 +15,7 @@ from gptoss_jax.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not mosaic_mxfp4.supported(),
                                 reason=f"Mosaic GPU interpret mode of these kernels needs JAX >= 0.11 (this is "
-                                       f"{jax.__version__})")
+                                       f"{jax.__version__}); tests/run.sh runs them under Python >= 3.12")
 
 
 def grouped_reference(rows, block_expert, used, blocks, scales, block):
