@@ -127,6 +127,23 @@ def test_route_kernel_with_experts_not_a_power_of_two():
     check_route(config, params, 2, interpret=True)
 
 
+@pytest.mark.parametrize("num_experts", [6, 8])
+def test_a_token_that_is_not_finite_picks_real_experts(num_experts):
+    """A token holding a NaN or an inf has NaN logits: the fused router picks the experts that
+    jax.lax.top_k picks for it (the lowest ones), all real. (It used to pick the expert past the
+    last, whose weights the expert kernels then read past the end of the arrays.)"""
+    config = CONFIG.replace(num_experts=num_experts)
+    params = random_params(config, seed=6, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(6), (3, config.hidden_size), jnp.bfloat16)
+    x = x.at[1, 5].set(jnp.nan).at[2].set(jnp.inf)
+    _, experts, _, _ = decode_moe.route(x, params["norm"]["scale"], params["router_weight"], params["router_bias"],
+                                        k=config.experts_per_token, eps=config.rms_norm_eps, interpret=True)
+    normed = RMSNorm(config).apply({"params": {"scale": params["norm"]["scale"]}}, x)
+    _, want = route(normed, params["router_weight"], params["router_bias"], config.experts_per_token)
+    np.testing.assert_array_equal(np.asarray(experts), np.asarray(want))
+    assert int(jnp.max(experts)) < num_experts
+
+
 def test_expert_kernels_with_extreme_scales():
     check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True)
 

@@ -121,14 +121,24 @@ def swiglu_bound(limit: float) -> float:
 
 def _top_k(logits, expert, k: int, EP: int):
     """logits [EP] (-inf past the experts) -> (softmax of the k largest [k], their experts [k]); the
-    lowest expert first among equals, as `jax.lax.top_k`."""
+    lowest expert first among equals, as `jax.lax.top_k`.
+
+    NaN logits (a token whose values are not finite) count as -inf, so they tie with the padding and
+    the lowest experts not yet taken, which are real, are picked (as `jax.lax.top_k` does for such a
+    token, whose output is NaN either way). Left as NaN, no logit equals the max and the expert past the last
+    one was picked: the expert kernels then read a whole expert past the end of the weights, which
+    on one H100 80GB passed unnoticed inside JAX's memory pool but is an illegal address wherever
+    nothing is mapped there."""
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
     slot = jax.lax.broadcasted_iota(jnp.int32, (k,), 0)
     picked_w, picked_e = jnp.zeros((k,), jnp.float32), jnp.zeros((k,), jnp.int32)
+    taken = expert < 0  # none yet
     for j in range(k):
-        best = jnp.max(logits)
-        e = jnp.min(jnp.where(logits == best, expert, EP))
+        left = jnp.where(taken, -jnp.inf, logits)
+        best = jnp.max(left)
+        e = jnp.min(jnp.where((left == best) & ~taken, expert, EP))
         picked_w, picked_e = jnp.where(slot == j, best, picked_w), jnp.where(slot == j, e, picked_e)
-        logits = jnp.where(expert == e, -jnp.inf, logits)
+        taken = taken | (expert == e)
     p = jnp.exp(picked_w - jnp.max(picked_w))
     return p / jnp.sum(p), picked_e
 
