@@ -236,6 +236,16 @@ def matvec(rng):
                   x, *ws, ref=ref, weight_bytes=L * P * F * D * 2, n=30)
 
 
+def _packed_layers(L, F):
+    """L layers' random MXFP4 experts [E, F, D] as (blocks, scales), scales 2^-9 to 2^-4."""
+    packed = []
+    for i in range(L):
+        kb, ks = jax.random.split(jax.random.key(20 + i))
+        packed.append((jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8),
+                       jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)))
+    return packed
+
+
 def matvec_mxfp4(rng):
     """The decode expert matvec over MXFP4-packed experts at batch 1 (4 pairs), 8 layers' calls per
     jitted function, against decoding first; bytes read are the packed blocks and scales."""
@@ -244,11 +254,7 @@ def matvec_mxfp4(rng):
 
     L, P = 8, 4
     for F in (F2, D):
-        packed = []
-        for i in range(L):
-            kb, ks = jax.random.split(jax.random.key(20 + i))
-            packed.append((jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8),
-                           jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)))
+        packed = _packed_layers(L, F)
         idx = jnp.asarray(rng.choice(E, size=P, replace=False), jnp.int32)
         x = jax.random.normal(jax.random.key(2), (P, D), jnp.bfloat16)
         ref = jnp.stack([jnp.einsum("pd,pfd->pf", x, decode(b, s)[idx], preferred_element_type=jnp.float32)
@@ -266,9 +272,10 @@ def matvec_mxfp4(rng):
 
 def decode_mxfp4(rng):
     """Decode-sized expert products (--part decode-experts) over MXFP4-packed experts (4, 32, 64 and
-    256 pairs: batches 1, 8, 16 and 64), 8 layers' calls per jitted function, then 16-bit ones: the Pallas Triton kernels the decode path uses
-    (the per-pair matvec; the grouped matmul at 256 pairs) against the Pallas Mosaic GPU grouped
-    matmul with decode's settings (blocks of 64, split steps), its grouping of the pairs included."""
+    256 pairs: batches 1, 8, 16 and 64), 8 layers' calls per jitted function, then 16-bit ones: the
+    Pallas Triton kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
+    pairs) against the Pallas Mosaic GPU grouped matmul with decode's settings (blocks of 64, split
+    steps), its grouping of the pairs included."""
     from gptoss_jax.kernels import mosaic_mxfp4
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
     from gptoss_jax.moe import _to_blocks
@@ -276,11 +283,7 @@ def decode_mxfp4(rng):
 
     L = 8
     for F in (F2, D):
-        packed = []
-        for i in range(L):
-            kb, ks = jax.random.split(jax.random.key(20 + i))
-            packed.append((jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8),
-                           jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)))
+        packed = _packed_layers(L, F)
         args = [a for pair in packed for a in pair]
         for P in (4, 32, 64, 256):
             idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
