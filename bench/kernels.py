@@ -272,8 +272,8 @@ def matvec_mxfp4(rng):
 
 def decode_mxfp4(rng):
     """Decode-sized expert products (--part decode-experts) over MXFP4-packed experts (4, 32, 64 and
-    256 pairs: batches 1, 8, 16 and 64), 8 layers' calls per jitted function, then 16-bit ones: the
-    Pallas Triton kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
+    256 pairs: batches 1, 8, 16 and 64), 8 layers' calls per jitted function: the Pallas Triton
+    kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
     pairs) against the Pallas Mosaic GPU grouped matmul with decode's settings (blocks of 64, split
     steps), its grouping of the pairs included."""
     from gptoss_jax.kernels import mosaic_mxfp4
@@ -317,38 +317,6 @@ def decode_mxfp4(rng):
                                       for i in range(L)])
 
                 timed(f"{tag} mosaic {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
-    decode_bf16(rng)
-
-
-def decode_bf16(rng):
-    """The same for 16-bit experts, 4 layers' calls per jitted function: the Pallas Triton per-pair
-    matvec (the decode path up to 64 pairs) against the Pallas Mosaic GPU grouped matmul with
-    decode's settings, its grouping of the pairs included."""
-    from gptoss_jax.kernels import mosaic_grouped
-    from gptoss_jax.moe import _to_blocks
-
-    L = 4
-    for F in (F2, D):
-        ws = [jax.random.normal(jax.random.key(40 + i), (E, F, D), jnp.bfloat16) * 0.02 for i in range(L)]
-        for P in (4, 32, 64, 256):
-            idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
-            flat = idx.reshape(-1)
-            x = jax.random.normal(jax.random.key(2), (P // 4, D), jnp.bfloat16)
-            xp = jnp.repeat(x, 4, axis=0)
-            ref = jnp.stack([jnp.einsum("pd,pfd->pf", xp, w[flat], preferred_element_type=jnp.float32) for w in ws])
-            nbytes = L * len(set(np.asarray(flat).tolist())) * F * D * 2
-            tag = f"bf16 x{L} layers [{E},{F},{D}] pairs={P}"
-            timed(f"{tag} triton pair matvec", lambda x, *w: jnp.stack([pair_matvec(x, flat, wi) for wi in w]),
-                  xp, *ws, ref=ref, weight_bytes=nbytes, n=30)
-            bound = _to_blocks(x, idx, E, 64)[2].shape[0]
-            default = mosaic_grouped.decode_settings(bound, F, D)
-            for settings in (default, {**default, "splits": 1}, {**default, "block_n": 256}, {**default, "stages": 6}):
-                def mosaic(x, *w, settings=settings):
-                    rows, undo, be, used = _to_blocks(x, idx, E, 64)
-                    return jnp.stack([undo(mosaic_grouped.grouped_matmul(rows, be, used, wi, **settings)).reshape(P, F)
-                                      for wi in w])
-
-                timed(f"{tag} mosaic {settings}", mosaic, x, *ws, ref=ref, weight_bytes=nbytes, n=30)
 
 
 def grouped_mxfp4(rng):

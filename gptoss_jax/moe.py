@@ -18,8 +18,8 @@ read them packed and decode on the chip, never writing decoded weights to memory
 decode, "mosaic_grouped" (Pallas Mosaic GPU, Hopper: the pairs in expert blocks, as "grouped",
 decoded weights in shared memory for the tensor cores) for prompts, and "triton_grouped" (the same
 in Pallas Triton) for large batches and GPUs before Hopper. Picked by name, "mosaic_grouped" also
-serves decode-sized calls (blocks of 64 rows, split input dimension) and 16-bit experts
-(kernels/mosaic_grouped.py): the Mosaic GPU path for decode's experts, not yet picked by "auto". At decode on one device with 16-bit activations the whole block (norm, router, experts)
+serves decode-sized calls (blocks of 64 rows, split input dimension): the Mosaic GPU path meant for
+decode's packed experts, not yet picked by "auto". At decode on one device with 16-bit activations the whole block (norm, router, experts)
 runs as kernels/decode_moe.py's four fused kernels instead (`MLPBlock._fused_decode`).
 The jnp paths decode them inside the jitted step: "gather" only the selected experts'
 (`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels, decode_moe, gpu, mosaic_grouped, mosaic_mxfp4, tpu
+from .kernels import Kernels, decode_moe, gpu, mosaic_mxfp4, tpu
 from .kernels.loops import late_map
 from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
@@ -278,8 +278,7 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = Fa
     """The grouped path's contract for MXFP4-packed experts, by a grouped matmul that decodes weight
     tiles on the chip: the pairs in blocks of one expert each. mosaic: the Pallas Mosaic GPU kernel
     (kernels/mosaic_mxfp4.py, Hopper; blocks of 128 rows, or under MOSAIC_FEW_PAIRS pairs blocks of
-    64 with each row's steps split over several programs; 16-bit experts: kernels/mosaic_grouped.py,
-    the same blocks); else the Pallas Triton one
+    64 with each row's steps split over several programs); else the Pallas Triton one
     (kernels/triton_mxfp4.py), its blocks sized to the pairs per expert (16 rows at a batch of 64,
     128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
@@ -290,14 +289,10 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = Fa
 
     def project(inputs, name):
         weight = w[name]
-        if mosaic and not packed(weight):  # 16-bit experts: the weights' tiles straight to the tensor cores
-            _, F, D = weight.shape
-            settings = mosaic_grouped.decode_settings(num_blocks, F, D) if few else {"block_m": block}
-            out = mosaic_grouped.grouped_matmul(inputs, block_expert, used, weight.astype(inputs.dtype),
-                                                interpret=interpret, **settings)
-        elif not packed(weight):
-            raise ValueError("the triton_grouped expert kernel takes MXFP4-packed experts only")
-        elif mosaic:
+        if not packed(weight):
+            raise ValueError(f"the {'mosaic' if mosaic else 'triton'}_grouped expert kernel takes MXFP4-packed "
+                             "experts only")
+        if mosaic:
             _, F, G, _ = weight["blocks"].shape
             settings = mosaic_mxfp4.decode_settings(num_blocks, F, G) if few else {"block_m": block}
             out = mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],

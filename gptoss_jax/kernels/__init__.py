@@ -18,8 +18,8 @@ time; megablox on TPU: a layer's experts).
 
 Pallas Triton kernels ("triton", "triton_grouped") remain for the experts at decode; JAX deprecated
 that backend, and the decode attention no longer uses it ("triton" there is picked only by name).
-"mosaic_grouped" picked by name also runs decode-sized calls and 16-bit experts in Pallas Mosaic GPU
-(kernels/mosaic_grouped.py), the intended replacement, which "auto" will pick once measured.
+"mosaic_grouped" picked by name also runs decode-sized calls over MXFP4 experts in Pallas Mosaic GPU,
+the intended replacement, which "auto" will pick once measured.
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
