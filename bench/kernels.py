@@ -270,7 +270,7 @@ def matvec_mxfp4(rng):
                   x, *args, ref=ref, weight_bytes=nbytes, n=30)
 
 
-def decode_mxfp4(rng):
+def decode_experts(rng):
     """Decode-sized expert products (--part decode-experts) over MXFP4-packed experts (4, 32, 64 and
     256 pairs: batches 1, 8, 16 and 64), 8 layers' calls per jitted function: the Pallas Triton
     kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
@@ -449,7 +449,7 @@ def main():
     if args.part == "decode-attention":
         decode_attention()
     if args.part == "decode-experts":
-        decode_mxfp4(rng)
+        decode_experts(rng)
     if args.part == "matvec-mxfp4":
         matvec_mxfp4(rng)
     if args.part == "grouped-mxfp4":

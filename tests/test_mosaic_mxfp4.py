@@ -50,41 +50,24 @@ def test_grouped_kernel_equals_decoding_then_a_matmul(F, settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * block, cols], str(cols))
 
 
-def test_the_kernels_switch_runs_it_for_packed_prompts():
-    """Kernels(moe="mosaic_grouped") is the MoE block's path: the same output as the jnp grouped path
-    on the experts decoded first, within the noise of a bfloat16 run."""
+@pytest.mark.parametrize("hidden, shape, reference", [(128, (1, 40), "grouped"), (256, (3, 1), "gather")])
+def test_the_kernels_switch_runs_it(hidden, shape, reference):
+    """Kernels(moe="mosaic_grouped") is the MoE block's path, for a prompt of 40 tokens (160 pairs)
+    and for a decode batch of 3 (12 pairs; both under 1,024 pairs: blocks of 64 rows with the input
+    dimension split, split over 3 programs at hidden 256): the jnp path's output on the experts
+    decoded first, within the noise of a bfloat16 run of it (measured against float32)."""
     from gptoss_jax.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params
     from gptoss_jax.testing import random_params
 
-    config = gj.ModelConfig.tiny().replace(hidden_size=128, intermediate_size=128)
-    packed = random_params(config, seed=4, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
-    x = jax.random.normal(jax.random.key(1), (1, 40, config.hidden_size), jnp.bfloat16)
+    config = gj.ModelConfig.tiny().replace(hidden_size=hidden, intermediate_size=128)
+    packed = random_params(config, seed=hidden, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(1), shape + (config.hidden_size,), jnp.bfloat16)
     got = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply({"params": packed}, x)
     decoded = decode_params(packed)
-    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="grouped")).apply({"params": decoded}, x)
+    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=reference)).apply({"params": decoded}, x)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
-    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="grouped")).apply({"params": f32}, x.astype(jnp.float32))
-    Exact.measure(np.asarray(want[0], np.float64), np.asarray(exact[0], np.float64),
-                  precision="bfloat16").check(np.asarray(got[0], np.float32), "mosaic_grouped")
-
-
-@pytest.mark.parametrize("experts", ["mxfp4"])
-def test_the_kernels_switch_runs_it_for_decode(experts):
-    """Kernels(moe="mosaic_grouped") at decode sizes (a batch of 3 tokens: 12 pairs, blocks of 64 rows
-    with the input dimension split), MXFP4-packed experts: the jnp gather path's output on
-    the same weights within the noise of a bfloat16 run."""
-    from gptoss_jax.moe import MLPBlock
-    from gptoss_jax.mxfp4 import decode_params
-    from gptoss_jax.testing import random_params
-
-    config = gj.ModelConfig.tiny().replace(hidden_size=256, intermediate_size=128)
-    weights = random_params(config, seed=5, dtype=jnp.bfloat16, experts=experts)["block_0"]["mlp"]
-    x = jax.random.normal(jax.random.key(2), (3, 1, config.hidden_size), jnp.bfloat16)
-    got = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply({"params": weights}, x)
-    decoded = decode_params(weights) if experts == "mxfp4" else weights
-    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": decoded}, x)
-    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
-    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32}, x.astype(jnp.float32))
-    Exact.measure(np.asarray(want[:, 0], np.float64), np.asarray(exact[:, 0], np.float64),
-                  precision="bfloat16").check(np.asarray(got[:, 0], np.float32), "mosaic_grouped")
+    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe=reference)).apply({"params": f32}, x.astype(jnp.float32))
+    flat = lambda a, dtype: np.asarray(a, dtype).reshape(-1, hidden)  # noqa: E731
+    Exact.measure(flat(want, np.float64), flat(exact, np.float64), precision="bfloat16").check(
+        flat(got, np.float32), "mosaic_grouped")

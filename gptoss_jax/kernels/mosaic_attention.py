@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .blockwise import MASKED
-from .combine import fold_splits
-from .mosaic_mxfp4 import supported  # JAX's Mosaic GPU interface, shared by the Mosaic GPU kernels
+from .combine import fold_splits, lse_of
+from .mosaic import interpret_params, supported, tiles
 
 ROWS = 64  # query rows of one program: one wgmma's M
 LOG2E = math.log2(math.e)
@@ -43,15 +43,6 @@ def fits(q_shape, slots: int, dtype) -> bool:
     _, T, _, G, H = q_shape
     return (T * G <= ROWS and H % 64 == 0 and H <= 256 and slots % 8 == 0
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
-
-
-def _tiles(dtype):
-    """Swizzled tiles of 128 bytes a row: the layout wgmma reads its operands in."""
-    return plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128)
-
-
-def _interpret(interpret: bool):
-    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def default_block(programs: int) -> int:
@@ -86,7 +77,7 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
     c = LOG2E / math.sqrt(H)  # scores in base 2: exp2(c * q.k) = exp(q.k / sqrt(H))
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, T*G, H], row = t * G + g
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - T * G), (0, 0)))
-    tiles = _tiles(q.dtype)
+    tiles16 = tiles(q.dtype)
 
     def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem,
              q_bar, k_bar, v_bar):
@@ -159,17 +150,17 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
 
     f32 = jnp.float32
     kernel = plgpu.kernel(
-        body, grid=(B, K, splits), grid_names=("b", "k", "s"), interpret=_interpret(interpret),
+        body, grid=(B, K, splits), grid_names=("b", "k", "s"), interpret=interpret_params(interpret),
         out_type=(jax.ShapeDtypeStruct((B, splits, K, ROWS, H), f32), jax.ShapeDtypeStruct((B, splits, K, ROWS), f32),
                   jax.ShapeDtypeStruct((B, splits, K, ROWS), f32)),
-        scratch_types=dict(q_smem=plgpu.SMEM((ROWS, H), q.dtype, transforms=tiles),
-                           k_smem=plgpu.SMEM((2, bk, H), k.dtype, transforms=tiles),
-                           v_smem=plgpu.SMEM((2, bk, H), v.dtype, transforms=tiles),
-                           p_smem=plgpu.SMEM((ROWS, bk), v.dtype, transforms=tiles),
-                           o_smem=plgpu.SMEM((ROWS, H), f32, transforms=_tiles(f32)),
+        scratch_types=dict(q_smem=plgpu.SMEM((ROWS, H), q.dtype, transforms=tiles16),
+                           k_smem=plgpu.SMEM((2, bk, H), k.dtype, transforms=tiles16),
+                           v_smem=plgpu.SMEM((2, bk, H), v.dtype, transforms=tiles16),
+                           p_smem=plgpu.SMEM((ROWS, bk), v.dtype, transforms=tiles16),
+                           o_smem=plgpu.SMEM((ROWS, H), f32, transforms=tiles(f32)),
                            m_smem=plgpu.SMEM((ROWS,), f32), l_smem=plgpu.SMEM((ROWS,), f32),
                            q_bar=plgpu.Barrier(), k_bar=plgpu.Barrier(num_barriers=2),
                            v_bar=plgpu.Barrier(num_barriers=2)))
     o, m, l = kernel(kv_len.astype(jnp.int32), rows, k, v)
-    lse = jnp.where(l > 0, m / LOG2E + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)  # natural base
+    lse = lse_of(m / LOG2E, l)  # the row max in the natural base
     return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)

@@ -30,20 +30,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-# Tiles of 16 bf16 columns (32 bytes), swizzled: the layout wgmma reads its operands in.
-_TILES = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+from .mosaic import interpret_params, supported, tiles
 
+__all__ = ["decode_settings", "grouped_matmul_mxfp4", "supported"]
 
-def supported() -> bool:
-    """JAX's Mosaic GPU interface this module is written for (0.10's differs: loads, interpret mode)."""
-    return jax.__version_info__ >= (0, 11)
-
-
-def _interpret(interpret: bool):
-    """Pallas Mosaic GPU's interpret mode (CPU: tests) or none."""
-    if not interpret:
-        return None
-    return plgpu.InterpretGPUParams()
+_TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
 
 def _load(ref, idx, layout, interpret: bool):
@@ -160,10 +151,10 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                 pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
 
     out_shape = (M, F) if splits == 1 else (splits, M, F)
-    out_tiles = _TILES if splits == 1 else (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # float32
+    out_tiles = _TILES if splits == 1 else tiles(jnp.float32)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(M // block_m, pl.cdiv(F, bn), splits),
-        grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", interpret=_interpret(interpret),
+        grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", interpret=interpret_params(interpret),
         scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
                            w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
                            o_smem=plgpu.SMEM((2, block_m, half), out_dtype, transforms=out_tiles)))

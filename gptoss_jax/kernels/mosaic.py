@@ -1,0 +1,24 @@
+"""What the Pallas Mosaic GPU kernels (mosaic_attention.py, mosaic_mxfp4.py) share: the JAX they are
+written for, their interpret mode, and the swizzled shared-memory tiles wgmma reads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def supported() -> bool:
+    """JAX's Mosaic GPU interface these kernels are written for (0.10's differs: loads, interpret mode)."""
+    return jax.__version_info__ >= (0, 11)
+
+
+def interpret_params(interpret: bool):
+    """Pallas Mosaic GPU's interpret mode (CPU: tests) or none."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def tiles(dtype, row_bytes: int = 128) -> tuple:
+    """Tiles of 8 rows of `row_bytes` bytes of dtype, swizzled by as many bytes: the layout wgmma
+    reads its shared-memory operands in (and stores from its accumulators go out of)."""
+    return plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(row_bytes)
