@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts|decode-experts-16bit]
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -276,9 +276,9 @@ def decode_experts(rng):
     kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
     pairs) against the Pallas Mosaic GPU grouped matmul with decode's settings (blocks of 64, split
     steps), its grouping of the pairs included."""
-    from gptoss_jax.kernels import mosaic_mxfp4
+    from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
-    from gptoss_jax.moe import _to_blocks
+    from gptoss_jax.moe import _to_blocks, decode_block
     from gptoss_jax.mxfp4 import decode
 
     L = 8
@@ -308,15 +308,79 @@ def decode_experts(rng):
 
                 timed(f"{tag} triton grouped block=16", triton_grouped, x, *args, ref=ref, weight_bytes=nbytes, n=30)
             bound = _to_blocks(x, idx, E, 64)[2].shape[0]
-            default = mosaic_mxfp4.decode_settings(bound, F, D // 32)
-            for settings in (default, {**default, "splits": 1}, {**default, "stages": 2}, {**default, "gs": 2, "splits": 5}):
-                def mosaic(x, *a, settings=settings):
-                    rows, undo, be, used = _to_blocks(x, idx, E, 64)
-                    return jnp.stack([undo(mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
-                                                                              **settings)).reshape(P, F)
+            settings = mosaic_mxfp4.decode_settings(bound, F, D // 32)
+
+            def mosaic(x, *a):
+                rows, undo, be, used = _to_blocks(x, idx, E, 64)
+                return jnp.stack([undo(mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
+                                                                          **settings)).reshape(P, F)
+                                  for i in range(L)])
+
+            timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
+            block = decode_block(P, E)
+            bound = _to_blocks(x, idx, E, block)[2].shape[0]
+            G = D // 32
+            default = mosaic_decode.decode_settings_mxfp4(bound, F, G)
+            for blk, settings in ((block, default), (block, {**default, "stages": 2}), (block, {**default, "stages": 4}),
+                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_f=128)),
+                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=2)),
+                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=5)),
+                                  (block, {**default, "splits": 1}), (2 * block, default)):
+                def swapped(x, *a, blk=blk, settings=settings):
+                    rows, undo, be, used = _to_blocks(x, idx, E, blk)
+                    return jnp.stack([undo(mosaic_decode.grouped_matvec_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
+                                                                               block_m=blk, **settings)).reshape(P, F)
                                       for i in range(L)])
 
-                timed(f"{tag} mosaic {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
+                timed(f"{tag} mosaic decode block={blk} {settings}", swapped, x, *args, ref=ref, weight_bytes=nbytes,
+                      n=30)
+
+
+def decode_experts_16bit(rng):
+    """Decode-sized expert products over bf16 experts (4, 32, 64 and 256 pairs), 8 layers' calls per
+    jitted function: the Pallas Triton per-pair matvec and, at 256 pairs, the Mosaic GPU ragged dot
+    (the previous defaults) against the Pallas Mosaic GPU decode kernel (products transposed, blocks
+    of 8 to 16 rows), its grouping of the pairs included, with variants of its settings."""
+    from gptoss_jax.kernels import mosaic_decode
+    from gptoss_jax.moe import _to_blocks, decode_block, sort_by_expert, pair_inputs, unsort
+
+    L = 8
+    for F in (F2, D):
+        ws = [jax.random.normal(jax.random.key(40 + i), (E, F, D), jnp.bfloat16) * 0.02 for i in range(L)]
+        for P in (4, 32, 64, 256):
+            idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
+            flat = idx.reshape(-1)
+            x = jax.random.normal(jax.random.key(2), (P // 4, D), jnp.bfloat16)
+            xp = jnp.repeat(x, 4, axis=0)
+            ref = jnp.stack([jnp.einsum("pd,pfd->pf", xp, w[flat], preferred_element_type=jnp.float32) for w in ws])
+            nbytes = L * len(set(np.asarray(flat).tolist())) * F * D * 2
+            tag = f"bf16 x{L} layers [{E},{F},{D}] pairs={P}"
+            if P <= 64:
+                timed(f"{tag} triton pair matvec", lambda x, *w: jnp.stack([pair_matvec(x, flat, wi) for wi in w]),
+                      xp, *ws, ref=ref, weight_bytes=nbytes, n=30)
+            else:
+                def ragged(x, *w):
+                    order, _, sizes = sort_by_expert(idx, E)
+                    rows = pair_inputs(x, order, 4)
+                    return jnp.stack([unsort(gpu.mosaic_ragged_dot(rows, wi, sizes), order) for wi in w])
+
+                timed(f"{tag} mosaic ragged dot", ragged, x, *ws, ref=ref, weight_bytes=nbytes, n=30)
+            block = decode_block(P, E)
+            bound = _to_blocks(x, idx, E, block)[2].shape[0]
+            default = mosaic_decode.decode_settings(bound, F, D)
+            variants = [(block, default), (block, {**default, "stages": 6}), (block, {**default, "stages": 3}),
+                        (block, mosaic_decode.decode_settings(bound, F, D, block_f=64)),
+                        (block, mosaic_decode.decode_settings(bound, F, D, block_f=256)),
+                        (block, {**default, "splits": 1}), (2 * block, default)]
+            for blk, settings in variants:
+                def mosaic(x, *w, blk=blk, settings=settings):
+                    rows, undo, be, used = _to_blocks(x, idx, E, blk)
+                    return jnp.stack([undo(mosaic_decode.grouped_matvec(rows, be, used, wi, block_m=blk, **settings)
+                                           ).reshape(P, F) for wi in w])
+
+                timed(f"{tag} mosaic decode block={blk} {settings}", mosaic, x, *ws, ref=ref, weight_bytes=nbytes,
+                      n=30)
+        del ws
 
 
 def grouped_mxfp4(rng):
@@ -432,7 +496,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit"], default="all")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
@@ -450,6 +514,8 @@ def main():
         decode_attention()
     if args.part == "decode-experts":
         decode_experts(rng)
+    if args.part == "decode-experts-16bit":
+        decode_experts_16bit(rng)
     if args.part == "matvec-mxfp4":
         matvec_mxfp4(rng)
     if args.part == "grouped-mxfp4":

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels, decode_moe, gpu, mosaic_mxfp4, tpu
+from .kernels import Kernels, decode_moe, gpu, mosaic_decode, mosaic_mxfp4, tpu
 from .kernels.loops import late_map
 from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
@@ -269,41 +269,80 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
         dict(block_n=128, num_warps=4, num_stages=2)
 
 
-# The Mosaic GPU MXFP4 kernel's settings for decode-sized calls (fewer pairs than this): blocks of 64
-# rows, about one per expert in use, and each row's steps split over several programs.
-MOSAIC_FEW_PAIRS = 1024
+def decode_block(pairs: int, num_experts: int) -> int:
+    """Rows per expert block of the Mosaic GPU decode kernel for 16-bit experts: a power of two near
+    twice the pairs per expert (8 to 256), so that an expert's pairs rarely spill into a second block,
+    which would read its weights again (a batch of 64 over 32 experts: blocks of 16)."""
+    return min(256, max(8, 1 << max(0, -(-2 * pairs // num_experts) - 1).bit_length()))
 
 
-def _experts_grouped_mxfp4(x, idx, w, act, *, interpret: bool, mosaic: bool = False):
-    """The grouped path's contract for MXFP4-packed experts, by a grouped matmul that decodes weight
-    tiles on the chip: the pairs in blocks of one expert each. mosaic: the Pallas Mosaic GPU kernel
-    (kernels/mosaic_mxfp4.py, Hopper; blocks of 128 rows, or under MOSAIC_FEW_PAIRS pairs blocks of
-    64 with each row's steps split over several programs); else the Pallas Triton one
-    (kernels/triton_mxfp4.py), its blocks sized to the pairs per expert (16 rows at a batch of 64,
-    128 on long prompts)."""
+def _experts_blocked(x, idx, w, act, *, block: int, matmul):
+    """The grouped path's contract by a kernel over expert blocks: the pairs in blocks of `block`
+    rows of one expert each (`group_by_expert`), then matmul(rows, name, block_expert, used) ->
+    [rows, out] for each projection ("mlp1_weight", "mlp2_weight"). Rows of blocks past `used` are
+    undefined, and dropped."""
     E = num_experts(w["mlp1_weight"])
-    few = mosaic and idx.size < MOSAIC_FEW_PAIRS
-    block = (64 if few else 128) if mosaic else min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
     rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 
     def project(inputs, name):
-        weight = w[name]
-        if not packed(weight):
-            raise ValueError(f"the {'mosaic' if mosaic else 'triton'}_grouped expert kernel takes MXFP4-packed "
-                             "experts only")
-        if mosaic:
-            _, F, G, _ = weight["blocks"].shape
-            settings = mosaic_mxfp4.decode_settings(num_blocks, F, G) if few else {"block_m": block}
-            out = mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
-                                                    interpret=interpret, **settings)
-        else:
-            out = grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
-                                       interpret=interpret, **_grouped_mxfp4_settings(block, name))
+        out = matmul(inputs, name, block_expert, used)
         bias = w[name.replace("weight", "bias")][block_expert][:, None]  # [num_blocks, 1, out]
         return (out.reshape(num_blocks, block, -1) + bias).reshape(num_blocks * block, -1)
 
-    return undo(project(act(project(rows, "mlp1_weight")), "mlp2_weight"))  # unused blocks' rows: undefined
+    return undo(project(act(project(rows, "mlp1_weight")), "mlp2_weight"))
+
+
+def _packed_only(weight, impl: str) -> dict:
+    if not packed(weight):
+        raise ValueError(f"the {impl} expert kernel takes MXFP4-packed experts only")
+    return weight
+
+
+def _experts_grouped_mxfp4(x, idx, w, act, *, impl: str, interpret: bool):
+    """MXFP4-packed experts by a grouped matmul that decodes weight tiles on the chip (`_experts_blocked`):
+    "mosaic_grouped", the Pallas Mosaic GPU kernel (kernels/mosaic_mxfp4.py, Hopper) in blocks of 128
+    rows; "mosaic_decode", the same kernel with decode's settings (blocks of 64, each row's steps
+    split over several programs); "triton_grouped", the Pallas Triton one (kernels/triton_mxfp4.py),
+    its blocks sized to the pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
+    E = num_experts(w["mlp1_weight"])
+    if impl == "triton_grouped":
+        block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
+    else:
+        block = 64 if impl == "mosaic_decode" else 128
+
+    def matmul(inputs, name, block_expert, used):
+        blocks, scales = _packed_only(w[name], impl)["blocks"], w[name]["scales"]
+        if impl == "triton_grouped":
+            return grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
+                                        interpret=interpret, **_grouped_mxfp4_settings(block, name))
+        _, F, G, _ = blocks.shape
+        settings = mosaic_mxfp4.decode_settings(block_expert.shape[0], F, G) if impl == "mosaic_decode" else {"block_m": block}
+        return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, interpret=interpret,
+                                                 **settings)
+
+    return _experts_blocked(x, idx, w, act, block=block, matmul=matmul)
+
+
+def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool):
+    """Decode-sized calls in Pallas Mosaic GPU (Hopper) by kernels/mosaic_decode.py: products
+    transposed, so that an expert's few pairs take blocks of as few as 8 rows (`decode_block`);
+    MXFP4-packed experts decoded on the chip."""
+    E = num_experts(w["mlp1_weight"])
+    block = decode_block(idx.size, E)
+
+    def matmul(inputs, name, block_expert, used):
+        weight, bound = w[name], block_expert.shape[0]
+        if packed(weight):
+            _, F, G, _ = weight["blocks"].shape
+            return mosaic_decode.grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
+                                                      block_m=block, interpret=interpret,
+                                                      **mosaic_decode.decode_settings_mxfp4(bound, F, G))
+        _, F, D = weight.shape
+        return mosaic_decode.grouped_matvec(inputs, block_expert, used, weight, block_m=block, interpret=interpret,
+                                            **mosaic_decode.decode_settings(bound, F, D))
+
+    return _experts_blocked(x, idx, w, act, block=block, matmul=matmul)
 
 
 def _experts_pairwise(x, idx, w, act, *, interpret: bool):
@@ -349,8 +388,9 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
     elif impl == "triton":
         y = _experts_pairwise(x, jnp.where(mine, local, 0), w, act, interpret=interpret)
     elif impl in ("triton_grouped", "mosaic_grouped"):
-        y = _experts_grouped_mxfp4(x, jnp.where(mine, local, -1), w, act, interpret=interpret,
-                                   mosaic=impl == "mosaic_grouped")
+        y = _experts_grouped_mxfp4(x, jnp.where(mine, local, -1), w, act, impl=impl, interpret=interpret)
+    elif impl == "mosaic_decode":
+        y = _experts_mosaic_decode(x, jnp.where(mine, local, -1), w, act, interpret=interpret)
     elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
     elif impl in ("mosaic_gpu", "tokamax"):

@@ -124,7 +124,7 @@ def test_mosaic_cache_attention_reads_only_the_filled_part():
         exact.check(combine([(o, lse)], sinks, jnp.float32), f"splits={splits}")
 
 
-@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu", "tokamax"])
+@pytest.mark.parametrize("impl", ["mosaic_decode", "triton", "mosaic_gpu", "tokamax"])
 @pytest.mark.parametrize("tokens", [1, 8, 300])
 def test_expert_kernels_equal_the_gather_path(impl, tokens):
     """The MoE block in bfloat16 by each expert kernel, and by the gather path, against the experts'
@@ -167,13 +167,15 @@ def test_greedy_tokens_equal_the_jnp_kernels_in_float32():
 
 def test_auto_picks_the_gpu_kernels():
     k = gj.Kernels()
-    assert k.moe_for(4) == "triton"
+    mosaic = gpu.is_hopper() and mosaic_mxfp4.supported()
+    assert k.moe_for(4) == ("mosaic_decode" if mosaic else "gather")
+    assert k.moe_for(4, jnp.float32) == "gather"
     fused = gpu.available()
     assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
     assert k.moe_for(4096, jnp.float32) == "grouped"
-    mosaic = gpu.is_hopper() and mosaic_mxfp4.supported()
-    assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "triton_grouped")
-    assert k.moe_for(512, packed=True) == "triton_grouped" and k.moe_for(4, packed=True) == "triton"
+    assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "grouped")
+    assert k.moe_for(512, packed=True) == ("mosaic_decode" if mosaic else "grouped")
+    assert k.moe_for(4, packed=True) == ("mosaic_decode" if mosaic else "gather")
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     decode = "mosaic" if gpu.is_hopper() and mosaic_attention.supported() else "blockwise"
@@ -181,7 +183,7 @@ def test_auto_picks_the_gpu_kernels():
     assert k.attention_for(1, jnp.float32) == "blockwise"  # the Mosaic GPU kernel takes 16-bit inputs
 
 
-@pytest.mark.parametrize("impl", ["auto", "mosaic_gpu", "triton_grouped", "mosaic_grouped"])
+@pytest.mark.parametrize("impl", ["auto", "mosaic_decode", "mosaic_gpu", "triton_grouped", "mosaic_grouped"])
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_packed_experts_decode_on_the_gpu(impl, tokens):
     """MXFP4 experts decoded inside the step on the GPU (bits assembled with integer operations, so
@@ -200,9 +202,11 @@ def test_packed_experts_decode_on_the_gpu(impl, tokens):
 
 
 def test_mosaic_decode_settings_at_gpt_oss_shapes():
-    """The Mosaic GPU MXFP4 grouped matmul with decode's settings (blocks of 64 rows, the input
-    dimension split over several programs) at gpt-oss-20b's expert shapes, scale extremes, against
-    the definition in float64 (noise: the same in torch bfloat16)."""
+    """The Mosaic GPU decode kernels at gpt-oss-20b's expert shapes against the definition in float64
+    (noise: the same in torch bfloat16): the MXFP4 grouped matmul with decode's settings (blocks of
+    64 rows, the input dimension split over several programs), scale extremes; the 16-bit decode
+    kernel, blocks of 8 rows, split likewise."""
+    from gptoss_jax.kernels import mosaic_decode
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     rng = np.random.default_rng(11)
@@ -223,6 +227,13 @@ def test_mosaic_decode_settings_at_gpt_oss_shapes():
         for cols in EXTREME_ROWS:
             Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * 64, cols],
                                                                                   f"MXFP4, F={F}, {cols}")
+        w16 = jax.random.normal(jax.random.key(F), (E, F, D), jnp.bfloat16)
+        rows8 = rows.reshape(4, 64, D)[:, :8].reshape(32, D)  # blocks of 8: each block's first 8 rows
+        low, exact = (a.reshape(3, 64, F)[:, :8].reshape(24, F) for a in definition(np.asarray(w16, np.float32)))
+        settings = mosaic_decode.decode_settings(4, F, D)
+        assert settings["splits"] > 1
+        got = mosaic_decode.grouped_matvec(rows8, block_expert, 3, w16, block_m=8, **settings)
+        Exact.measure(low, exact, precision="bfloat16").check(np.asarray(got[:24], np.float32), f"bf16, F={F}")
 
 
 def test_mxfp4_decoder_is_bit_exact_on_the_gpu():

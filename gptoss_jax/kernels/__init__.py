@@ -36,10 +36,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from . import gpu, mosaic_attention, mosaic_mxfp4
+from . import gpu, mosaic
 
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "mosaic", "triton")
-MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "triton", "triton_grouped", "mosaic_grouped", "megablox")
+MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "mosaic_decode", "mosaic_grouped", "triton", "triton_grouped",
+       "megablox")
 # Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
 NEEDS = {
     "tokamax": ("gpu", False, "NVIDIA GPUs"),
@@ -48,6 +49,7 @@ NEEDS = {
     "triton": ("gpu", True, "NVIDIA GPUs"),
     "triton_grouped": ("gpu", True, "NVIDIA GPUs"),
     "mosaic_grouped": ("gpu", True, "NVIDIA Hopper GPUs"),
+    "mosaic_decode": ("gpu", True, "NVIDIA Hopper GPUs"),
     "splash": ("tpu", True, "TPUs"),
     "megablox": ("tpu", True, "TPUs"),
 }
@@ -85,7 +87,7 @@ class Kernels:
             if backend == "tpu":
                 return "splash"
         elif (backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and gpu.is_hopper()
-              and mosaic_attention.supported()):
+              and mosaic.supported()):
             return "mosaic"  # reads the filled cache only
         return "blockwise"
 
@@ -95,18 +97,21 @@ class Kernels:
         if self.moe != "auto":
             return self._runnable(self.moe)
         backend = jax.default_backend()
+        sixteen_bit, bf16 = jnp.dtype(dtype).itemsize == 2, jnp.dtype(dtype) == jnp.bfloat16
+        hopper = backend == "gpu" and gpu.is_hopper() and mosaic.supported()
+        # The Mosaic GPU MXFP4 kernels decode to bfloat16; the 16-bit decode kernel takes either.
+        if hopper and ((packed and bf16 and pairs < self.moe_mosaic_min_pairs)
+                       or (not packed and sixteen_bit and pairs <= self.moe_gather_max_pairs)):
+            return "mosaic_decode"  # each selected expert read once, in place
         if pairs <= self.moe_gather_max_pairs:
-            return "triton" if backend == "gpu" else "gather"
-        if packed and backend == "gpu" and jnp.dtype(dtype).itemsize == 2:
-            # Decoded on the chip; the ragged dots would need decoded experts. The Mosaic GPU kernel
-            # takes blocks of 128 rows of one expert: for long prompts.
-            if (pairs >= self.moe_mosaic_min_pairs and jnp.dtype(dtype) == jnp.bfloat16 and gpu.is_hopper()
-                    and mosaic_mxfp4.supported()):
-                return "mosaic_grouped"
-            return "triton_grouped"
+            return "gather"
+        if packed and hopper and bf16:
+            return "mosaic_grouped"  # decoded into shared memory, never written back
+        if packed:
+            return "megablox" if backend == "tpu" else "grouped"  # decoded one expert block at a time
         # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot
         # hands shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
-        if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
+        if backend == "gpu" and sixteen_bit and _tokamax_available():
             return "mosaic_gpu" if gpu.is_hopper() else "tokamax"
         if backend == "tpu":
             return "megablox"

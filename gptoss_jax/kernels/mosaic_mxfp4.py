@@ -34,16 +34,16 @@ from .mosaic import interpret_params, supported, tiles
 
 __all__ = ["decode_settings", "grouped_matmul_mxfp4", "supported"]
 
-_TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
+TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
 
-def _load(ref, idx, layout, interpret: bool):
+def load(ref, idx, layout, interpret: bool):
     """ref[idx] (shared memory) into registers in `layout`, bank conflicts allowed (interpret mode:
     a plain read)."""
     return ref[idx] if interpret else plgpu.load(ref.at[idx], layout=layout, optimized=False)
 
 
-def _decode(p, s):
+def decode_codes(p, s):
     """Packed bytes [n, 16] uint8 and their block's scales [n] (int32; both loaded in the wgmma
     layout) -> the low and high nibbles' weights [n, 16] in bfloat16, in 16-bit lanes (two to a
     32-bit register): each e2m1 code is placed in a float16's sign, lowest exponent bits and top
@@ -109,8 +109,8 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=_TILES),
-                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=_TILES),
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES),
+                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES),
                           plgpu.BlockSpec((bn, K), lambda k: (j, first + k)),
                           plgpu.BlockSpec((gs, bn), lambda k: (first + k, j))])
 
@@ -137,9 +137,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                 def step(_, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
                     wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
                     for g in range(gs):
-                        p = _load(packed, (mine, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-                        sc = _load(s, (g, mine), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
-                        low, high = _decode(p, sc)
+                        p = load(packed, (mine, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
+                        sc = load(s, (g, mine), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
+                        low, high = decode_codes(p, sc)
                         wl[:, pl.ds(16 * g, 16)] = low
                         wh[:, pl.ds(16 * g, 16)] = high
                     plgpu.commit_smem()
@@ -151,12 +151,12 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                 pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
 
     out_shape = (M, F) if splits == 1 else (splits, M, F)
-    out_tiles = _TILES if splits == 1 else tiles(jnp.float32)
+    out_tiles = TILES if splits == 1 else tiles(jnp.float32)
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(M // block_m, pl.cdiv(F, bn), splits),
         grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", interpret=interpret_params(interpret),
-        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
-                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=_TILES),
+        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=TILES),
+                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=TILES),
                            o_smem=plgpu.SMEM((2, block_m, half), out_dtype, transforms=out_tiles)))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                  scales_t)

@@ -1,0 +1,205 @@
+"""Decode's expert products over 16-bit experts in Pallas Mosaic GPU (NVIDIA Hopper, JAX >= 0.11):
+few rows per expert (a batch of one: one row each for 4 experts), so the work is reading the
+selected experts' weights once, at the memory's rate.
+
+The pairs come in blocks of `block_m` rows of one expert each (moe.group_by_expert; 8 rows, the
+least the tensor cores take on this side). The products run transposed, out^T = W x^T: the weights'
+tile is the tensor cores' 64-row operand and the block's rows the narrow one ([block_m, K] read
+transposed), so no row of padding costs a 64-row tile. A program takes one block, `block_f` output
+features and one range of the input dimension: one warpgroup has the TMA engine bring the weights'
+and the rows' tiles into shared memory `stages` deep, the other multiplies them there (wgmma)
+into float32 registers. With `splits` ranges a batch of one has enough programs to keep every SM
+reading; their float32 partial sums are added after (at a batch of one, 2 MB against 130 MB of
+weights for gpt-oss-20b's mlp1).
+
+Legend: M = grouped rows, D = input features, F = output features, E = experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import mosaic_mxfp4
+from .mosaic import interpret_params, supported, tiles
+
+__all__ = ["decode_settings", "decode_settings_mxfp4", "grouped_matvec", "grouped_matvec_mxfp4", "supported"]
+
+
+def decode_settings(blocks_bound: int, F: int, D: int, *, block_f: int = 128, block_k: int = 64) -> dict:
+    """Splits of the D / block_k input steps for about two programs per SM of a large GPU (blocks x
+    output tiles x splits >= 264), among the steps' divisors."""
+    steps = D // block_k
+    programs = blocks_bound * -(-F // block_f)
+    splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= 264 or d == steps))
+    return dict(block_f=block_f, block_k=block_k, splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "block_k", "stages", "splits", "interpret"))
+def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: int = 128, block_k: int = 64,
+                   stages: int = 4, splits: int = 1, interpret: bool = False) -> jax.Array:
+    """rows [M, D] in blocks of block_m rows, block_expert [M / block_m] (each block's expert), used
+    (blocks from `used` on are skipped; their outputs are undefined), w [E, F, D] of rows' dtype
+    (16-bit) -> [M, F] in rows' dtype, float32 sums. block_m: a multiple of 8 up to 256; block_f: of
+    64 (F need not be one: the last tile is cut); D: a multiple of block_k, whose steps `splits`
+    divides."""
+    M, D = rows.shape
+    E, F, _ = w.shape
+    if not supported():
+        raise RuntimeError(f"the Mosaic GPU decode matvec needs JAX >= 0.11, this is {jax.__version__}")
+    if w.dtype != rows.dtype or jnp.dtype(rows.dtype).itemsize != 2:
+        raise ValueError(f"the Mosaic GPU decode matvec takes 16-bit rows and weights of one dtype, got {rows.dtype} "
+                         f"and {w.dtype}")
+    if M % block_m or block_m % 8 or block_m > 256 or block_f % 64 or D % block_k or (D // block_k) % splits:
+        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 64), "
+                         f"D={D} in steps of {block_k} split {splits} ways")
+    per = D // block_k // splits
+    operand = tiles(rows.dtype, block_k * jnp.dtype(rows.dtype).itemsize)
+
+    def body(be_ref, used_ref, x_ref, w_ref, o_ref, o_smem):
+        b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
+        e = be_ref[b]
+        first = part * per
+
+        def pipeline(step, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=1,
+                max_concurrent_steps=stages, compute_context=compute_context,
+                in_specs=[plgpu.BlockSpec((block_f, block_k), lambda k: (j, first + k), transforms=operand),
+                          plgpu.BlockSpec((block_m, block_k), lambda k: (b, first + k), transforms=operand)])
+
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @pl.when(b < used_ref[0])
+        def _():
+            @functools.partial(pl.run_scoped, collective_axes="wg",
+                               allocs=pipeline(ignore, ignore).get_allocations(w_ref.at[e], x_ref))
+            def _(allocs):
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_f, block_m), jnp.float32))
+                    def _(acc):
+                        run(acc)
+                        o_smem[...] = acc[...]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[part, pl.ds(j * block_f, block_f),
+                                                                 pl.ds(b * block_m, block_m)])
+                        plgpu.wait_smem_to_gmem(0)
+
+                def step(_, ws, xs, acc):  # one step's tiles: weights [block_f, block_k], rows [block_m, block_k]
+                    plgpu.wgmma(acc, ws, xs.T)  # [block_f, block_m] += W x^T
+                    plgpu.wgmma_wait(0)  # before the memory warpgroup refills these tiles
+                    return acc
+
+                pipeline(step, compute_context)(w_ref.at[e], x_ref, allocations=allocs)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
+        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=2,
+        thread_name="wg", interpret=interpret_params(interpret),
+        scratch_types=dict(o_smem=plgpu.SMEM((block_f, block_m), jnp.float32)))
+    out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), rows, w)
+    return out.sum(axis=0).T.astype(rows.dtype)  # [M, F]
+
+
+def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_f: int = 256, gs: int = 3) -> dict:
+    """Splits of the cdiv(G, gs) input steps for about two programs per SM of a large GPU, among the
+    steps' divisors."""
+    steps = -(-G // gs)
+    programs = blocks_bound * -(-F // block_f)
+    splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= 264 or d == steps))
+    return dict(block_f=block_f, gs=gs, splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret"))
+def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
+                         gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False) -> jax.Array:
+    """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
+    [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
+    transposed: two warpgroups each decode half of the program's `block_f` weight rows into shared
+    memory (the tensor cores' 64-row operand) and multiply them by the block's even and odd inputs;
+    a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale blocks).
+    block_m: a multiple of 8 up to 256; block_f: of 128 (F need not be one: the last tile is cut);
+    `splits` divides the cdiv(G, gs) steps."""
+    M, D = rows.shape
+    E, F, G, _ = blocks.shape
+    steps = pl.cdiv(G, gs)
+    if not supported():
+        raise RuntimeError(f"the Mosaic GPU MXFP4 decode matvec needs JAX >= 0.11, this is {jax.__version__}")
+    if rows.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU MXFP4 decode matvec takes bfloat16 rows, got {rows.dtype}")
+    if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
+        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
+                         f"{steps} steps of {gs} scale blocks split {splits} ways")
+    per = steps // splits
+    pairs = rows.reshape(M, G, 16, 2)
+    x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
+    flat = blocks.reshape(E, F, G * 16)
+    scales_t = jnp.swapaxes(scales, 1, 2)  # [E, G, F]: a step's scales are contiguous rows
+    K, half = 16 * gs, block_f // 2
+    x_tiles = mosaic_mxfp4.TILES
+
+    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
+        b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
+        e = be_ref[b]
+        first = part * per
+
+        def pipeline(step, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=stages, compute_context=compute_context,
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
+                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
+                          plgpu.BlockSpec((block_f, K), lambda k: (j, first + k)),
+                          plgpu.BlockSpec((gs, block_f), lambda k: (first + k, j))])
+
+        ignore = lambda *_, **__: None  # noqa: E731
+
+        @pl.when(b < used_ref[0])
+        def _():
+            @functools.partial(pl.run_scoped, collective_axes="wg",
+                               allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e]))
+            def _(allocs):
+                wg = lax.axis_index("wg")
+                mine = pl.ds(wg * half, half)
+
+                def compute_context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((half, block_m), jnp.float32))
+                    def _(acc):
+                        run(acc)
+                        o_smem[wg] = acc[...]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, pl.ds(j * block_f + wg * half, half),
+                                                                         pl.ds(b * block_m, block_m)])
+                        plgpu.wait_smem_to_gmem(0)
+
+                def step(_, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [block_f, K] [gs, block_f]
+                    wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
+                    for g in range(gs):
+                        p = mosaic_mxfp4.load(packed, (mine, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
+                        sc = mosaic_mxfp4.load(s, (g, mine), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
+                        low, high = mosaic_mxfp4.decode_codes(p, sc)
+                        wl[:, pl.ds(16 * g, 16)] = low
+                        wh[:, pl.ds(16 * g, 16)] = high
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc, wl, xe.T)  # [half, block_m] += W_even x_even^T
+                    plgpu.wgmma(acc, wh, xo.T)
+                    plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
+                    return acc
+
+                pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
+        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=3,
+        thread_name="wg", interpret=interpret_params(interpret),
+        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
+                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
+                           o_smem=plgpu.SMEM((2, half, block_m), jnp.float32)))
+    out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
+                 scales_t)
+    return out.sum(axis=0).T.astype(rows.dtype)  # [M, F]
