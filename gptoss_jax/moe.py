@@ -270,19 +270,34 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
 
 
 def decode_block(pairs: int, num_experts: int) -> int:
-    """Rows per expert block of the Mosaic GPU decode kernel for 16-bit experts: a power of two near
-    twice the pairs per expert (8 to 256), so that an expert's pairs rarely spill into a second block,
-    which would read its weights again (a batch of 64 over 32 experts: blocks of 16)."""
-    return min(256, max(8, 1 << max(0, -(-2 * pairs // num_experts) - 1).bit_length()))
+    """Rows per expert block of the Mosaic GPU decode kernels: a power of two near twice the pairs
+    per expert (8 to 64: the kernels' shared memory), so that an expert's pairs rarely spill into a
+    second block, which would read its weights again (a batch of 64 over 32 experts: blocks of 16)."""
+    return min(64, max(8, 1 << max(0, -(-2 * pairs // num_experts) - 1).bit_length()))
+
+
+def _pairs_as_blocks(x, idx, num_experts: int, block: int):
+    """`_to_blocks` for one token, whose pairs' experts are distinct: each pair a block of its own
+    (its input, then block - 1 zero rows), in the pairs' order, with no sorting. Dropped pairs
+    (idx < 0 or >= E) compute with expert 0 and are zeroed by undo."""
+    N, A = idx.shape
+    rows = jnp.zeros((N * A, block, x.shape[-1]), x.dtype).at[:, 0].set(jnp.repeat(x, A, axis=0))
+    kept = ((idx >= 0) & (idx < num_experts))[..., None]
+
+    def undo(out):
+        return jnp.where(kept, out.reshape(N * A, block, -1)[:, 0].reshape(N, A, -1), 0)
+
+    return rows.reshape(N * A * block, -1), undo, jnp.where(kept[..., 0], idx, 0).reshape(N * A), N * A
 
 
 def _experts_blocked(x, idx, w, act, *, block: int, matmul):
     """The grouped path's contract by a kernel over expert blocks: the pairs in blocks of `block`
-    rows of one expert each (`group_by_expert`), then matmul(rows, name, block_expert, used) ->
-    [rows, out] for each projection ("mlp1_weight", "mlp2_weight"). Rows of blocks past `used` are
-    undefined, and dropped."""
+    rows of one expert each (`group_by_expert`; for one token, a block per pair), then
+    matmul(rows, name, block_expert, used) -> [rows, out] for each projection ("mlp1_weight",
+    "mlp2_weight"). Rows of blocks past `used` are undefined, and dropped."""
     E = num_experts(w["mlp1_weight"])
-    rows, undo, block_expert, used = _to_blocks(x, idx, E, block)
+    blocks_of = _pairs_as_blocks if idx.shape[0] == 1 else _to_blocks
+    rows, undo, block_expert, used = blocks_of(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 
     def project(inputs, name):
