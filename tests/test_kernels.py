@@ -154,3 +154,23 @@ def test_late_map_equals_lax_map():
     for name in ("sum", "rows"):
         assert ours[name].dtype == ref[name].dtype and ours[name].shape == ref[name].shape
         np.testing.assert_array_equal(np.asarray(ours[name], np.float32), np.asarray(ref[name], np.float32))
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_auto_on_a_hopper_gpu_with_and_without_pallas_triton(monkeypatch, triton):
+    """What "auto" picks on an NVIDIA Hopper GPU (tokamax installed), while JAX ships Pallas's
+    deprecated Triton backend and once it no longer does: no Triton kernel then."""
+    import gptoss_jax.kernels as kernels
+
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels.gpu, "is_hopper", lambda: True)
+    monkeypatch.setattr(kernels.gpu, "available", lambda: True)
+    monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
+    monkeypatch.setattr(kernels, "triton_available", lambda: triton)
+    k = gj.Kernels()
+    assert (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096)) == (
+        "mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu")
+    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 256, 1023, 1024)]
+    assert packed == (["triton", "triton_grouped", "triton_grouped", "mosaic_grouped"] if triton else
+                      ["mosaic_decode"] * 3 + ["mosaic_grouped"])
+    assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic", "tokamax")

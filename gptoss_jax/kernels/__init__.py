@@ -32,6 +32,7 @@ combine.py folds the sinks in exactly (see there).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -99,11 +100,19 @@ class Kernels:
         backend = jax.default_backend()
         sixteen_bit, bf16 = jnp.dtype(dtype).itemsize == 2, jnp.dtype(dtype) == jnp.bfloat16
         hopper = backend == "gpu" and gpu.is_hopper() and mosaic.supported()
-        # The Mosaic GPU MXFP4 kernels decode to bfloat16; the 16-bit decode kernel takes either.
-        if hopper and ((packed and bf16 and pairs < self.moe_mosaic_min_pairs)
-                       or (not packed and sixteen_bit and pairs <= self.moe_gather_max_pairs)):
-            return "mosaic_decode"  # each selected expert read once, in place
-        if pairs <= self.moe_gather_max_pairs:
+        triton = backend == "gpu" and triton_available()
+        decode = pairs <= self.moe_gather_max_pairs
+        if packed and backend == "gpu" and bf16 and pairs < self.moe_mosaic_min_pairs:
+            # Decode's MXFP4 experts: Pallas Triton while JAX ships it (one H100 80GB, gpt-oss-20b:
+            # 303 tokens/s at a batch of one, against 211 by the Mosaic GPU decode kernel; 3,766
+            # against 3,328 at 64; docs/benchmarks.md), else Pallas Mosaic GPU (Hopper) or jnp.
+            if triton:
+                return "triton" if decode else "triton_grouped"
+            if hopper:
+                return "mosaic_decode"
+        if not packed and decode and sixteen_bit and (hopper or triton):
+            return "mosaic_decode" if hopper else "triton"  # each selected expert read once, in place
+        if decode:
             return "gather"
         if packed and hopper and bf16:
             return "mosaic_grouped"  # decoded into shared memory, never written back
@@ -135,3 +144,9 @@ class Kernels:
 
 def _tokamax_available() -> bool:
     return gpu.available()
+
+
+def triton_available() -> bool:
+    """Whether this JAX still ships Pallas's Triton backend (deprecated in JAX 0.11: the Triton
+    kernels are picked by "auto" only while it does)."""
+    return importlib.util.find_spec("jax.experimental.pallas.triton") is not None

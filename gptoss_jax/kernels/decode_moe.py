@@ -41,7 +41,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+try:  # deprecated in JAX 0.11, to be removed: the package imports without it, and "auto" stops picking these
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:
+    pltriton = None
 
 from .triton import _pow2_at_least, compiler_params, padded_span
 from .triton_mxfp4 import _scale

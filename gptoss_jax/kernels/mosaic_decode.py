@@ -146,13 +146,17 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     pairs = rows.reshape(M, G, 16, 2)
     x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
     flat = blocks.reshape(E, F, G * 16)
-    scales_t = jnp.swapaxes(scales, 1, 2)  # [E, G, F]: a step's scales are contiguous rows
+    # [E or blocks, G, F]: a step's scales as contiguous rows. Where there are fewer blocks than
+    # experts (a batch of one: 4 of 32), only the blocks' experts' scales are transposed.
+    by_block = M // block_m < E
+    scales_t = jnp.swapaxes(scales[block_expert] if by_block else scales, 1, 2)
     K, half = 16 * gs, block_f // 2
     x_tiles = mosaic_mxfp4.TILES
 
     def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
         b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
         e = be_ref[b]
+        s_ref = s_ref.at[b if by_block else e]
         first = part * per
 
         def pipeline(step, compute_context):
@@ -169,7 +173,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         @pl.when(b < used_ref[0])
         def _():
             @functools.partial(pl.run_scoped, collective_axes="wg",
-                               allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e]))
+                               allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref))
             def _(allocs):
                 wg = lax.axis_index("wg")
                 mine = pl.ds(wg * half, half)
@@ -198,7 +202,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                     plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
                     return acc
 
-                pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
+                pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref, allocations=allocs)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),

@@ -23,7 +23,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+try:  # deprecated in JAX 0.11, to be removed: the package imports without it, and "auto" stops picking these
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:
+    pltriton = None
 
 from .combine import fold_splits
 from .xla import MASKED
@@ -80,7 +83,10 @@ def padded_span(width: int, program_id: jax.Array) -> pl.Slice:
 
 
 def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
-    """pallas_call's Triton settings (none in interpret mode)."""
+    """pallas_call's Triton settings (none in interpret mode). Every Triton kernel here asks for them."""
+    if pltriton is None:
+        raise RuntimeError(f"this JAX ({jax.__version__}) no longer has Pallas's Triton backend; the Pallas Triton "
+                           "kernels ('triton', 'triton_grouped') cannot run: pick another, or 'auto'")
     if interpret:
         return {}
     return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}

@@ -24,7 +24,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+try:  # deprecated in JAX 0.11, to be removed: the package imports without it, and "auto" stops picking these
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:
+    pltriton = None
 
 from .triton import _block, compiler_params, padded_span
 
