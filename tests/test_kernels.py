@@ -168,8 +168,9 @@ def test_auto_on_a_hopper_gpu_with_and_without_pallas_triton(monkeypatch, triton
     monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
     monkeypatch.setattr(kernels, "triton_available", lambda: triton)
     k = gj.Kernels()
+    decode = "triton" if triton else "mosaic_decode"
     assert (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096)) == (
-        "mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu")
+        decode, decode, "gather", "mosaic_gpu")
     packed = [k.moe_for(pairs, packed=True) for pairs in (4, 256, 1023, 1024)]
     assert packed == (["triton", "triton_grouped", "triton_grouped", "mosaic_grouped"] if triton else
                       ["mosaic_decode"] * 3 + ["mosaic_grouped"])

@@ -102,20 +102,20 @@ class Kernels:
         hopper = backend == "gpu" and gpu.is_hopper() and mosaic.supported()
         triton = backend == "gpu" and triton_available()
         decode = pairs <= self.moe_gather_max_pairs
+        # Decode's experts: Pallas Triton while JAX ships it, else Pallas Mosaic GPU (Hopper) or jnp.
+        # On one H100 80GB (gpt-oss-20b, docs/benchmarks.md) the Mosaic GPU decode kernel is correct
+        # but slower at a batch of one: 195 against 245 tokens/s (bf16 experts), 204 against 303 (MXFP4).
         if packed and backend == "gpu" and bf16 and pairs < self.moe_mosaic_min_pairs:
-            # Decode's MXFP4 experts: Pallas Triton while JAX ships it (one H100 80GB, gpt-oss-20b:
-            # 303 tokens/s at a batch of one, against 211 by the Mosaic GPU decode kernel; 3,766
-            # against 3,328 at 64; docs/benchmarks.md), else Pallas Mosaic GPU (Hopper) or jnp.
             if triton:
                 return "triton" if decode else "triton_grouped"
             if hopper:
                 return "mosaic_decode"
         if not packed and decode and sixteen_bit and (hopper or triton):
-            return "mosaic_decode" if hopper else "triton"  # each selected expert read once, in place
+            return "triton" if triton else "mosaic_decode"  # each selected expert read once, in place
         if decode:
             return "gather"
-        if packed and hopper and bf16:
-            return "mosaic_grouped"  # decoded into shared memory, never written back
+        if packed and backend == "gpu" and bf16 and (hopper or triton):
+            return "mosaic_grouped" if hopper else "triton_grouped"  # decoded on the chip, never written back
         if packed:
             return "megablox" if backend == "tpu" else "grouped"  # decoded one expert block at a time
         # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot

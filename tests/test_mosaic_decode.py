@@ -1,0 +1,84 @@
+"""The Pallas Mosaic GPU decode kernels for the experts (kernels/mosaic_decode.py) on CPU, in Mosaic
+GPU's interpret mode (JAX >= 0.11); tests/test_gpu.py runs them compiled on a GPU, at gpt-oss-20b's
+shapes too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import EXTREME_ROWS, packed_with_extreme_scales
+from noise import Exact
+
+import gptoss_jax as gj
+from gptoss_jax.kernels import mosaic_decode
+from gptoss_jax.mxfp4 import decode_mxfp4
+
+pytestmark = pytest.mark.skipif(not mosaic_decode.supported(),
+                                reason=f"Mosaic GPU interpret mode of these kernels needs JAX >= 0.11 (this is "
+                                       f"{jax.__version__}); tests/run.sh runs them under Python >= 3.12")
+
+BLOCK_EXPERT = jnp.asarray([2, 0, 1, 1], jnp.int32)  # 4 blocks, 3 used (the last is skipped)
+
+
+def blocks_reference(rows, w, block):
+    """Each used block of rows times its expert w [E, F, D] (float32): (bfloat16 run, float64 run)."""
+    e = np.repeat(np.asarray(BLOCK_EXPERT)[:3], block)
+    x = np.asarray(rows[:3 * block], np.float32)
+    low = jnp.einsum("md,mfd->mf", jnp.asarray(x, jnp.bfloat16), jnp.asarray(w[e], jnp.bfloat16),
+                     preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    return np.asarray(low, np.float64), np.einsum("md,mfd->mf", x.astype(np.float64), w[e].astype(np.float64))
+
+
+@pytest.mark.parametrize("settings", [{}, {"splits": 2, "block_f": 64}])
+def test_matvec_of_16_bit_experts(settings):
+    """Blocks of 8 rows, 192 outputs (with 128-wide tiles the second is cut at the end), the input
+    dimension in one range or split in two (float32 partial sums added after): every used block
+    against its expert in float64, within the noise of the same product in bfloat16."""
+    E, F, D = 3, 192, 128
+    w = jax.random.normal(jax.random.key(0), (E, F, D), jnp.bfloat16)
+    rows = jax.random.normal(jax.random.key(1), (4 * 8, D), jnp.bfloat16)
+    got = jax.jit(lambda r, w: mosaic_decode.grouped_matvec(r, BLOCK_EXPERT, 3, w, interpret=True, **settings))(rows, w)
+    low, exact = blocks_reference(rows, np.asarray(w, np.float32), 8)
+    Exact.measure(low, exact, precision="bfloat16").check(np.asarray(got[:24], np.float32))
+
+
+@pytest.mark.parametrize("E, settings", [(3, {}), (5, {"block_f": 128, "gs": 1, "splits": 3})])
+def test_matvec_of_mxfp4_experts(E, settings):
+    """MXFP4-packed experts with scale extremes (2^-117, 2^73, both in one row, typical), decoded on
+    the chip: 320 outputs (a 256-wide tile cut at the end), 3 scale blocks (the second step's last
+    two past the end: zeros from the TMA copy) or 3 steps split over 3 programs; with fewer blocks
+    than experts (E=5) only the blocks' experts' scales are read, by block."""
+    rng = np.random.default_rng(E)
+    F, D = 320, 96
+    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
+    rows = jax.random.normal(jax.random.key(E), (4 * 8, D), jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda r, b, s: mosaic_decode.grouped_matvec_mxfp4(
+        r, BLOCK_EXPERT, 3, b, s, interpret=True, **settings))(rows, blocks, scales), np.float32)
+    low, exact = blocks_reference(rows, decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32"), 8)
+    for cols in EXTREME_ROWS:
+        Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:24, cols], str(cols))
+
+
+@pytest.mark.parametrize("experts", [None, "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_kernels_switch_runs_it(experts, tokens):
+    """Kernels(moe="mosaic_decode") in the MoE block, 16-bit and MXFP4-packed experts, for one token
+    (its pairs each a block of their own) and for 3 (12 pairs sorted into expert blocks): the jnp
+    gather path's output on the same (decoded) experts within the noise of a bfloat16 run of it
+    (measured against float32)."""
+    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.mxfp4 import decode_params
+    from gptoss_jax.testing import random_params
+
+    config = gj.ModelConfig.tiny().replace(hidden_size=128, intermediate_size=128)
+    params = random_params(config, seed=tokens, dtype=jnp.bfloat16, experts=experts)["block_0"]["mlp"]
+    x = jax.random.normal(jax.random.key(tokens), (tokens, 1, config.hidden_size), jnp.bfloat16)
+    block = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_decode", interpret=True))
+    got = jax.jit(lambda p, x: block.apply({"params": p}, x))(params, x)
+    decoded = decode_params(params) if experts else params
+    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": decoded}, x)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
+    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32}, x.astype(jnp.float32))
+    flat = lambda a, dtype: np.asarray(a, dtype).reshape(-1, config.hidden_size)  # noqa: E731
+    Exact.measure(flat(want, np.float64), flat(exact, np.float64), precision="bfloat16").check(
+        flat(got, np.float32), "mosaic_decode")
