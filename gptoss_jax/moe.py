@@ -7,6 +7,10 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
   temporary memory is one expert's matrices per pair, so it serves decode-sized inputs.
 - "triton" (GPU, decode): the same per-pair products by a Pallas Triton kernel reading each pair's
   expert in place (kernels/triton.py).
+- "mosaic_decode" (GPU, Hopper, decode; 16-bit or MXFP4 experts): the Pallas Mosaic GPU kernels of
+  kernels/mosaic_decode.py over expert blocks of 8 to 64 rows (`decode_block`; one token's pairs
+  each a block of its own, unsorted), the replacement for the Pallas Triton decode kernels, which
+  "auto" picks where JAX no longer ships Pallas Triton.
 - "grouped" (jnp, prompts): sorts the pairs by expert, pads each expert's group to a multiple of
   `block` rows and loops over the blocks, one [block, D] x [D, F] product with that block's expert
   each. Work is the selected pairs plus at most `block - 1` padding rows per expert.
@@ -17,10 +21,9 @@ Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On
 read them packed and decode on the chip, never writing decoded weights to memory: "triton" for
 decode, "mosaic_grouped" (Pallas Mosaic GPU, Hopper: the pairs in expert blocks, as "grouped",
 decoded weights in shared memory for the tensor cores) for prompts, and "triton_grouped" (the same
-in Pallas Triton) for large batches and GPUs before Hopper. Picked by name, "mosaic_grouped" also
-serves decode-sized calls (blocks of 64 rows, split input dimension): the Mosaic GPU path meant for
-decode's packed experts, not yet picked by "auto". At decode on one device with 16-bit activations the whole block (norm, router, experts)
-runs as kernels/decode_moe.py's four fused kernels instead (`MLPBlock._fused_decode`).
+in Pallas Triton) for large batches and GPUs before Hopper. At decode on one device with 16-bit
+activations, "triton" runs the whole block (norm, router, experts) as kernels/decode_moe.py's four
+fused kernels (`MLPBlock._fused_decode`).
 The jnp paths decode them inside the jitted step: "gather" only the selected experts'
 (`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
 at once (`whole_experts`).

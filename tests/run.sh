@@ -58,7 +58,7 @@ if [[ $# -eq 0 ]] && ! "$PY" -c 'import jax, sys; sys.exit(jax.__version_info__ 
     say "the Mosaic GPU kernels in interpret mode need JAX >= 0.11: running them under $("$newer" -V) in .venv-mosaic"
     [[ -x .venv-mosaic/bin/python ]] || "$newer" -m venv .venv-mosaic
     .venv-mosaic/bin/python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" pytest -e .
-    .venv-mosaic/bin/python -m pytest -q tests/test_mosaic_attention.py tests/test_mosaic_mxfp4.py
+    .venv-mosaic/bin/python -m pytest -q tests/test_mosaic_*.py
   fi
 fi
 say "running pytest $*"

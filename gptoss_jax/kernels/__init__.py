@@ -5,21 +5,22 @@
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | Pallas Mosaic GPU over the filled cache ("mosaic": Hopper, 16-bit, JAX >= 0.11), else jnp ("blockwise") | jnp over the whole cache ("blockwise") | same as TPU |
 | experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), else Pallas Triton's ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
-| experts, decode | Pallas Triton per-pair matvec ("triton") | jnp gather ("gather") | jnp gather ("gather") |
+| experts, decode | Pallas Triton per-pair matvec ("triton"; MXFP4: the fused decode MoE, and "triton_grouped" from 65 pairs) while JAX ships Pallas Triton, else Pallas Mosaic GPU ("mosaic_decode", Hopper), else jnp ("gather") | jnp gather ("gather") | jnp gather ("gather") |
 
 Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas kernels read them packed and
-decode on the chip, for decode ("triton") and for prompts ("mosaic_grouped": decoded into shared
-memory for the tensor cores, kernels/mosaic_mxfp4.py; "triton_grouped": in registers,
-kernels/triton_mxfp4.py; both with 16-bit activations); no decoded weight is written to memory. At decode on one device with
-16-bit activations, "triton" runs the whole MoE block, norm and router included, as four fused
-kernels (kernels/decode_moe.py). Elsewhere the jnp paths decode
-them inside the jitted step (gather: the selected experts only; grouped: one expert block at a
-time; megablox on TPU: a layer's experts).
+decode on the chip, no decoded weight written to memory: for prompts "mosaic_grouped" (decoded into
+shared memory for the tensor cores, kernels/mosaic_mxfp4.py; "triton_grouped" before Hopper, in
+registers, kernels/triton_mxfp4.py), for decode "triton" (at decode on one device, the whole MoE
+block, norm and router included, as four fused kernels, kernels/decode_moe.py) or "mosaic_decode"
+(kernels/mosaic_decode.py); all take 16-bit activations. Elsewhere the jnp paths decode them inside
+the jitted step (gather: the selected experts only; grouped: one expert block at a time; megablox
+on TPU: a layer's experts).
 
-Pallas Triton kernels ("triton", "triton_grouped") remain for the experts at decode; JAX deprecated
-that backend, and the decode attention no longer uses it ("triton" there is picked only by name).
-"mosaic_grouped" picked by name also runs decode-sized calls over MXFP4 experts in Pallas Mosaic GPU,
-the intended replacement, which "auto" will pick once measured.
+JAX 0.11 deprecated Pallas's Triton backend. Attention, and prompts on Hopper, no longer use it. Decode's
+experts still do by default, because on one H100 80GB the Pallas Mosaic GPU decode kernels
+("mosaic_decode": the products transposed so that an expert's few rows take blocks of 8) are
+correct but slower at a batch of one (docs/benchmarks.md); "auto" picks them once JAX drops the
+Triton backend (`triton_available`), and they can be picked by name now.
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
