@@ -188,13 +188,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
                 def step(_, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [block_f, K] [gs, block_f]
                     wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
-                    for g in range(gs):
-                        p = mosaic_mxfp4.load(packed, (mine, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-                        sc = mosaic_mxfp4.load(s, (g, mine), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
-                        low, high = mosaic_mxfp4.decode_codes(p, sc)
-                        wl[:, pl.ds(16 * g, 16)] = low
-                        wh[:, pl.ds(16 * g, 16)] = high
-                    plgpu.commit_smem()
+                    mosaic_mxfp4.decode_into(packed, s, mine, wl, wh, gs, interpret)
                     plgpu.wgmma(acc, wl, xe.T)  # [half, block_m] += W_even x_even^T
                     plgpu.wgmma(acc, wh, xo.T)
                     plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh

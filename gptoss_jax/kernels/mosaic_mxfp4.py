@@ -32,18 +32,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic import interpret_params, supported, tiles
 
-__all__ = ["decode_settings", "grouped_matmul_mxfp4", "supported"]
+__all__ = ["TILES", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "supported"]
 
 TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
 
-def load(ref, idx, layout, interpret: bool):
+def _load(ref, idx, layout, interpret: bool):
     """ref[idx] (shared memory) into registers in `layout`, bank conflicts allowed (interpret mode:
     a plain read)."""
     return ref[idx] if interpret else plgpu.load(ref.at[idx], layout=layout, optimized=False)
 
 
-def decode_codes(p, s):
+def _decode(p, s):
     """Packed bytes [n, 16] uint8 and their block's scales [n] (int32; both loaded in the wgmma
     layout) -> the low and high nibbles' weights [n, 16] in bfloat16, in 16-bit lanes (two to a
     32-bit register): each e2m1 code is placed in a float16's sign, lowest exponent bits and top
@@ -56,6 +56,19 @@ def decode_codes(p, s):
     low = ((p & 0x08) << 12) | ((p & 0x07) << 9)
     high = ((p & 0x80) << 8) | ((p & 0x70) << 5)
     return tuple(lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.bfloat16) * scale for bits in (low, high))
+
+
+def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool):
+    """One step's weight rows `rows` (a warpgroup's share), packed bytes [., 16 gs] and
+    scales [gs, .] in shared memory, decoded into w_low and w_high [rows, 16 gs] (bfloat16 in shared
+    memory: the even and odd inputs' weights), the stores then made visible to the tensor cores."""
+    for g in range(gs):
+        p = _load(packed, (rows, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
+        sc = _load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
+        low, high = _decode(p, sc)
+        w_low[:, pl.ds(16 * g, 16)] = low
+        w_high[:, pl.ds(16 * g, 16)] = high
+    plgpu.commit_smem()
 
 
 def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
@@ -136,13 +149,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
                 def step(_, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
                     wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
-                    for g in range(gs):
-                        p = load(packed, (mine, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-                        sc = load(s, (g, mine), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
-                        low, high = decode_codes(p, sc)
-                        wl[:, pl.ds(16 * g, 16)] = low
-                        wh[:, pl.ds(16 * g, 16)] = high
-                    plgpu.commit_smem()
+                    decode_into(packed, s, mine, wl, wh, gs, interpret)
                     plgpu.wgmma(acc, xe, wl.T)
                     plgpu.wgmma(acc, xo, wh.T)
                     plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
