@@ -324,24 +324,18 @@ def _packed_only(weight, impl: str) -> dict:
 def _experts_grouped_mxfp4(x, idx, w, act, *, impl: str, interpret: bool):
     """MXFP4-packed experts by a grouped matmul that decodes weight tiles on the chip (`_experts_blocked`):
     "mosaic_grouped", the Pallas Mosaic GPU kernel (kernels/mosaic_mxfp4.py, Hopper) in blocks of 128
-    rows; "mosaic_decode", the same kernel with decode's settings (blocks of 64, each row's steps
-    split over several programs); "triton_grouped", the Pallas Triton one (kernels/triton_mxfp4.py),
-    its blocks sized to the pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
+    rows; "triton_grouped", the Pallas Triton one (kernels/triton_mxfp4.py), its blocks sized to the
+    pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
-    if impl == "triton_grouped":
-        block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
-    else:
-        block = 64 if impl == "mosaic_decode" else 128
+    block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length())) if impl == "triton_grouped" else 128
 
     def matmul(inputs, name, block_expert, used):
         blocks, scales = _packed_only(w[name], impl)["blocks"], w[name]["scales"]
         if impl == "triton_grouped":
             return grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
                                         interpret=interpret, **_grouped_mxfp4_settings(block, name))
-        _, F, G, _ = blocks.shape
-        settings = mosaic_mxfp4.decode_settings(block_expert.shape[0], F, G) if impl == "mosaic_decode" else {"block_m": block}
-        return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, interpret=interpret,
-                                                 **settings)
+        return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
+                                                 interpret=interpret)
 
     return _experts_blocked(x, idx, w, act, block=block, matmul=matmul)
 

@@ -74,7 +74,9 @@ def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool):
 def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     """Settings for few rows (decode: blocks of 64, about one per expert in use): 3 scale blocks a
     step, and the steps split over enough programs (blocks x output tiles x splits) for two per SM
-    of a large GPU, their float32 partial sums added after."""
+    of a large GPU, their float32 partial sums added after. The model's decode runs
+    kernels/mosaic_decode.py instead (blocks of 8 rows; as fast or faster, docs/benchmarks.md); these
+    settings stay for comparison (bench/kernels.py --part decode-experts)."""
     gs = 3
     steps = -(-G // gs)
     tiles = blocks_bound * -(-F // 256)
