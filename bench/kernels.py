@@ -278,7 +278,7 @@ def decode_experts(rng):
     steps), its grouping of the pairs included."""
     from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
-    from gptoss_jax.moe import _to_blocks, decode_block
+    from gptoss_jax.pairs import decode_block, to_blocks
     from gptoss_jax.mxfp4 import decode
 
     L = 8
@@ -301,24 +301,24 @@ def decode_experts(rng):
                     xp, *args, ref=ref, weight_bytes=nbytes, n=30)
             else:
                 def triton_grouped(x, *a):
-                    rows, undo, be, used = _to_blocks(x, idx, E, 16)
+                    rows, undo, be, used = to_blocks(x, idx, E, 16)
                     return jnp.stack([undo(grouped_matmul_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1], block_m=16,
                                                                 block_n=64, num_warps=4, num_stages=3)).reshape(P, F)
                                       for i in range(L)])
 
                 timed(f"{tag} triton grouped block=16", triton_grouped, x, *args, ref=ref, weight_bytes=nbytes, n=30)
-            bound = _to_blocks(x, idx, E, 64)[2].shape[0]
+            bound = to_blocks(x, idx, E, 64)[2].shape[0]
             settings = mosaic_mxfp4.decode_settings(bound, F, D // 32)
 
             def mosaic(x, *a):
-                rows, undo, be, used = _to_blocks(x, idx, E, 64)
+                rows, undo, be, used = to_blocks(x, idx, E, 64)
                 return jnp.stack([undo(mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
                                                                           **settings)).reshape(P, F)
                                   for i in range(L)])
 
             timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
             block = decode_block(P, E)
-            bound = _to_blocks(x, idx, E, block)[2].shape[0]
+            bound = to_blocks(x, idx, E, block)[2].shape[0]
             G = D // 32
             default = mosaic_decode.decode_settings_mxfp4(bound, F, G)
             for blk, settings in ((block, default), (block, {**default, "stages": 2}), (block, {**default, "stages": 4}),
@@ -327,7 +327,7 @@ def decode_experts(rng):
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=5)),
                                   (block, {**default, "splits": 1}), (2 * block, default)):
                 def swapped(x, *a, blk=blk, settings=settings):
-                    rows, undo, be, used = _to_blocks(x, idx, E, blk)
+                    rows, undo, be, used = to_blocks(x, idx, E, blk)
                     return jnp.stack([undo(mosaic_decode.grouped_matvec_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
                                                                                block_m=blk, **settings)).reshape(P, F)
                                       for i in range(L)])
@@ -342,7 +342,7 @@ def decode_experts_16bit(rng):
     (the previous defaults) against the Pallas Mosaic GPU decode kernel (products transposed, blocks
     of 8 to 16 rows), its grouping of the pairs included, with variants of its settings."""
     from gptoss_jax.kernels import mosaic_decode
-    from gptoss_jax.moe import _to_blocks, decode_block, sort_by_expert, pair_inputs, unsort
+    from gptoss_jax.pairs import decode_block, pair_inputs, sort_by_expert, to_blocks, unsort
 
     L = 8
     for F in (F2, D):
@@ -366,7 +366,7 @@ def decode_experts_16bit(rng):
 
                 timed(f"{tag} mosaic ragged dot", ragged, x, *ws, ref=ref, weight_bytes=nbytes, n=30)
             block = decode_block(P, E)
-            bound = _to_blocks(x, idx, E, block)[2].shape[0]
+            bound = to_blocks(x, idx, E, block)[2].shape[0]
             default = mosaic_decode.decode_settings(bound, F, D)
             variants = [(block, default), (block, {**default, "stages": 6}), (block, {**default, "stages": 3}),
                         (block, mosaic_decode.decode_settings(bound, F, D, block_f=64)),
@@ -374,7 +374,7 @@ def decode_experts_16bit(rng):
                         (block, {**default, "splits": 1}), (2 * block, default)]
             for blk, settings in variants:
                 def mosaic(x, *w, blk=blk, settings=settings):
-                    rows, undo, be, used = _to_blocks(x, idx, E, blk)
+                    rows, undo, be, used = to_blocks(x, idx, E, blk)
                     return jnp.stack([undo(mosaic_decode.grouped_matvec(rows, be, used, wi, block_m=blk, **settings)
                                            ).reshape(P, F) for wi in w])
 
@@ -388,7 +388,7 @@ def grouped_mxfp4(rng):
     64 (256 pairs): the Triton grouped matmul's settings against the bf16 weights' Mosaic GPU ragged
     dot and against decoding the layer first (what packed prompts did before)."""
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
-    from gptoss_jax.moe import group_by_expert
+    from gptoss_jax.pairs import group_by_expert
     from gptoss_jax.mxfp4 import decode
 
     for F, name in ((F2, "mlp1"), (D, "mlp2")):

@@ -54,6 +54,7 @@ from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
 from .layers import RMSNorm
 from .mxfp4 import decode, packed
+from .pairs import decode_block, pair_inputs, pairs_as_blocks, sort_by_expert, to_blocks, unsort
 from .sharding import spec
 from .weight import Weight, adapter, declare, low_rank, packed_axes
 
@@ -129,122 +130,12 @@ def _experts_gather(x, idx, w, act):
     return y + _pair_low_rank(a, w, "mlp2_weight", idx, "na")
 
 
-def sort_by_expert(idx: jax.Array, num_experts: int):
-    """The pairs of idx [N, A] in expert order. Pairs whose expert lies outside [0, num_experts)
-    (experts held by other devices) are dropped: they sort last, under expert num_experts.
-
-    Returns (order [P]: the pairs' flat indices sorted by expert (stable), sorted_expert [P],
-    counts [num_experts]: pairs per expert, dropped ones not counted).
-    """
-    flat = idx.reshape(idx.size)
-    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    order = jnp.argsort(flat, stable=True)
-    return order, flat[order], jnp.bincount(flat, length=num_experts + 1)[:num_experts]
-
-
-def unsort(rows: jax.Array, order: jax.Array) -> jax.Array:
-    """Rows in expert order [P, ...] back in pair order: a gather by the inverse permutation, which
-    XLA fuses into the weighted sum that reads it (a scatter by `order` would write every row once
-    more: on one H100, 0.65 vs 0.13 ms for 16,384 rows of 2880)."""
-    return _permute(rows, _inverse(order), order)
-
-
-def pair_inputs(x: jax.Array, order: jax.Array, A: int) -> jax.Array:
-    """x [N, D] -> [P, D]: the input row of each pair in expert order (pair p is token p // A)."""
-    return _pair_rows(x, order, _inverse(order), A)
-
-
-def _inverse(order: jax.Array) -> jax.Array:
-    return jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
-
-
-# The gradients of these two gathers are gathers too. Autodiff would transpose each into a
-# scatter-add into a zero buffer of the pairs' size; on a GPU, XLA creates such zero buffers at the
-# start of the backward pass for every layer at once (training the 20b at 16K positions: 1.4 GiB a
-# layer, held through the whole backward pass).
-@jax.custom_vjp
-def _permute(rows, perm, inverse):
-    """rows[perm], perm a permutation and inverse its inverse."""
-    return rows[perm]
-
-
-def _permute_fwd(rows, perm, inverse):
-    return rows[perm], (perm, inverse)
-
-
-def _permute_bwd(residuals, g):
-    perm, inverse = residuals
-    return g[inverse], None, None
-
-
-_permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _pair_rows(x, order, inverse, A):
-    return x[order // A]
-
-
-def _pair_rows_fwd(x, order, inverse, A):
-    return x[order // A], (order, inverse)
-
-
-def _pair_rows_bwd(A, residuals, g):
-    order, inverse = residuals
-    N = order.size // A
-    # Back in pair order, then each token's A pairs summed (float32 sums, as a scatter-add would).
-    per_pair = g[inverse].reshape(N, A, -1)
-    return jnp.sum(per_pair.astype(jnp.float32), axis=1).astype(g.dtype), None, None
-
-
-_pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
-
-
-def group_by_expert(idx: jax.Array, num_experts: int, block: int):
-    """Lay the pairs of idx [N, A] out in blocks of `block` rows, each block holding one expert's pairs.
-
-    Returns (order [P]: pairs sorted by expert, dest [P]: padded row of each sorted pair (past the
-    end for dropped pairs), block_expert [num_blocks], used: how many blocks hold pairs). num_blocks
-    is the static bound ceil((P + min(E, P) * (block - 1)) / block): the selected pairs plus at
-    most block - 1 padding rows for each expert that holds a pair (at most P of them: 4 blocks, not
-    E, at a decode batch of one); blocks from `used` on hold no pair (their expert is the last).
-    """
-    P = idx.size
-    order, sorted_expert, counts = sort_by_expert(idx, num_experts)
-    padded = (counts + block - 1) // block * block
-    padded_end = jnp.cumsum(padded)
-    padded_start = padded_end - padded
-    start = jnp.cumsum(counts) - counts
-    num_blocks = -(-(P + min(num_experts, P) * (block - 1)) // block)  # at most P experts hold a pair
-    # Padded row of each sorted pair: its expert's padded start + its rank within the expert.
-    e = jnp.minimum(sorted_expert, num_experts - 1)
-    dest = jnp.where(sorted_expert < num_experts, padded_start[e] + jnp.arange(P) - start[e], num_blocks * block)
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
-                               num_experts - 1)
-    return order, dest, block_expert, padded_end[-1] // block
-
-
-def _to_blocks(x, idx, num_experts: int, block: int):
-    """x [N, D], idx [N, A] -> (rows [num_blocks * block, D]: each pair's input in its expert's
-    blocks, zero padding; undo: a function taking per-row outputs [num_blocks * block, D] back to
-    per-pair outputs [N, A, D], zero for dropped pairs; block_expert [num_blocks]; used)."""
-    N, A = idx.shape
-    order, dest, block_expert, used = group_by_expert(idx, num_experts, block)
-    rows = jnp.zeros((block_expert.shape[0] * block, x.shape[-1]), x.dtype).at[dest].set(pair_inputs(x, order, A), mode="drop")
-
-    def undo(out):
-        picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0
-        return unsort(picked, order).reshape(N, A, -1)
-
-    return rows, undo, block_expert, used
-
-
 def _experts_grouped(x, idx, w, act, *, num_experts: int, block: int):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D] (zero for dropped pairs), one expert per `block` rows."""
     D = x.shape[-1]
     # Every block of the static bound is computed (blocks past the used ones hold zero rows): a
     # lax.cond skipping them would cost a host round trip per block on a GPU.
-    rows, undo, block_expert, _ = _to_blocks(x, idx, num_experts, block)
+    rows, undo, block_expert, _ = to_blocks(x, idx, num_experts, block)
     num_blocks = block_expert.shape[0]
     rows = rows.reshape(num_blocks, block, D)
 
@@ -272,38 +163,13 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
         dict(block_n=128, num_warps=4, num_stages=2)
 
 
-def decode_block(pairs: int, num_experts: int) -> int:
-    """Rows per expert block of the Mosaic GPU decode kernels: a power of two near twice the pairs
-    per expert (8 to 64: the kernels' shared memory), so that an expert's pairs rarely spill into a
-    second block, which would read its weights again (a batch of 64 over 32 experts: blocks of 16)."""
-    return min(64, max(8, 1 << max(0, -(-2 * pairs // num_experts) - 1).bit_length()))
-
-
-def _pairs_as_blocks(x, idx, num_experts: int, block: int):
-    """`_to_blocks` for one token, whose pairs' experts are distinct: each pair a block of its own
-    (its input, then block - 1 zero rows), in the pairs' order, with no sorting. Dropped pairs
-    (idx < 0 or >= E) compute with expert 0 and are zeroed by undo."""
-    N, A = idx.shape
-    # x as an array of its own, so that the padding is not fused into the RMSNorm that makes x (a
-    # one-row reduction, on one SM): a profile on one H100 80GB showed a pad-and-reduce fusion of
-    # 43 us a layer with this kernel at a batch of one, none with the Triton one.
-    x = jax.lax.optimization_barrier(x)
-    rows = jnp.zeros((N * A, block, x.shape[-1]), x.dtype).at[:, 0].set(jnp.repeat(x, A, axis=0))
-    kept = ((idx >= 0) & (idx < num_experts))[..., None]
-
-    def undo(out):
-        return jnp.where(kept, out.reshape(N * A, block, -1)[:, 0].reshape(N, A, -1), 0)
-
-    return rows.reshape(N * A * block, -1), undo, jnp.where(kept[..., 0], idx, 0).reshape(N * A), N * A
-
-
 def _experts_blocked(x, idx, w, act, *, block: int, matmul):
     """The grouped path's contract by a kernel over expert blocks: the pairs in blocks of `block`
     rows of one expert each (`group_by_expert`; for one token, a block per pair), then
     matmul(rows, name, block_expert, used) -> [rows, out] for each projection ("mlp1_weight",
     "mlp2_weight"). Rows of blocks past `used` are undefined, and dropped."""
     E = num_experts(w["mlp1_weight"])
-    blocks_of = _pairs_as_blocks if idx.shape[0] == 1 else _to_blocks
+    blocks_of = pairs_as_blocks if idx.shape[0] == 1 else to_blocks
     rows, undo, block_expert, used = blocks_of(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 

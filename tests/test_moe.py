@@ -11,8 +11,8 @@ import torch
 
 from noise import Exact
 from gptoss_jax.kernels import Kernels
-from gptoss_jax.moe import (MLPBlock, _experts_gather, _experts_grouped, group_by_expert, pair_inputs, route,
-                            sort_by_expert, swiglu, unsort)
+from gptoss_jax.moe import MLPBlock, _experts_gather, _experts_grouped, route, swiglu
+from gptoss_jax.pairs import group_by_expert, pair_inputs, sort_by_expert, unsort
 from refs import hf_model, openai_model, t
 
 

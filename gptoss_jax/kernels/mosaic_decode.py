@@ -2,7 +2,7 @@
 few rows per expert (a batch of one: one row each for 4 experts), so the work is reading the
 selected experts' weights once, at the memory's rate.
 
-The pairs come in blocks of `block_m` rows of one expert each (moe.group_by_expert; 8 rows, the
+The pairs come in blocks of `block_m` rows of one expert each (pairs.group_by_expert; 8 rows, the
 least the tensor cores take on this side). The products run transposed, out^T = W x^T: the weights'
 tile is the tensor cores' 64-row operand and the block's rows the narrow one ([block_m, K] read
 transposed), so no row of padding costs a 64-row tile. A program takes one block, `block_f` output

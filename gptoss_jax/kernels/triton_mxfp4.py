@@ -10,7 +10,7 @@ inputs without any interleaving.
 - `pair_matvec_mxfp4`, decode: one matrix-vector product per (token, expert) pair, reading the
   pair's expert rows in place, whole rows at a time (the packed form of triton.py's `pair_matvec`).
 - `grouped_matmul_mxfp4`, prompts and large batches: rows laid out in blocks of `block_m` rows, each
-  block for one expert (moe.group_by_expert); a program multiplies one block by one expert's tile of
+  block for one expert (pairs.group_by_expert); a program multiplies one block by one expert's tile of
   output rows on the tensor cores, decoding each weight tile once for the whole block.
 
 Legend: P = pairs, M = grouped rows, D = input features, F = output features, E = experts,
