@@ -105,7 +105,7 @@ class Kernels:
         decode = pairs <= self.moe_gather_max_pairs
         # Decode's experts: Pallas Triton while JAX ships it, else Pallas Mosaic GPU (Hopper) or jnp.
         # On one H100 80GB (gpt-oss-20b, docs/benchmarks.md) the Mosaic GPU decode kernel is correct
-        # but slower at a batch of one: 195 against 245 tokens/s (bf16 experts), 204 against 303 (MXFP4).
+        # but slower at a batch of one: 201 against 245 tokens/s (bf16 experts), 211 against 303 (MXFP4).
         if packed and backend == "gpu" and bf16 and pairs < self.moe_mosaic_min_pairs:
             if triton:
                 return "triton" if decode else "triton_grouped"
