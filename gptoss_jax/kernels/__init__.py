@@ -33,7 +33,6 @@ combine.py folds the sinks in exactly (see there).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -149,5 +148,7 @@ def _tokamax_available() -> bool:
 
 def triton_available() -> bool:
     """Whether this JAX still ships Pallas's Triton backend (deprecated in JAX 0.11: the Triton
-    kernels are picked by "auto" only while it does)."""
-    return importlib.util.find_spec("jax.experimental.pallas.triton") is not None
+    kernels are picked by "auto" only while it imports)."""
+    from . import triton
+
+    return triton.pltriton is not None
