@@ -22,3 +22,9 @@ def tiles(dtype, row_bytes: int = 128) -> tuple:
     """Tiles of 8 rows of `row_bytes` bytes of dtype, swizzled by as many bytes: the layout wgmma
     reads its shared-memory operands in (and stores from its accumulators go out of)."""
     return plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(row_bytes)
+
+
+def splits_for(steps: int, programs: int) -> int:
+    """Ranges to split a row's `steps` input steps into (a divisor of steps) so that programs x
+    splits reaches 264, two programs per SM of a large GPU (an H100 has 132); all steps at most."""
+    return next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= 264 or d == steps))

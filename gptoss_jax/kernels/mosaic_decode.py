@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import mosaic_mxfp4
-from .mosaic import interpret_params, supported, tiles
+from .mosaic import interpret_params, splits_for, supported, tiles
 
 __all__ = ["decode_settings", "decode_settings_mxfp4", "grouped_matvec", "grouped_matvec_mxfp4", "supported"]
 
@@ -34,10 +34,7 @@ __all__ = ["decode_settings", "decode_settings_mxfp4", "grouped_matvec", "groupe
 def decode_settings(blocks_bound: int, F: int, D: int, *, block_f: int = 128, block_k: int = 64) -> dict:
     """Splits of the D / block_k input steps for about two programs per SM of a large GPU (blocks x
     output tiles x splits >= 264), among the steps' divisors."""
-    steps = D // block_k
-    programs = blocks_bound * -(-F // block_f)
-    splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= 264 or d == steps))
-    return dict(block_f=block_f, block_k=block_k, splits=splits)
+    return dict(block_f=block_f, block_k=block_k, splits=splits_for(D // block_k, blocks_bound * -(-F // block_f)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_f", "block_k", "stages", "splits", "interpret"))
@@ -114,10 +111,7 @@ def _rows_out(out, dtype) -> jax.Array:
 def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_f: int = 256, gs: int = 3) -> dict:
     """Splits of the cdiv(G, gs) input steps for about two programs per SM of a large GPU, among the
     steps' divisors."""
-    steps = -(-G // gs)
-    programs = blocks_bound * -(-F // block_f)
-    splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= 264 or d == steps))
-    return dict(block_f=block_f, gs=gs, splits=splits)
+    return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), blocks_bound * -(-F // block_f)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret"))

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .mosaic import interpret_params, supported, tiles
+from .mosaic import interpret_params, splits_for, supported, tiles
 
 __all__ = ["TILES", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "supported"]
 
@@ -80,7 +80,7 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     gs = 3
     steps = -(-G // gs)
     tiles = blocks_bound * -(-F // 256)
-    splits = next(d for d in range(1, steps + 1) if steps % d == 0 and (tiles * d >= 264 or d == steps))
+    splits = splits_for(steps, tiles)
     return dict(block_m=64, gs=gs, stages=3, splits=splits)
 
 
