@@ -22,6 +22,11 @@ from gptoss_jax.kernels.triton import cache_attention, pair_matvec
 
 K, G, H, D, F2, E = 8, 8, 64, 2880, 5760, 32
 ROWS = []
+PAIRS = None  # --pairs: the pair counts the expert parts run (all of theirs by default)
+
+
+def pair_counts(default):
+    return tuple(p for p in default if PAIRS is None or p in PAIRS)
 
 
 def timed(name, fn, *args, n=20, ref=None, check=None, **extra):
@@ -285,7 +290,7 @@ def decode_experts(rng):
     for F in (F2, D):
         packed = _packed_layers(L, F)
         args = [a for pair in packed for a in pair]
-        for P in (4, 32, 64, 256):
+        for P in pair_counts((4, 32, 64, 256)):
             idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
             flat = idx.reshape(-1)
             x = jax.random.normal(jax.random.key(2), (P // 4, D), jnp.bfloat16)
@@ -321,11 +326,12 @@ def decode_experts(rng):
             bound = to_blocks(x, idx, E, block)[2].shape[0]
             G = D // 32
             default = mosaic_decode.decode_settings_mxfp4(bound, F, G)
-            for blk, settings in ((block, default), (block, {**default, "stages": 2}), (block, {**default, "stages": 4}),
+            for blk, settings in ((block, default), (block, {**default, "decoder": "jnp"}),
+                                  (block, {**default, "stages": 4}),
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_f=128)),
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=2)),
-                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=5)),
-                                  (block, {**default, "splits": 1}), (2 * block, default)):
+                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=6)),
+                                  (2 * block, default)):
                 def swapped(x, *a, blk=blk, settings=settings):
                     rows, undo, be, used = to_blocks(x, idx, E, blk)
                     return jnp.stack([undo(mosaic_decode.grouped_matvec_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],
@@ -347,7 +353,7 @@ def decode_experts_16bit(rng):
     L = 8
     for F in (F2, D):
         ws = [jax.random.normal(jax.random.key(40 + i), (E, F, D), jnp.bfloat16) * 0.02 for i in range(L)]
-        for P in (4, 32, 64, 256):
+        for P in pair_counts((4, 32, 64, 256)):
             idx = jnp.asarray(np.stack([rng.choice(E, 4, replace=False) for _ in range(P // 4)]), jnp.int32)
             flat = idx.reshape(-1)
             x = jax.random.normal(jax.random.key(2), (P // 4, D), jnp.bfloat16)
@@ -396,7 +402,7 @@ def grouped_mxfp4(rng):
         blocks = jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8)
         scales = jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)
         w = decode(blocks, scales)  # bf16 [E, F, D]
-        for pairs in (16384, 4096, 1024, 256):
+        for pairs in pair_counts((16384, 4096, 1024, 256)):
             idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)
             flat = np.asarray(idx).reshape(-1)
             sizes = jnp.asarray(np.bincount(flat, minlength=E), jnp.int32)
@@ -415,12 +421,15 @@ def grouped_mxfp4(rng):
                      (32, 64, 4, 3, "ptx"))
             if pairs > 256:
                 from gptoss_jax.kernels import mosaic_mxfp4
-                for block, bn, gs, stages in ((128, 256, 2, 3), (128, 256, 4, 2), (128, 128, 2, 4)):
+                for block, bn, gs, stages, decoder in ((128, 256, 4, 2, "ptx"), (128, 256, 4, 2, "jnp"),
+                                                       (128, 256, 2, 3, "ptx"), (128, 256, 6, 2, "ptx"),
+                                                       (128, 128, 4, 3, "ptx")):
                     order, dest, block_expert, used = group_by_expert(idx, E, block)
                     rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
-                    timed(f"{tag} mosaic grouped block={block} bn={bn} gs={gs} stages={stages}",
+                    timed(f"{tag} mosaic grouped block={block} bn={bn} gs={gs} stages={stages} {decoder}",
                           lambda r, b, s: mosaic_mxfp4.grouped_matmul_mxfp4(
-                              r, block_expert, used, b, s, block_m=block, block_n=bn, gs=gs, stages=stages)[dest],
+                              r, block_expert, used, b, s, block_m=block, block_n=bn, gs=gs, stages=stages,
+                              decoder=decoder)[dest],
                           rows, blocks, scales, ref=ref, flops=flops)
             for block, bn, warps, stages, decoder in (prompt if pairs > 256 else batch):
                 order, dest, block_expert, used = group_by_expert(idx, E, block)
@@ -497,7 +506,11 @@ def decode(rng):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit"], default="all")
+    ap.add_argument("--pairs", default=None,
+                    help="comma-separated (token, expert) pair counts for the expert parts (e.g. 4,256)")
     args = ap.parse_args()
+    global PAIRS
+    PAIRS = None if args.pairs is None else {int(p) for p in args.pairs.split(",")}
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     if args.part in ("all", "attention"):

@@ -251,6 +251,35 @@ def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
 
 
 
+@pytest.mark.parametrize("decoder", ["ptx", "jnp"])
+@pytest.mark.parametrize("kernel", ["prompt", "decode"])
+def test_mosaic_mxfp4_kernels_decode_every_byte_and_scale_exactly(kernel, decoder):
+    """Both Mosaic GPU MXFP4 kernels, both decoders, multiplying one-hot rows (row k: input k), so
+    that each output is one decoded weight times 1, exactly: every byte value and every scale from
+    2^-125 to 2^113 (the range both decoders are exact in), equal to the table decoder's values. A
+    wrong code, sign, nibble order or scale changes a value."""
+    from gptoss_jax.kernels import mosaic_decode
+    from gptoss_jax.mxfp4 import decode_mxfp4
+
+    F, G = 256, 16
+    D = 32 * G
+    scale_values = np.arange(2, 241, dtype=np.uint8)  # 2^(s - 127), s = 2 .. 240
+    scales = np.resize(scale_values, F * G).reshape(1, F, G)
+    blocks = ((np.arange(F * G * 16).reshape(1, F, G, 16) * 7 + np.arange(F)[None, :, None, None]) % 256).astype(np.uint8)
+    assert len(np.unique(blocks)) == 256 and len(np.unique(scales)) == len(scale_values)
+    eye = jnp.eye(D, dtype=jnp.bfloat16)
+    if kernel == "prompt":
+        block_expert = jnp.zeros((D // 128,), jnp.int32)
+        got = mosaic_mxfp4.grouped_matmul_mxfp4(eye, block_expert, D // 128, jnp.asarray(blocks), jnp.asarray(scales),
+                                                decoder=decoder)
+    else:
+        block_expert = jnp.zeros((D // 8,), jnp.int32)
+        got = mosaic_decode.grouped_matvec_mxfp4(eye, block_expert, D // 8, jnp.asarray(blocks), jnp.asarray(scales),
+                                                 block_m=8, splits=2, gs=2, decoder=decoder)
+    want = decode_mxfp4(blocks, scales, "float32")[0]  # [F, D]; its -0.0 are sums' +0.0, equal as values
+    np.testing.assert_array_equal(np.asarray(got, np.float32).T, want)
+
+
 def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul():
     """The Mosaic GPU prompt kernel for packed experts on gpt-oss's shapes (90 blocks a row; 2,880
     outputs, so the last 256-output tile is cut), every used block of rows against its expert decoded

@@ -108,22 +108,28 @@ def _rows_out(out, dtype) -> jax.Array:
     return out.sum(axis=0).T.astype(dtype)
 
 
-def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_f: int = 256, gs: int = 3) -> dict:
-    """Splits of the cdiv(G, gs) input steps for about two programs per SM of a large GPU, among the
-    steps' divisors."""
+def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_f: int = 256, gs: int = 6) -> dict:
+    """Six scale blocks (192 inputs) a step, and splits of the cdiv(G, gs) steps for about two
+    programs per SM of a large GPU, among the steps' divisors. On one H100 80GB (gpt-oss-20b's
+    mlp1, one token's 4 pairs, kernel time in a profile) 6 blocks a step took 37.6 us a layer
+    against 43.4 with 3; 4 stages instead of 3, or tiles of 128 outputs, did no better."""
     return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), blocks_bound * -(-F // block_f)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "compute_wgs",
+                                             "interpret", "decoder"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
-                         gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False) -> jax.Array:
+                         gs: int = 3, stages: int = 3, splits: int = 1, compute_wgs: int = 2, interpret: bool = False,
+                         decoder: str = "ptx") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
-    transposed: two warpgroups each decode half of the program's `block_f` weight rows into shared
-    memory (the tensor cores' 64-row operand) and multiply them by the block's even and odd inputs;
-    a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale blocks).
-    block_m: a multiple of 8 up to 256; block_f: of 128 (F need not be one: the last tile is cut);
-    `splits` divides the cdiv(G, gs) steps."""
+    transposed: `compute_wgs` warpgroups each decode their share of the program's `block_f` weight
+    rows (64 or more: the tensor cores' operand) into shared memory and multiply them by the block's
+    even and odd inputs; one more has the TMA engine bring each step's packed bytes, scales and
+    inputs (`gs` scale blocks). More compute warpgroups hide more of the decoding's latency (an SM
+    runs one program: 168 registers a thread at three warpgroups). block_m: a multiple of 8 up to
+    256; block_f: of 64 x compute_wgs (F need not be one: the last tile is cut); `splits` divides
+    the cdiv(G, gs) steps."""
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -131,9 +137,9 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         raise RuntimeError(f"the Mosaic GPU MXFP4 decode matvec needs JAX >= 0.11, this is {jax.__version__}")
     if rows.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU MXFP4 decode matvec takes bfloat16 rows, got {rows.dtype}")
-    if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
-        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
-                         f"{steps} steps of {gs} scale blocks split {splits} ways")
+    if M % block_m or block_m % 8 or block_m > 256 or block_f % (64 * compute_wgs) or steps % splits:
+        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 64 x "
+                         f"{compute_wgs} compute warpgroups), {steps} steps of {gs} scale blocks split {splits} ways")
     per = steps // splits
     pairs = rows.reshape(M, G, 16, 2)
     x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
@@ -141,8 +147,11 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     # [E or blocks, G, F]: a step's scales as contiguous rows. Where there are fewer blocks than
     # experts (a batch of one: 4 of 32), only the blocks' experts' scales are transposed.
     by_block = M // block_m < E
-    scales_t = jnp.swapaxes(scales[block_expert] if by_block else scales, 1, 2)
-    K, half = 16 * gs, block_f // 2
+    if by_block:  # a slice per block, not a gather (a byte gather took 16 us a layer on one H100 80GB)
+        scales = jnp.stack([lax.dynamic_index_in_dim(scales, block_expert[i], keepdims=False)
+                            for i in range(M // block_m)])
+    scales_t = jnp.swapaxes(scales, 1, 2)
+    K, share = 16 * gs, block_f // compute_wgs  # share: a compute warpgroup's weight rows
     x_tiles = mosaic_mxfp4.TILES
 
     def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
@@ -153,7 +162,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
         def pipeline(step, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=compute_wgs,
                 max_concurrent_steps=stages, compute_context=compute_context,
                 in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
                           plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
@@ -168,22 +177,22 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                                allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref))
             def _(allocs):
                 wg = lax.axis_index("wg")
-                mine = pl.ds(wg * half, half)
+                mine = pl.ds(wg * share, share)
 
                 def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((half, block_m), jnp.float32))
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((share, block_m), jnp.float32))
                     def _(acc):
                         run(acc)
                         o_smem[wg] = acc[...]
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, pl.ds(j * block_f + wg * half, half),
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, pl.ds(j * block_f + wg * share, share),
                                                                          pl.ds(b * block_m, block_m)])
                         plgpu.wait_smem_to_gmem(0)
 
                 def step(_, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [block_f, K] [gs, block_f]
-                    wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
-                    mosaic_mxfp4.decode_into(packed, s, mine, wl, wh, gs, interpret)
-                    plgpu.wgmma(acc, wl, xe.T)  # [half, block_m] += W_even x_even^T
+                    wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [share, K] each
+                    mosaic_mxfp4.decode_into(packed, s, mine, wl, wh, gs, interpret, decoder)
+                    plgpu.wgmma(acc, wl, xe.T)  # [share, block_m] += W_even x_even^T
                     plgpu.wgmma(acc, wh, xo.T)
                     plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
                     return acc
@@ -192,11 +201,11 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
-        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=3,
+        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=compute_wgs + 1,
         thread_name="wg", interpret=interpret_params(interpret),
-        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
-                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
-                           o_smem=plgpu.SMEM((2, half, block_m), jnp.float32)))
+        scratch_types=dict(w_low=plgpu.SMEM((compute_wgs, share, K), jnp.bfloat16, transforms=x_tiles),
+                           w_high=plgpu.SMEM((compute_wgs, share, K), jnp.bfloat16, transforms=x_tiles),
+                           o_smem=plgpu.SMEM((compute_wgs, share, block_m), jnp.float32)))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                  scales_t)
     return _rows_out(out, rows.dtype)

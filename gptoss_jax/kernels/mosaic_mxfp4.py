@@ -26,7 +26,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir  # Mosaic GPU's MLIR, for the decoder's PTX
+from jax._src.lib.mlir.dialects import arith
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -58,14 +62,74 @@ def _decode(p, s):
     return tuple(lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.bfloat16) * scale for bits in (low, high))
 
 
-def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool):
+# The e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as bfloat16 bits, as two byte tables of eight
+# (low bytes, high bytes) in the two 32-bit words `prmt` selects from: bytes 0-3, then 4-7.
+_LOW_BYTES = (0xC0800000, 0xC0804000)
+_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
+# Two adjacent packed bytes (their four codes c0..c3 in a 32-bit register's low half, c0 lowest) ->
+# two registers of two bfloat16 each: (c0, c2) and (c1, c3), the bytes' low (even-input) and high
+# (odd-input) codes' values. Byte permutes look up each code's low and high value bytes in the
+# tables, then pair them; the codes' sign bits are moved to bits 15 and 31. Outputs are written
+# last (an output may share the input's register).
+_E2M1_PAIRS_PTX = f"""{{
+.reg .b32 idx, lo, hi, s, s4, e, o;
+and.b32 idx, $2, 0x7777;
+prmt.b32 lo, {_LOW_BYTES[0]:#x}, {_LOW_BYTES[1]:#x}, idx;
+prmt.b32 hi, {_HIGH_BYTES[0]:#x}, {_HIGH_BYTES[1]:#x}, idx;
+prmt.b32 e, lo, hi, 0x6240;
+prmt.b32 o, lo, hi, 0x7351;
+prmt.b32 s, $2, 0, 0x1404;
+shl.b32 s4, s, 4;
+lop3.b32 $0, e, s4, 0x80008000, 0xF8;
+lop3.b32 $1, o, s, 0x80008000, 0xF8;
+}}"""
+
+
+def _codes_ptx(p):
+    """Packed bytes [n, 16] uint8 in the wgmma layout (two adjacent bytes a register) -> their low
+    and high nibbles' e2m1 values [n, 16] in bfloat16, unscaled, by byte permutes (PTX; a GPU only):
+    about 2.5 instructions a weight, against about 10 for `_decode`'s bit arithmetic."""
+    out = plgpu.ShapeDtypeStruct(p.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out, out))
+    def codes(_, packed):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        low, high = np.empty_like(packed.registers), np.empty_like(packed.registers)
+        for idx, reg in np.ndenumerate(packed.registers):  # vector<2xi8>: two adjacent bytes
+            word = arith.extui(i32, mgpu.utils.bitcast(reg, i16))
+            even, odd = mgpu.utils.inline_ptx(_E2M1_PAIRS_PTX, word, result_types=[i32, i32])
+            low[idx], high[idx] = mgpu.utils.bitcast(even, pair), mgpu.utils.bitcast(odd, pair)
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=packed.layout, _is_signed=None)
+                     for r in (low, high))
+
+    return codes(p)
+
+
+def _decode_ptx(p, s):
+    """As `_decode`, by byte permutes (`_codes_ptx`), then times 2^(s - 127) in bfloat16: exact
+    for scales 2^-125 to 2^127 (s from 2 to 254; 0 and 1 would give results below bfloat16's
+    normal range, 255 is E8M0's NaN)."""
+    scale = lax.bitcast_convert_type((s << 7).astype(jnp.int16), jnp.bfloat16)[:, None]
+    return tuple(c * scale for c in _codes_ptx(p))
+
+
+DECODERS = ("ptx", "jnp")
+
+
+def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decoder: str = "ptx"):
     """One step's weight rows `rows` (a warpgroup's share), packed bytes [., 16 gs] and
     scales [gs, .] in shared memory, decoded into w_low and w_high [rows, 16 gs] (bfloat16 in shared
-    memory: the even and odd inputs' weights), the stores then made visible to the tensor cores."""
+    memory: the even and odd inputs' weights), the stores then made visible to the tensor cores.
+    `decoder`: "ptx" (byte permutes, `_decode_ptx`) or "jnp" (bit arithmetic, `_decode`); interpret
+    mode runs "jnp" (it cannot run PTX)."""
+    if decoder not in DECODERS:
+        raise ValueError(f"unknown MXFP4 decoder {decoder!r}; choose from {', '.join(DECODERS)}")
+    decode = _decode if interpret or decoder == "jnp" else _decode_ptx
     for g in range(gs):
         p = _load(packed, (rows, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
         sc = _load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
-        low, high = _decode(p, sc)
+        low, high = decode(p, sc)
         w_low[:, pl.ds(16 * g, 16)] = low
         w_high[:, pl.ds(16 * g, 16)] = high
     plgpu.commit_smem()
@@ -84,9 +148,9 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     return dict(block_m=64, gs=gs, stages=3, splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "interpret", "decoder"))
 def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 128, block_n: int = 256, gs: int = 4,
-                         stages: int = 2, splits: int = 1, interpret: bool = False) -> jax.Array:
+                         stages: int = 2, splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
     """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
     expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
@@ -151,7 +215,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
                 def step(_, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
                     wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
-                    decode_into(packed, s, mine, wl, wh, gs, interpret)
+                    decode_into(packed, s, mine, wl, wh, gs, interpret, decoder)
                     plgpu.wgmma(acc, xe, wl.T)
                     plgpu.wgmma(acc, xo, wh.T)
                     plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
