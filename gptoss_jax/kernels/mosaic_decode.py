@@ -116,20 +116,20 @@ def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_f: int = 2
     return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), blocks_bound * -(-F // block_f)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "compute_wgs",
-                                             "interpret", "decoder"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret", "decoder"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
-                         gs: int = 3, stages: int = 3, splits: int = 1, compute_wgs: int = 2, interpret: bool = False,
+                         gs: int = 6, stages: int = 3, splits: int = 1, interpret: bool = False,
                          decoder: str = "ptx") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
-    transposed: `compute_wgs` warpgroups each decode their share of the program's `block_f` weight
-    rows (64 or more: the tensor cores' operand) into shared memory and multiply them by the block's
-    even and odd inputs; one more has the TMA engine bring each step's packed bytes, scales and
-    inputs (`gs` scale blocks). More compute warpgroups hide more of the decoding's latency (an SM
-    runs one program: 168 registers a thread at three warpgroups). block_m: a multiple of 8 up to
-    256; block_f: of 64 x compute_wgs (F need not be one: the last tile is cut); `splits` divides
-    the cdiv(G, gs) steps."""
+    transposed: two warpgroups each decode half of the program's `block_f` weight rows into shared
+    memory (the tensor cores' 64-row operand) and multiply them by the block's even and odd inputs;
+    a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale blocks).
+    An SM runs one program (168 registers a thread); on one H100 80GB three compute warpgroups of
+    64 rows failed (misaligned address) and four cannot get their registers. block_m: a multiple of
+    8 up to 256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
+    cdiv(G, gs) steps."""
+    compute_wgs = 2
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -137,9 +137,9 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         raise RuntimeError(f"the Mosaic GPU MXFP4 decode matvec needs JAX >= 0.11, this is {jax.__version__}")
     if rows.dtype != jnp.bfloat16:
         raise ValueError(f"the Mosaic GPU MXFP4 decode matvec takes bfloat16 rows, got {rows.dtype}")
-    if M % block_m or block_m % 8 or block_m > 256 or block_f % (64 * compute_wgs) or steps % splits:
-        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 64 x "
-                         f"{compute_wgs} compute warpgroups), {steps} steps of {gs} scale blocks split {splits} ways")
+    if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
+        raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
+                         f"{steps} steps of {gs} scale blocks split {splits} ways")
     per = steps // splits
     pairs = rows.reshape(M, G, 16, 2)
     x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
