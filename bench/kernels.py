@@ -325,13 +325,13 @@ def decode_experts(rng):
             block = decode_block(P, E)
             bound = to_blocks(x, idx, E, block)[2].shape[0]
             G = D // 32
-            default = mosaic_decode.decode_settings_mxfp4(bound, F, G)
+            default = mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block)
             for blk, settings in ((block, default), (block, {**default, "decoder": "jnp"}),
                                   (block, {**default, "stages": 4}),
-                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_f=128)),
+                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block, block_f=128)),
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=2)),
-                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=6)),
-                                  (2 * block, default)):
+                                  (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=3)),
+                                  (2 * block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=2 * block))):
                 def swapped(x, *a, blk=blk, settings=settings):
                     rows, undo, be, used = to_blocks(x, idx, E, blk)
                     return jnp.stack([undo(mosaic_decode.grouped_matvec_mxfp4(rows, be, used, a[2 * i], a[2 * i + 1],

@@ -219,7 +219,7 @@ def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool):
             _, F, G, _ = weight["blocks"].shape
             return mosaic_decode.grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
                                                       block_m=block, interpret=interpret,
-                                                      **mosaic_decode.decode_settings_mxfp4(bound, F, G))
+                                                      **mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block))
         _, F, D = weight.shape
         return mosaic_decode.grouped_matvec(inputs, block_expert, used, weight, block_m=block, interpret=interpret,
                                             **mosaic_decode.decode_settings(bound, F, D))

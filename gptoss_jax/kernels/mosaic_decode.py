@@ -108,17 +108,22 @@ def _rows_out(out, dtype) -> jax.Array:
     return out.sum(axis=0).T.astype(dtype)
 
 
-def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_f: int = 256, gs: int = 6) -> dict:
-    """Six scale blocks (192 inputs) a step, and splits of the cdiv(G, gs) steps for about two
-    programs per SM of a large GPU, among the steps' divisors. On one H100 80GB (gpt-oss-20b's
-    mlp1, one token's 4 pairs, kernel time in a profile) 6 blocks a step took 37.6 us a layer
-    against 43.4 with 3; 4 stages instead of 3, or tiles of 128 outputs, did no better."""
+def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8, block_f: int = 256,
+                          gs: int | None = None) -> dict:
+    """Scale blocks a step (`gs`): six (192 inputs) for blocks of up to 16 rows, three above (six
+    would not fit a Hopper SM's 227 KB of shared memory); and splits of the cdiv(G, gs) steps for
+    about two programs per SM of a large GPU, among the steps' divisors. On one H100 80GB
+    (gpt-oss-20b's mlp1, one token's 4 pairs, kernel time in a profile) six blocks a step took
+    37.6 us a layer against 43.4 with three; 4 stages instead of 3, or tiles of 128 outputs, did no
+    better."""
+    if gs is None:
+        gs = 6 if block_m <= 16 else 3
     return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), blocks_bound * -(-F // block_f)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret", "decoder"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
-                         gs: int = 6, stages: int = 3, splits: int = 1, interpret: bool = False,
+                         gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
                          decoder: str = "ptx") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
