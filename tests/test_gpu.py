@@ -171,13 +171,13 @@ def test_auto_picks_the_gpu_kernels():
     k = gj.Kernels()
     mosaic = gpu.is_hopper() and mosaic_mxfp4.supported()
     triton = triton_available()
-    assert k.moe_for(4) == ("triton" if triton else "mosaic_decode" if mosaic else "gather")
+    assert k.moe_for(4) == ("mosaic_decode" if mosaic else "triton" if triton else "gather")
     assert k.moe_for(4, jnp.float32) == "gather"
     fused = gpu.available()
     assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
     assert k.moe_for(4096, jnp.float32) == "grouped"
     assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "grouped")
-    assert k.moe_for(512, packed=True) == ("triton_grouped" if triton else "mosaic_decode" if mosaic else "grouped")
+    assert k.moe_for(512, packed=True) == ("mosaic_decode" if mosaic else "triton_grouped" if triton else "grouped")
     assert k.moe_for(4, packed=True) == ("triton" if triton else "mosaic_decode" if mosaic else "gather")
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")

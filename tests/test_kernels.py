@@ -159,7 +159,8 @@ def test_late_map_equals_lax_map():
 @pytest.mark.parametrize("triton", [True, False])
 def test_auto_on_a_hopper_gpu_with_and_without_pallas_triton(monkeypatch, triton):
     """What "auto" picks on an NVIDIA Hopper GPU (tokamax installed), while JAX ships Pallas's
-    deprecated Triton backend and once it no longer does: no Triton kernel then."""
+    deprecated Triton backend (only for MXFP4 experts at up to 64 pairs) and once it no longer
+    does: no Triton kernel then."""
     import gptoss_jax.kernels as kernels
 
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
@@ -168,12 +169,10 @@ def test_auto_on_a_hopper_gpu_with_and_without_pallas_triton(monkeypatch, triton
     monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
     monkeypatch.setattr(kernels, "triton_available", lambda: triton)
     k = gj.Kernels()
-    decode = "triton" if triton else "mosaic_decode"
     assert (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096)) == (
-        decode, decode, "gather", "mosaic_gpu")
-    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 256, 1023, 1024)]
-    assert packed == (["triton", "triton_grouped", "triton_grouped", "mosaic_grouped"] if triton else
-                      ["mosaic_decode"] * 3 + ["mosaic_grouped"])
+        "mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu")
+    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 64, 65, 256, 1023, 1024)]
+    assert packed == ["triton" if triton else "mosaic_decode"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"]
     assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic", "tokamax")
 
 

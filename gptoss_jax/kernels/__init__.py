@@ -5,7 +5,7 @@
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | Pallas Mosaic GPU over the filled cache ("mosaic": Hopper, 16-bit, JAX >= 0.11), else jnp ("blockwise") | jnp over the whole cache ("blockwise") | same as TPU |
 | experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), else Pallas Triton's ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
-| experts, decode | Pallas Triton per-pair matvec ("triton"; MXFP4: the fused decode MoE, and "triton_grouped" from 65 pairs) while JAX ships Pallas Triton, else Pallas Mosaic GPU ("mosaic_decode", Hopper), else jnp ("gather") | jnp gather ("gather") | jnp gather ("gather") |
+| experts, decode | Pallas Mosaic GPU ("mosaic_decode", Hopper), except MXFP4 experts at up to 64 pairs: Pallas Triton's fused decode MoE ("triton") while JAX ships Pallas Triton; before Hopper Pallas Triton ("triton", MXFP4 from 65 pairs "triton_grouped") while JAX ships it, else jnp ("gather") | jnp gather ("gather") | jnp gather ("gather") |
 
 Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas kernels read them packed and
 decode on the chip, no decoded weight written to memory: for prompts "mosaic_grouped" (decoded into
@@ -16,11 +16,12 @@ block, norm and router included, as four fused kernels, kernels/decode_moe.py) o
 the jitted step (gather: the selected experts only; grouped: one expert block at a time; megablox
 on TPU: a layer's experts).
 
-JAX 0.11 deprecated Pallas's Triton backend. Attention, and prompts on Hopper, no longer use it. Decode's
-experts still do by default, because on one H100 80GB the Pallas Mosaic GPU decode kernels
-("mosaic_decode": the products transposed so that an expert's few rows take blocks of 8) are
-correct but slower at a batch of one (docs/benchmarks.md); "auto" picks them once JAX drops the
-Triton backend (`triton_available`), and they can be picked by name now.
+JAX 0.11 deprecated Pallas's Triton backend. Attention, prompts and, on Hopper, decode's experts
+no longer use it, with one exception: MXFP4 experts at a decode batch of up to 16 (64 pairs), where
+Pallas Triton's fused decode MoE is still faster on one H100 80GB (326 against 249 tokens/s at a
+batch of one, docs/benchmarks.md). "auto" picks the Pallas Mosaic GPU decode kernels there too once
+JAX drops the Triton backend (`triton_available`), and they can be picked by name now
+(`Kernels(moe="mosaic_decode")`).
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
@@ -102,16 +103,18 @@ class Kernels:
         hopper = backend == "gpu" and gpu.is_hopper() and mosaic.supported()
         triton = backend == "gpu" and triton_available()
         decode = pairs <= self.moe_gather_max_pairs
-        # Decode's experts: Pallas Triton while JAX ships it, else Pallas Mosaic GPU (Hopper) or jnp.
-        # On one H100 80GB (gpt-oss-20b, docs/benchmarks.md) the Mosaic GPU decode kernel is correct
-        # but slower at a batch of one: 201 against 245 tokens/s (bf16 experts), 211 against 303 (MXFP4).
+        # Decode's experts on Hopper: Pallas Mosaic GPU, except MXFP4 experts at up to
+        # moe_gather_max_pairs pairs (a batch of 16), where Pallas Triton's fused decode MoE stays
+        # while JAX ships it. On one H100 80GB (gpt-oss-20b, docs/benchmarks.md): bf16 experts,
+        # batch 1, 254 against 244 tokens/s; MXFP4, batch 64, 4,000 against 3,781; MXFP4, batch 1,
+        # 249 against 326 (the fused Triton kernels).
         if packed and backend == "gpu" and bf16 and pairs < self.moe_mosaic_min_pairs:
-            if triton:
+            if triton and (decode or not hopper):
                 return "triton" if decode else "triton_grouped"
             if hopper:
                 return "mosaic_decode"
         if not packed and decode and sixteen_bit and (hopper or triton):
-            return "triton" if triton else "mosaic_decode"  # each selected expert read once, in place
+            return "mosaic_decode" if hopper else "triton"  # each selected expert read once, in place
         if decode:
             return "gather"
         if packed and backend == "gpu" and bf16 and (hopper or triton):
