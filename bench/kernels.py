@@ -2,6 +2,10 @@
 reference, then timed. Prints a table last.
 
     python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts|decode-experts-16bit]
+        [--pairs 4,256] [--profile DIR]
+
+With --profile, `python bench/profile_summary.py DIR/<row's profile> --steps 30` gives a row's GPU
+time per call without the host's dispatch (tens of microseconds in the "ms" column).
 
 Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 """
@@ -9,7 +13,9 @@ Needs a GPU, and tokamax for its kernels (pip install -e ".[cuda]").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 
 import jax
@@ -23,6 +29,7 @@ from gptoss_jax.kernels.triton import cache_attention, pair_matvec
 K, G, H, D, F2, E = 8, 8, 64, 2880, 5760, 32
 ROWS = []
 PAIRS = None  # --pairs: the pair counts the expert parts run (all of theirs by default)
+PROFILE = None  # --profile DIR: each row's timed calls traced into DIR/<row number> (bench/profile_summary.py)
 
 
 def pair_counts(default):
@@ -38,11 +45,16 @@ def timed(name, fn, *args, n=20, ref=None, check=None, **extra):
         print(ROWS[-1], flush=True)
         return None
     times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
+    trace = (jax.profiler.trace(os.path.join(PROFILE, f"{len(ROWS):03d}")) if PROFILE
+             else contextlib.nullcontext())
+    with trace:
+        for _ in range(n):
+            t = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t)
     row = {"op": name, "ms": round(1e3 * float(np.median(times)), 3), **extra}
+    if PROFILE:
+        row["profile"] = f"{len(ROWS):03d}"
     if ref is not None:
         a = np.asarray(check(out) if check else out, np.float32)
         b = np.asarray(ref, np.float32)
@@ -281,7 +293,7 @@ def decode_experts(rng):
     kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
     pairs) against the Pallas Mosaic GPU grouped matmul with decode's settings (blocks of 64, split
     steps), its grouping of the pairs included."""
-    from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4
+    from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4, mosaic_pair
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
     from gptoss_jax.pairs import decode_block, to_blocks
     from gptoss_jax.mxfp4 import decode
@@ -322,9 +334,17 @@ def decode_experts(rng):
                                   for i in range(L)])
 
             timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
+            G = D // 32
+            if P == 4:  # one token: a row per pair, no tensor cores (kernels/mosaic_pair.py)
+                def pair_rows(x, *a):
+                    return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1],
+                                                                    **mosaic_pair.settings(P, F, G))
+                                      for i in range(L)])
+
+                timed(f"{tag} mosaic pair {mosaic_pair.settings(P, F, G)}", pair_rows, xp, *args, ref=ref,
+                      weight_bytes=nbytes, n=30)
             block = decode_block(P, E)
             bound = to_blocks(x, idx, E, block)[2].shape[0]
-            G = D // 32
             default = mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block)
             for blk, settings in ((block, default), (block, {**default, "decoder": "jnp"}),
                                   (block, {**default, "stages": 4}),
@@ -506,11 +526,14 @@ def decode(rng):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit"], default="all")
+    ap.add_argument("--profile", metavar="DIR", help="trace each row's timed calls into DIR/<row number>, for "
+                    "bench/profile_summary.py (GPU time without the host's dispatch)")
     ap.add_argument("--pairs", default=None,
                     help="comma-separated (token, expert) pair counts for the expert parts (e.g. 4,256)")
     args = ap.parse_args()
-    global PAIRS
+    global PAIRS, PROFILE
     PAIRS = None if args.pairs is None else {int(p) for p in args.pairs.split(",")}
+    PROFILE = args.profile
     rng = np.random.default_rng(0)
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
     if args.part in ("all", "attention"):

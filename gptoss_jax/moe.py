@@ -9,8 +9,10 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
   expert in place (kernels/triton.py).
 - "mosaic_decode" (GPU, Hopper, decode; 16-bit or MXFP4 experts): the Pallas Mosaic GPU kernels of
   kernels/mosaic_decode.py over expert blocks of 8 to 64 rows (`decode_block`; one token's pairs
-  each a block of its own, unsorted), the replacement for the Pallas Triton decode kernels, which
-  "auto" picks where JAX no longer ships Pallas Triton.
+  each a block of its own, unsorted), the replacement for the Pallas Triton decode kernels ("auto"
+  on Hopper, but for MXFP4 experts at up to 64 pairs while JAX ships Pallas Triton).
+- "mosaic_pair" (GPU, Hopper): as "mosaic_decode", but one token's pairs over MXFP4 experts go
+  through kernels/mosaic_pair.py, a row per pair and no tensor cores.
 - "grouped" (jnp, prompts): sorts the pairs by expert, pads each expert's group to a multiple of
   `block` rows and loops over the blocks, one [block, D] x [D, F] product with that block's expert
   each. Work is the selected pairs plus at most `block - 1` padding rows per expert.
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels, decode_moe, gpu, mosaic_decode, mosaic_mxfp4, tpu
+from .kernels import Kernels, decode_moe, gpu, mosaic_decode, mosaic_mxfp4, mosaic_pair, tpu
 from .kernels.loops import late_map
 from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
@@ -206,15 +208,21 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, impl: str, interpret: bool):
     return _experts_blocked(x, idx, w, act, block=block, matmul=matmul)
 
 
-def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool):
+def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool, rows_per_pair: bool = False):
     """Decode-sized calls in Pallas Mosaic GPU (Hopper) by kernels/mosaic_decode.py: products
     transposed, so that an expert's few pairs take blocks of as few as 8 rows (`decode_block`);
-    MXFP4-packed experts decoded on the chip."""
+    MXFP4-packed experts decoded on the chip. `rows_per_pair`: one token's pairs over MXFP4
+    experts as a row each, by kernels/mosaic_pair.py (no tensor cores, no padding rows)."""
     E = num_experts(w["mlp1_weight"])
-    block = decode_block(idx.size, E)
+    pairwise = rows_per_pair and idx.shape[0] == 1 and packed(w["mlp1_weight"]) and packed(w["mlp2_weight"])
+    block = 1 if pairwise else decode_block(idx.size, E)
 
     def matmul(inputs, name, block_expert, used):
         weight, bound = w[name], block_expert.shape[0]
+        if pairwise:
+            _, F, G, _ = weight["blocks"].shape
+            return mosaic_pair.pair_matvec_mxfp4(inputs, block_expert, weight["blocks"], weight["scales"],
+                                                 interpret=interpret, **mosaic_pair.settings(bound, F, G))
         if packed(weight):
             _, F, G, _ = weight["blocks"].shape
             return mosaic_decode.grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
@@ -271,8 +279,9 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, impl: str,
         y = _experts_pairwise(x, jnp.where(mine, local, 0), w, act, interpret=interpret)
     elif impl in ("triton_grouped", "mosaic_grouped"):
         y = _experts_grouped_mxfp4(x, jnp.where(mine, local, -1), w, act, impl=impl, interpret=interpret)
-    elif impl == "mosaic_decode":
-        y = _experts_mosaic_decode(x, jnp.where(mine, local, -1), w, act, interpret=interpret)
+    elif impl in ("mosaic_decode", "mosaic_pair"):
+        y = _experts_mosaic_decode(x, jnp.where(mine, local, -1), w, act, interpret=interpret,
+                                   rows_per_pair=impl == "mosaic_pair")
     elif impl == "grouped":
         y = _experts_grouped(x, jnp.where(mine, local, -1), w, act, num_experts=num_local, block=block)
     elif impl in ("mosaic_gpu", "tokamax"):

@@ -186,7 +186,8 @@ def test_auto_picks_the_gpu_kernels():
     assert k.attention_for(1, jnp.float32) == "blockwise"  # the Mosaic GPU kernel takes 16-bit inputs
 
 
-@pytest.mark.parametrize("impl", ["auto", "mosaic_decode", "mosaic_gpu", "triton_grouped", "mosaic_grouped"])
+@pytest.mark.parametrize("impl", ["auto", "mosaic_decode", "mosaic_pair", "mosaic_gpu", "triton_grouped",
+                                  "mosaic_grouped"])
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_packed_experts_decode_on_the_gpu(impl, tokens):
     """MXFP4 experts decoded inside the step on the GPU (bits assembled with integer operations, so
@@ -252,13 +253,13 @@ def test_mxfp4_decoder_is_bit_exact_on_the_gpu():
 
 
 @pytest.mark.parametrize("decoder", ["ptx", "jnp"])
-@pytest.mark.parametrize("kernel", ["prompt", "decode"])
+@pytest.mark.parametrize("kernel", ["prompt", "decode", "pair"])
 def test_mosaic_mxfp4_kernels_decode_every_byte_and_scale_exactly(kernel, decoder):
-    """Both Mosaic GPU MXFP4 kernels, both decoders, multiplying one-hot rows (row k: input k), so
+    """The three Mosaic GPU MXFP4 kernels, both decoders, multiplying one-hot rows (row k: input k), so
     that each output is one decoded weight times 1, exactly: every byte value and every scale from
     2^-125 to 2^113 (the range both decoders are exact in), equal to the table decoder's values. A
     wrong code, sign, nibble order or scale changes a value."""
-    from gptoss_jax.kernels import mosaic_decode
+    from gptoss_jax.kernels import mosaic_decode, mosaic_pair
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     F, G = 256, 16
@@ -272,10 +273,13 @@ def test_mosaic_mxfp4_kernels_decode_every_byte_and_scale_exactly(kernel, decode
         block_expert = jnp.zeros((D // 128,), jnp.int32)
         got = mosaic_mxfp4.grouped_matmul_mxfp4(eye, block_expert, D // 128, jnp.asarray(blocks), jnp.asarray(scales),
                                                 decoder=decoder)
-    else:
+    elif kernel == "decode":
         block_expert = jnp.zeros((D // 8,), jnp.int32)
         got = mosaic_decode.grouped_matvec_mxfp4(eye, block_expert, D // 8, jnp.asarray(blocks), jnp.asarray(scales),
                                                  block_m=8, splits=2, gs=2, decoder=decoder)
+    else:  # a pair per input
+        got = mosaic_pair.pair_matvec_mxfp4(eye, jnp.zeros((D,), jnp.int32), jnp.asarray(blocks), jnp.asarray(scales),
+                                            splits=2, gs=4, decoder=decoder)
     want = decode_mxfp4(blocks, scales, "float32")[0]  # [F, D]; its -0.0 are sums' +0.0, equal as values
     np.testing.assert_array_equal(np.asarray(got, np.float32).T, want)
 

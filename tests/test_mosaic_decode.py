@@ -1,6 +1,6 @@
-"""The Pallas Mosaic GPU decode kernels for the experts (kernels/mosaic_decode.py) on CPU, in Mosaic
-GPU's interpret mode (JAX >= 0.11); tests/test_gpu.py runs them compiled on a GPU, at gpt-oss-20b's
-shapes too."""
+"""The Pallas Mosaic GPU decode kernels for the experts (kernels/mosaic_decode.py and
+kernels/mosaic_pair.py) on CPU, in Mosaic GPU's interpret mode (JAX >= 0.11); tests/test_gpu.py runs
+them compiled on a GPU, at gpt-oss-20b's shapes too."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from noise import Exact
 
 import gptoss_jax as gj
-from gptoss_jax.kernels import mosaic_decode
+from gptoss_jax.kernels import mosaic_decode, mosaic_pair
 from gptoss_jax.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not mosaic_decode.supported(),
@@ -59,13 +59,37 @@ def test_matvec_of_mxfp4_experts(E, settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:24, cols], str(cols))
 
 
+@pytest.mark.parametrize("settings", [{}, {"block_f": 128, "gs": 1, "splits": 3}])
+def test_pair_matvec_of_mxfp4_experts(settings):
+    """One row per pair (kernels/mosaic_pair.py) over MXFP4-packed experts with scale extremes: 320
+    outputs (a 256-wide tile cut at the end), 3 scale blocks in one step of 6 (the last three past
+    the end: zeros from the TMA copy) or 3 steps split over 3 programs; two pairs share an expert.
+    Each pair against its expert in float64, within the noise of the same product in bfloat16."""
+    rng = np.random.default_rng(4)
+    E, F, D = 5, 320, 96
+    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
+    pair_expert = jnp.asarray([4, 0, 2, 4], jnp.int32)
+    rows = jax.random.normal(jax.random.key(4), (4, D), jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda r, b, s: mosaic_pair.pair_matvec_mxfp4(
+        r, pair_expert, b, s, interpret=True, **settings))(rows, blocks, scales), np.float32)
+    w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")[np.asarray(pair_expert)]  # [4, F, D]
+    x = np.asarray(rows, np.float32)
+    low = np.asarray(jnp.einsum("pd,pfd->pf", rows, jnp.asarray(w, jnp.bfloat16),
+                                preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float64)
+    exact = np.einsum("pd,pfd->pf", x.astype(np.float64), w.astype(np.float64))
+    for cols in EXTREME_ROWS:
+        Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:, cols], str(cols))
+
+
+@pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair"])
 @pytest.mark.parametrize("experts", [None, "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_the_kernels_switch_runs_it(experts, tokens):
+def test_the_kernels_switch_runs_it(experts, tokens, impl):
     """Kernels(moe="mosaic_decode") in the MoE block, 16-bit and MXFP4-packed experts, for one token
-    (its pairs each a block of their own) and for 3 (12 pairs sorted into expert blocks): the jnp
-    gather path's output on the same (decoded) experts within the noise of a bfloat16 run of it
-    (measured against float32)."""
+    (its pairs each a block of their own) and for 3 (12 pairs sorted into expert blocks); and
+    "mosaic_pair" (one token's pairs over MXFP4 experts a row each, the rest as "mosaic_decode"):
+    the jnp gather path's output on the same (decoded) experts within the noise of a bfloat16 run
+    of it (measured against float32)."""
     from gptoss_jax.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params
     from gptoss_jax.testing import random_params
@@ -73,7 +97,7 @@ def test_the_kernels_switch_runs_it(experts, tokens):
     config = gj.ModelConfig.tiny().replace(hidden_size=128, intermediate_size=128)
     params = random_params(config, seed=tokens, dtype=jnp.bfloat16, experts=experts)["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(tokens), (tokens, 1, config.hidden_size), jnp.bfloat16)
-    block = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_decode", interpret=True))
+    block = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=impl, interpret=True))
     got = jax.jit(lambda p, x: block.apply({"params": p}, x))(params, x)
     decoded = decode_params(params) if experts else params
     want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": decoded}, x)
@@ -81,4 +105,4 @@ def test_the_kernels_switch_runs_it(experts, tokens):
     exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32}, x.astype(jnp.float32))
     flat = lambda a, dtype: np.asarray(a, dtype).reshape(-1, config.hidden_size)  # noqa: E731
     Exact.measure(flat(want, np.float64), flat(exact, np.float64), precision="bfloat16").check(
-        flat(got, np.float32), "mosaic_decode")
+        flat(got, np.float32), impl)

@@ -12,7 +12,8 @@ decode on the chip, no decoded weight written to memory: for prompts "mosaic_gro
 shared memory for the tensor cores, kernels/mosaic_mxfp4.py; "triton_grouped" before Hopper, in
 registers, kernels/triton_mxfp4.py), for decode "triton" (at decode on one device, the whole MoE
 block, norm and router included, as four fused kernels, kernels/decode_moe.py) or "mosaic_decode"
-(kernels/mosaic_decode.py); all take 16-bit activations. Elsewhere the jnp paths decode them inside
+(kernels/mosaic_decode.py; "mosaic_pair", by name only: one token's pairs a row each, no tensor
+cores, kernels/mosaic_pair.py); all take 16-bit activations. Elsewhere the jnp paths decode them inside
 the jitted step (gather: the selected experts only; grouped: one expert block at a time; megablox
 on TPU: a layer's experts).
 
@@ -41,8 +42,8 @@ import jax.numpy as jnp
 from . import gpu, mosaic
 
 ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "mosaic", "triton")
-MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "mosaic_decode", "mosaic_grouped", "triton", "triton_grouped",
-       "megablox")
+MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "mosaic_decode", "mosaic_pair", "mosaic_grouped", "triton",
+       "triton_grouped", "megablox")
 # Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
 NEEDS = {
     "tokamax": ("gpu", False, "NVIDIA GPUs"),
@@ -52,6 +53,7 @@ NEEDS = {
     "triton_grouped": ("gpu", True, "NVIDIA GPUs"),
     "mosaic_grouped": ("gpu", True, "NVIDIA Hopper GPUs"),
     "mosaic_decode": ("gpu", True, "NVIDIA Hopper GPUs"),
+    "mosaic_pair": ("gpu", True, "NVIDIA Hopper GPUs"),
     "splash": ("tpu", True, "TPUs"),
     "megablox": ("tpu", True, "TPUs"),
 }

@@ -36,12 +36,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic import interpret_params, splits_for, supported, tiles
 
-__all__ = ["TILES", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "supported"]
+__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "supported"]
 
 TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
 
-def _load(ref, idx, layout, interpret: bool):
+def load(ref, idx, layout, interpret: bool):
     """ref[idx] (shared memory) into registers in `layout`, bank conflicts allowed (interpret mode:
     a plain read)."""
     return ref[idx] if interpret else plgpu.load(ref.at[idx], layout=layout, optimized=False)
@@ -117,19 +117,26 @@ def _decode_ptx(p, s):
 DECODERS = ("ptx", "jnp")
 
 
-def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decoder: str = "ptx"):
-    """One step's weight rows `rows` (a warpgroup's share), packed bytes [., 16 gs] and
-    scales [gs, .] in shared memory, decoded into w_low and w_high [rows, 16 gs] (bfloat16 in shared
-    memory: the even and odd inputs' weights), the stores then made visible to the tensor cores.
-    `decoder`: "ptx" (byte permutes, `_decode_ptx`) or "jnp" (bit arithmetic, `_decode`); interpret
-    mode runs "jnp" (it cannot run PTX)."""
+def decode_group(packed, s, rows, g: int, interpret: bool, decoder: str = "ptx"):
+    """Scale block g of a step's weight rows `rows` (packed bytes [., 16 gs] and scales [gs, .] in
+    shared memory) -> the low and high nibbles' weights [rows, 16] each (bfloat16, the wgmma
+    layout: the even and odd inputs' weights). `decoder`: "ptx" (byte permutes, `_decode_ptx`) or
+    "jnp" (bit arithmetic, `_decode`); interpret mode runs "jnp" (it cannot run PTX)."""
     if decoder not in DECODERS:
         raise ValueError(f"unknown MXFP4 decoder {decoder!r}; choose from {', '.join(DECODERS)}")
     decode = _decode if interpret or decoder == "jnp" else _decode_ptx
+    p = load(packed, (rows, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
+    sc = load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
+    return decode(p, sc)
+
+
+def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decoder: str = "ptx"):
+    """One step's weight rows `rows` (a warpgroup's share), packed bytes [., 16 gs] and
+    scales [gs, .] in shared memory, decoded (`decode_group`) into w_low and w_high [rows, 16 gs]
+    (bfloat16 in shared memory: the even and odd inputs' weights), the stores then made visible to
+    the tensor cores."""
     for g in range(gs):
-        p = _load(packed, (rows, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-        sc = _load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
-        low, high = decode(p, sc)
+        low, high = decode_group(packed, s, rows, g, interpret, decoder)
         w_low[:, pl.ds(16 * g, 16)] = low
         w_high[:, pl.ds(16 * g, 16)] = high
     plgpu.commit_smem()

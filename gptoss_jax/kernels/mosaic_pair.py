@@ -1,0 +1,114 @@
+"""One token's expert products over MXFP4-packed experts in Pallas Mosaic GPU (NVIDIA Hopper, JAX
+>= 0.11), without the tensor cores: at a batch of one each pair is one row, so the work is reading
+its expert's packed weights once and a multiply-add per weight.
+
+A program takes one pair, `block_f` output features and one range of the input dimension. One
+warpgroup has the TMA engine bring each step's packed bytes ([block_f, 16 gs]), scales ([gs,
+block_f], from the pairs' experts' scales transposed) and the pair's even and odd inputs ([1, 16 gs]
+each) into shared memory `stages` deep; two compute warpgroups each decode half of the rows
+(kernels/mosaic_mxfp4.py's decoder, in the wgmma register layout), multiply them by the inputs
+broadcast down the rows and add into float32 registers [rows, 16]. The last step's sums are added
+across each row's 16 columns (within a thread, then across the four threads of a row), and the
+ranges' partial sums after the kernel. Unlike kernels/mosaic_decode.py no weight is stored back to
+shared memory and nothing waits on the tensor cores, and no row is padding.
+
+Legend: P = pairs, D = input features, F = output features, E = experts, G = D / 32 scale blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import mosaic_mxfp4
+from .mosaic import interpret_params, splits_for, supported
+
+__all__ = ["pair_matvec_mxfp4", "settings", "supported"]
+
+
+def settings(pairs: int, F: int, G: int, *, block_f: int = 256, gs: int = 6) -> dict:
+    """Six scale blocks (192 inputs) a step, and splits of the cdiv(G, gs) steps for about two
+    programs per SM of a large GPU, among the steps' divisors."""
+    return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), pairs * -(-F // block_f)))
+
+
+@functools.partial(jax.jit, static_argnames=("block_f", "gs", "stages", "splits", "interpret", "decoder"))
+def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, gs: int = 6, stages: int = 3,
+                      splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
+    """rows [P, D] bfloat16 (a row per pair), pair_expert [P] (each pair's expert, in [0, E)),
+    blocks uint8 [E, F, G, 16], scales uint8 [E, F, G] -> [P, F] bfloat16: row p times its expert's
+    weights decoded, float32 sums. block_f: a multiple of 128 (F need not be one: the last tile is
+    cut); `splits` divides the cdiv(G, gs) steps."""
+    P, D = rows.shape
+    E, F, G, _ = blocks.shape
+    steps = pl.cdiv(G, gs)
+    if not supported():
+        raise RuntimeError(f"the Mosaic GPU MXFP4 pair matvec needs JAX >= 0.11, this is {jax.__version__}")
+    if rows.dtype != jnp.bfloat16:
+        raise ValueError(f"the Mosaic GPU MXFP4 pair matvec takes bfloat16 rows, got {rows.dtype}")
+    if D != 32 * G or block_f % 128 or steps % splits:
+        raise ValueError(f"rows of {D} inputs for {G} scale blocks, output tiles of {block_f} (of 128), "
+                         f"{steps} steps of {gs} scale blocks split {splits} ways")
+    per = steps // splits
+    pairs = rows.reshape(P, G, 16, 2)
+    x_even, x_odd = pairs[..., 0].reshape(P, G * 16), pairs[..., 1].reshape(P, G * 16)
+    flat = blocks.reshape(E, F, G * 16)
+    # [P, G, F]: each pair's expert's scales, a step's as contiguous rows; a slice per pair for a
+    # token's few pairs (a byte gather took twice as long on one H100 80GB), a gather beyond.
+    mine = (jnp.stack([lax.dynamic_index_in_dim(scales, pair_expert[i], keepdims=False) for i in range(P)])
+            if P <= 64 else scales[pair_expert])
+    scales_t = jnp.swapaxes(mine, 1, 2)
+    K, half = 16 * gs, block_f // 2
+    column = plgpu.Layout.WGMMA.reduce(0)  # [16]: one value per column of a [rows, 16] tile
+
+    def body(pe_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, o_smem):
+        p, j, part = lax.axis_index("p"), lax.axis_index("n"), lax.axis_index("k")
+        first = part * per
+
+        def pipeline(step, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=stages, compute_context=compute_context,
+                in_specs=[plgpu.BlockSpec((1, K), lambda k: (p, first + k)),
+                          plgpu.BlockSpec((1, K), lambda k: (p, first + k)),
+                          plgpu.BlockSpec((block_f, K), lambda k: (j, first + k)),
+                          plgpu.BlockSpec((gs, block_f), lambda k: (first + k, j))])
+
+        ignore = lambda *_, **__: None  # noqa: E731
+        e = pe_ref[p]
+
+        @functools.partial(pl.run_scoped, collective_axes="wg",
+                           allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref.at[p]))
+        def _(allocs):
+            wg = lax.axis_index("wg")
+            mine = pl.ds(wg * half, half)
+
+            def compute_context(run):
+                acc = run(plgpu.layout_cast(jnp.zeros((half, 16), jnp.float32), plgpu.Layout.WGMMA))
+                o_smem[wg] = acc.sum(axis=1)  # [half]: this warpgroup's rows
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, p, pl.ds(j * block_f + wg * half, half)])
+                plgpu.wait_smem_to_gmem(0)
+
+            def step(_, xe, xo, packed, s, acc):  # [1, K] [1, K] [block_f, K] [gs, block_f]; acc [half, 16]
+                for g in range(gs):
+                    low, high = mosaic_mxfp4.decode_group(packed, s, mine, g, interpret, decoder)  # [half, 16] each
+                    x_low, x_high = (mosaic_mxfp4.load(x, (0, pl.ds(16 * g, 16)), column, interpret).astype(jnp.float32)
+                                     for x in (xe, xo))
+                    acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
+                return acc
+
+            pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[p], allocations=allocs)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((splits, P, F), jnp.float32),
+        grid=(P, pl.cdiv(F, block_f), splits), grid_names=("p", "n", "k"), num_threads=3, thread_name="wg",
+        interpret=interpret_params(interpret),
+        scratch_types=dict(o_smem=plgpu.SMEM((2, half), jnp.float32)))
+    out = kernel(pair_expert.astype(jnp.int32), x_even, x_odd, flat, scales_t)
+    return out.sum(axis=0).astype(rows.dtype)
