@@ -138,24 +138,15 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
-    if not supported():
-        raise RuntimeError(f"the Mosaic GPU MXFP4 decode matvec needs JAX >= 0.11, this is {jax.__version__}")
-    if rows.dtype != jnp.bfloat16:
-        raise ValueError(f"the Mosaic GPU MXFP4 decode matvec takes bfloat16 rows, got {rows.dtype}")
     if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
                          f"{steps} steps of {gs} scale blocks split {splits} ways")
     per = steps // splits
-    pairs = rows.reshape(M, G, 16, 2)
-    x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
-    flat = blocks.reshape(E, F, G * 16)
-    # [E or blocks, G, F]: a step's scales as contiguous rows. Where there are fewer blocks than
-    # experts (a batch of one: 4 of 32), only the blocks' experts' scales are transposed.
+    # Where there are fewer blocks than experts (a batch of one: 4 of 32), only the blocks' experts'
+    # scales are transposed, by block.
     by_block = M // block_m < E
-    if by_block:  # a slice per block, not a gather (a byte gather took 16 us a layer on one H100 80GB)
-        scales = jnp.stack([lax.dynamic_index_in_dim(scales, block_expert[i], keepdims=False)
-                            for i in range(M // block_m)])
-    scales_t = jnp.swapaxes(scales, 1, 2)
+    x_even, x_odd, flat, scales_t = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks, scales,
+                                                          block_expert if by_block else None)
     K, share = 16 * gs, block_f // compute_wgs  # share: a compute warpgroup's weight rows
     x_tiles = mosaic_mxfp4.TILES
 

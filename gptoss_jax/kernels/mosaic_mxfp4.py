@@ -36,7 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic import interpret_params, splits_for, supported, tiles
 
-__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "supported"]
+__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "operands",
+           "supported"]
 
 TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
@@ -142,6 +143,29 @@ def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decode
     plgpu.commit_smem()
 
 
+def operands(what: str, rows, blocks, scales, experts=None):
+    """What the Mosaic GPU MXFP4 kernels read, from rows [M, D] (bfloat16) and packed experts
+    (blocks uint8 [E, F, G, 16], scales uint8 [E, F, G]): the rows' even and odd inputs [M, D / 2]
+    each (a block's low and high nibbles' inputs), the blocks as [E, F, 16 G], and the scales
+    transposed, [E, G, F] (a step's as contiguous rows, for the TMA engine), or, given `experts`
+    [n], those experts' only, [n, G, F]: a slice each for up to 64 (a byte gather took twice as
+    long on one H100 80GB), a gather beyond. `what` names the kernel in errors."""
+    if not supported():
+        raise RuntimeError(f"the {what} needs JAX >= 0.11, this is {jax.__version__}")
+    if rows.dtype != jnp.bfloat16:
+        raise ValueError(f"the {what} takes bfloat16 rows, got {rows.dtype}")
+    (M, D), (E, F, G, _) = rows.shape, blocks.shape
+    if D != 32 * G:
+        raise ValueError(f"the {what} takes rows of {32 * G} inputs ({G} scale blocks), got {D}")
+    pairs = rows.reshape(M, G, 16, 2)
+    if experts is not None:
+        n = experts.shape[0]
+        scales = (jnp.stack([lax.dynamic_index_in_dim(scales, experts[i], keepdims=False) for i in range(n)])
+                  if n <= 64 else scales[experts])
+    return (pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16), blocks.reshape(E, F, G * 16),
+            jnp.swapaxes(scales, 1, 2))
+
+
 def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     """Settings for few rows (decode: blocks of 64, about one per expert in use): 3 scale blocks a
     step, and the steps split over enough programs (blocks x output tiles x splits) for two per SM
@@ -172,16 +196,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if steps % splits:
         raise ValueError(f"splits={splits} must divide the {steps} steps of {gs} scale blocks over G={G}")
     per = steps // splits
-    if not supported():
-        raise RuntimeError(f"the Mosaic GPU MXFP4 matmul needs JAX >= 0.11, this is {jax.__version__}")
-    if rows.dtype != jnp.bfloat16:
-        raise ValueError(f"the Mosaic GPU MXFP4 matmul takes bfloat16 rows, got {rows.dtype}")
+    x_even, x_odd, flat, scales_t = operands("Mosaic GPU MXFP4 matmul", rows, blocks, scales)
     if M % block_m or block_m % 64 or block_n % 128:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 64), output tiles of {block_n} (of 128)")
-    pairs = rows.reshape(M, G, 16, 2)
-    x_even, x_odd = pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16)
-    flat = blocks.reshape(E, F, G * 16)
-    scales_t = jnp.swapaxes(scales, 1, 2)  # [E, G, F]
     K, bn, half = 16 * gs, block_n, block_n // 2
     out_dtype = rows.dtype if splits == 1 else jnp.float32
 

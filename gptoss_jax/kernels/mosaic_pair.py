@@ -47,22 +47,11 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
     P, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
-    if not supported():
-        raise RuntimeError(f"the Mosaic GPU MXFP4 pair matvec needs JAX >= 0.11, this is {jax.__version__}")
-    if rows.dtype != jnp.bfloat16:
-        raise ValueError(f"the Mosaic GPU MXFP4 pair matvec takes bfloat16 rows, got {rows.dtype}")
-    if D != 32 * G or block_f % 128 or steps % splits:
-        raise ValueError(f"rows of {D} inputs for {G} scale blocks, output tiles of {block_f} (of 128), "
-                         f"{steps} steps of {gs} scale blocks split {splits} ways")
+    if block_f % 128 or steps % splits:
+        raise ValueError(f"output tiles of {block_f} (of 128), {steps} steps of {gs} scale blocks split {splits} ways")
     per = steps // splits
-    pairs = rows.reshape(P, G, 16, 2)
-    x_even, x_odd = pairs[..., 0].reshape(P, G * 16), pairs[..., 1].reshape(P, G * 16)
-    flat = blocks.reshape(E, F, G * 16)
-    # [P, G, F]: each pair's expert's scales, a step's as contiguous rows; a slice per pair for a
-    # token's few pairs (a byte gather took twice as long on one H100 80GB), a gather beyond.
-    mine = (jnp.stack([lax.dynamic_index_in_dim(scales, pair_expert[i], keepdims=False) for i in range(P)])
-            if P <= 64 else scales[pair_expert])
-    scales_t = jnp.swapaxes(mine, 1, 2)
+    x_even, x_odd, flat, scales_t = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks, scales,
+                                                          pair_expert)  # scales [P, G, F]
     K, half = 16 * gs, block_f // 2
     column = plgpu.Layout.WGMMA.reduce(0)  # [16]: one value per column of a [rows, 16] tile
 
