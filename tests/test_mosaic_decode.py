@@ -106,3 +106,15 @@ def test_the_kernels_switch_runs_it(experts, tokens, impl):
     flat = lambda a, dtype: np.asarray(a, dtype).reshape(-1, config.hidden_size)  # noqa: E731
     Exact.measure(flat(want, np.float64), flat(exact, np.float64), precision="bfloat16").check(
         flat(got, np.float32), impl)
+
+
+def test_mxfp4_kernels_name_themselves_in_errors():
+    """Rows that do not match the packed experts' input width, or are not bfloat16: a clear error
+    naming the kernel, before anything is compiled."""
+    blocks, scales = jnp.zeros((2, 128, 3, 16), jnp.uint8), jnp.zeros((2, 128, 3), jnp.uint8)
+    with pytest.raises(ValueError, match="pair matvec takes rows of 96 inputs"):
+        mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
+                                      gs=3, interpret=True)
+    with pytest.raises(ValueError, match="decode matvec takes bfloat16 rows"):
+        mosaic_decode.grouped_matvec_mxfp4(jnp.zeros((8, 96), jnp.float32), jnp.zeros((1,), jnp.int32), 1, blocks,
+                                           scales, gs=3, interpret=True)
