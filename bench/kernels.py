@@ -336,13 +336,13 @@ def decode_experts(rng):
             timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
             G = D // 32
             if P == 4:  # one token: a row per pair, no tensor cores (kernels/mosaic_pair.py)
+                pair_settings = mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)
+
                 def pair_rows(x, *a):
-                    return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1],
-                                                                    **mosaic_pair.settings(P, F, G))
+                    return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1], **pair_settings)
                                       for i in range(L)])
 
-                timed(f"{tag} mosaic pair {mosaic_pair.settings(P, F, G)}", pair_rows, xp, *args, ref=ref,
-                      weight_bytes=nbytes, n=30)
+                timed(f"{tag} mosaic pair {pair_settings}", pair_rows, xp, *args, ref=ref, weight_bytes=nbytes, n=30)
             block = decode_block(P, E)
             bound = to_blocks(x, idx, E, block)[2].shape[0]
             default = mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block)

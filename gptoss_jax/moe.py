@@ -222,7 +222,8 @@ def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool, rows_per_pair: bo
         if pairwise:
             _, F, G, _ = weight["blocks"].shape
             return mosaic_pair.pair_matvec_mxfp4(inputs, block_expert, weight["blocks"], weight["scales"],
-                                                 interpret=interpret, **mosaic_pair.settings(bound, F, G))
+                                                 interpret=interpret,
+                                                 **mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=1))
         if packed(weight):
             _, F, G, _ = weight["blocks"].shape
             return mosaic_decode.grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],

@@ -110,8 +110,9 @@ def _rows_out(out, dtype) -> jax.Array:
 
 def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8, block_f: int = 256,
                           gs: int | None = None) -> dict:
-    """Scale blocks a step (`gs`): six (192 inputs) for blocks of up to 16 rows, three above (six
-    would not fit a Hopper SM's 227 KB of shared memory); and splits of the cdiv(G, gs) steps for
+    """Scale blocks a step (`gs`): six (192 inputs) for blocks of up to 16 rows (and for
+    kernels/mosaic_pair.py, a row per pair: block_m=1), three above (six would not fit a Hopper
+    SM's 227 KB of shared memory); and splits of the cdiv(G, gs) steps for
     about two programs per SM of a large GPU, among the steps' divisors. On one H100 80GB
     (gpt-oss-20b's mlp1, one token's 4 pairs, kernel time in a profile) six blocks a step took
     37.6 us a layer against 43.4 with three; 4 stages instead of 3, or tiles of 128 outputs, did no
@@ -127,15 +128,14 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                          decoder: str = "ptx") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
-    transposed: two warpgroups each decode half of the program's `block_f` weight rows into shared
+    transposed: two warpgroups each decode half of the program's `block_f` weight rows into halfd
     memory (the tensor cores' 64-row operand) and multiply them by the block's even and odd inputs;
     a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale blocks).
     An SM runs one program (168 registers a thread); on one H100 80GB three compute warpgroups of
     64 rows failed (misaligned address) and four cannot get their registers. block_m: a multiple of
     8 up to 256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
     cdiv(G, gs) steps."""
-    compute_wgs = 2
-    M, D = rows.shape
+    M = rows.shape[0]
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
     if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
@@ -147,7 +147,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     by_block = M // block_m < E
     x_even, x_odd, flat, scales_t = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks, scales,
                                                           block_expert if by_block else None)
-    K, share = 16 * gs, block_f // compute_wgs  # share: a compute warpgroup's weight rows
+    K, half = 16 * gs, block_f // 2
     x_tiles = mosaic_mxfp4.TILES
 
     def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
@@ -158,7 +158,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
         def pipeline(step, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=compute_wgs,
+                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
                 in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
                           plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
@@ -173,22 +173,22 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                                allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref))
             def _(allocs):
                 wg = lax.axis_index("wg")
-                mine = pl.ds(wg * share, share)
+                mine = pl.ds(wg * half, half)
 
                 def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((share, block_m), jnp.float32))
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((half, block_m), jnp.float32))
                     def _(acc):
                         run(acc)
                         o_smem[wg] = acc[...]
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, pl.ds(j * block_f + wg * share, share),
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, pl.ds(j * block_f + wg * half, half),
                                                                          pl.ds(b * block_m, block_m)])
                         plgpu.wait_smem_to_gmem(0)
 
                 def step(_, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [block_f, K] [gs, block_f]
-                    wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [share, K] each
+                    wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
                     mosaic_mxfp4.decode_into(packed, s, mine, wl, wh, gs, interpret, decoder)
-                    plgpu.wgmma(acc, wl, xe.T)  # [share, block_m] += W_even x_even^T
+                    plgpu.wgmma(acc, wl, xe.T)  # [half, block_m] += W_even x_even^T
                     plgpu.wgmma(acc, wh, xo.T)
                     plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
                     return acc
@@ -197,11 +197,11 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
-        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=compute_wgs + 1,
+        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=3,
         thread_name="wg", interpret=interpret_params(interpret),
-        scratch_types=dict(w_low=plgpu.SMEM((compute_wgs, share, K), jnp.bfloat16, transforms=x_tiles),
-                           w_high=plgpu.SMEM((compute_wgs, share, K), jnp.bfloat16, transforms=x_tiles),
-                           o_smem=plgpu.SMEM((compute_wgs, share, block_m), jnp.float32)))
+        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
+                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
+                           o_smem=plgpu.SMEM((2, half, block_m), jnp.float32)))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                  scales_t)
     return _rows_out(out, rows.dtype)

@@ -26,15 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import mosaic_mxfp4
-from .mosaic import interpret_params, splits_for, supported
+from .mosaic import interpret_params, supported
 
-__all__ = ["pair_matvec_mxfp4", "settings", "supported"]
-
-
-def settings(pairs: int, F: int, G: int, *, block_f: int = 256, gs: int = 6) -> dict:
-    """Six scale blocks (192 inputs) a step, and splits of the cdiv(G, gs) steps for about two
-    programs per SM of a large GPU, among the steps' divisors."""
-    return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), pairs * -(-F // block_f)))
+__all__ = ["pair_matvec_mxfp4", "supported"]
 
 
 @functools.partial(jax.jit, static_argnames=("block_f", "gs", "stages", "splits", "interpret", "decoder"))
@@ -43,9 +37,10 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
     """rows [P, D] bfloat16 (a row per pair), pair_expert [P] (each pair's expert, in [0, E)),
     blocks uint8 [E, F, G, 16], scales uint8 [E, F, G] -> [P, F] bfloat16: row p times its expert's
     weights decoded, float32 sums. block_f: a multiple of 128 (F need not be one: the last tile is
-    cut); `splits` divides the cdiv(G, gs) steps."""
-    P, D = rows.shape
-    E, F, G, _ = blocks.shape
+    cut); `splits` divides the cdiv(G, gs) steps. Settings for P pairs:
+    mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)."""
+    P = rows.shape[0]
+    _, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
     if block_f % 128 or steps % splits:
         raise ValueError(f"output tiles of {block_f} (of 128), {steps} steps of {gs} scale blocks split {splits} ways")
