@@ -336,17 +336,23 @@ def decode_experts(rng):
             timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
             G = D // 32
             if P == 4:  # one token: a row per pair, no tensor cores (kernels/mosaic_pair.py)
-                pair_settings = mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)
+                pair_default = mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)
+                for pair_settings in (pair_default, {**pair_default, "decoder": "jnp"},
+                                      {**pair_default, "stages": 4}, {**pair_default, "splits": 1},
+                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, block_f=128),
+                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, gs=4),
+                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, gs=8)):
+                    def pair_rows(x, *a, settings=pair_settings):
+                        return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1], **settings)
+                                          for i in range(L)])
 
-                def pair_rows(x, *a):
-                    return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1], **pair_settings)
-                                      for i in range(L)])
-
-                timed(f"{tag} mosaic pair {pair_settings}", pair_rows, xp, *args, ref=ref, weight_bytes=nbytes, n=30)
+                    timed(f"{tag} mosaic pair {pair_settings}", pair_rows, xp, *args, ref=ref, weight_bytes=nbytes,
+                          n=30)
             block = decode_block(P, E)
             bound = to_blocks(x, idx, E, block)[2].shape[0]
             default = mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block)
-            for blk, settings in ((block, default), (block, {**default, "decoder": "jnp"}),
+            for blk, settings in ((block, default), (block, {**default, "weights": "registers"}),
+                                  (block, {**default, "decoder": "jnp"}),
                                   (block, {**default, "stages": 4}),
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block, block_f=128)),
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, gs=2)),
@@ -450,6 +456,14 @@ def grouped_mxfp4(rng):
                           lambda r, b, s: mosaic_mxfp4.grouped_matmul_mxfp4(
                               r, block_expert, used, b, s, block_m=block, block_n=bn, gs=gs, stages=stages,
                               decoder=decoder)[dest],
+                          rows, blocks, scales, ref=ref, flops=flops)
+                from gptoss_jax.kernels import mosaic_decode
+                for block, bf, gs in ((64, 256, 3), (128, 128, 3), (128, 256, 2), (128, 256, 3), (64, 128, 6)):
+                    order, dest, block_expert, used = group_by_expert(idx, E, block)
+                    rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+                    timed(f"{tag} mosaic transposed, weights from registers, block={block} block_f={bf} gs={gs}",
+                          lambda r, b, s: mosaic_decode.grouped_matvec_mxfp4(
+                              r, block_expert, used, b, s, block_m=block, block_f=bf, gs=gs)[dest],
                           rows, blocks, scales, ref=ref, flops=flops)
             for block, bn, warps, stages, decoder in (prompt if pairs > 256 else batch):
                 order, dest, block_expert, used = group_by_expert(idx, E, block)

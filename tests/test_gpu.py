@@ -206,11 +206,13 @@ def test_packed_experts_decode_on_the_gpu(impl, tokens):
 
 
 def test_mosaic_decode_settings_at_gpt_oss_shapes():
-    """The Mosaic GPU decode kernels at gpt-oss-20b's expert shapes against the definition in float64
-    (noise: the same in torch bfloat16): the MXFP4 grouped matmul with decode's settings (blocks of
-    64 rows, the input dimension split over several programs), scale extremes; the 16-bit decode
-    kernel, blocks of 8 rows, split likewise."""
-    from gptoss_jax.kernels import mosaic_decode
+    """The Mosaic GPU decode kernels at gpt-oss-20b's expert shapes (the last output tile cut)
+    against the definition in float64 (noise: the same in torch bfloat16): the MXFP4 grouped matmul
+    with decode's settings (blocks of 64 rows, the input dimension split over several programs),
+    scale extremes; the MXFP4 decode kernel (blocks of 8 rows, weights handed to the tensor cores
+    from registers and through shared memory) and the row-per-pair kernel, split likewise; the
+    16-bit decode kernel, blocks of 8 rows."""
+    from gptoss_jax.kernels import mosaic_decode, mosaic_pair
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     rng = np.random.default_rng(11)
@@ -231,8 +233,23 @@ def test_mosaic_decode_settings_at_gpt_oss_shapes():
         for cols in EXTREME_ROWS:
             Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * 64, cols],
                                                                                   f"MXFP4, F={F}, {cols}")
-        w16 = jax.random.normal(jax.random.key(F), (E, F, D), jnp.bfloat16)
         rows8 = rows.reshape(4, 64, D)[:, :8].reshape(32, D)  # blocks of 8: each block's first 8 rows
+        low8, exact8 = (a.reshape(3, 64, F)[:, :8].reshape(24, F) for a in (low, exact))
+        for weights in ("registers", "smem"):
+            settings = mosaic_decode.decode_settings_mxfp4(4, F, D // 32)
+            assert settings["splits"] > 1
+            got = np.asarray(mosaic_decode.grouped_matvec_mxfp4(rows8, block_expert, 3, blocks, scales, block_m=8,
+                                                                weights=weights, **settings)[:24], np.float32)
+            for cols in EXTREME_ROWS:
+                Exact.measure(low8[:, cols], exact8[:, cols], precision="bfloat16").check(
+                    got[:, cols], f"MXFP4 decode, {weights}, F={F}, {cols}")
+        settings = mosaic_decode.decode_settings_mxfp4(24, F, D // 32, block_m=1)
+        got = np.asarray(mosaic_pair.pair_matvec_mxfp4(rows8[:24], jnp.repeat(block_expert[:3], 8), blocks, scales,
+                                                        **settings), np.float32)
+        for cols in EXTREME_ROWS:
+            Exact.measure(low8[:, cols], exact8[:, cols], precision="bfloat16").check(got[:, cols],
+                                                                                    f"MXFP4 pairs, F={F}, {cols}")
+        w16 = jax.random.normal(jax.random.key(F), (E, F, D), jnp.bfloat16)
         low, exact = (a.reshape(3, 64, F)[:, :8].reshape(24, F) for a in definition(np.asarray(w16, np.float32)))
         settings = mosaic_decode.decode_settings(4, F, D)
         assert settings["splits"] > 1

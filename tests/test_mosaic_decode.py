@@ -59,14 +59,14 @@ def test_matvec_of_mxfp4_experts(E, settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:24, cols], str(cols))
 
 
-@pytest.mark.parametrize("settings", [{}, {"block_f": 128, "gs": 1, "splits": 3}])
+@pytest.mark.parametrize("settings", [{}, {"block_f": 128, "gs": 2, "splits": 2}])
 def test_pair_matvec_of_mxfp4_experts(settings):
     """One row per pair (kernels/mosaic_pair.py) over MXFP4-packed experts with scale extremes: 320
-    outputs (a 256-wide tile cut at the end), 3 scale blocks in one step of 6 (the last three past
-    the end: zeros from the TMA copy) or 3 steps split over 3 programs; two pairs share an expert.
+    outputs (a 256-wide tile cut at the end), 4 scale blocks in one step of 6 (the last two past
+    the end: zeros from the TMA copy) or 2 steps split over 2 programs; two pairs share an expert.
     Each pair against its expert in float64, within the noise of the same product in bfloat16."""
     rng = np.random.default_rng(4)
-    E, F, D = 5, 320, 96
+    E, F, D = 5, 320, 128
     blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     pair_expert = jnp.asarray([4, 0, 2, 4], jnp.int32)
     rows = jax.random.normal(jax.random.key(4), (4, D), jnp.bfloat16)
@@ -109,11 +109,15 @@ def test_the_kernels_switch_runs_it(experts, tokens, impl):
 
 
 def test_mxfp4_kernels_name_themselves_in_errors():
-    """Rows that do not match the packed experts' input width, or are not bfloat16: a clear error
-    naming the kernel, before anything is compiled."""
+    """Rows that do not match the packed experts' input width, or are not bfloat16, and settings the
+    pair kernel cannot run: a clear error naming the kernel or the setting, before anything is
+    compiled."""
     blocks, scales = jnp.zeros((2, 128, 3, 16), jnp.uint8), jnp.zeros((2, 128, 3), jnp.uint8)
     with pytest.raises(ValueError, match="pair matvec takes rows of 96 inputs"):
         mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
+                                      gs=2, interpret=True)
+    with pytest.raises(ValueError, match=r"3 \(an even number of\) scale blocks"):
+        mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
                                       gs=3, interpret=True)
     with pytest.raises(ValueError, match="decode matvec takes bfloat16 rows"):
         mosaic_decode.grouped_matvec_mxfp4(jnp.zeros((8, 96), jnp.float32), jnp.zeros((1,), jnp.int32), 1, blocks,

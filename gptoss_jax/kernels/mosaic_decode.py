@@ -122,18 +122,23 @@ def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8
     return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), blocks_bound * -(-F // block_f)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret", "decoder"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret", "decoder",
+                                             "weights"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
                          gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
-                         decoder: str = "ptx") -> jax.Array:
+                         decoder: str = "ptx", weights: str = "registers") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
-    transposed: two warpgroups each decode half of the program's `block_f` weight rows into halfd
-    memory (the tensor cores' 64-row operand) and multiply them by the block's even and odd inputs;
-    a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale blocks).
-    An SM runs one program (168 registers a thread); on one H100 80GB three compute warpgroups of
-    64 rows failed (misaligned address) and four cannot get their registers. block_m: a multiple of
-    8 up to 256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
+    transposed: two warpgroups each decode half of the program's `block_f` weight rows and multiply
+    them (the tensor cores' left operand, 64 rows an instruction) by the block's even and odd
+    inputs; a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale
+    blocks). `weights`: "registers" hands each scale block's decoded weights to the tensor cores
+    straight from the decoder's registers; "smem" stores a step's into shared memory first, then
+    makes the stores visible to the tensor cores (what interpret mode runs: its wgmma reads shared
+    memory only). On one H100 80GB "registers" took 0.62-0.71x the time of "smem" (gpt-oss-20b's
+    projections at 4 and 256 pairs, docs/benchmarks.md). Three compute warpgroups of 64 rows failed
+    there (misaligned address) and four cannot get their registers. block_m: a multiple of 8 up to
+    256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
     cdiv(G, gs) steps."""
     M = rows.shape[0]
     E, F, G, _ = blocks.shape
@@ -141,6 +146,10 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
                          f"{steps} steps of {gs} scale blocks split {splits} ways")
+    if weights not in ("registers", "smem"):
+        raise ValueError(f"weights from 'registers' or 'smem', got {weights!r}")
+    if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
+        weights = "smem"
     per = steps // splits
     # Where there are fewer blocks than experts (a batch of one: 4 of 32), only the blocks' experts'
     # scales are transposed, by block.
@@ -150,7 +159,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     K, half = 16 * gs, block_f // 2
     x_tiles = mosaic_mxfp4.TILES
 
-    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
+    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, o_smem, w_low=None, w_high=None):
         b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
         e = be_ref[b]
         s_ref = s_ref.at[b if by_block else e]
@@ -186,6 +195,14 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                         plgpu.wait_smem_to_gmem(0)
 
                 def step(_, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [block_f, K] [gs, block_f]
+                    if weights == "registers":  # each scale block's weights straight from the decoder
+                        for g in range(gs):
+                            low, high = mosaic_mxfp4.decode_group(packed, s, mine, g, interpret, decoder)
+                            cols = pl.ds(16 * g, 16)
+                            plgpu.wgmma(acc, low, xe.at[:, cols].T)  # [half, block_m] += W_even x_even^T
+                            plgpu.wgmma(acc, high, xo.at[:, cols].T)
+                        plgpu.wgmma_wait(0)  # before the pipeline reuses the inputs' buffers
+                        return acc
                     wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
                     mosaic_mxfp4.decode_into(packed, s, mine, wl, wh, gs, interpret, decoder)
                     plgpu.wgmma(acc, wl, xe.T)  # [half, block_m] += W_even x_even^T
@@ -199,9 +216,10 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
         grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=3,
         thread_name="wg", interpret=interpret_params(interpret),
-        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
-                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
-                           o_smem=plgpu.SMEM((2, half, block_m), jnp.float32)))
+        scratch_types=dict(o_smem=plgpu.SMEM((2, half, block_m), jnp.float32),
+                           **({} if weights == "registers" else
+                              dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles),
+                                   w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=x_tiles)))))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                  scales_t)
     return _rows_out(out, rows.dtype)

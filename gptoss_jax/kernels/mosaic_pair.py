@@ -4,8 +4,8 @@ its expert's packed weights once and a multiply-add per weight.
 
 A program takes one pair, `block_f` output features and one range of the input dimension. One
 warpgroup has the TMA engine bring each step's packed bytes ([block_f, 16 gs]), scales ([gs,
-block_f], from the pairs' experts' scales transposed) and the pair's even and odd inputs ([1, 16 gs]
-each) into shared memory `stages` deep; two compute warpgroups each decode half of the rows
+block_f], from the pairs' experts' scales transposed) and the pair's even and odd inputs ([2, 16 gs])
+into shared memory `stages` deep; two compute warpgroups each decode half of the rows
 (kernels/mosaic_mxfp4.py's decoder, in the wgmma register layout), multiply them by the inputs
 broadcast down the rows and add into float32 registers [rows, 16]. The last step's sums are added
 across each row's 16 columns (within a thread, then across the four threads of a row), and the
@@ -37,20 +37,25 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
     """rows [P, D] bfloat16 (a row per pair), pair_expert [P] (each pair's expert, in [0, E)),
     blocks uint8 [E, F, G, 16], scales uint8 [E, F, G] -> [P, F] bfloat16: row p times its expert's
     weights decoded, float32 sums. block_f: a multiple of 128 (F need not be one: the last tile is
-    cut); `splits` divides the cdiv(G, gs) steps. Settings for P pairs:
+    cut); gs: even; `splits` divides the cdiv(G, gs) steps. Settings for P pairs:
     mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)."""
     P = rows.shape[0]
     _, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
-    if block_f % 128 or steps % splits:
-        raise ValueError(f"output tiles of {block_f} (of 128), {steps} steps of {gs} scale blocks split {splits} ways")
+    if block_f % 128 or gs % 2 or steps % splits:
+        raise ValueError(f"output tiles of {block_f} (of 128), {steps} steps of {gs} (an even number of) scale "
+                         f"blocks split {splits} ways")
     per = steps // splits
     x_even, x_odd, flat, scales_t = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks, scales,
                                                           pair_expert)  # scales [P, G, F]
+    # [P, 2, D / 2]: a step's even and odd inputs in one buffer of 64 gs bytes. The TMA engine writes
+    # shared memory at multiples of 128 bytes; two buffers of 32 gs bytes each (gs = 6 at gpt-oss's
+    # shapes) put the second stage's off that and failed on one H100 80GB (misaligned address).
+    x = jnp.stack([x_even, x_odd], axis=1)
     K, half = 16 * gs, block_f // 2
     column = plgpu.Layout.WGMMA.reduce(0)  # [16]: one value per column of a [rows, 16] tile
 
-    def body(pe_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, o_smem):
+    def body(pe_ref, x_ref, b_ref, s_ref, o_ref, o_smem):
         p, j, part = lax.axis_index("p"), lax.axis_index("n"), lax.axis_index("k")
         first = part * per
 
@@ -58,8 +63,7 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((1, K), lambda k: (p, first + k)),
-                          plgpu.BlockSpec((1, K), lambda k: (p, first + k)),
+                in_specs=[plgpu.BlockSpec((1, 2, K), lambda k: (p, 0, first + k)),
                           plgpu.BlockSpec((block_f, K), lambda k: (j, first + k)),
                           plgpu.BlockSpec((gs, block_f), lambda k: (first + k, j))])
 
@@ -67,7 +71,7 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
         e = pe_ref[p]
 
         @functools.partial(pl.run_scoped, collective_axes="wg",
-                           allocs=pipeline(ignore, ignore).get_allocations(xe_ref, xo_ref, b_ref.at[e], s_ref.at[p]))
+                           allocs=pipeline(ignore, ignore).get_allocations(x_ref, b_ref.at[e], s_ref.at[p]))
         def _(allocs):
             wg = lax.axis_index("wg")
             mine = pl.ds(wg * half, half)
@@ -79,20 +83,24 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, p, pl.ds(j * block_f + wg * half, half)])
                 plgpu.wait_smem_to_gmem(0)
 
-            def step(_, xe, xo, packed, s, acc):  # [1, K] [1, K] [block_f, K] [gs, block_f]; acc [half, 16]
+            def step(_, x, packed, s, acc):  # [1, 2, K] [block_f, K] [gs, block_f]; acc [half, 16]
                 for g in range(gs):
                     low, high = mosaic_mxfp4.decode_group(packed, s, mine, g, interpret, decoder)  # [half, 16] each
-                    x_low, x_high = (mosaic_mxfp4.load(x, (0, pl.ds(16 * g, 16)), column, interpret).astype(jnp.float32)
-                                     for x in (xe, xo))
+                    x_low, x_high = (mosaic_mxfp4.load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
+                                     .astype(jnp.float32) for h in (0, 1))
                     acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
                 return acc
 
-            pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[p], allocations=allocs)
+            pipeline(step, compute_context)(x_ref, b_ref.at[e], s_ref.at[p], allocations=allocs)
 
+    # Outputs padded to whole tiles: a row's copy back is one contiguous run, which the copy engine
+    # does not clip at the row's end (on one H100 80GB a cut last tile's outputs landed in the next
+    # row's first columns).
+    tiles = pl.cdiv(F, block_f)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, P, F), jnp.float32),
-        grid=(P, pl.cdiv(F, block_f), splits), grid_names=("p", "n", "k"), num_threads=3, thread_name="wg",
+        body, out_type=jax.ShapeDtypeStruct((splits, P, tiles * block_f), jnp.float32),
+        grid=(P, tiles, splits), grid_names=("p", "n", "k"), num_threads=3, thread_name="wg",
         interpret=interpret_params(interpret),
         scratch_types=dict(o_smem=plgpu.SMEM((2, half), jnp.float32)))
-    out = kernel(pair_expert.astype(jnp.int32), x_even, x_odd, flat, scales_t)
-    return out.sum(axis=0).astype(rows.dtype)
+    out = kernel(pair_expert.astype(jnp.int32), x, flat, scales_t)
+    return out[:, :, :F].sum(axis=0).astype(rows.dtype)
