@@ -115,19 +115,44 @@ def _decode_ptx(p, s):
     return tuple(c * scale for c in _codes_ptx(p))
 
 
+def load_rows_strided(ref, rows: int, stride: int):
+    """ref[0], ref[stride], ..., ref[(rows - 1) * stride] (a contiguous 1-D uint8 ref in shared
+    memory: one column of a row-major [rows, stride] table) -> [rows] uint8 in the wgmma layout's
+    rows (`Layout.WGMMA.reduce(1)`), a byte load each (a GPU only: Pallas's own loads take
+    contiguous rows only)."""
+    out = plgpu.ShapeDtypeStruct((rows,), jnp.uint8, layout=plgpu.Layout.WGMMA.reduce(1))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=out)
+    def column(_, table):
+        from jax._src.lib.mlir.dialects import memref, vector
+
+        layout = mgpu.fragmented_array.WGMMA_ROW_LAYOUT
+        index = ir.IndexType.get()
+        byte = ir.VectorType.get((1,), ir.IntegerType.get_signless(8))
+        regs = np.empty(layout.registers_shape((rows,)), dtype=object)
+        for reg, (row,) in zip(np.ndindex(regs.shape), layout.thread_idxs((rows,))):
+            at = arith.muli(row, arith.constant(index, stride))
+            regs[reg] = vector.broadcast(byte, memref.load(table, [at]))
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
+
+    return column(ref)
+
+
 DECODERS = ("ptx", "jnp")
 
 
-def decode_group(packed, s, rows, g: int, interpret: bool, decoder: str = "ptx"):
+def decode_group(packed, s, rows, g: int, interpret: bool, decoder: str = "ptx", scale_at=None):
     """Scale block g of a step's weight rows `rows` (packed bytes [., 16 gs] and scales [gs, .] in
     shared memory) -> the low and high nibbles' weights [rows, 16] each (bfloat16, the wgmma
-    layout: the even and odd inputs' weights). `decoder`: "ptx" (byte permutes, `_decode_ptx`) or
-    "jnp" (bit arithmetic, `_decode`); interpret mode runs "jnp" (it cannot run PTX)."""
+    layout: the even and odd inputs' weights). `scale_at`: a function loading the rows' scales, if they
+    are not s[g, rows]. `decoder`: "ptx" (byte permutes, `_decode_ptx`) or "jnp" (bit arithmetic,
+    `_decode`); interpret mode runs "jnp" (it cannot run PTX)."""
     if decoder not in DECODERS:
         raise ValueError(f"unknown MXFP4 decoder {decoder!r}; choose from {', '.join(DECODERS)}")
     decode = _decode if interpret or decoder == "jnp" else _decode_ptx
     p = load(packed, (rows, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-    sc = load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret).astype(jnp.int32)
+    sc = (load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret) if scale_at is None
+          else scale_at()).astype(jnp.int32)
     return decode(p, sc)
 
 
@@ -143,13 +168,14 @@ def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decode
     plgpu.commit_smem()
 
 
-def operands(what: str, rows, blocks, scales, experts=None):
+def operands(what: str, rows, blocks, scales, experts=None, transpose_scales: bool = True):
     """What the Mosaic GPU MXFP4 kernels read, from rows [M, D] (bfloat16) and packed experts
     (blocks uint8 [E, F, G, 16], scales uint8 [E, F, G]): the rows' even and odd inputs [M, D / 2]
     each (a block's low and high nibbles' inputs), the blocks as [E, F, 16 G], and the scales
     transposed, [E, G, F] (a step's as contiguous rows, for the TMA engine), or, given `experts`
     [n], those experts' only, [n, G, F]: a slice each for up to 64 (a byte gather took twice as
-    long on one H100 80GB), a gather beyond. `what` names the kernel in errors."""
+    long on one H100 80GB), a gather beyond; with transpose_scales=False, the scales as they are.
+    `what` names the kernel in errors."""
     if not supported():
         raise RuntimeError(f"the {what} needs JAX >= 0.11, this is {jax.__version__}")
     if rows.dtype != jnp.bfloat16:
@@ -158,6 +184,8 @@ def operands(what: str, rows, blocks, scales, experts=None):
     if D != 32 * G:
         raise ValueError(f"the {what} takes rows of {32 * G} inputs ({G} scale blocks), got {D}")
     pairs = rows.reshape(M, G, 16, 2)
+    if not transpose_scales:
+        return pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16), blocks.reshape(E, F, G * 16), scales
     if experts is not None:
         n = experts.shape[0]
         scales = (jnp.stack([lax.dynamic_index_in_dim(scales, experts[i], keepdims=False) for i in range(n)])
