@@ -339,7 +339,7 @@ def decode_experts(rng):
                 pair_default = mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)
                 for pair_settings in (pair_default, {**pair_default, "decoder": "jnp"},
                                       {**pair_default, "stages": 4}, {**pair_default, "splits": 1},
-                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, block_f=128),
+                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, block_f=256),
                                       mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, gs=4),
                                       mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, gs=8)):
                     def pair_rows(x, *a, settings=pair_settings):
