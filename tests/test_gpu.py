@@ -178,7 +178,7 @@ def test_auto_picks_the_gpu_kernels():
     assert k.moe_for(4096, jnp.float32) == "grouped"
     assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "grouped")
     assert k.moe_for(512, packed=True) == ("mosaic_decode" if mosaic else "triton_grouped" if triton else "grouped")
-    assert k.moe_for(4, packed=True) == ("triton" if triton else "mosaic_decode" if mosaic else "gather")
+    assert k.moe_for(4, packed=True) == ("triton" if triton else "mosaic_pair" if mosaic else "gather")
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     decode = "mosaic" if gpu.is_hopper() and mosaic_attention.supported() else "blockwise"

@@ -172,7 +172,7 @@ def test_auto_on_a_hopper_gpu_with_and_without_pallas_triton(monkeypatch, triton
     assert (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096)) == (
         "mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu")
     packed = [k.moe_for(pairs, packed=True) for pairs in (4, 64, 65, 256, 1023, 1024)]
-    assert packed == ["triton" if triton else "mosaic_decode"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"]
+    assert packed == ["triton" if triton else "mosaic_pair"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"]
     assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic", "tokamax")
 
 
