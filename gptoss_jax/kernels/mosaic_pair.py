@@ -3,14 +3,16 @@
 its expert's packed weights once and a multiply-add per weight.
 
 A program takes one pair, `block_f` output features and one range of the input dimension. One
-warpgroup has the TMA engine bring each step's packed bytes ([block_f, 16 gs]), scales ([gs,
-block_f], from the pairs' experts' scales transposed) and the pair's even and odd inputs ([2, 16 gs])
-into shared memory `stages` deep; two compute warpgroups each decode half of the rows
-(kernels/mosaic_mxfp4.py's decoder, in the wgmma register layout), multiply them by the inputs
-broadcast down the rows and add into float32 registers [rows, 16]. The last step's sums are added
-across each row's 16 columns (within a thread, then across the four threads of a row), and the
-ranges' partial sums after the kernel. Unlike kernels/mosaic_decode.py no weight is stored back to
-shared memory and nothing waits on the tensor cores, and no row is padding.
+warpgroup has the TMA engine bring each step's packed bytes ([block_f, 16 gs]) and the pair's even
+and odd inputs ([2, 16 gs]) into shared memory `stages` deep; two compute warpgroups each first
+copy their rows' scales, as stored, into shared memory, then each step decode their half of the
+rows (kernels/mosaic_mxfp4.py's decoder, in the wgmma register layout), multiply them by the
+inputs broadcast down the rows and add into float32 registers [rows, 16]. The last step's sums are
+added across each row's 16 columns (within a thread, then across the four threads of a row), and
+the ranges' partial sums after the kernel. Unlike kernels/mosaic_decode.py nothing waits on the
+tensor cores, no row is padding, and nothing of the weights is sliced or transposed outside the
+kernel. On one H100 80GB (gpt-oss-20b, batch 1) its two projections take 51 us a layer against 41
+for the fused Pallas Triton kernels (docs/benchmarks.md).
 
 Legend: P = pairs, D = input features, F = output features, E = experts, G = D / 32 scale blocks.
 """
