@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir  # Mosaic GPU's MLIR, for the decoder's PTX
-from jax._src.lib.mlir.dialects import arith
+from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -124,8 +124,6 @@ def load_rows_strided(ref, rows: int, stride: int):
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=out)
     def column(_, table):
-        from jax._src.lib.mlir.dialects import memref, vector
-
         layout = mgpu.fragmented_array.WGMMA_ROW_LAYOUT
         index = ir.IndexType.get()
         byte = ir.VectorType.get((1,), ir.IntegerType.get_signless(8))
