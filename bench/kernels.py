@@ -351,7 +351,7 @@ def decode_experts(rng):
             block = decode_block(P, E)
             bound = to_blocks(x, idx, E, block)[2].shape[0]
             default = mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block)
-            for blk, settings in ((block, default), (block, {**default, "weights": "registers"}),
+            for blk, settings in ((block, default), (block, {**default, "weights": "smem"}),
                                   (block, {**default, "decoder": "jnp"}),
                                   (block, {**default, "stages": 4}),
                                   (block, mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=block, block_f=128)),

@@ -157,8 +157,8 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     # Where there are fewer blocks than experts (a batch of one: 4 of 32), only the blocks' experts'
     # scales are transposed, by block.
     by_block = M // block_m < E
-    x_even, x_odd, flat, scales_t = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks, scales,
-                                                          block_expert if by_block else None)
+    x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks)
+    scales_t = mosaic_mxfp4.scales_by_step(scales, block_expert if by_block else None)
     K, half = 16 * gs, block_f // 2
     x_tiles = mosaic_mxfp4.TILES
 
@@ -200,7 +200,8 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                 def step(_, xe, xo, packed, s, acc):  # [block_m, K] [block_m, K] [block_f, K] [gs, block_f]
                     if weights == "registers":  # each scale block's weights straight from the decoder
                         for g in range(gs):
-                            low, high = mosaic_mxfp4.decode_group(packed, s, mine, g, interpret, decoder)
+                            low, high = mosaic_mxfp4.decode_group(
+                                packed, mosaic_mxfp4.step_scales(s, mine, g, interpret), mine, g, interpret, decoder)
                             cols = pl.ds(16 * g, 16)
                             plgpu.wgmma(acc, low, xe.at[:, cols].T)  # [half, block_m] += W_even x_even^T
                             plgpu.wgmma(acc, high, xo.at[:, cols].T)

@@ -36,8 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic import interpret_params, splits_for, supported, tiles
 
-__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "operands",
-           "supported"]
+__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "load_rows_strided",
+           "operands", "scales_by_step", "step_scales", "supported"]
 
 TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
@@ -139,19 +139,23 @@ def load_rows_strided(ref, rows: int, stride: int):
 DECODERS = ("ptx", "jnp")
 
 
-def decode_group(packed, s, rows, g: int, interpret: bool, decoder: str = "ptx", scale_at=None):
-    """Scale block g of a step's weight rows `rows` (packed bytes [., 16 gs] and scales [gs, .] in
-    shared memory) -> the low and high nibbles' weights [rows, 16] each (bfloat16, the wgmma
-    layout: the even and odd inputs' weights). `scale_at`: a function loading the rows' scales, if they
-    are not s[g, rows]. `decoder`: "ptx" (byte permutes, `_decode_ptx`) or "jnp" (bit arithmetic,
-    `_decode`); interpret mode runs "jnp" (it cannot run PTX)."""
+def step_scales(s, rows, g: int, interpret: bool):
+    """Scale block g's scales of the weight rows `rows`, from a step's scales [gs, .] in shared
+    memory -> [rows] uint8 in the wgmma layout's rows, for `decode_group`."""
+    return load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret)
+
+
+def decode_group(packed, scales, rows, g: int, interpret: bool, decoder: str = "ptx"):
+    """Scale block g of a step's weight rows `rows` (packed bytes [., 16 gs] in shared memory; their
+    scales [rows] uint8 in registers, `step_scales`) -> the low and high nibbles' weights [rows, 16]
+    each (bfloat16, the wgmma layout: the even and odd inputs' weights). `decoder`: "ptx" (byte
+    permutes, `_decode_ptx`) or "jnp" (bit arithmetic, `_decode`); interpret mode runs "jnp" (it
+    cannot run PTX)."""
     if decoder not in DECODERS:
         raise ValueError(f"unknown MXFP4 decoder {decoder!r}; choose from {', '.join(DECODERS)}")
     decode = _decode if interpret or decoder == "jnp" else _decode_ptx
     p = load(packed, (rows, pl.ds(16 * g, 16)), plgpu.Layout.WGMMA, interpret)
-    sc = (load(s, (g, rows), plgpu.Layout.WGMMA.reduce(1), interpret) if scale_at is None
-          else scale_at()).astype(jnp.int32)
-    return decode(p, sc)
+    return decode(p, scales.astype(jnp.int32))
 
 
 def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decoder: str = "ptx"):
@@ -160,20 +164,17 @@ def decode_into(packed, s, rows, w_low, w_high, gs: int, interpret: bool, decode
     (bfloat16 in shared memory: the even and odd inputs' weights), the stores then made visible to
     the tensor cores."""
     for g in range(gs):
-        low, high = decode_group(packed, s, rows, g, interpret, decoder)
+        low, high = decode_group(packed, step_scales(s, rows, g, interpret), rows, g, interpret, decoder)
         w_low[:, pl.ds(16 * g, 16)] = low
         w_high[:, pl.ds(16 * g, 16)] = high
     plgpu.commit_smem()
 
 
-def operands(what: str, rows, blocks, scales, experts=None, transpose_scales: bool = True):
-    """What the Mosaic GPU MXFP4 kernels read, from rows [M, D] (bfloat16) and packed experts
-    (blocks uint8 [E, F, G, 16], scales uint8 [E, F, G]): the rows' even and odd inputs [M, D / 2]
-    each (a block's low and high nibbles' inputs), the blocks as [E, F, 16 G], and the scales
-    transposed, [E, G, F] (a step's as contiguous rows, for the TMA engine), or, given `experts`
-    [n], those experts' only, [n, G, F]: a slice each for up to 64 (a byte gather took twice as
-    long on one H100 80GB), a gather beyond; with transpose_scales=False, the scales as they are.
-    `what` names the kernel in errors."""
+def operands(what: str, rows, blocks):
+    """What the Mosaic GPU MXFP4 kernels read of rows [M, D] (bfloat16) and packed blocks (uint8
+    [E, F, G, 16]): the rows' even and odd inputs [M, D / 2] each (a block's low and high nibbles'
+    inputs) and the blocks as [E, F, 16 G], after checking the rows. `what` names the kernel in
+    errors."""
     if not supported():
         raise RuntimeError(f"the {what} needs JAX >= 0.11, this is {jax.__version__}")
     if rows.dtype != jnp.bfloat16:
@@ -182,14 +183,18 @@ def operands(what: str, rows, blocks, scales, experts=None, transpose_scales: bo
     if D != 32 * G:
         raise ValueError(f"the {what} takes rows of {32 * G} inputs ({G} scale blocks), got {D}")
     pairs = rows.reshape(M, G, 16, 2)
-    if not transpose_scales:
-        return pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16), blocks.reshape(E, F, G * 16), scales
+    return pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16), blocks.reshape(E, F, G * 16)
+
+
+def scales_by_step(scales, experts=None):
+    """Scales uint8 [E, F, G] transposed, [E, G, F] (a step's as contiguous rows, for the TMA
+    engine), or, given `experts` [n], those experts' only, [n, G, F]: a slice each for up to 64 (a
+    byte gather took twice as long on one H100 80GB), a gather beyond."""
     if experts is not None:
         n = experts.shape[0]
         scales = (jnp.stack([lax.dynamic_index_in_dim(scales, experts[i], keepdims=False) for i in range(n)])
                   if n <= 64 else scales[experts])
-    return (pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16), blocks.reshape(E, F, G * 16),
-            jnp.swapaxes(scales, 1, 2))
+    return jnp.swapaxes(scales, 1, 2)
 
 
 def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
@@ -222,7 +227,8 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if steps % splits:
         raise ValueError(f"splits={splits} must divide the {steps} steps of {gs} scale blocks over G={G}")
     per = steps // splits
-    x_even, x_odd, flat, scales_t = operands("Mosaic GPU MXFP4 matmul", rows, blocks, scales)
+    x_even, x_odd, flat = operands("Mosaic GPU MXFP4 matmul", rows, blocks)
+    scales_t = scales_by_step(scales)
     if M % block_m or block_m % 64 or block_n % 128:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 64), output tiles of {block_n} (of 128)")
     K, bn, half = 16 * gs, block_n, block_n // 2

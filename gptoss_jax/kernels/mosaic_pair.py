@@ -51,8 +51,7 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
         raise ValueError(f"output tiles of {block_f} (of 128), {steps} steps of {gs} (an even number of) scale "
                          f"blocks split {splits} ways, {F} outputs (a multiple of {r})")
     per = steps // splits
-    x_even, x_odd, flat, scales = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks, scales,
-                                                        transpose_scales=False)
+    x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks)
     # [P, 2, D / 2]: a step's even and odd inputs in one buffer of 64 gs bytes. The TMA engine writes
     # shared memory at multiples of 128 bytes; two buffers of 32 gs bytes each (gs = 6 at gpt-oss's
     # shapes) put the second stage's off that and failed on one H100 80GB (misaligned address).
@@ -104,11 +103,11 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 256, 
                     if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
                         col = jnp.minimum(col, G - 1)
                     if interpret:  # (the interpreter reshapes values, not refs)
-                        scale_at = functools.partial(lambda col: s_smem[wg].reshape(half, G)[:, col], col)
-                    else:  # the table [half, G] row-major, from column col
-                        scale_at = functools.partial(mosaic_mxfp4.load_rows_strided, s_smem.at[wg].reshape(
-                            half * G).at[pl.ds(col, (half - 1) * G + 1)], half, G)
-                    low, high = mosaic_mxfp4.decode_group(packed, None, mine, g, interpret, decoder, scale_at=scale_at)
+                        sc = s_smem[wg].reshape(half, G)[:, col]
+                    else:  # column col of the table [half, G], row-major
+                        table = s_smem.at[wg].reshape(half * G)
+                        sc = mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (half - 1) * G + 1)], half, G)
+                    low, high = mosaic_mxfp4.decode_group(packed, sc, mine, g, interpret, decoder)
                     x_low, x_high = (mosaic_mxfp4.load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
                                      .astype(jnp.float32) for h in (0, 1))
                     acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
