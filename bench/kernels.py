@@ -336,12 +336,11 @@ def decode_experts(rng):
             timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
             G = D // 32
             if P == 4:  # one token: a row per pair, no tensor cores (kernels/mosaic_pair.py)
-                pair_default = mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1)
-                for pair_settings in (pair_default, {**pair_default, "decoder": "jnp"},
-                                      {**pair_default, "stages": 4}, {**pair_default, "splits": 1},
-                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, block_f=256),
-                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, gs=4),
-                                      mosaic_decode.decode_settings_mxfp4(P, F, G, block_m=1, gs=8)):
+                pair_default = mosaic_pair.pair_settings(G)
+                for pair_settings in (pair_default, {**pair_default, "splits": 15}, {**pair_default, "splits": 3},
+                                      {**pair_default, "splits": 1}, {**pair_default, "block_f": 128},
+                                      {**pair_default, "decoder": "jnp"},
+                                      dict(warpgroups=2, block_f=128, gs=6, splits=3)):
                     def pair_rows(x, *a, settings=pair_settings):
                         return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1], **settings)
                                           for i in range(L)])

@@ -5,27 +5,27 @@ Every path computes exactly the selected (token, expert) pairs, never every expe
 experts). The kernel layer (kernels/) picks one per call, by backend and number of pairs:
 - "gather" (jnp): gathers each pair's expert weights and contracts them with an einsum; its
   temporary memory is one expert's matrices per pair, so it serves decode-sized inputs.
-- "triton" (GPU, decode): the same per-pair products by a Pallas Triton kernel reading each pair's
-  expert in place (kernels/triton.py).
 - "mosaic_decode" (GPU, Hopper, decode; 16-bit or MXFP4 experts): the Pallas Mosaic GPU kernels of
   kernels/mosaic_decode.py over expert blocks of 8 to 64 rows (`decode_block`; one token's pairs
-  each a block of its own, unsorted), the replacement for the Pallas Triton decode kernels ("auto"
-  on Hopper, but for MXFP4 experts at up to 64 pairs while JAX ships Pallas Triton).
+  each a block of its own, unsorted).
 - "mosaic_pair" (GPU, Hopper): as "mosaic_decode", but one token's pairs over MXFP4 experts go
-  through kernels/mosaic_pair.py, a row per pair and no tensor cores.
+  through kernels/mosaic_pair.py, a row per pair and no tensor cores ("auto" there).
+- "triton" (GPU, decode, by name only: Pallas Triton is deprecated): the same per-pair products by
+  a Pallas Triton kernel reading each pair's expert in place (kernels/triton.py).
 - "grouped" (jnp, prompts): sorts the pairs by expert, pads each expert's group to a multiple of
   `block` rows and loops over the blocks, one [block, D] x [D, F] product with that block's expert
   each. Work is the selected pairs plus at most `block - 1` padding rows per expert.
 - "mosaic_gpu" or "tokamax" (GPU) and "megablox" (TPU), prompts: the pairs sorted by expert, then one grouped
   matmul (ragged dot) per projection that skips empty experts (kernels/gpu.py, kernels/tpu.py).
 
-Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a GPU, kernels
-read them packed and decode on the chip, never writing decoded weights to memory: "triton" for
-decode, "mosaic_grouped" (Pallas Mosaic GPU, Hopper: the pairs in expert blocks, as "grouped",
-decoded weights in shared memory for the tensor cores) for prompts, and "triton_grouped" (the same
-in Pallas Triton) for large batches and GPUs before Hopper. At decode on one device with 16-bit
-activations, "triton" runs the whole block (norm, router, experts) as kernels/decode_moe.py's four
-fused kernels (`MLPBlock._fused_decode`).
+Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a Hopper GPU,
+kernels read them packed and decode on the chip, never writing decoded weights to memory:
+"mosaic_pair" / "mosaic_decode" for decode and "mosaic_grouped" (the pairs in expert blocks, as
+"grouped", decoded weights in shared memory for the tensor cores) for prompts. By name only, the
+Pallas Triton kernels do the same on any NVIDIA GPU while JAX ships that backend: "triton" for
+decode (at decode on one device with 16-bit activations the whole block, norm, router and
+experts, as kernels/decode_moe.py's four fused kernels, `MLPBlock._fused_decode`) and
+"triton_grouped" for prompts.
 The jnp paths decode them inside the jitted step: "gather" only the selected experts'
 (`expert_rows`), "grouped" one expert block at a time; the ragged paths (TPU) the layer's experts
 at once (`whole_experts`).
@@ -220,10 +220,9 @@ def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool, rows_per_pair: bo
     def matmul(inputs, name, block_expert, used):
         weight, bound = w[name], block_expert.shape[0]
         if pairwise:
-            _, F, G, _ = weight["blocks"].shape
             return mosaic_pair.pair_matvec_mxfp4(inputs, block_expert, weight["blocks"], weight["scales"],
                                                  interpret=interpret,
-                                                 **mosaic_decode.decode_settings_mxfp4(bound, F, G, block_m=1))
+                                                 **mosaic_pair.pair_settings(weight["blocks"].shape[2]))
         if packed(weight):
             _, F, G, _ = weight["blocks"].shape
             return mosaic_decode.grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
@@ -355,7 +354,7 @@ class MLPBlock(nn.Module):
 
     def _fused_decode(self, x, w, tokens: int) -> bool:
         """Whether the decode-sized MoE of MXFP4 experts runs as kernels/decode_moe.py's four fused
-        kernels: on one device, with 16-bit activations, where the "triton" decode kernel is picked."""
+        kernels: on one device, with 16-bit activations, where the "triton" decode kernel is named."""
         cfg = self.config
         return (self.mesh is None and packed(w["mlp1_weight"]) and jnp.dtype(x.dtype).itemsize == 2
                 and cfg.hidden_size % 64 == 0 and cfg.intermediate_size % 32 == 0

@@ -156,24 +156,27 @@ def test_late_map_equals_lax_map():
         np.testing.assert_array_equal(np.asarray(ours[name], np.float32), np.asarray(ref[name], np.float32))
 
 
+@pytest.mark.parametrize("hopper", [True, False])
 @pytest.mark.parametrize("triton", [True, False])
-def test_auto_on_a_hopper_gpu_with_and_without_pallas_triton(monkeypatch, triton):
-    """What "auto" picks on an NVIDIA Hopper GPU (tokamax installed), while JAX ships Pallas's
-    deprecated Triton backend (only for MXFP4 experts at up to 64 pairs) and once it no longer
-    does: no Triton kernel then."""
+def test_auto_on_a_gpu_never_picks_pallas_triton(monkeypatch, hopper, triton):
+    """What "auto" picks on an NVIDIA GPU (tokamax installed), Hopper or older, whether JAX still
+    ships Pallas's deprecated Triton backend or not: never a Triton kernel; Pallas Mosaic GPU on
+    Hopper, the jnp paths before it."""
     import gptoss_jax.kernels as kernels
 
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(kernels.gpu, "is_hopper", lambda: True)
+    monkeypatch.setattr(kernels.gpu, "is_hopper", lambda: hopper)
     monkeypatch.setattr(kernels.gpu, "available", lambda: True)
     monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
     monkeypatch.setattr(kernels, "triton_available", lambda: triton)
     k = gj.Kernels()
-    assert (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096)) == (
-        "mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu")
+    picks = (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096))
+    assert picks == (("mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu") if hopper
+                     else ("gather", "gather", "gather", "tokamax"))
     packed = [k.moe_for(pairs, packed=True) for pairs in (4, 64, 65, 256, 1023, 1024)]
-    assert packed == ["triton" if triton else "mosaic_pair"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"]
-    assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic", "tokamax")
+    assert packed == (["mosaic_pair"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"] if hopper
+                      else ["gather"] * 2 + ["grouped"] * 4)
+    assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic" if hopper else "blockwise", "tokamax")
 
 
 def test_the_package_runs_without_pallas_triton():

@@ -4,26 +4,24 @@
 |---|---|---|---|
 | attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
 | attention, decode | Pallas Mosaic GPU over the filled cache ("mosaic": Hopper, 16-bit, JAX >= 0.11), else jnp ("blockwise") | jnp over the whole cache ("blockwise") | same as TPU |
-| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), else Pallas Triton's ("triton_grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
-| experts, decode | Pallas Mosaic GPU ("mosaic_decode", Hopper), except MXFP4 experts at up to 64 pairs: Pallas Triton's fused decode MoE ("triton") while JAX ships Pallas Triton, else "mosaic_pair"; before Hopper Pallas Triton ("triton", MXFP4 from 65 pairs "triton_grouped") while JAX ships it, else jnp ("gather") | jnp gather ("gather") | jnp gather ("gather") |
+| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), before Hopper jnp ("grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
+| experts, decode | Pallas Mosaic GPU ("mosaic_decode", Hopper; MXFP4 experts at one token "mosaic_pair"), before Hopper jnp ("gather") | jnp gather ("gather") | jnp gather ("gather") |
 
-Experts kept packed in MXFP4 (`experts="mxfp4"`): on a GPU, Pallas kernels read them packed and
-decode on the chip, no decoded weight written to memory: for prompts "mosaic_grouped" (decoded into
-shared memory for the tensor cores, kernels/mosaic_mxfp4.py; "triton_grouped" before Hopper, in
-registers, kernels/triton_mxfp4.py), for decode "triton" (at decode on one device, the whole MoE
-block, norm and router included, as four fused kernels, kernels/decode_moe.py) or "mosaic_decode"
-(kernels/mosaic_decode.py: decoded weights handed to the tensor cores from registers;
-"mosaic_pair": one token's pairs a row each, no tensor cores, kernels/mosaic_pair.py, and
-"mosaic_decode" for more tokens); all take 16-bit activations. Elsewhere the jnp paths decode them inside
+Experts kept packed in MXFP4 (`experts="mxfp4"`): on a Hopper GPU, Pallas Mosaic GPU kernels read
+them packed and decode on the chip, no decoded weight written to memory: for prompts
+"mosaic_grouped" (decoded into shared memory for the tensor cores, kernels/mosaic_mxfp4.py), for
+decode "mosaic_decode" (kernels/mosaic_decode.py: decoded weights handed to the tensor cores from
+registers) and, for one token's pairs, "mosaic_pair" (a row each, no tensor cores,
+kernels/mosaic_pair.py); all take 16-bit activations. Elsewhere the jnp paths decode them inside
 the jitted step (gather: the selected experts only; grouped: one expert block at a time; megablox
 on TPU: a layer's experts).
 
-JAX 0.11 deprecated Pallas's Triton backend. Attention, prompts and, on Hopper, decode's experts
-no longer use it, with one exception: MXFP4 experts at a decode batch of up to 16 (64 pairs), where
-Pallas Triton's fused decode MoE is still faster on one H100 80GB (377 against 321 tokens/s for
-"mosaic_pair" at a batch of one, in one run, docs/benchmarks.md). "auto" picks "mosaic_pair" there
-once JAX drops the Triton backend (`triton_available`), and it can be picked by name now
-(`Kernels(moe="mosaic_pair")`).
+JAX 0.11 deprecated Pallas's Triton backend, and "auto" no longer picks any of its kernels. They
+remain for comparison and for GPUs before Hopper, by name only, while JAX ships the backend (JAX
+warns when they compile): "triton" (decode attention to the cache; decode's experts, and for MXFP4
+experts at decode on one device the whole MoE block, norm and router included, as four fused
+kernels, kernels/decode_moe.py) and "triton_grouped" (MXFP4 experts, prompts, in registers,
+kernels/triton_mxfp4.py). A Triton kernel named once the backend is gone raises an error saying so.
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
@@ -104,26 +102,20 @@ class Kernels:
         backend = jax.default_backend()
         sixteen_bit, bf16 = jnp.dtype(dtype).itemsize == 2, jnp.dtype(dtype) == jnp.bfloat16
         hopper = backend == "gpu" and gpu.is_hopper() and mosaic.supported()
-        triton = backend == "gpu" and triton_available()
         decode = pairs <= self.moe_gather_max_pairs
-        # Decode's experts on Hopper: Pallas Mosaic GPU, except MXFP4 experts at up to
-        # moe_gather_max_pairs pairs (a batch of 16), where Pallas Triton's fused decode MoE stays
-        # while JAX ships it. On one H100 80GB (gpt-oss-20b, docs/benchmarks.md): bf16 experts,
-        # batch 1, 254 against 244 tokens/s; MXFP4, batch 64 at 4k, 4,777 (the Triton grouped
-        # matmul: 3,781 in an earlier run); MXFP4, batch 1, 321 (a row per pair) against 377 (the
-        # fused Triton kernels) in one run. Without Pallas Triton: "mosaic_pair" (one token's pairs
-        # a row each, blocks of rows beyond).
-        if packed and backend == "gpu" and bf16 and pairs < self.moe_mosaic_min_pairs:
-            if triton and (decode or not hopper):
-                return "triton" if decode else "triton_grouped"
-            if hopper:
-                return "mosaic_pair" if decode else "mosaic_decode"
-        if not packed and decode and sixteen_bit and (hopper or triton):
-            return "mosaic_decode" if hopper else "triton"  # each selected expert read once, in place
+        # "auto" never picks a Pallas Triton kernel (a backend JAX 0.11 deprecated): before Hopper
+        # the jnp paths run instead. Decode's experts on Hopper in Pallas Mosaic GPU; one token's
+        # MXFP4 pairs a row each ("mosaic_pair"): on one H100 80GB (gpt-oss-20b, batch 1) 326.1
+        # tokens/s against 325.2 for the fused Pallas Triton decode MoE, in one run
+        # (docs/benchmarks.md).
+        if packed and bf16 and hopper and pairs < self.moe_mosaic_min_pairs:
+            return "mosaic_pair" if decode else "mosaic_decode"
+        if not packed and decode and sixteen_bit and hopper:
+            return "mosaic_decode"  # each selected expert read once, in place
         if decode:
             return "gather"
-        if packed and backend == "gpu" and bf16 and (hopper or triton):
-            return "mosaic_grouped" if hopper else "triton_grouped"  # decoded on the chip, never written back
+        if packed and bf16 and hopper:
+            return "mosaic_grouped"  # decoded on the chip, never written back
         if packed:
             return "megablox" if backend == "tpu" else "grouped"  # decoded one expert block at a time
         # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot

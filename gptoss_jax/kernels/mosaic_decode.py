@@ -108,20 +108,15 @@ def _rows_out(out, dtype) -> jax.Array:
     return out.sum(axis=0).T.astype(dtype)
 
 
-def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8, block_f: int | None = None,
+def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8, block_f: int = 256,
                           gs: int | None = None) -> dict:
-    """Scale blocks a step (`gs`): six (192 inputs) for blocks of up to 16 rows (and for
-    kernels/mosaic_pair.py, a row per pair: block_m=1), three above (six would not fit a Hopper
-    SM's 227 KB of shared memory); output tiles of 256 rows (128 for the pair kernel); and splits
-    of the cdiv(G, gs) steps for about two programs per SM of a large GPU, among the steps'
-    divisors. On one H100 80GB (gpt-oss-20b, one token's 4 pairs, kernel time in a profile) six
-    blocks a step took 37.6 us a layer against 43.4 with three for mlp1 (weights through shared
-    memory), and the pair kernel's tiles of 128 took 31.8 / 19.5 us a layer for mlp1 / mlp2 against
-    33.5 / 24.7 with 256; 4 stages instead of 3 did no better."""
+    """Scale blocks a step (`gs`): six (192 inputs) for blocks of up to 16 rows, three above (six
+    would not fit a Hopper SM's 227 KB of shared memory); output tiles of 256 rows; and splits of
+    the cdiv(G, gs) steps for about two programs per SM of a large GPU, among the steps' divisors.
+    On one H100 80GB (gpt-oss-20b, one token's 4 pairs, kernel time in a profile) six blocks a step
+    took 37.6 us a layer against 43.4 with three for mlp1 (weights through shared memory)."""
     if gs is None:
         gs = 6 if block_m <= 16 else 3
-    if block_f is None:
-        block_f = 128 if block_m == 1 else 256
     return dict(block_f=block_f, gs=gs, splits=splits_for(-(-G // gs), blocks_bound * -(-F // block_f)))
 
 
