@@ -1,4 +1,7 @@
-"""Decode-sized kernels in Pallas Triton (ships with JAX; NVIDIA GPUs).
+"""Decode-sized kernels in Pallas Triton (ships with JAX; NVIDIA GPUs). JAX 0.11 deprecated this
+backend: "auto" never picks these kernels (nor triton_mxfp4.py's and decode_moe.py's); they run
+when named (`Kernels(moe="triton")`, `Kernels(attention="triton")`), for comparison and for GPUs
+before Hopper, and JAX warns as each compiles.
 
 `pair_matvec`, the experts at decode: a batch has few (token, expert) pairs, and the work is reading
 the selected experts' weights: per pair a matrix-vector product with its expert's [F, D] matrix.
