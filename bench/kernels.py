@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts|decode-experts-16bit]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts|decode-experts-16bit|layout]
         [--pairs 4,256] [--profile DIR]
 
 With --profile, `python bench/profile_summary.py DIR/<row's profile> --steps 30` gives a row's GPU
@@ -473,6 +473,28 @@ def grouped_mxfp4(rng):
                       rows, blocks, scales, ref=ref, flops=flops)
 
 
+def layout(rng):
+    """A 4096-token prompt's 16,384 pairs laid out in expert blocks of 128 rows (pairs.to_blocks,
+    as the MXFP4 prompt kernel takes them), over 32 and 128 experts: the rows gathered from the
+    inputs (the model's) against the sorted pairs' rows scattered into the blocks (before)."""
+    from gptoss_jax.pairs import group_by_expert, pair_inputs, to_blocks
+
+    N, A = 4096, 4
+    x = jax.random.normal(jax.random.key(7), (N, D), jnp.bfloat16)
+    for experts in (32, 128):
+        idx = jnp.asarray(np.stack([rng.choice(experts, A, replace=False) for _ in range(N)]), jnp.int32)
+
+        def scattered(x, idx, experts=experts):
+            order, dest, block_expert, _ = group_by_expert(idx, experts, 128)
+            return jnp.zeros((block_expert.shape[0] * 128, D), x.dtype).at[dest].set(pair_inputs(x, order, A),
+                                                                                       mode="drop")
+
+        ref = jax.jit(scattered)(x, idx)
+        timed(f"layout E={experts}: rows gathered (to_blocks)", lambda x, i: to_blocks(x, i, experts, 128)[0], x, idx,
+              ref=ref)
+        timed(f"layout E={experts}: rows scattered", scattered, x, idx, ref=ref)
+
+
 def decode64():
     """Decode attention at batch 64 over a 4100-token cache: the Triton kernel's settings."""
     q, k, v, sinks, kv_len, ref, kv_bytes = _decode_attention_case(64, 4224, 4100)
@@ -538,7 +560,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit", "layout"], default="all")
     ap.add_argument("--profile", metavar="DIR", help="trace each row's timed calls into DIR/<row number>, for "
                     "bench/profile_summary.py (GPU time without the host's dispatch)")
     ap.add_argument("--pairs", default=None,
@@ -575,6 +597,8 @@ def main():
         experts64(rng)
     if args.part == "tiles-prompt":
         tiles(rng, rows=(16384,))
+    if args.part == "layout":
+        layout(rng)
     print("\n| op | ms | rel err | note |\n|---|---:|---:|---|")
     for r in ROWS:
         note = r.get("error") or ", ".join(f"{k}={v:.3g}" for k, v in r.items() if k not in ("op", "ms", "rel_err"))

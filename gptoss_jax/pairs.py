@@ -84,6 +84,29 @@ def _pair_rows_bwd(A, residuals, g):
 _pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _block_rows(x, src, dest, A):
+    """x [N, D] -> [M, D]: row r holds the input of pair src[r] (token src[r] // A), zeros where
+    src[r] = P (padding). dest [P]: each pair's row, in pair order (past M: dropped)."""
+    P = dest.size
+    return jnp.where((src < P)[:, None], x[jnp.minimum(src, P - 1) // A], 0).astype(x.dtype)
+
+
+def _block_rows_fwd(x, src, dest, A):
+    return _block_rows(x, src, dest, A), dest
+
+
+def _block_rows_bwd(A, dest, g):
+    # Each pair's row of g (zeros for dropped pairs), then each token's A pairs summed (float32
+    # sums, as a scatter-add would): a gather, where autodiff would scatter-add into the pairs.
+    N = dest.size // A
+    per_pair = jnp.take(g, dest, axis=0, mode="fill", fill_value=0).reshape(N, A, -1)
+    return jnp.sum(per_pair.astype(jnp.float32), axis=1).astype(g.dtype), None, None
+
+
+_block_rows.defvjp(_block_rows_fwd, _block_rows_bwd)
+
+
 def group_by_expert(idx: jax.Array, num_experts: int, block: int):
     """Lay the pairs of idx [N, A] out in blocks of `block` rows, each block holding one expert's pairs.
 
@@ -113,8 +136,14 @@ def to_blocks(x, idx, num_experts: int, block: int):
     blocks, zero padding; undo: a function taking per-row outputs [num_blocks * block, D] back to
     per-pair outputs [N, A, D], zero for dropped pairs; block_expert [num_blocks]; used)."""
     N, A = idx.shape
+    P = N * A
     order, dest, block_expert, used = group_by_expert(idx, num_experts, block)
-    rows = jnp.zeros((block_expert.shape[0] * block, x.shape[-1]), x.dtype).at[dest].set(pair_inputs(x, order, A), mode="drop")
+    # Each padded row's pair (P: a padding row), then the rows gathered from x: a gather of the
+    # inputs instead of a scatter of the sorted pairs' rows into the blocks (on one H100 80GB the
+    # scatter took 0.40 ms a layer of a 4k prompt's 16,384 pairs; an un-sorting gather of the same
+    # rows 0.13 against 0.65 for its scatter).
+    src = jnp.full((block_expert.shape[0] * block,), P, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
+    rows = _block_rows(x, src, dest[_inverse(order)], A)
 
     def undo(out):
         picked = jnp.take(out, dest, axis=0, mode="fill", fill_value=0)  # dropped pairs -> 0

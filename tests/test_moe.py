@@ -12,7 +12,7 @@ import torch
 from noise import Exact
 from gptoss_jax.kernels import Kernels
 from gptoss_jax.moe import MLPBlock, _experts_gather, _experts_grouped, route, swiglu
-from gptoss_jax.pairs import group_by_expert, pair_inputs, sort_by_expert, unsort
+from gptoss_jax.pairs import group_by_expert, pair_inputs, sort_by_expert, to_blocks, unsort
 from refs import hf_model, openai_model, t
 
 
@@ -156,6 +156,41 @@ def test_pair_gathers_have_the_gradients_of_plain_gathers(dtype):
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.repeat(np.asarray(x, np.float32)[:, None], A, axis=1))
     exact = np.asarray(cot, np.float64).sum(axis=1)
     grad = np.asarray(vjp(cot)[0], np.float64)
+    if dtype == jnp.bfloat16:  # four bf16 numbers add exactly in float32: one rounding, to bf16
+        np.testing.assert_array_equal(grad, np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64))
+    else:  # three float32 additions, each rounding by at most half an ulp of the partial sum's size
+        np.testing.assert_allclose(grad, exact, rtol=0, atol=3 * np.finfo(np.float32).eps * np.abs(exact).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expert_blocks_hold_each_pairs_input_and_carry_its_gradient(dtype):
+    """to_blocks gathers each padded row's input from x (no scatter of the sorted pairs): every
+    pair's row holds its token's input, every other row zeros, and undo gives each kept pair its
+    row's output back (dropped pairs: zeros). The gradient to x is each token's kept pairs'
+    cotangents summed, in float32, rounded once to dtype."""
+    N, A, E, D, block = 37, 4, 8, 16, 8
+    key1, key2, key3 = jax.random.split(jax.random.key(6), 3)
+    idx = jax.random.randint(key1, (N, A), -2, E + 2)  # some pairs dropped (other devices' experts)
+    x = jax.random.normal(key2, (N, D), dtype)
+    order, dest, _, _ = (np.asarray(a) for a in group_by_expert(idx, E, block))
+    rows, undo, _, _ = to_blocks(x, idx, E, block)
+    M = rows.shape[0]
+    kept = np.asarray((idx >= 0) & (idx < E)).reshape(-1)
+    want = np.zeros((M, D), np.float32)
+    for i, p in enumerate(order):
+        if dest[i] < M:
+            want[dest[i]] = np.asarray(x, np.float32)[p // A]
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), want)
+    back = np.asarray(undo(rows), np.float32).reshape(N * A, D)
+    np.testing.assert_array_equal(back, np.where(kept[:, None], np.repeat(np.asarray(x, np.float32), A, 0), 0))
+
+    cot = jax.random.normal(key3, (M, D), dtype)
+    _, vjp = jax.vjp(lambda x: to_blocks(x, idx, E, block)[0], x)
+    grad = np.asarray(vjp(cot)[0], np.float64)
+    exact = np.zeros((N, D))
+    for i, p in enumerate(order):
+        if dest[i] < M:
+            exact[p // A] += np.asarray(cot, np.float64)[dest[i]]
     if dtype == jnp.bfloat16:  # four bf16 numbers add exactly in float32: one rounding, to bf16
         np.testing.assert_array_equal(grad, np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64))
     else:  # three float32 additions, each rounding by at most half an ulp of the partial sum's size
