@@ -339,8 +339,7 @@ def decode_experts(rng):
                 pair_default = mosaic_pair.pair_settings(G)
                 for pair_settings in (pair_default, {**pair_default, "splits": 15}, {**pair_default, "splits": 3},
                                       {**pair_default, "splits": 1}, {**pair_default, "block_f": 128},
-                                      {**pair_default, "decoder": "jnp"},
-                                      dict(warpgroups=2, block_f=128, gs=6, splits=3)):
+                                      {**pair_default, "decoder": "jnp"}):
                     def pair_rows(x, *a, settings=pair_settings):
                         return jnp.stack([mosaic_pair.pair_matvec_mxfp4(x, flat, a[2 * i], a[2 * i + 1], **settings)
                                           for i in range(L)])

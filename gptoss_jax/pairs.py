@@ -89,7 +89,7 @@ def _block_rows(x, src, dest, A):
     """x [N, D] -> [M, D]: row r holds the input of pair src[r] (token src[r] // A), zeros where
     src[r] = P (padding). dest [P]: each pair's row, in pair order (past M: dropped)."""
     P = dest.size
-    return jnp.where((src < P)[:, None], x[jnp.minimum(src, P - 1) // A], 0).astype(x.dtype)
+    return jnp.where((src < P)[:, None], x[jnp.minimum(src, P - 1) // A], 0)
 
 
 def _block_rows_fwd(x, src, dest, A):

@@ -157,18 +157,15 @@ def test_late_map_equals_lax_map():
 
 
 @pytest.mark.parametrize("hopper", [True, False])
-@pytest.mark.parametrize("triton", [True, False])
-def test_auto_on_a_gpu_never_picks_pallas_triton(monkeypatch, hopper, triton):
-    """What "auto" picks on an NVIDIA GPU (tokamax installed), Hopper or older, whether JAX still
-    ships Pallas's deprecated Triton backend or not: never a Triton kernel; Pallas Mosaic GPU on
-    Hopper, the jnp paths before it."""
+def test_auto_on_a_gpu_never_picks_pallas_triton(monkeypatch, hopper):
+    """What "auto" picks on an NVIDIA GPU (tokamax installed), Hopper or older: never a Pallas
+    Triton kernel (a deprecated backend); Pallas Mosaic GPU on Hopper, the jnp paths before it."""
     import gptoss_jax.kernels as kernels
 
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernels.gpu, "is_hopper", lambda: hopper)
     monkeypatch.setattr(kernels.gpu, "available", lambda: True)
     monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
-    monkeypatch.setattr(kernels, "triton_available", lambda: triton)
     k = gj.Kernels()
     picks = (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096))
     assert picks == (("mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu") if hopper
@@ -195,10 +192,10 @@ class NoTriton:
 sys.meta_path.insert(0, NoTriton())
 import jax, jax.numpy as jnp
 import gptoss_jax as gj
-from gptoss_jax.kernels import triton, triton_available
+from gptoss_jax.kernels import triton
 from gptoss_jax.moe import MLPBlock
 from gptoss_jax.testing import random_params
-assert not triton_available()
+assert triton.pltriton is None
 config = gj.ModelConfig.tiny()
 params = random_params(config, seed=0, dtype=jnp.float32)["block_0"]["mlp"]
 x = jnp.ones((1, 1, config.hidden_size))

@@ -59,14 +59,12 @@ def test_matvec_of_mxfp4_experts(E, settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:24, cols], str(cols))
 
 
-@pytest.mark.parametrize("settings", [{}, {"block_f": 128, "gs": 2, "splits": 2},
-                                      {"block_f": 64, "gs": 2, "warpgroups": 1},
-                                      {"block_f": 128, "gs": 6, "warpgroups": 1}])
+@pytest.mark.parametrize("settings", [{}, {"block_f": 128, "gs": 2, "splits": 2}, {"gs": 2}])
 def test_pair_matvec_of_mxfp4_experts(settings):
     """One row per pair (kernels/mosaic_pair.py) over MXFP4-packed experts with scale extremes: 320
-    outputs (a 256-wide tile cut at the end), 4 scale blocks in one step of 6 (the last two past
-    the end: zeros from the TMA copy) or 2 steps split over 2 programs; two pairs share an expert;
-    two warpgroups (one bringing the data) or one doing both (tiles of 64 over 2 steps, or 128).
+    outputs (tiles of 64, or of 128 with the last one cut), 4 scale blocks in one step of 6 (the
+    last two past the end: zeros from the TMA copy), in 2 steps, or in 2 steps split over 2
+    programs; two pairs share an expert.
     Each pair against its expert in float64, within the noise of the same product in bfloat16."""
     rng = np.random.default_rng(4)
     E, F, D = 5, 320, 128
@@ -119,9 +117,9 @@ def test_mxfp4_kernels_name_themselves_in_errors():
     with pytest.raises(ValueError, match="pair matvec takes rows of 96 inputs"):
         mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
                                       gs=2, interpret=True)
-    with pytest.raises(ValueError, match=r"of 64 per warpgroup, 2 warpgroups"):
+    with pytest.raises(ValueError, match=r"output tiles of 96 \(of 64\)"):
         mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
-                                      block_f=64, gs=2, warpgroups=2, interpret=True)
+                                      block_f=96, gs=2, interpret=True)
     with pytest.raises(ValueError, match=r"3 \(an even number of\) scale blocks"):
         mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
                                       gs=3, interpret=True)

@@ -144,11 +144,3 @@ class Kernels:
 
 def _tokamax_available() -> bool:
     return gpu.available()
-
-
-def triton_available() -> bool:
-    """Whether this JAX still ships Pallas's Triton backend (deprecated in JAX 0.11: the Triton
-    kernels are picked by "auto" only while it imports)."""
-    from . import triton
-
-    return triton.pltriton is not None

@@ -2,21 +2,20 @@
 >= 0.11), without the tensor cores: at a batch of one each pair is one row, so the work is reading
 its expert's packed weights once and a multiply-add per weight.
 
-A program takes one pair, `block_f` output features and one range of the input dimension. By
-default (`warpgroups=1`) one warpgroup copies its rows' scales, as stored, into shared memory, then
-runs a pipeline that has the TMA engine bring each step's packed bytes ([block_f, 16 gs]) and the
-pair's even and odd inputs ([2, 16 gs]) `stages` deep while it decodes the step before
-(kernels/mosaic_mxfp4.py's decoder, in the wgmma register layout), multiplies the weights by the
-inputs broadcast down the rows and adds into float32 registers [rows, 16]. Such programs are small
-(64 rows, at most `stages` steps), so that several run on each SM and hide each other's memory
-latency, as a matvec needs. `warpgroups=2`: warp-specialized instead, one warpgroup bringing the
-data and two computing half the rows each; the compute warpgroups take most of the registers, so
-one program an SM (slower at gpt-oss's shapes, kept to compare). The last step's sums are added
-across each row's 16 columns (within a thread, then across the four threads of a row), and the
-ranges' partial sums after the kernel. Unlike kernels/mosaic_decode.py nothing waits on the tensor
-cores, no row is padding, and nothing of the weights is sliced or transposed outside the kernel.
-On one H100 80GB (gpt-oss-20b, batch 1) its two projections take 23 / 13 us a layer against 26 /
-15 for the Pallas Triton matvec (`pair_settings`).
+A program takes one pair, `block_f` output rows and one range of the input dimension: one
+warpgroup copies its rows' scales, as stored, into shared memory, then runs a pipeline that has
+the TMA engine bring each step's packed bytes ([block_f, 16 gs]) and the pair's even and odd inputs
+([2, 16 gs]) `stages` deep while it decodes the step before (kernels/mosaic_mxfp4.py's decoder, in
+the wgmma register layout), multiplies the weights by the inputs broadcast down the rows and adds
+into float32 registers [rows, 16]. Programs are small (64 rows, at most `stages` steps), so that
+several run on each SM and hide each other's memory latency, as a matvec needs (a warp-specialized
+form, one warpgroup copying and two computing 128 rows, held one program an SM and took 33 / 20
+us a layer, docs/benchmarks.md). The last step's sums are added across each row's 16 columns
+(within a thread, then across the four threads of a row), and the ranges' partial sums after the
+kernel. Unlike kernels/mosaic_decode.py nothing waits on the tensor cores, no row is padding, and
+nothing of the weights is sliced or transposed outside the kernel. On one H100 80GB (gpt-oss-20b,
+batch 1) its two projections take 23 / 13 us a layer against 26 / 15 for the Pallas Triton matvec
+(`pair_settings`).
 
 Legend: P = pairs, D = input features, F = output features, E = experts, G = D / 32 scale blocks.
 """
@@ -44,22 +43,19 @@ def pair_settings(G: int, *, gs: int = 6, stages: int = 3) -> dict:
     whole range in flight at once; at gpt-oss's G = 90: 5 ranges of 3). On one H100 80GB
     (gpt-oss-20b, one token's 4 pairs, kernel time in a profile, bench/kernels.py --part
     decode-experts) these took 23 / 13 us a layer for mlp1 / mlp2, against 26 / 18 for whole ranges
-    (splits=1), 26 / 15 for 3 ranges, 33 / 20 for two compute warpgroups and one bringing the data
-    (128 rows, 3 ranges), and 26 / 15 for the Pallas Triton matvec."""
+    (splits=1), 26 / 15 for 3 ranges, and 26 / 15 for the Pallas Triton matvec."""
     steps = -(-G // gs)
     splits = next(d for d in range(1, steps + 1) if steps % d == 0 and steps // d <= stages)
-    return dict(warpgroups=1, block_f=64, gs=gs, stages=stages, splits=splits)
+    return dict(block_f=64, gs=gs, stages=stages, splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("block_f", "gs", "stages", "splits", "warpgroups", "interpret",
-                                             "decoder"))
+@functools.partial(jax.jit, static_argnames=("block_f", "gs", "stages", "splits", "interpret", "decoder"))
 def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, gs: int = 6, stages: int = 3,
-                      splits: int = 1, warpgroups: int = 1, interpret: bool = False,
-                      decoder: str = "ptx") -> jax.Array:
+                      splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
     """rows [P, D] bfloat16 (a row per pair), pair_expert [P] (each pair's expert, in [0, E)),
     blocks uint8 [E, F, G, 16], scales uint8 [E, F, G] -> [P, F] bfloat16: row p times its expert's
-    weights decoded, float32 sums. warpgroups: 1 (a warpgroup a program) or 2 (warp-specialized);
-    block_f: a multiple of 64 per computing warpgroup (F need not be one: the last tile is cut);
+    weights decoded, float32 sums. block_f: a multiple of 64 (F need not be one: the last tile is
+    cut);
     gs: even; `splits` divides the cdiv(G, gs) steps; F: a multiple of the `r` rows whose scales
     make a multiple of 16 bytes (r = 16 / gcd(G, 16): 8 for gpt-oss's G = 90). Settings:
     `pair_settings(G)`."""
@@ -67,119 +63,69 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
     r = 16 // math.gcd(G, 16)
-    if warpgroups not in (1, 2) or block_f % (64 * warpgroups) or gs % 2 or steps % splits or F % r:
-        raise ValueError(f"output tiles of {block_f} (of 64 per warpgroup, {warpgroups} warpgroups: 1 or 2), "
-                         f"{steps} steps of {gs} (an even number of) scale blocks split {splits} ways, {F} outputs "
-                         f"(a multiple of {r})")
+    if block_f % 64 or gs % 2 or steps % splits or F % r:
+        raise ValueError(f"output tiles of {block_f} (of 64), {steps} steps of {gs} (an even number of) scale "
+                         f"blocks split {splits} ways, {F} outputs (a multiple of {r})")
     per = steps // splits
     x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks)
     # [P, 2, D / 2]: a step's even and odd inputs in one buffer of 64 gs bytes. The TMA engine writes
     # shared memory at multiples of 128 bytes; two buffers of 32 gs bytes each (gs = 6 at gpt-oss's
     # shapes) put the second stage's off that and failed on one H100 80GB (misaligned address).
     x = jnp.stack([x_even, x_odd], axis=1)
-    K, half = 16 * gs, block_f // 2
+    K = 16 * gs
     column = plgpu.Layout.WGMMA.reduce(0)  # [16]: one value per column of a [rows, 16] tile
     # The scales as stored, [F, G] an expert, rows of G bytes: the TMA engine needs strides of
     # multiples of 16 bytes, so they are read as [F / r, n, c] (r rows' scales a row, cut into n
-    # pieces of c <= 256 bytes), a warpgroup's rows at once before the first step, and read back
-    # as [half, G]. (Transposing them for each call instead took 7.6 us a layer on one H100 80GB.)
+    # pieces of c <= 256 bytes), a program's rows at once before the first step, and read back as
+    # [block_f, G]. (Transposing them for each call instead took 7.6 us a layer on one H100 80GB.)
     row_bytes = r * G
     c = max(d for d in range(16, min(row_bytes, 256) + 1, 16) if row_bytes % d == 0)
     n = row_bytes // c
     scales = scales.reshape(E, F // r, n, c)
 
-    def accumulate(first, table, mine, index, x, packed, acc):
-        """One step: packed [block_f, K] and x [1, 2, K] in shared memory, the rows `mine` of
-        them against their scales `table` ([len(mine) / r, n, c] in shared memory), into acc
-        [len(mine), 16] float32."""
-        count = mine.size
-        for g in range(gs):
-            col = (first + index[0]) * gs + g
-            if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
-                col = jnp.minimum(col, G - 1)
-            if interpret:  # (the interpreter reshapes values, not refs)
-                sc = table[...].reshape(count, G)[:, col]
-            else:  # column col of the table [count, G], row-major
-                flat_table = table.reshape(count * G)
-                sc = mosaic_mxfp4.load_rows_strided(flat_table.at[pl.ds(col, (count - 1) * G + 1)], count, G)
-            low, high = mosaic_mxfp4.decode_group(packed, sc, mine, g, interpret, decoder)
-            x_low, x_high = (mosaic_mxfp4.load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
-                             .astype(jnp.float32) for h in (0, 1))
-            acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
-        return acc
-
-    def in_specs(p, j, first):
-        return [plgpu.BlockSpec((1, 2, K), lambda k: (p, 0, first + k)),
-                plgpu.BlockSpec((block_f, K), lambda k: (j, first + k))]
-
-    def zeros(count):
-        return plgpu.layout_cast(jnp.zeros((count, 16), jnp.float32), plgpu.Layout.WGMMA)
-
-    def specialized_body(pe_ref, x_ref, b_ref, s_ref, o_ref, o_smem, s_smem, s_arrived):
-        p, j, part = lax.axis_index("p"), lax.axis_index("n"), lax.axis_index("k")
-        first = part * per
-
-        def pipeline(step, compute_context):
-            return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=stages, compute_context=compute_context, in_specs=in_specs(p, j, first))
-
-        ignore = lambda *_, **__: None  # noqa: E731
-        e = pe_ref[p]
-
-        @functools.partial(pl.run_scoped, collective_axes="wg",
-                           allocs=pipeline(ignore, ignore).get_allocations(x_ref, b_ref.at[e]))
-        def _(allocs):
-            wg = lax.axis_index("wg")
-            mine = pl.ds(wg * half, half)
-
-            def compute_context(run):
-                plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds((j * block_f + wg * half) // r, half // r)], s_smem.at[wg],
-                                        s_arrived.at[wg])
-                plgpu.barrier_wait(s_arrived.at[wg])
-                acc = run(zeros(half))
-                o_smem[wg] = acc.sum(axis=1)  # [half]: this warpgroup's rows
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[part, p, pl.ds(j * block_f + wg * half, half)])
-                plgpu.wait_smem_to_gmem(0)
-
-            def step(index, x, packed, acc):  # [1, 2, K] [block_f, K]; acc [half, 16]
-                return accumulate(first, s_smem.at[wg], mine, index, x, packed, acc)
-
-            pipeline(step, compute_context)(x_ref, b_ref.at[e], allocations=allocs)
-
-    def plain_body(pe_ref, x_ref, b_ref, s_ref, o_ref, o_smem, s_smem, s_arrived):
+    def body(pe_ref, x_ref, b_ref, s_ref, o_ref, o_smem, s_smem, s_arrived):
         p, j, part = lax.axis_index("p"), lax.axis_index("n"), lax.axis_index("k")
         first = part * per
         e = pe_ref[p]
-        plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds(j * block_f // r, block_f // r)], s_smem.at[0], s_arrived.at[0])
-        plgpu.barrier_wait(s_arrived.at[0])
+        plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds(j * block_f // r, block_f // r)], s_smem, s_arrived)
+        plgpu.barrier_wait(s_arrived)
+        rows = pl.ds(0, block_f)
 
-        def step(index, x, packed, acc):  # [1, 2, K] [block_f, K]; acc [block_f, 16]
-            return accumulate(first, s_smem.at[0], pl.ds(0, block_f), index, x, packed, acc)
+        def step(index, x, packed, acc):  # [1, 2, K] [block_f, K] in shared memory; acc [block_f, 16]
+            for g in range(gs):
+                col = (first + index[0]) * gs + g
+                if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
+                    col = jnp.minimum(col, G - 1)
+                if interpret:  # (the interpreter reshapes values, not refs)
+                    sc = s_smem[...].reshape(block_f, G)[:, col]
+                else:  # column col of the table [block_f, G], row-major
+                    table = s_smem.reshape(block_f * G)
+                    sc = mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
+                low, high = mosaic_mxfp4.decode_group(packed, sc, rows, g, interpret, decoder)
+                x_low, x_high = (mosaic_mxfp4.load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
+                                 .astype(jnp.float32) for h in (0, 1))
+                acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
+            return acc
 
-        acc = plgpu.emit_pipeline(step, grid=(per,), in_specs=in_specs(p, j, first), max_concurrent_steps=stages,
-                                  init_carry=zeros(block_f))(x_ref, b_ref.at[e])
-        o_smem[0] = acc.sum(axis=1)
+        acc = plgpu.emit_pipeline(
+            step, grid=(per,), max_concurrent_steps=stages,
+            in_specs=[plgpu.BlockSpec((1, 2, K), lambda k: (p, 0, first + k)),
+                      plgpu.BlockSpec((block_f, K), lambda k: (j, first + k))],
+            init_carry=plgpu.layout_cast(jnp.zeros((block_f, 16), jnp.float32), plgpu.Layout.WGMMA),
+        )(x_ref, b_ref.at[e])
+        o_smem[...] = acc.sum(axis=1)  # [block_f]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[part, p, pl.ds(j * block_f, block_f)])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[part, p, pl.ds(j * block_f, block_f)])
         plgpu.wait_smem_to_gmem(0)
 
     # Outputs padded to whole tiles: a row's copy back is one contiguous run, which the copy engine
     # does not clip at the row's end (on one H100 80GB a cut last tile's outputs landed in the next
     # row's first columns).
     tiles = pl.cdiv(F, block_f)
-    # Warp-specialized: two compute warpgroups of `half` rows each and one for the copies, one
-    # program an SM (the compute warpgroups take most registers); plain: one warpgroup of block_f rows
-    # issuing its own copies, several programs an SM.
-    count = 2 if warpgroups == 2 else 1
     kernel = plgpu.kernel(
-        specialized_body if warpgroups == 2 else plain_body,
-        out_type=jax.ShapeDtypeStruct((splits, P, tiles * block_f), jnp.float32),
+        body, out_type=jax.ShapeDtypeStruct((splits, P, tiles * block_f), jnp.float32),
         grid=(P, tiles, splits), grid_names=("p", "n", "k"), interpret=interpret_params(interpret),
-        **(dict(num_threads=3, thread_name="wg") if warpgroups == 2 else {}),
-        scratch_types=dict(o_smem=plgpu.SMEM((count, block_f // count), jnp.float32),
-                           s_smem=plgpu.SMEM((count, block_f // count // r, n, c), jnp.uint8),
-                           s_arrived=plgpu.Barrier(num_barriers=count)))
+        scratch_types=dict(o_smem=plgpu.SMEM((block_f,), jnp.float32),
+                           s_smem=plgpu.SMEM((block_f // r, n, c), jnp.uint8), s_arrived=plgpu.Barrier()))
     out = kernel(pair_expert.astype(jnp.int32), x, flat, scales)
     return out[:, :, :F].sum(axis=0).astype(rows.dtype)
