@@ -30,6 +30,7 @@ K, G, H, D, F2, E = 8, 8, 64, 2880, 5760, 32
 ROWS = []
 PAIRS = None  # --pairs: the pair counts the expert parts run (all of theirs by default)
 PROFILE = None  # --profile DIR: each row's timed calls traced into DIR/<row number> (bench/profile_summary.py)
+MOSAIC_ONLY = False  # --mosaic-only: grouped-mxfp4 without the Pallas Triton and transposed variants
 
 
 def pair_counts(default):
@@ -445,9 +446,11 @@ def grouped_mxfp4(rng):
                      (32, 64, 4, 3, "ptx"))
             if pairs > 256:
                 from gptoss_jax.kernels import mosaic_mxfp4
-                for block, bn, gs, stages, decoder in ((128, 256, 4, 2, "ptx"), (128, 256, 4, 2, "jnp"),
-                                                       (128, 256, 2, 3, "ptx"), (128, 256, 6, 2, "ptx"),
-                                                       (128, 128, 4, 3, "ptx")):
+                mosaic_variants = ((128, 256, 2, 4, "ptx"), (128, 128, 4, 3, "ptx"), (128, 256, 2, 3, "ptx"),
+                                   (256, 128, 2, 3, "ptx"), (192, 128, 2, 4, "ptx"))
+                if not MOSAIC_ONLY:
+                    mosaic_variants += ((128, 256, 2, 4, "jnp"),)
+                for block, bn, gs, stages, decoder in mosaic_variants:
                     order, dest, block_expert, used = group_by_expert(idx, E, block)
                     rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
                     timed(f"{tag} mosaic grouped block={block} bn={bn} gs={gs} stages={stages} {decoder}",
@@ -455,6 +458,8 @@ def grouped_mxfp4(rng):
                               r, block_expert, used, b, s, block_m=block, block_n=bn, gs=gs, stages=stages,
                               decoder=decoder)[dest],
                           rows, blocks, scales, ref=ref, flops=flops)
+                if MOSAIC_ONLY:
+                    continue
                 from gptoss_jax.kernels import mosaic_decode
                 for block, bf, gs in ((64, 256, 3), (128, 128, 3), (128, 256, 2), (128, 256, 3), (64, 128, 6)):
                     order, dest, block_expert, used = group_by_expert(idx, E, block)
@@ -564,8 +569,11 @@ def main():
                     "bench/profile_summary.py (GPU time without the host's dispatch)")
     ap.add_argument("--pairs", default=None,
                     help="comma-separated (token, expert) pair counts for the expert parts (e.g. 4,256)")
+    ap.add_argument("--mosaic-only", action="store_true",
+                    help="grouped-mxfp4: only the bf16 ragged dot and the Pallas Mosaic GPU kernel's variants")
     args = ap.parse_args()
-    global PAIRS, PROFILE
+    global PAIRS, PROFILE, MOSAIC_ONLY
+    MOSAIC_ONLY = args.mosaic_only
     PAIRS = None if args.pairs is None else {int(p) for p in args.pairs.split(",")}
     PROFILE = args.profile
     rng = np.random.default_rng(0)

@@ -317,17 +317,20 @@ def test_mosaic_mxfp4_kernels_decode_every_byte_and_scale_exactly(kernel, decode
     np.testing.assert_array_equal(np.asarray(got, np.float32).T, want)
 
 
-def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul():
+@pytest.mark.parametrize("settings", [{}, {"block_n": 128, "gs": 4, "stages": 3}])
+def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(settings):
     """The Mosaic GPU prompt kernel for packed experts on gpt-oss's shapes (90 blocks a row; 2,880
     outputs, so the last 256-output tile is cut), every used block of rows against its expert decoded
-    first and a matmul in float64 (noise: in torch bfloat16), with scale extremes."""
+    first and a matmul in float64 (noise: in torch bfloat16), with scale extremes; by default
+    (45 steps of 2 scale blocks) and in tiles of 128 outputs with 4 scale blocks a step (the last
+    tile and step cut)."""
     rng = np.random.default_rng(7)
     E, F, D, block = 4, 2880, 2880, 128
     blocks, scales = packed_with_extreme_scales(rng, E, F, D)
     block_expert = jnp.asarray([3, 0, 0, 2, 3, 3], jnp.int32)
     rows = jax.random.normal(jax.random.key(7), (6 * block, D), jnp.bfloat16)
-    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block),
-                     np.float32)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, block_m=block,
+                                                       **settings), np.float32)
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")

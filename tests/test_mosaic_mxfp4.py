@@ -28,14 +28,15 @@ def grouped_reference(rows, block_expert, used, blocks, scales, block):
     return np.asarray(low, np.float64), np.einsum("md,mfd->mf", x.astype(np.float64), w[e].astype(np.float64))
 
 
-@pytest.mark.parametrize("settings", [{}, {"block_m": 64, "gs": 1, "splits": 3}])
+@pytest.mark.parametrize("settings", [{}, {"block_m": 64, "gs": 1, "splits": 3}, {"gs": 1, "stages": 3}])
 @pytest.mark.parametrize("F", [256, 320])
 def test_grouped_kernel_equals_decoding_then_a_matmul(F, settings):
     """Every used block of rows against its expert decoded first and multiplied in float64, within
     NOISE_FACTOR x the noise of that product in bfloat16, for each group of scale extremes (2^-117,
     2^73, both in one row, typical); 3 scale blocks per row (by default the second step's second
     block lies past the end: zeros from the TMA copy; with splits=3, decode's settings, each of three
-    programs takes one block and their float32 partial sums are added), and 320 outputs (the second
+    programs takes one block and their float32 partial sums are added; with gs=1, three steps of
+    one block alternate between the two buffers of decoded weights), and 320 outputs (the second
     tile cut at the end); blocks past `used` are not computed."""
     rng = np.random.default_rng(F)
     E, D = 3, 96

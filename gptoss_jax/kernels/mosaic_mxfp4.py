@@ -11,8 +11,9 @@ other's products are on the tensor cores. A step brings `gs` scale blocks (32 gs
 even inputs and their odd inputs ([block_m, 16 gs] each), the weights' packed bytes ([block_n,
 16 gs]) and scales ([gs, block_n], read from the scales transposed, [E, G, F], so that a tile is
 contiguous rows). Each compute warpgroup decodes its rows' bytes block by block into low-nibble
-(even-input) and high-nibble (odd-input) weights times their scale, stores them in shared memory,
-and adds two products. Tiles past the inputs' end (G not a multiple of gs) or the outputs' end (F
+(even-input) and high-nibble (odd-input) weights times their scale, stores them in one of its two
+shared-memory buffers, and issues two products, which run on the tensor cores while it decodes the
+next step into the other buffer. Tiles past the inputs' end (G not a multiple of gs) or the outputs' end (F
 not a multiple of block_n) are filled with zeros by the TMA engine on the way in, and cut on the way
 out.
 
@@ -198,12 +199,12 @@ def scales_by_step(scales, experts=None):
 
 
 def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
-    """Settings for few rows (decode: blocks of 64, about one per expert in use): 3 scale blocks a
+    """Settings for few rows (decode: blocks of 64, about one per expert in use): 2 scale blocks a
     step, and the steps split over enough programs (blocks x output tiles x splits) for two per SM
     of a large GPU, their float32 partial sums added after. The model's decode runs
     kernels/mosaic_decode.py instead (blocks of 8 rows; as fast or faster, docs/benchmarks.md); these
     settings stay for comparison (bench/kernels.py --part decode-experts)."""
-    gs = 3
+    gs = 2
     steps = -(-G // gs)
     tiles = blocks_bound * -(-F // 256)
     splits = splits_for(steps, tiles)
@@ -211,8 +212,8 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "interpret", "decoder"))
-def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 128, block_n: int = 256, gs: int = 4,
-                         stages: int = 2, splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
+def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 128, block_n: int = 256, gs: int = 2,
+                         stages: int = 4, splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
     """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
     expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
@@ -220,7 +221,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     cdiv(G, gs) steps): each program walks one range of the steps, and the ranges' float32 partial
     sums are added after (few rows: `decode_settings`). The defaults are the fastest of
     bench/kernels.py --part grouped-mxfp4 on one H100 80GB for both of gpt-oss-20b's projections
-    at prompt sizes."""
+    at prompt sizes. Each compute warpgroup decodes a step's weights while its products of the
+    step before are still on the tensor cores (two buffers of decoded weights; each input tile is
+    kept a step longer, so `stages` >= 3)."""
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -232,6 +235,8 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if M % block_m or block_m % 64 or block_n % 128:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 64), output tiles of {block_n} (of 128)")
     K, bn, half = 16 * gs, block_n, block_n // 2
+    if stages < 3:
+        raise ValueError(f"stages={stages}: the kernel keeps each step's tiles one step longer, so it needs 3 or more")
     out_dtype = rows.dtype if splits == 1 else jnp.float32
 
     def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
@@ -244,10 +249,12 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES),
-                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES),
-                          plgpu.BlockSpec((bn, K), lambda k: (j, first + k)),
-                          plgpu.BlockSpec((gs, bn), lambda k: (first + k, j))])
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES,
+                                          delay_release=1),
+                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES,
+                                          delay_release=1),
+                          plgpu.BlockSpec((bn, K), lambda k: (j, first + k), delay_release=1),
+                          plgpu.BlockSpec((gs, bn), lambda k: (first + k, j), delay_release=1)])
 
         ignore = lambda *_, **__: None
 
@@ -263,18 +270,22 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_m, half), jnp.float32))
                     def _(acc):
                         run(acc)
+                        plgpu.wgmma_wait(0)
                         o_smem[wg] = acc[...].astype(o_smem.dtype)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem.at[wg],
                                                 out.at[pl.ds(b * block_m, block_m), pl.ds(j * bn + wg * half, half)])
                         plgpu.wait_smem_to_gmem(0)
 
-                def step(_, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
-                    wl, wh = w_low.at[wg], w_high.at[wg]  # this warpgroup's decoded weights, [half, K] each
+                def step(idx, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
+                    buf = lax.rem(idx[0], 2)
+                    wl, wh = w_low.at[wg, buf], w_high.at[wg, buf]  # this warpgroup's decoded weights, [half, K] each
                     decode_into(packed, s, mine, wl, wh, gs, interpret, decoder)
                     plgpu.wgmma(acc, xe, wl.T)
                     plgpu.wgmma(acc, xo, wh.T)
-                    plgpu.wgmma_wait(0)  # before the next step overwrites wl and wh
+                    # The step before's products are done before the next step overwrites its
+                    # buffers (and the pipeline reuses its input tiles); this step's two stay in flight.
+                    plgpu.wgmma_wait(2)
                     return acc
 
                 pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
@@ -284,8 +295,8 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(M // block_m, pl.cdiv(F, bn), splits),
         grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", interpret=interpret_params(interpret),
-        scratch_types=dict(w_low=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=TILES),
-                           w_high=plgpu.SMEM((2, half, K), jnp.bfloat16, transforms=TILES),
+        scratch_types=dict(w_low=plgpu.SMEM((2, 2, half, K), jnp.bfloat16, transforms=TILES),
+                           w_high=plgpu.SMEM((2, 2, half, K), jnp.bfloat16, transforms=TILES),
                            o_smem=plgpu.SMEM((2, block_m, half), out_dtype, transforms=out_tiles)))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                  scales_t)
