@@ -132,7 +132,7 @@ def run_jax(args) -> dict:
             requests = [None] * c
             settings = Settings(max_new_tokens=args.new, sampling=greedy)
 
-            def submit(i):
+            def submit(i, engine=engine):
                 requests[i] = engine.submit(prompts[i], settings)
 
             submitted = drive(submit, prompts, at)

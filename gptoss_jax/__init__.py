@@ -27,7 +27,7 @@ _EXPORTS = {
     "decode_params": "mxfp4",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str):

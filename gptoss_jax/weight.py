@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .config import ModelConfig
-from .mxfp4 import packed, packed_shape
+from .mxfp4 import packed
 
 _INITIALIZERS = {
     # Small-normal init for matrices and sinks (what HF uses, initializer_range 0.02).
