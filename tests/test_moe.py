@@ -140,6 +140,15 @@ def test_grouped_layout_computes_only_selected_pairs(num_experts, n, block):
     np.testing.assert_array_equal(block_expert[dest // block], idx.ravel()[order])
 
 
+def check_summed_gradient(grad, exact, dtype):
+    """grad (float64 copy of a gradient in dtype) against exact (float64): each token's four pair
+    cotangents summed in float32, then rounded once to dtype."""
+    if dtype == jnp.bfloat16:  # four bf16 numbers add exactly in float32: one rounding, to bf16
+        np.testing.assert_array_equal(grad, np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64))
+    else:  # three float32 additions, each rounding by at most half an ulp of the partial sum's size
+        np.testing.assert_allclose(grad, exact, rtol=0, atol=3 * np.finfo(np.float32).eps * np.abs(exact).max())
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pair_gathers_have_the_gradients_of_plain_gathers(dtype):
     """pair_inputs and unsort carry backward passes of their own (gathers, not scatter-adds into
@@ -156,10 +165,7 @@ def test_pair_gathers_have_the_gradients_of_plain_gathers(dtype):
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.repeat(np.asarray(x, np.float32)[:, None], A, axis=1))
     exact = np.asarray(cot, np.float64).sum(axis=1)
     grad = np.asarray(vjp(cot)[0], np.float64)
-    if dtype == jnp.bfloat16:  # four bf16 numbers add exactly in float32: one rounding, to bf16
-        np.testing.assert_array_equal(grad, np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64))
-    else:  # three float32 additions, each rounding by at most half an ulp of the partial sum's size
-        np.testing.assert_allclose(grad, exact, rtol=0, atol=3 * np.finfo(np.float32).eps * np.abs(exact).max())
+    check_summed_gradient(grad, exact, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -191,7 +197,4 @@ def test_expert_blocks_hold_each_pairs_input_and_carry_its_gradient(dtype):
     for i, p in enumerate(order):
         if dest[i] < M:
             exact[p // A] += np.asarray(cot, np.float64)[dest[i]]
-    if dtype == jnp.bfloat16:  # four bf16 numbers add exactly in float32: one rounding, to bf16
-        np.testing.assert_array_equal(grad, np.asarray(jnp.asarray(exact, jnp.float32).astype(dtype), np.float64))
-    else:  # three float32 additions, each rounding by at most half an ulp of the partial sum's size
-        np.testing.assert_allclose(grad, exact, rtol=0, atol=3 * np.finfo(np.float32).eps * np.abs(exact).max())
+    check_summed_gradient(grad, exact, dtype)

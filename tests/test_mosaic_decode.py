@@ -10,7 +10,7 @@ from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from noise import Exact
 
 import gptoss_jax as gj
-from gptoss_jax.kernels import mosaic_decode, mosaic_pair
+from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4, mosaic_pair
 from gptoss_jax.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not mosaic_decode.supported(),
@@ -111,7 +111,7 @@ def test_the_kernels_switch_runs_it(experts, tokens, impl):
 
 def test_mxfp4_kernels_name_themselves_in_errors():
     """Rows that do not match the packed experts' input width, or are not bfloat16, and settings the
-    pair kernel cannot run: a clear error naming the kernel or the setting, before anything is
+    pair kernel or the prompt kernel cannot run: a clear error naming the kernel or the setting, before anything is
     compiled."""
     blocks, scales = jnp.zeros((2, 128, 3, 16), jnp.uint8), jnp.zeros((2, 128, 3), jnp.uint8)
     with pytest.raises(ValueError, match="pair matvec takes rows of 96 inputs"):
@@ -123,6 +123,9 @@ def test_mxfp4_kernels_name_themselves_in_errors():
     with pytest.raises(ValueError, match=r"3 \(an even number of\) scale blocks"):
         mosaic_pair.pair_matvec_mxfp4(jnp.zeros((2, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32), blocks, scales,
                                       gs=3, interpret=True)
+    with pytest.raises(ValueError, match="stages=2: .* needs 3 or more"):
+        mosaic_mxfp4.grouped_matmul_mxfp4(jnp.zeros((128, 96), jnp.bfloat16), jnp.zeros((1,), jnp.int32), 1, blocks,
+                                          scales, stages=2, interpret=True)
     with pytest.raises(ValueError, match="decode matvec takes bfloat16 rows"):
         mosaic_decode.grouped_matvec_mxfp4(jnp.zeros((8, 96), jnp.float32), jnp.zeros((1,), jnp.int32), 1, blocks,
                                            scales, gs=3, interpret=True)

@@ -219,9 +219,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
     64; block_n: of 128 (F need not be a multiple: the last tile is cut). `splits` (dividing the
     cdiv(G, gs) steps): each program walks one range of the steps, and the ranges' float32 partial
-    sums are added after (few rows: `decode_settings`). The defaults are the fastest of
-    bench/kernels.py --part grouped-mxfp4 on one H100 80GB for both of gpt-oss-20b's projections
-    at prompt sizes. Each compute warpgroup decodes a step's weights while its products of the
+    sums are added after (few rows: `decode_settings`). The defaults are the fastest setting of
+    bench/kernels.py --part grouped-mxfp4 on one H100 80GB for gpt-oss-20b's mlp1 at a 4k prompt,
+    and within the runs' spread of the best for its mlp2 (docs/benchmarks.md). Each compute warpgroup decodes a step's weights while its products of the
     step before are still on the tensor cores (two buffers of decoded weights; each input tile is
     kept a step longer, so `stages` >= 3)."""
     M, D = rows.shape
@@ -238,6 +238,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if stages < 3:
         raise ValueError(f"stages={stages}: the kernel keeps each step's tiles one step longer, so it needs 3 or more")
     out_dtype = rows.dtype if splits == 1 else jnp.float32
+    spec = functools.partial(plgpu.BlockSpec, delay_release=1)  # a step's tiles kept until the next step ends
 
     def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
         b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
@@ -249,12 +250,10 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES,
-                                          delay_release=1),
-                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=TILES,
-                                          delay_release=1),
-                          plgpu.BlockSpec((bn, K), lambda k: (j, first + k), delay_release=1),
-                          plgpu.BlockSpec((gs, bn), lambda k: (first + k, j), delay_release=1)])
+                in_specs=[spec((block_m, K), lambda k: (b, first + k), transforms=TILES),
+                          spec((block_m, K), lambda k: (b, first + k), transforms=TILES),
+                          spec((bn, K), lambda k: (j, first + k)),
+                          spec((gs, bn), lambda k: (first + k, j))])
 
         ignore = lambda *_, **__: None
 
