@@ -477,6 +477,44 @@ def grouped_mxfp4(rng):
                       rows, blocks, scales, ref=ref, flops=flops)
 
 
+def epilogue(rng):
+    """The MXFP4 prompt kernel's epilogue at a 4096-token prompt (16,384 pairs over 32 experts, blocks
+    of 128): mlp1 with its bias and SwiGLU applied by XLA after the kernel (the kernel's [rows, 5760]
+    output written and read back) against both in the kernel's epilogue ([rows, 2880] written);
+    mlp2 with its bias added by XLA against in the epilogue."""
+    from gptoss_jax.kernels import mosaic_mxfp4
+    from gptoss_jax.moe import swiglu
+    from gptoss_jax.pairs import group_by_expert
+
+    alpha, limit = 1.702, 7.0
+    pairs = 16384
+    idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)
+    flat = np.asarray(idx).reshape(-1)
+    x = jax.random.normal(jax.random.key(3), (pairs, D), jnp.bfloat16)
+    order, dest, block_expert, used = group_by_expert(idx, E, 128)
+    rows = jnp.zeros((block_expert.shape[0] * 128, D), x.dtype).at[dest].set(x[np.argsort(flat, kind="stable")],
+                                                                              mode="drop")
+    nb = block_expert.shape[0]
+    for F, name, act in ((F2, "mlp1", (alpha, limit)), (D, "mlp2", None)):
+        kb, ks = jax.random.split(jax.random.key(30))
+        blocks = jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8)
+        scales = jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)
+        bias = jax.random.uniform(jax.random.key(5), (E, F), jnp.float32, -2, 2).astype(jnp.bfloat16)
+
+        def after(r, b, s, bias):
+            out = mosaic_mxfp4.grouped_matmul_mxfp4(r, block_expert, used, b, s)
+            out = (out.reshape(nb, 128, -1) + bias[block_expert][:, None]).reshape(nb * 128, -1)
+            return (out if act is None else swiglu(out, alpha=alpha, limit=limit))[dest]  # the pairs' rows
+
+        tag = f"epilogue {name} [{E},{F},{D}] pairs={pairs}"
+        ref = timed(f"{tag}: bias{' and SwiGLU' if act else ''} by XLA after the kernel", after, rows, blocks,
+                    scales, bias, flops=2 * pairs * F * D)
+        timed(f"{tag}: in the kernel's epilogue",
+              lambda r, b, s, bias: mosaic_mxfp4.grouped_matmul_mxfp4(r, block_expert, used, b, s, bias,
+                                                                      swiglu=act)[dest],
+              rows, blocks, scales, bias, ref=ref, flops=2 * pairs * F * D)
+
+
 def layout(rng):
     """A 4096-token prompt's 16,384 pairs laid out in expert blocks of 128 rows (pairs.to_blocks,
     as the MXFP4 prompt kernel takes them), over 32 and 128 experts: the rows gathered from the
@@ -564,7 +602,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit", "layout"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit", "layout", "epilogue"], default="all")
     ap.add_argument("--profile", metavar="DIR", help="trace each row's timed calls into DIR/<row number>, for "
                     "bench/profile_summary.py (GPU time without the host's dispatch)")
     ap.add_argument("--pairs", default=None,
@@ -598,6 +636,8 @@ def main():
         matvec_mxfp4(rng)
     if args.part == "grouped-mxfp4":
         grouped_mxfp4(rng)
+    if args.part == "epilogue":
+        epilogue(rng)
     if args.part == "matvec":
         matvec(rng)
     if args.part == "experts64":

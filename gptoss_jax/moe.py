@@ -21,7 +21,8 @@ experts). The kernel layer (kernels/) picks one per call, by backend and number 
 Expert matrices may be held packed in MXFP4 ({"blocks", "scales"}, mxfp4.py). On a Hopper GPU,
 kernels read them packed and decode on the chip, never writing decoded weights to memory:
 "mosaic_pair" / "mosaic_decode" for decode and "mosaic_grouped" (the pairs in expert blocks, as
-"grouped", decoded weights in shared memory for the tensor cores) for prompts. By name only, the
+"grouped", decoded weights in shared memory for the tensor cores; biases and the SwiGLU applied in
+the kernel's epilogue) for prompts. By name only, the
 Pallas Triton kernels do the same on any NVIDIA GPU while JAX ships that backend: "triton" for
 decode (at decode on one device with 16-bit activations the whole block, norm, router and
 experts, as kernels/decode_moe.py's four fused kernels, `MLPBlock._fused_decode`) and
@@ -41,6 +42,7 @@ P = (token, expert) pairs = N * A.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import ClassVar
 
@@ -50,13 +52,28 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from .config import ModelConfig
-from .kernels import Kernels, decode_moe, gpu, mosaic_decode, mosaic_mxfp4, mosaic_pair, tpu
+from .kernels import (
+    Kernels,
+    decode_moe,
+    gpu,
+    mosaic_decode,
+    mosaic_mxfp4,
+    mosaic_pair,
+    tpu,
+)
 from .kernels.loops import late_map
 from .kernels.triton import pair_matvec
 from .kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
 from .layers import RMSNorm
 from .mxfp4 import decode, packed
-from .pairs import decode_block, pair_inputs, pairs_as_blocks, sort_by_expert, to_blocks, unsort
+from .pairs import (
+    decode_block,
+    pair_inputs,
+    pairs_as_blocks,
+    sort_by_expert,
+    to_blocks,
+    unsort,
+)
 from .sharding import spec
 from .weight import Weight, adapter, declare, low_rank, packed_axes
 
@@ -81,6 +98,18 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, extra=0.0) -
     logits = logits + bias.astype(jnp.float32) + extra
     top, idx = jax.lax.top_k(logits, k)
     return jax.nn.softmax(top, axis=-1), idx
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLU:
+    """The experts' activation with its constants (`swiglu`); a kernel may apply it in the epilogue of
+    its product, reading the constants from here."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return swiglu(h, alpha=self.alpha, limit=self.limit)
 
 
 def swiglu(h: jax.Array, *, alpha: float, limit: float) -> jax.Array:
@@ -165,11 +194,12 @@ def _grouped_mxfp4_settings(block: int, name: str) -> dict:
         dict(block_n=128, num_warps=4, num_stages=2)
 
 
-def _experts_blocked(x, idx, w, act, *, block: int, matmul):
+def _experts_blocked(x, idx, w, act, *, block: int, matmul, epilogue: bool = False):
     """The grouped path's contract by a kernel over expert blocks: the pairs in blocks of `block`
     rows of one expert each (`group_by_expert`; for one token, a block per pair), then
     matmul(rows, name, block_expert, used) -> [rows, out] for each projection ("mlp1_weight",
-    "mlp2_weight"). Rows of blocks past `used` are undefined, and dropped."""
+    "mlp2_weight"). Rows of blocks past `used` are undefined, and dropped. `epilogue`: the kernel
+    adds the biases itself, and applies the activation to mlp1's outputs."""
     E = num_experts(w["mlp1_weight"])
     blocks_of = pairs_as_blocks if idx.shape[0] == 1 else to_blocks
     rows, undo, block_expert, used = blocks_of(x, idx, E, block)
@@ -177,10 +207,13 @@ def _experts_blocked(x, idx, w, act, *, block: int, matmul):
 
     def project(inputs, name):
         out = matmul(inputs, name, block_expert, used)
+        if epilogue:
+            return out
         bias = w[name.replace("weight", "bias")][block_expert][:, None]  # [num_blocks, 1, out]
         return (out.reshape(num_blocks, block, -1) + bias).reshape(num_blocks * block, -1)
 
-    return undo(project(act(project(rows, "mlp1_weight")), "mlp2_weight"))
+    h = project(rows, "mlp1_weight")
+    return undo(project(h if epilogue else act(h), "mlp2_weight"))
 
 
 def _packed_only(weight, impl: str) -> dict:
@@ -192,20 +225,27 @@ def _packed_only(weight, impl: str) -> dict:
 def _experts_grouped_mxfp4(x, idx, w, act, *, impl: str, interpret: bool):
     """MXFP4-packed experts by a grouped matmul that decodes weight tiles on the chip (`_experts_blocked`):
     "mosaic_grouped", the Pallas Mosaic GPU kernel (kernels/mosaic_mxfp4.py, Hopper) in blocks of 128
-    rows; "triton_grouped", the Pallas Triton one (kernels/triton_mxfp4.py), its blocks sized to the
-    pairs per expert (16 rows at a batch of 64, 128 on long prompts)."""
+    rows, adding the biases and applying the SwiGLU in its epilogue; "triton_grouped", the Pallas
+    Triton one (kernels/triton_mxfp4.py), its blocks sized to the pairs per expert (16 rows at a
+    batch of 64, 128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
     block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length())) if impl == "triton_grouped" else 128
+    epilogue = impl == "mosaic_grouped" and isinstance(act, SwiGLU)
 
     def matmul(inputs, name, block_expert, used):
         blocks, scales = _packed_only(w[name], impl)["blocks"], w[name]["scales"]
         if impl == "triton_grouped":
             return grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
                                         interpret=interpret, **_grouped_mxfp4_settings(block, name))
-        return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
+        if not epilogue:
+            return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
+                                                     interpret=interpret)
+        swiglu = (act.alpha, act.limit) if name == "mlp1_weight" else None
+        return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales,
+                                                 w[name.replace("weight", "bias")], block_m=block, swiglu=swiglu,
                                                  interpret=interpret)
 
-    return _experts_blocked(x, idx, w, act, block=block, matmul=matmul)
+    return _experts_blocked(x, idx, w, act, block=block, matmul=matmul, epilogue=epilogue)
 
 
 def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool, rows_per_pair: bool = False):
@@ -335,8 +375,7 @@ class MLPBlock(nn.Module):
         weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
                              extra=jnp.asarray(router_delta, jnp.float32))
 
-        def act(h):
-            return swiglu(h, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+        act = SwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
 
         is_packed = packed(w["mlp1_weight"])
         impl = self.kernels.moe_for(idx.size, t.dtype if is_packed else w["mlp1_weight"].dtype, packed=is_packed)

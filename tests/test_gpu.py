@@ -341,6 +341,41 @@ def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(setting
         Exact.measure(runs[0][:, cols], runs[1][:, cols], precision="bfloat16").check(got[:5 * block, cols], str(cols))
 
 
+@pytest.mark.parametrize("F, swiglu", [(5760, (1.702, 7.0)), (2880, None)])
+def test_mosaic_grouped_mxfp4_epilogue_at_gpt_oss_shapes(F, swiglu):
+    """The prompt kernel's epilogue on the GPU at gpt-oss-20b's mlp1 (5,760 interleaved gate and
+    linear outputs -> 2,880, the last tile's second warpgroup wholly past the end) and mlp2 (2,880
+    outputs, bias only): each used block's expert bias added to the float32 sums, then the clamped
+    SwiGLU, against the same in float64 (noise: the product in torch bfloat16, bias and SwiGLU in
+    float32, rounded to bfloat16). Typical scales, so that outputs lie on both sides of the clamp."""
+    from gptoss_jax.mxfp4 import decode_mxfp4
+
+    rng = np.random.default_rng(F)
+    E, D, block = 4, 2880, 128
+    blocks = jnp.asarray(rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(117, 122, (E, F, D // 32), dtype=np.uint8))
+    bias = jnp.asarray(rng.uniform(-8, 8, (E, F)), jnp.bfloat16)
+    block_expert = jnp.asarray([3, 0, 0, 2, 3, 3], jnp.int32)
+    rows = jax.random.normal(jax.random.key(F), (6 * block, D), jnp.bfloat16)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 5, blocks, scales, bias, block_m=block,
+                                                       swiglu=swiglu), np.float32)[:5 * block]
+    w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")
+    x = np.asarray(rows[:5 * block], np.float32).reshape(5, block, D)  # the used blocks
+    low, exact = (np.concatenate([(t(x[i], d) @ t(w[int(block_expert[i])], d).T).double().numpy()
+                                  + np.asarray(bias, np.float64)[int(block_expert[i])] for i in range(5)])
+                  for d in (torch.bfloat16, torch.float64))
+    if swiglu is not None:
+        def act(h):  # gpt-oss's clamped SwiGLU of interleaved (gate, linear) columns
+            gate, linear = np.minimum(h[:, 0::2], swiglu[1]), np.clip(h[:, 1::2], -swiglu[1], swiglu[1])
+            return gate * 0.5 * (1 + np.tanh(0.5 * swiglu[0] * gate)) * (linear + 1)
+
+        low = t(act(low.astype(np.float32)), torch.bfloat16).double().numpy()
+        exact = act(exact)
+        assert (np.abs(exact) > 1).mean() > 0.3  # the clamp and the sigmoid both at work
+    assert got.shape == exact.shape
+    Exact.measure(low, exact, precision="bfloat16").check(got, f"F={F}, swiglu={swiglu}")
+
+
 @pytest.mark.parametrize("decoder", ["jnp", "ptx"])
 @pytest.mark.parametrize("block_m", [16, 128])
 def test_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(block_m, decoder):

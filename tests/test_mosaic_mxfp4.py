@@ -51,6 +51,52 @@ def test_grouped_kernel_equals_decoding_then_a_matmul(F, settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:3 * block, cols], str(cols))
 
 
+def swiglu64(h, alpha, limit):
+    """gpt-oss's clamped SwiGLU of interleaved (gate, linear) columns, in numpy."""
+    gate, linear = np.minimum(h[:, 0::2], limit), np.clip(h[:, 1::2], -limit, limit)
+    return gate * 0.5 * (1 + np.tanh(0.5 * alpha * gate)) * (linear + 1)  # the sigmoid, without overflow
+
+
+@pytest.mark.parametrize("swiglu", [None, (1.702, 7.0)])
+def test_grouped_kernel_epilogue_adds_the_bias_and_applies_swiglu(swiglu):
+    """The epilogue: each used block's expert bias added to the float32 sums, then (mlp1) the clamped
+    SwiGLU of each (gate, linear) pair of outputs, [rows, F / 2]; against the same in float64, within
+    the noise of a bfloat16 run (product rounded to bfloat16, bias and SwiGLU in float32). Typical
+    scales and a bias of +-8 put gates and linears on both sides of the clamp (limit 7). 320 outputs:
+    the second tile cut at the end (its second warpgroup's outputs all past it). Mutations caught:
+    the bias of another expert, gate and linear swapped, the linear's +1 left out."""
+    rng = np.random.default_rng(7)
+    E, F, D, block = 3, 320, 96, 128
+    blocks = jnp.asarray(rng.integers(0, 256, (E, F, D // 32, 16), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(122, 128, (E, F, D // 32), dtype=np.uint8))
+    bias = jnp.asarray(rng.uniform(-8, 8, (E, F)), jnp.bfloat16)
+    block_expert = jnp.asarray([2, 0, 1, 1], jnp.int32)
+    rows = jax.random.normal(jax.random.key(3), (4 * block, D), jnp.bfloat16)
+    got = np.asarray(mosaic_mxfp4.grouped_matmul_mxfp4(rows, block_expert, 3, blocks, scales, bias, swiglu=swiglu,
+                                                       interpret=True), np.float32)[:3 * block]
+    low, exact = grouped_reference(rows, block_expert, 3, blocks, scales, block)
+    b = np.asarray(bias, np.float64)[np.repeat(np.asarray(block_expert)[:3], block)]
+    low, exact = low + b, exact + b
+    if swiglu is not None:
+        low = np.asarray(jnp.asarray(swiglu64(low.astype(np.float32), *swiglu), jnp.bfloat16), np.float64)
+        exact = swiglu64(exact, *swiglu)
+        assert (np.abs(exact) > 1).mean() > 0.3  # not all near zero: the clamp and sigmoid both at work
+    assert got.shape == exact.shape
+    Exact.measure(low, exact, precision="bfloat16").check(got, f"epilogue {swiglu}")
+
+
+def test_grouped_kernel_epilogue_errors():
+    """An epilogue needs whole sums (splits=1), a bias of [experts, outputs], and even outputs for SwiGLU."""
+    blocks, scales = jnp.zeros((2, 256, 3, 16), jnp.uint8), jnp.zeros((2, 256, 3), jnp.uint8)
+    rows, be = jnp.zeros((128, 96), jnp.bfloat16), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="splits=1"):
+        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks, scales, swiglu=(1.0, 7.0), gs=1, splits=3)
+    with pytest.raises(ValueError, match=r"\[2, 256\]"):
+        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks, scales, jnp.zeros((2, 255)))
+    with pytest.raises(ValueError, match="even"):
+        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks[:, :255], scales[:, :255], swiglu=(1.0, 7.0))
+
+
 @pytest.mark.parametrize("hidden, shape, reference", [(128, (1, 40), "grouped"), (256, (3, 1), "gather")])
 def test_the_kernels_switch_runs_it(hidden, shape, reference):
     """Kernels(moe="mosaic_grouped") is the MoE block's path, for a prompt of 40 tokens (160 pairs)

@@ -15,7 +15,8 @@ contiguous rows). Each compute warpgroup decodes its rows' bytes block by block 
 shared-memory buffers, and issues two products, which run on the tensor cores while it decodes the
 next step into the other buffer. Tiles past the inputs' end (G not a multiple of gs) or the outputs' end (F
 not a multiple of block_n) are filled with zeros by the TMA engine on the way in, and cut on the way
-out.
+out. The epilogue may add a bias to the float32 sums and apply gpt-oss's clamped SwiGLU to each
+(gate, linear) pair of adjacent outputs before they leave the chip (`store_swiglu`).
 
 Legend: M = grouped rows, D = input features, F = output features, E = experts, G = D / 32 scale
 blocks per row.
@@ -31,8 +32,9 @@ import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir  # Mosaic GPU's MLIR, for the decoder's PTX
 from jax._src.lib.mlir.dialects import arith, memref, vector
-from jax.experimental.mosaic import gpu as mgpu
+from jax._src.lib.mlir.dialects import math as mlir_math
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .mosaic import interpret_params, splits_for, supported, tiles
@@ -198,6 +200,36 @@ def scales_by_step(scales, experts=None):
     return jnp.swapaxes(scales, 1, 2)
 
 
+def swiglu_pairs(h, alpha: float, limit: float):
+    """h [m, n] float32, its columns (gate, linear) pairs -> [m, n / 2] float32: gpt-oss's clamped
+    SwiGLU (gate clamped from above, linear on both sides, linear + 1), in jnp (interpret mode)."""
+    h = h.reshape(h.shape[0], -1, 2)
+    gate, linear = jnp.minimum(h[..., 0], limit), jnp.clip(h[..., 1], -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (linear + 1)
+
+
+def store_swiglu(h, out, alpha: float, limit: float):
+    """`swiglu_pairs` of h [m, n] (float32, the wgmma layout, whose registers each hold two adjacent
+    columns: one (gate, linear) pair) into out [m, n / 2] (bfloat16, shared memory, untransformed),
+    a 2-byte store per pair (a GPU only: Pallas offers no op that splits a register's pair)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(_, h, out):
+        f32, index = ir.F32Type.get(), ir.IndexType.get()
+        const = lambda v: arith.constant(f32, ir.FloatAttr.get(f32, v))
+        one, hi, lo, a = const(1.0), const(limit), const(-limit), const(-alpha)
+        for reg, (row, col) in zip(np.ndindex(h.registers.shape), h.layout.thread_idxs(h.shape)):
+            pair = h.registers[reg]  # vector<2xf32>: (gate, linear)
+            gate = arith.minimumf(vector.extract(pair, [], [0]), hi)
+            linear = arith.minimumf(arith.maximumf(vector.extract(pair, [], [1]), lo), hi)
+            sigmoid = arith.divf(one, arith.addf(one, mlir_math.exp(arith.mulf(a, gate))))
+            y = arith.mulf(arith.mulf(gate, sigmoid), arith.addf(linear, one))
+            half_col = arith.divui(col, arith.constant(index, 2))
+            memref.store(arith.truncf(ir.BF16Type.get(), y), out, [row, half_col])
+
+    store(h, out)
+
+
 def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     """Settings for few rows (decode: blocks of 64, about one per expert in use): 2 scale blocks a
     step, and the steps split over enough programs (blocks x output tiles x splits) for two per SM
@@ -211,9 +243,11 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     return dict(block_m=64, gs=gs, stages=3, splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "interpret", "decoder"))
-def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 128, block_n: int = 256, gs: int = 2,
-                         stages: int = 4, splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "swiglu", "interpret",
+                                             "decoder"))
+def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *, block_m: int = 128, block_n: int = 256,
+                         gs: int = 2, stages: int = 4, splits: int = 1, swiglu: tuple[float, float] | None = None,
+                         interpret: bool = False, decoder: str = "ptx") -> jax.Array:
     """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
     expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
@@ -223,12 +257,23 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     bench/kernels.py --part grouped-mxfp4 on one H100 80GB for gpt-oss-20b's mlp1 at a 4k prompt,
     and within the runs' spread of the best for its mlp2 (docs/benchmarks.md). Each compute warpgroup decodes a step's weights while its products of the
     step before are still on the tensor cores (two buffers of decoded weights; each input tile is
-    kept a step longer, so `stages` >= 3)."""
+    kept a step longer, so `stages` >= 3).
+
+    Epilogue (one range only, splits=1): `bias` [E, F] is added to the float32 sums, and `swiglu`
+    (alpha, limit) then applies gpt-oss's clamped SwiGLU to each (gate, linear) pair of adjacent
+    outputs (mlp1's interleaved halves, `swiglu_pairs`) -> [M, F / 2]: the products' outputs never
+    reach device memory before their activation."""
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
     if steps % splits:
         raise ValueError(f"splits={splits} must divide the {steps} steps of {gs} scale blocks over G={G}")
+    if (bias is not None or swiglu is not None) and splits != 1:
+        raise ValueError(f"a bias or SwiGLU epilogue needs whole sums: splits=1, got {splits}")
+    if bias is not None and bias.shape != (E, F):
+        raise ValueError(f"the bias must be [experts, outputs] = [{E}, {F}], got {list(bias.shape)}")
+    if swiglu is not None and F % 2:
+        raise ValueError(f"SwiGLU takes (gate, linear) pairs of outputs: F must be even, got {F}")
     per = steps // splits
     x_even, x_odd, flat = operands("Mosaic GPU MXFP4 matmul", rows, blocks)
     scales_t = scales_by_step(scales)
@@ -239,8 +284,14 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         raise ValueError(f"stages={stages}: the kernel keeps each step's tiles one step longer, so it needs 3 or more")
     out_dtype = rows.dtype if splits == 1 else jnp.float32
     spec = functools.partial(plgpu.BlockSpec, delay_release=1)  # a step's tiles kept until the next step ends
+    tiles_n = pl.cdiv(F, bn)
+    extra = []
+    if bias is not None:  # float32, padded to whole tiles: a cut last tile reads no further than its row
+        extra.append(jnp.pad(bias.astype(jnp.float32), ((0, 0), (0, tiles_n * bn - F))))
+    out_half = half // 2 if swiglu is not None else half  # a warpgroup's outputs of a tile
 
-    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref, w_low, w_high, o_smem):
+    def body(be_ref, used_ref, xe_ref, xo_ref, b_ref, s_ref, *refs, w_low, w_high, o_smem):
+        bias_ref, o_ref = refs if bias is not None else (None, refs[0])
         b, j, part = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("k")
         e = be_ref[b]
         out = o_ref if splits == 1 else o_ref.at[part]
@@ -270,10 +321,19 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                     def _(acc):
                         run(acc)
                         plgpu.wgmma_wait(0)
-                        o_smem[wg] = acc[...].astype(o_smem.dtype)
+                        h = acc[...]
+                        if bias_ref is not None:
+                            h = h + load(bias_ref.at[e], pl.ds(j * bn + wg * half, half),
+                                         plgpu.Layout.WGMMA.reduce(0), interpret)[None, :]
+                        if swiglu is None:
+                            o_smem[wg] = h.astype(o_smem.dtype)
+                        elif interpret:
+                            o_smem[wg] = swiglu_pairs(h, *swiglu).astype(o_smem.dtype)
+                        else:
+                            store_swiglu(h, o_smem.at[wg], *swiglu)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                                out.at[pl.ds(b * block_m, block_m), pl.ds(j * bn + wg * half, half)])
+                        plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(b * block_m, block_m),
+                                                                      pl.ds(j * 2 * out_half + wg * out_half, out_half)])
                         plgpu.wait_smem_to_gmem(0)
 
                 def step(idx, xe, xo, packed, s, acc):  # the tiles of one step, [block_m, K] [block_m, K] [bn, K] [gs, bn]
@@ -289,14 +349,16 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
                 pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref.at[e], allocations=allocs)
 
-    out_shape = (M, F) if splits == 1 else (splits, M, F)
-    out_tiles = TILES if splits == 1 else tiles(jnp.float32)
+    out_cols = F // 2 if swiglu is not None else F
+    out_shape = (M, out_cols) if splits == 1 else (splits, M, F)
+    # SwiGLU's outputs are stored a pair at a time into an untransformed buffer (`store_swiglu`).
+    out_tiles = () if swiglu is not None else TILES if splits == 1 else tiles(jnp.float32)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(M // block_m, pl.cdiv(F, bn), splits),
+        body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype), grid=(M // block_m, tiles_n, splits),
         grid_names=("m", "n", "k"), num_threads=3, thread_name="wg", interpret=interpret_params(interpret),
         scratch_types=dict(w_low=plgpu.SMEM((2, 2, half, K), jnp.bfloat16, transforms=TILES),
                            w_high=plgpu.SMEM((2, 2, half, K), jnp.bfloat16, transforms=TILES),
-                           o_smem=plgpu.SMEM((2, block_m, half), out_dtype, transforms=out_tiles)))
+                           o_smem=plgpu.SMEM((2, block_m, out_half), out_dtype, transforms=out_tiles)))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
-                 scales_t)
+                 scales_t, *extra)
     return out if splits == 1 else out.sum(axis=0).astype(rows.dtype)
