@@ -115,11 +115,11 @@ def run_jax(args) -> dict:
         gen = Generator(config, params, max_len=p + args.decode + 16, kernels=kernels)
         prompts = [rng.integers(0, config.vocab_size, p).tolist() for _ in range(b)]
         try:
-            results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)  # compiles
+            gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)  # compiles
             if args.profile:
                 folder = os.path.join(args.profile, name)
                 with jax.profiler.trace(folder, create_perfetto_trace=True):
-                    results = gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
+                    gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy)
                 out[f"{name}_profile"] = folder
             timings = sorted((batch_timings(gen.generate(prompts, max_new_tokens=args.decode, sampling=greedy))
                               for _ in range(args.decode_runs)), key=lambda t: t["decode_tokens_per_s"])

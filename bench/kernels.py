@@ -414,12 +414,21 @@ def decode_experts_16bit(rng):
         del ws
 
 
+def _expert_blocks(x, idx, block):
+    """The pairs' rows x [P, D] (one per (token, expert) pair of idx [N, A]) in expert blocks of
+    `block` rows: (rows [blocks * block, D], dest (each sorted pair's row), block_expert, used)."""
+    from gptoss_jax.pairs import group_by_expert
+
+    order, dest, block_expert, used = group_by_expert(idx, E, block)
+    rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+    return rows, dest, block_expert, used
+
+
 def grouped_mxfp4(rng):
     """Experts over MXFP4-packed weights at a 4096-token prompt (16,384 pairs) and at a decode batch of
     64 (256 pairs): the Triton grouped matmul's settings against the bf16 weights' Mosaic GPU ragged
     dot and against decoding the layer first (what packed prompts did before)."""
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
-    from gptoss_jax.pairs import group_by_expert
     from gptoss_jax.mxfp4 import decode
 
     for F, name in ((F2, "mlp1"), (D, "mlp2")):
@@ -451,8 +460,7 @@ def grouped_mxfp4(rng):
                 if not MOSAIC_ONLY:
                     mosaic_variants += ((128, 256, 2, 4, "jnp"),)
                 for block, bn, gs, stages, decoder in mosaic_variants:
-                    order, dest, block_expert, used = group_by_expert(idx, E, block)
-                    rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+                    rows, dest, block_expert, used = _expert_blocks(x, idx, block)
                     timed(f"{tag} mosaic grouped block={block} bn={bn} gs={gs} stages={stages} {decoder}",
                           lambda r, b, s: mosaic_mxfp4.grouped_matmul_mxfp4(
                               r, block_expert, used, b, s, block_m=block, block_n=bn, gs=gs, stages=stages,
@@ -462,15 +470,13 @@ def grouped_mxfp4(rng):
                     continue
                 from gptoss_jax.kernels import mosaic_decode
                 for block, bf, gs in ((64, 256, 3), (128, 128, 3), (128, 256, 2), (128, 256, 3), (64, 128, 6)):
-                    order, dest, block_expert, used = group_by_expert(idx, E, block)
-                    rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+                    rows, dest, block_expert, used = _expert_blocks(x, idx, block)
                     timed(f"{tag} mosaic transposed, weights from registers, block={block} block_f={bf} gs={gs}",
                           lambda r, b, s: mosaic_decode.grouped_matvec_mxfp4(
                               r, block_expert, used, b, s, block_m=block, block_f=bf, gs=gs)[dest],
                           rows, blocks, scales, ref=ref, flops=flops)
             for block, bn, warps, stages, decoder in (prompt if pairs > 256 else batch):
-                order, dest, block_expert, used = group_by_expert(idx, E, block)
-                rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
+                rows, dest, block_expert, used = _expert_blocks(x, idx, block)
                 timed(f"{tag} triton grouped block={block} bn={bn} warps={warps} stages={stages} {decoder}",
                       lambda r, b, s: grouped_matmul_mxfp4(r, block_expert, used, b, s, block_m=block, block_n=bn,
                                                            num_warps=warps, num_stages=stages, decoder=decoder)[dest],
@@ -483,19 +489,14 @@ def epilogue(rng):
     output written and read back) against both in the kernel's epilogue ([rows, 2880] written);
     mlp2 with its bias added by XLA against in the epilogue."""
     from gptoss_jax.kernels import mosaic_mxfp4
-    from gptoss_jax.moe import swiglu
-    from gptoss_jax.pairs import group_by_expert
+    from gptoss_jax.moe import SwiGLU
 
-    alpha, limit = 1.702, 7.0
     pairs = 16384
     idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)
-    flat = np.asarray(idx).reshape(-1)
     x = jax.random.normal(jax.random.key(3), (pairs, D), jnp.bfloat16)
-    order, dest, block_expert, used = group_by_expert(idx, E, 128)
-    rows = jnp.zeros((block_expert.shape[0] * 128, D), x.dtype).at[dest].set(x[np.argsort(flat, kind="stable")],
-                                                                              mode="drop")
+    rows, dest, block_expert, used = _expert_blocks(x, idx, 128)
     nb = block_expert.shape[0]
-    for F, name, act in ((F2, "mlp1", (alpha, limit)), (D, "mlp2", None)):
+    for F, name, act in ((F2, "mlp1", SwiGLU(1.702, 7.0)), (D, "mlp2", None)):
         kb, ks = jax.random.split(jax.random.key(30))
         blocks = jax.random.randint(kb, (E, F, D // 32, 16), 0, 256, jnp.int32).astype(jnp.uint8)
         scales = jax.random.randint(ks, (E, F, D // 32), 118, 124, jnp.int32).astype(jnp.uint8)
@@ -504,7 +505,7 @@ def epilogue(rng):
         def after(r, b, s, bias):
             out = mosaic_mxfp4.grouped_matmul_mxfp4(r, block_expert, used, b, s)
             out = (out.reshape(nb, 128, -1) + bias[block_expert][:, None]).reshape(nb * 128, -1)
-            return (out if act is None else swiglu(out, alpha=alpha, limit=limit))[dest]  # the pairs' rows
+            return (out if act is None else act(out))[dest]  # the pairs' rows
 
         tag = f"epilogue {name} [{E},{F},{D}] pairs={pairs}"
         ref = timed(f"{tag}: bias{' and SwiGLU' if act else ''} by XLA after the kernel", after, rows, blocks,

@@ -102,8 +102,8 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, extra=0.0) -
 
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
-    """The experts' activation with its constants (`swiglu`); a kernel may apply it in the epilogue of
-    its product, reading the constants from here."""
+    """The experts' activation with its constants (`swiglu`), hashable: the prompt kernel over MXFP4
+    experts applies it in its epilogue (kernels/mosaic_mxfp4.py), reading the constants from here."""
 
     alpha: float
     limit: float
@@ -230,22 +230,17 @@ def _experts_grouped_mxfp4(x, idx, w, act, *, impl: str, interpret: bool):
     batch of 64, 128 on long prompts)."""
     E = num_experts(w["mlp1_weight"])
     block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length())) if impl == "triton_grouped" else 128
-    epilogue = impl == "mosaic_grouped" and isinstance(act, SwiGLU)
 
     def matmul(inputs, name, block_expert, used):
         blocks, scales = _packed_only(w[name], impl)["blocks"], w[name]["scales"]
         if impl == "triton_grouped":
             return grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
                                         interpret=interpret, **_grouped_mxfp4_settings(block, name))
-        if not epilogue:
-            return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales, block_m=block,
-                                                     interpret=interpret)
-        swiglu = (act.alpha, act.limit) if name == "mlp1_weight" else None
         return mosaic_mxfp4.grouped_matmul_mxfp4(inputs, block_expert, used, blocks, scales,
-                                                 w[name.replace("weight", "bias")], block_m=block, swiglu=swiglu,
-                                                 interpret=interpret)
+                                                 w[name.replace("weight", "bias")], block_m=block,
+                                                 swiglu=act if name == "mlp1_weight" else None, interpret=interpret)
 
-    return _experts_blocked(x, idx, w, act, block=block, matmul=matmul, epilogue=epilogue)
+    return _experts_blocked(x, idx, w, act, block=block, matmul=matmul, epilogue=impl == "mosaic_grouped")
 
 
 def _experts_mosaic_decode(x, idx, w, act, *, interpret: bool, rows_per_pair: bool = False):

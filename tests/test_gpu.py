@@ -20,11 +20,11 @@ from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.generate import Generator
 from gptoss_jax.kernels import gpu, mosaic_attention, mosaic_mxfp4, triton, xla
 from gptoss_jax.kernels.combine import combine
-from gptoss_jax.moe import MLPBlock
+from gptoss_jax.moe import MLPBlock, SwiGLU
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.testing import random_params
 from noise import Exact
-from refs import exact_attention, exact_moe_block, grouped_torch, t
+from refs import exact_attention, exact_moe_block, grouped_torch, swiglu_torch, t
 
 pytestmark = pytest.mark.gpu
 
@@ -341,7 +341,7 @@ def test_mosaic_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(setting
         Exact.measure(runs[0][:, cols], runs[1][:, cols], precision="bfloat16").check(got[:5 * block, cols], str(cols))
 
 
-@pytest.mark.parametrize("F, swiglu", [(5760, (1.702, 7.0)), (2880, None)])
+@pytest.mark.parametrize("F, swiglu", [(5760, SwiGLU(1.702, 7.0)), (2880, None)])
 def test_mosaic_grouped_mxfp4_epilogue_at_gpt_oss_shapes(F, swiglu):
     """The prompt kernel's epilogue on the GPU at gpt-oss-20b's mlp1 (5,760 interleaved gate and
     linear outputs -> 2,880, the last tile's second warpgroup wholly past the end) and mlp2 (2,880
@@ -365,12 +365,9 @@ def test_mosaic_grouped_mxfp4_epilogue_at_gpt_oss_shapes(F, swiglu):
                                   + np.asarray(bias, np.float64)[int(block_expert[i])] for i in range(5)])
                   for d in (torch.bfloat16, torch.float64))
     if swiglu is not None:
-        def act(h):  # gpt-oss's clamped SwiGLU of interleaved (gate, linear) columns
-            gate, linear = np.minimum(h[:, 0::2], swiglu[1]), np.clip(h[:, 1::2], -swiglu[1], swiglu[1])
-            return gate * 0.5 * (1 + np.tanh(0.5 * swiglu[0] * gate)) * (linear + 1)
-
-        low = t(act(low.astype(np.float32)), torch.bfloat16).double().numpy()
-        exact = act(exact)
+        low = swiglu_torch(torch.from_numpy(low.astype(np.float32)), swiglu.alpha, swiglu.limit)
+        low = low.to(torch.bfloat16).double().numpy()
+        exact = swiglu_torch(torch.from_numpy(exact), swiglu.alpha, swiglu.limit).numpy()
         assert (np.abs(exact) > 1).mean() > 0.3  # the clamp and the sigmoid both at work
     assert got.shape == exact.shape
     Exact.measure(low, exact, precision="bfloat16").check(got, f"F={F}, swiglu={swiglu}")

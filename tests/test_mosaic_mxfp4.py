@@ -11,6 +11,7 @@ from noise import Exact
 
 import gptoss_jax as gj
 from gptoss_jax.kernels import mosaic_mxfp4
+from gptoss_jax.moe import SwiGLU
 from gptoss_jax.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not mosaic_mxfp4.supported(),
@@ -57,7 +58,7 @@ def swiglu64(h, alpha, limit):
     return gate * 0.5 * (1 + np.tanh(0.5 * alpha * gate)) * (linear + 1)  # the sigmoid, without overflow
 
 
-@pytest.mark.parametrize("swiglu", [None, (1.702, 7.0)])
+@pytest.mark.parametrize("swiglu", [None, SwiGLU(1.702, 7.0)])
 def test_grouped_kernel_epilogue_adds_the_bias_and_applies_swiglu(swiglu):
     """The epilogue: each used block's expert bias added to the float32 sums, then (mlp1) the clamped
     SwiGLU of each (gate, linear) pair of outputs, [rows, F / 2]; against the same in float64, within
@@ -78,8 +79,9 @@ def test_grouped_kernel_epilogue_adds_the_bias_and_applies_swiglu(swiglu):
     b = np.asarray(bias, np.float64)[np.repeat(np.asarray(block_expert)[:3], block)]
     low, exact = low + b, exact + b
     if swiglu is not None:
-        low = np.asarray(jnp.asarray(swiglu64(low.astype(np.float32), *swiglu), jnp.bfloat16), np.float64)
-        exact = swiglu64(exact, *swiglu)
+        low = np.asarray(jnp.asarray(swiglu64(low.astype(np.float32), swiglu.alpha, swiglu.limit), jnp.bfloat16),
+                         np.float64)
+        exact = swiglu64(exact, swiglu.alpha, swiglu.limit)
         assert (np.abs(exact) > 1).mean() > 0.3  # not all near zero: the clamp and sigmoid both at work
     assert got.shape == exact.shape
     Exact.measure(low, exact, precision="bfloat16").check(got, f"epilogue {swiglu}")
@@ -90,11 +92,11 @@ def test_grouped_kernel_epilogue_errors():
     blocks, scales = jnp.zeros((2, 256, 3, 16), jnp.uint8), jnp.zeros((2, 256, 3), jnp.uint8)
     rows, be = jnp.zeros((128, 96), jnp.bfloat16), jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match="splits=1"):
-        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks, scales, swiglu=(1.0, 7.0), gs=1, splits=3)
+        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks, scales, swiglu=SwiGLU(1.0, 7.0), gs=1, splits=3)
     with pytest.raises(ValueError, match=r"\[2, 256\]"):
         mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks, scales, jnp.zeros((2, 255)))
     with pytest.raises(ValueError, match="even"):
-        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks[:, :255], scales[:, :255], swiglu=(1.0, 7.0))
+        mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks[:, :255], scales[:, :255], swiglu=SwiGLU(1.0, 7.0))
 
 
 @pytest.mark.parametrize("hidden, shape, reference", [(128, (1, 40), "grouped"), (256, (3, 1), "gather")])

@@ -200,18 +200,12 @@ def scales_by_step(scales, experts=None):
     return jnp.swapaxes(scales, 1, 2)
 
 
-def swiglu_pairs(h, alpha: float, limit: float):
-    """h [m, n] float32, its columns (gate, linear) pairs -> [m, n / 2] float32: gpt-oss's clamped
-    SwiGLU (gate clamped from above, linear on both sides, linear + 1), in jnp (interpret mode)."""
-    h = h.reshape(h.shape[0], -1, 2)
-    gate, linear = jnp.minimum(h[..., 0], limit), jnp.clip(h[..., 1], -limit, limit)
-    return gate * jax.nn.sigmoid(alpha * gate) * (linear + 1)
-
-
 def store_swiglu(h, out, alpha: float, limit: float):
-    """`swiglu_pairs` of h [m, n] (float32, the wgmma layout, whose registers each hold two adjacent
-    columns: one (gate, linear) pair) into out [m, n / 2] (bfloat16, shared memory, untransformed),
-    a 2-byte store per pair (a GPU only: Pallas offers no op that splits a register's pair)."""
+    """gpt-oss's clamped SwiGLU (gate clamped from above, linear on both sides, linear + 1) of h [m, n]
+    (float32, the wgmma layout, whose registers each hold two adjacent columns: one (gate, linear)
+    pair) into out [m, n / 2] (bfloat16, shared memory, untransformed), a 2-byte store per pair (a
+    GPU only: Pallas offers no op that splits a register's pair; interpret mode calls the model's
+    own SwiGLU instead)."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
     def store(_, h, out):
@@ -246,8 +240,8 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "gs", "stages", "splits", "swiglu", "interpret",
                                              "decoder"))
 def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *, block_m: int = 128, block_n: int = 256,
-                         gs: int = 2, stages: int = 4, splits: int = 1, swiglu: tuple[float, float] | None = None,
-                         interpret: bool = False, decoder: str = "ptx") -> jax.Array:
+                         gs: int = 2, stages: int = 4, splits: int = 1, swiglu=None, interpret: bool = False,
+                         decoder: str = "ptx") -> jax.Array:
     """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
     expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
@@ -260,9 +254,11 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *,
     kept a step longer, so `stages` >= 3).
 
     Epilogue (one range only, splits=1): `bias` [E, F] is added to the float32 sums, and `swiglu`
-    (alpha, limit) then applies gpt-oss's clamped SwiGLU to each (gate, linear) pair of adjacent
-    outputs (mlp1's interleaved halves, `swiglu_pairs`) -> [M, F / 2]: the products' outputs never
-    reach device memory before their activation."""
+    (the model's clamped SwiGLU, `moe.SwiGLU`: hashable, with `alpha` and `limit`, called on
+    [rows, 2n] -> [rows, n]) then applies to each (gate, linear) pair of adjacent outputs (mlp1's
+    interleaved halves) -> [M, F / 2]: on the GPU by `store_swiglu` with its alpha and limit, in
+    interpret mode by calling it. The products' outputs never reach device memory before their
+    activation."""
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -328,9 +324,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *,
                         if swiglu is None:
                             o_smem[wg] = h.astype(o_smem.dtype)
                         elif interpret:
-                            o_smem[wg] = swiglu_pairs(h, *swiglu).astype(o_smem.dtype)
+                            o_smem[wg] = swiglu(h).astype(o_smem.dtype)
                         else:
-                            store_swiglu(h, o_smem.at[wg], *swiglu)
+                            store_swiglu(h, o_smem.at[wg], swiglu.alpha, swiglu.limit)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem.at[wg], out.at[pl.ds(b * block_m, block_m),
                                                                       pl.ds(j * 2 * out_half + wg * out_half, out_half)])
