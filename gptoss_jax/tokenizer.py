@@ -1,9 +1,12 @@
-"""The o200k_harmony tokenizer, loaded offline from a hash-checked vocabulary file, and the harmony
-chat format (rendering and parsing through OpenAI's `openai-harmony` package, the reference).
+"""The o200k_harmony tokenizer, loaded from a hash-checked vocabulary file, and the harmony chat
+format (rendering and parsing through OpenAI's `openai-harmony` package, the reference).
 
 Where the vocabulary comes from, in order: an explicit path (`--tokenizer PATH`);
 `$TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken` (what openai-harmony reads); tiktoken's own cache,
-`$TIKTOKEN_CACHE_DIR/<sha1 of the download URL>`. Its sha256 must be o200k_base's.
+`<cache folder>/<sha1 of the download URL>`, the folder chosen by tiktoken's rules
+($TIKTOKEN_CACHE_DIR, else $DATA_GYM_CACHE_DIR, else <temporary folder>/data-gym-cache); and last,
+tiktoken's own download into that cache, as tiktoken itself does it, when the machine is online.
+Its sha256 must be o200k_base's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
 import tempfile
 
 import tiktoken
@@ -39,8 +43,22 @@ def _cache_name() -> str:
     return hashlib.sha1(O200K_BASE_URL.encode()).hexdigest()
 
 
+def cache_folder() -> str | None:
+    """tiktoken's cache folder, by tiktoken's own rules (`tiktoken.load.read_file_cached`):
+    $TIKTOKEN_CACHE_DIR if set, else $DATA_GYM_CACHE_DIR if set, else <temporary folder>/data-gym-cache;
+    None where the chosen variable is set empty (tiktoken then caches nothing)."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        folder = os.environ["TIKTOKEN_CACHE_DIR"]
+    elif "DATA_GYM_CACHE_DIR" in os.environ:
+        folder = os.environ["DATA_GYM_CACHE_DIR"]
+    else:
+        folder = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    return folder or None
+
+
 def find_vocab(path: str | os.PathLike | None = None) -> str:
-    """The vocabulary file to use (see the module docstring), checked to exist."""
+    """The vocabulary file to use (see the module docstring), checked to exist; downloaded into
+    tiktoken's cache when no file is found and the machine is online."""
     if path is not None:
         path = os.path.expanduser(os.fspath(path))
         if os.path.isdir(path):
@@ -48,20 +66,66 @@ def find_vocab(path: str | os.PathLike | None = None) -> str:
         if not os.path.isfile(path):
             raise TokenizerError(f"{path}: tokenizer vocabulary file not found. {DOWNLOAD_HINT}")
         return path
-    candidates = []
     if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
-        candidates.append(os.path.join(os.environ["TIKTOKEN_ENCODINGS_BASE"], VOCAB_FILE))
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    candidates.append(os.path.join(cache_dir, _cache_name()))
-    for candidate in candidates:
+        candidate = os.path.join(os.environ["TIKTOKEN_ENCODINGS_BASE"], VOCAB_FILE)
         if os.path.isfile(candidate):
             return candidate
-    raise TokenizerError(f"no o200k_base vocabulary found (looked in {', '.join(candidates)}). {DOWNLOAD_HINT}")
+    folder = cache_folder()
+    cached = os.path.join(folder, _cache_name()) if folder else None
+    if cached and os.path.isfile(cached) and _sha256(cached) == O200K_BASE_SHA256:
+        return cached
+    return _download(cached)
+
+
+def _download(cached: str | None) -> str:
+    """tiktoken's own download of o200k_base into its cache (a corrupt cached copy is fetched again,
+    and the download is hash-checked), as `tiktoken.get_encoding` does it -> the cached file."""
+    import tiktoken.load
+
+    looked = [os.path.join(os.environ["TIKTOKEN_ENCODINGS_BASE"], VOCAB_FILE)] if os.environ.get(
+        "TIKTOKEN_ENCODINGS_BASE") else []
+    looked += [cached] if cached else ["no cache (TIKTOKEN_CACHE_DIR or DATA_GYM_CACHE_DIR is set empty)"]
+    try:
+        data = tiktoken.load.read_file_cached(O200K_BASE_URL, O200K_BASE_SHA256)
+    except (OSError, ValueError) as e:  # requests' errors are OSErrors; a hash mismatch is a ValueError
+        raise TokenizerError(f"no o200k_base vocabulary found (looked in {', '.join(looked)}), and downloading it "
+                             f"from {O200K_BASE_URL} failed ({_one_line(e)}). {DOWNLOAD_HINT}") from None
+    if cached and os.path.isfile(cached):
+        return cached
+    return _private_copy(data)  # tiktoken caches nothing here (turned off, or its default folder is read-only)
+
+
+def _one_line(error: Exception) -> str:
+    # requests wraps urllib3's error, whose reason is what a reader needs ("Failed to resolve ...").
+    reason = getattr(error.args[0], "reason", None) if error.args else None
+    text = re.sub(r"^\w+\(.*?\): ", "", " ".join(str(reason or error).split())) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+@functools.lru_cache(maxsize=1)
+def _private_copy(data: bytes) -> str:
+    """The downloaded vocabulary in a file of this process's own, removed when it exits."""
+    import atexit
+
+    fd, path = tempfile.mkstemp(prefix="gptoss-", suffix="-" + VOCAB_FILE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    atexit.register(_remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _check_hash(path: str) -> None:
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    digest = _sha256(path)
     if digest != O200K_BASE_SHA256:
         raise TokenizerError(f"{path}: sha256 {digest[:12]}... is not o200k_base's ({O200K_BASE_SHA256[:12]}...); "
                              f"the file is corrupt or a different vocabulary")
@@ -98,7 +162,7 @@ def _load(path: str) -> tiktoken.Encoding:
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> tiktoken.Encoding:
-    """tiktoken's `o200k_harmony` encoding (vocab 201088), offline, from a hash-checked vocabulary."""
+    """tiktoken's `o200k_harmony` encoding (vocab 201088), from a hash-checked vocabulary (`find_vocab`)."""
     return _load(os.path.abspath(find_vocab(path)))
 
 

@@ -32,12 +32,18 @@ def serving(app):
 
 class ScriptedEngine:
     """Engine.submit's contract, replying to every request with `reply` (token ids), one token every
-    `delay` seconds; `prompts` records what was submitted; `full` makes submit refuse (QueueFull)."""
+    `delay` seconds; `prompts` records what was submitted; `full` makes submit refuse (QueueFull);
+    `fail_after` N: each request fails (finish reason "error", with `FAILURE` as the engine's
+    message) after N tokens."""
+
+    FAILURE = "XlaRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS in /opt/secret/site-packages/jaxlib"
 
     def __init__(self, reply: list[int], *, max_len: int = 4096, delay: float = 0.0):
         self.reply, self.max_len, self.delay = reply, max_len, delay
         self.prompts: list[list[int]] = []
         self.full = False
+        self.fail_after: int | None = None
+        self.alive = True  # Engine.alive: the engine's thread runs
         self.running: list[Request] = []
 
     def submit(self, prompt_ids, settings: Settings = Settings(), listener=None) -> Request:
@@ -52,8 +58,11 @@ class ScriptedEngine:
         return request
 
     def _run(self, request: Request) -> None:
-        reason = "length"
+        reason, error = "length", None
         for i, token in enumerate(self.reply[:request.settings.max_new_tokens]):
+            if self.fail_after is not None and i == self.fail_after:
+                reason, error = "error", self.FAILURE
+                break
             if request.cancelled:
                 reason = "cancelled"
                 break
@@ -63,7 +72,7 @@ class ScriptedEngine:
                 reason = "stop"
                 break
         self.running.remove(request)
-        request._finish(reason, time.perf_counter())
+        request._finish(reason, time.perf_counter(), error=error)
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": 0, "slots_in_use": len(self.running), "slots": 8,

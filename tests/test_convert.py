@@ -133,7 +133,7 @@ def test_existing_output_needs_overwrite(sources, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    assert convert_main([str(sources / "hf-bf16"), str(out), "--quiet"]) == 1
+    assert convert_main([str(sources / "hf-bf16"), str(out), "--quiet"]) == 2  # a usage error: the flag is missing
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
     assert convert_main([str(sources / "hf-bf16"), str(out), "--quiet", "--overwrite"]) == 0
@@ -142,9 +142,43 @@ def test_existing_output_needs_overwrite(sources, tmp_path, capsys):
 
 
 def test_mxfp4_storage_of_decoded_source_is_refused(sources, tmp_path, capsys):
-    assert convert_main([str(sources / "hf-bf16"), str(tmp_path / "out"), "--dtype", "mxfp4"]) == 1
+    assert convert_main([str(sources / "hf-bf16"), str(tmp_path / "out"), "--dtype", "mxfp4"]) == 2
     assert "would need quantization" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_holding_the_source_is_refused_even_with_overwrite(sources, tmp_path, capsys):
+    source = _copy_source(sources / "original", tmp_path / "source")
+    assert convert_main([str(source), str(tmp_path), "--overwrite", "--quiet"]) == 2  # would delete the source
+    assert f"error: {tmp_path}: holds the source folder {source}; choose another output" in capsys.readouterr().err
+    assert convert_main([str(source), str(source / "out"), "--quiet"]) == 2
+    assert "must not be inside the source folder" in capsys.readouterr().err
+    assert sorted(p.name for p in source.iterdir()) == sorted(p.name for p in (sources / "original").iterdir())
+
+
+def test_missing_parent_folders_are_created_and_said(sources, tmp_path, capsys):
+    out = tmp_path / "a" / "b" / "out"
+    assert convert_main([str(sources / "hf-bf16"), str(out), "--quiet"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert f"creating the missing folder {tmp_path / 'a' / 'b'}" in err, err
+    assert (out / "gptoss_checkpoint.json").is_file()
+    assert convert_main([str(sources / "hf-bf16"), str(tmp_path / "a" / "out2"), "--quiet"]) == 0
+    assert "creating" not in capsys.readouterr().err  # said only when it happens
+
+
+def test_a_failed_run_removes_the_parent_folders_it_created(sources, tmp_path):
+    from gptoss_jax.convert import plan_conversion, write_checkpoint
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "mine.txt").write_text("kept")
+
+    def progress(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_checkpoint(plan_conversion(sources / "original"), tmp_path / "a" / "b" / "c" / "out", progress=progress)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # b and c were made by the run: gone
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["mine.txt"]
 
 
 def test_failure_in_the_worker_is_one_line_and_leaves_nothing(sources, tmp_path):

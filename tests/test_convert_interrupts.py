@@ -1,6 +1,7 @@
 """Stopping a conversion at any moment: Ctrl-C and SIGTERM end it with one line, exit 130 or 143,
 and no output or partial folder; so does a worker killed from outside (as the kernel's
-out-of-memory killer would), with exit 1.
+out-of-memory killer would), with exit 1. A signal once the output is renamed into place, the point
+of no return, ends it with exit 0 and the output kept, never with a failure and the output left.
 
 The source is large enough (8 layers, 32 experts of 512 x 512) that converting it takes seconds,
 and the signals land throughout: while reading, decoding and during Orbax's saves.
@@ -134,3 +135,60 @@ def test_an_uncreatable_output_folder_is_one_line(source, tmp_path):
                              cwd=ROOT, capture_output=True, text=True)
     assert process.returncode == 1 and process.stderr.count("\n") == 1, process.stderr
     assert process.stderr == f"error: cannot create {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder\n"
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory):
+    """The tiny model: converted in about a second, for the moments at the very end of a run."""
+    path = tmp_path_factory.mktemp("small") / "original"
+    write_synthetic_checkpoint(ModelConfig.tiny(), path, "original", seed=2)
+    return path
+
+
+def _complete(output) -> bool:
+    return (output / "gptoss_checkpoint.json").is_file() and not [
+        p for p in output.parent.iterdir() if p.name.startswith(".")]  # no partial or old folder left
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_just_after_the_output_is_in_place_keeps_it_and_exits_0(small_source, tmp_path, monkeypatch,
+                                                                          capsys, signum):
+    """The signal lands right after the rename (the point of no return), from inside the process: the
+    run ends with exit 0, the output complete, and one line saying so."""
+    from gptoss_jax.convert import pipeline
+    from gptoss_jax.convert.cli import main
+
+    finish = pipeline._finish
+
+    def finish_then_signal(partial, output):
+        finish(partial, output)
+        os.kill(os.getpid(), signum)  # the command's handler takes it: this process carries on
+
+    monkeypatch.setattr(pipeline, "_finish", finish_then_signal)
+    assert main([str(small_source), str(tmp_path / "out"), "--quiet"]) == 0
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2].startswith(f"wrote {tmp_path / 'out'}: ")
+    assert err[-1] == f"{what} after the conversion had finished: {tmp_path / 'out'} is complete and kept"
+    assert _complete(tmp_path / "out")
+
+
+# The installed command is `sys.exit(main())`: here a signal lands between the two, once the exit code
+# is decided, as a Ctrl-C in the run's last instant would.
+_SIGNAL_AS_IT_ENDS = """
+import os, sys
+from gptoss_jax.convert.cli import main
+code = main()
+os.kill(os.getpid(), {signum})
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_as_the_command_ends_changes_nothing(small_source, tmp_path, signum):
+    script = _SIGNAL_AS_IT_ENDS.format(signum=int(signum))
+    run = subprocess.run([sys.executable, "-c", script, str(small_source), str(tmp_path / "out"), "--quiet"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'out'}: "), run.stderr
+    assert _complete(tmp_path / "out")

@@ -37,8 +37,14 @@ def _json_lines(out: str) -> list[dict]:
 
 
 def test_demo_runs_without_a_tokenizer(capsys, monkeypatch):
+    import tiktoken.load
+
+    def offline(url):  # as on a machine with no network: no vocabulary can be found or fetched
+        raise OSError(f"no network to fetch {url}")
+
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE", raising=False)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/nonexistent")
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
     assert run_inference.main(["--max-new-tokens", "3"]) == 0
     captured = capsys.readouterr()
     assert "RANDOM weights" in captured.err and "token ids" in captured.err
@@ -124,13 +130,13 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
     ckpt = str(checkpoint / "converted")
     cases = [  # (argv, exit code, what the one error line says)
         (["--chat", "--prompt-ids", "1,2"], 2, "--chat needs text (--prompt, --prompt-file or --batch-file), not --prompt-ids"),
-        (["--prompt-file", str(tmp_path / "missing.txt")], 2, f"--prompt-file {tmp_path}/missing.txt: no such file"),
-        (["--prompt-file", str(tmp_path / "empty.txt")], 2, f"--prompt-file {tmp_path}/empty.txt: is empty"),
-        (["--batch-file", str(tmp_path / "batch.txt")], 2, f"--batch-file {tmp_path}/batch.txt: is empty"),
-        (["--prompt-file", str(tmp_path)], 2, f"--prompt-file {tmp_path}: is a folder, not a file"),
-        (["--batch-file", str(tmp_path)], 2, f"--batch-file {tmp_path}: is a folder, not a file"),
-        (["--prompt-file", str(tmp_path / "binary.txt")], 2, "binary.txt: looks binary (it holds NUL bytes)"),
-        (["--prompt-file", str(tmp_path / "latin1.txt")], 2, "latin1.txt: is not UTF-8 text (byte 3)"),
+        (["--prompt-file", str(tmp_path / "missing.txt")], 1, f"--prompt-file {tmp_path}/missing.txt: no such file"),
+        (["--prompt-file", str(tmp_path / "empty.txt")], 1, f"--prompt-file {tmp_path}/empty.txt: is empty"),
+        (["--batch-file", str(tmp_path / "batch.txt")], 1, f"--batch-file {tmp_path}/batch.txt: is empty"),
+        (["--prompt-file", str(tmp_path)], 1, f"--prompt-file {tmp_path}: is a folder, not a file"),
+        (["--batch-file", str(tmp_path)], 1, f"--batch-file {tmp_path}: is a folder, not a file"),
+        (["--prompt-file", str(tmp_path / "binary.txt")], 1, "binary.txt: looks binary (it holds NUL bytes)"),
+        (["--prompt-file", str(tmp_path / "latin1.txt")], 1, "latin1.txt: is not UTF-8 text (byte 3)"),
         (["--checkpoint", ckpt, "--prompt-ids", "1", "--max-context", "4096"], 2,
          "--max-context 4096 exceeds the model's context of 2048 tokens"),
         (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
@@ -206,6 +212,26 @@ def test_prompt_file_dash_reads_standard_input_and_paths_expand_home(checkpoint,
                                "--json", "--temperature", "0"]) == 0
     from_file = _json_lines(capsys.readouterr().out)[0]
     assert from_stdin["prompt_ids"] == from_file["prompt_ids"] and from_file["output_ids"] == from_stdin["output_ids"]
+
+
+@needs_vocab
+def test_chat_reads_a_piped_prompt(capsys, monkeypatch):
+    """`echo PROMPT | gptoss-generate --chat`: off a terminal, with no prompt flag, standard input is the prompt."""
+    from gptoss_jax import tokenizer as tk
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("What is 2+2?\n".encode())))
+    assert run_inference.main(["--chat", "--tokenizer", VOCAB, "--max-new-tokens", "1", "--json"]) == 0
+    (record,) = _json_lines(capsys.readouterr().out)
+    assert record["prompt_ids"] == tk.render_chat([("user", "What is 2+2?\n")], reasoning_effort="medium",
+                                                  vocab=VOCAB)
+
+
+def test_chat_with_nothing_piped_in_asks_for_a_prompt(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b" \n")))  # a script's empty or closed input
+    assert run_inference.main(["--chat", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --chat: no prompt given (--prompt, --prompt-file or --batch-file), and standard input, "
+                   "not a terminal, is empty\n")
 
 
 def test_tokenizer_with_the_wrong_hash_is_refused(tmp_path, capsys):

@@ -230,14 +230,14 @@ def raw_post(url, path, body, key=KEY) -> Answer:
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "top_p": 2}, 400, "top_p"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages[0].role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000}, 400, "messages"),
     ({"model": "gpt-5", "messages": [{"role": "user", "content": "Hi"}]}, 404, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required"}, 400, "tool_choice"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
       "tool_choice": {"type": "function", "function": {"name": "lookup"}}}, 400, "tool_choice"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER],
-      "tool_choice": {"type": "custom", "name": "x"}}, 400, "tool_choice"),
+      "tool_choice": {"type": "custom", "name": "x"}}, 400, "tool_choice.type"),
 ])
 def test_bad_requests_are_answered_as_openai_does(url, client, body, status, param):
     r = raw_post(url, "/chat/completions", body)

@@ -2,14 +2,15 @@
 
 import hashlib
 import os
+import tempfile
 
 import pytest
+import requests
 import tiktoken
+import tiktoken.load
 
 from conftest import VOCAB, needs_vocab
 from gptoss_jax import tokenizer as tk
-
-pytestmark = needs_vocab
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "def f(x):\n    return x ** 2  # code",
          "naïve café, Größe, 日本語のテキスト, русский, العربية", "emoji 🎉🚀👩‍💻 and math ∑∫√",
@@ -21,6 +22,7 @@ def enc():
     return tk.load_tokenizer(VOCAB)
 
 
+@needs_vocab
 def test_encodings_match_tiktoken_and_harmony(enc, tmp_path, monkeypatch):
     harmony = tk.harmony_encoding(VOCAB)
     # tiktoken's plain o200k_base, read by tiktoken itself from its cache layout, and harmony's own
@@ -35,6 +37,7 @@ def test_encodings_match_tiktoken_and_harmony(enc, tmp_path, monkeypatch):
         assert enc.decode(ids) == text
 
 
+@needs_vocab
 def test_special_token_ids(enc):
     specials = {"<|start|>": 200006, "<|end|>": 200007, "<|message|>": 200008, "<|channel|>": 200005,
                 "<|return|>": 200002, "<|call|>": 200012, "<|endoftext|>": 199999}
@@ -50,6 +53,7 @@ CONVERSATIONS = [
 ]
 
 
+@needs_vocab
 @pytest.mark.parametrize("effort", tk.REASONING_EFFORTS)
 @pytest.mark.parametrize("turns, instructions", CONVERSATIONS)
 def test_render_chat_matches_harmony(enc, turns, instructions, effort):
@@ -77,6 +81,7 @@ def test_render_chat_matches_harmony(enc, turns, instructions, effort):
         "developer" not in text)
 
 
+@needs_vocab
 def test_render_chat_rejects_bad_input():
     with pytest.raises(ValueError, match="reasoning effort"):
         tk.render_chat([("user", "hi")], reasoning_effort="max", vocab=VOCAB)
@@ -84,6 +89,7 @@ def test_render_chat_rejects_bad_input():
         tk.render_chat([("system", "hi")], vocab=VOCAB)
 
 
+@needs_vocab
 def test_parse_reply_splits_channels(enc):
     full = ("<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|>"
             "<|start|>assistant<|channel|>final<|message|>4<|return|>")
@@ -94,6 +100,7 @@ def test_parse_reply_splits_channels(enc):
     assert (reply.analysis, reply.final) == ("Thinking", "The answ")
 
 
+@needs_vocab
 def test_stream_decoder_never_emits_broken_utf8(enc):
     text = "héllo 🎉👩‍💻 世界 — ok"
     ids = enc.encode(text)
@@ -105,7 +112,9 @@ def test_stream_decoder_never_emits_broken_utf8(enc):
                != len(enc.decode_single_token_bytes(t)) for t in ids)
 
 
+@needs_vocab
 def test_bad_vocabulary_files(tmp_path, monkeypatch):
+    offline(monkeypatch)
     wrong = tmp_path / "o200k_base.tiktoken"
     wrong.write_bytes(b"aGVsbG8= 0\n")
     with pytest.raises(tk.TokenizerError, match="is not o200k_base's"):
@@ -120,3 +129,153 @@ def test_bad_vocabulary_files(tmp_path, monkeypatch):
     # The environment variables are honoured.
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", os.path.dirname(VOCAB))
     assert tk.load_tokenizer().n_vocab == 201088
+
+
+# Where tiktoken looks, and its download: the network is never used, tiktoken's fetch is replaced.
+
+def offline(monkeypatch) -> list[str]:
+    """tiktoken's fetch fails as it does with no network; -> the URLs it was asked for."""
+    asked = []
+
+    def fetch(url):
+        asked.append(url)
+        raise requests.ConnectionError(f"Failed to resolve '{url.split('/')[2]}' (Name or service not known)")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", fetch)
+    return asked
+
+
+def online(monkeypatch, data: bytes | None = None) -> list[str]:
+    """tiktoken's fetch gives `data` (the genuine vocabulary by default); -> the URLs it was asked for."""
+    asked = []
+
+    def fetch(url):
+        asked.append(url)
+        with open(VOCAB, "rb") as f:
+            return f.read() if data is None else data
+
+    monkeypatch.setattr(tiktoken.load, "read_file", fetch)
+    return asked
+
+
+def fresh_machine(monkeypatch, tmp_path) -> None:
+    """No vocabulary anywhere: no TIKTOKEN_ENCODINGS_BASE, tiktoken's default cache in an empty
+    temporary folder."""
+    for name in ("TIKTOKEN_ENCODINGS_BASE", "TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.makedirs(tmp_path / "tmp")
+
+
+CACHE_RULES = [  # (TIKTOKEN_CACHE_DIR, DATA_GYM_CACHE_DIR) -> the folder, relative to tmp_path (None: no cache)
+    ((None, None), "tmp/data-gym-cache"),
+    (("tiktoken", None), "tiktoken"),
+    ((None, "gym"), "gym"),
+    (("tiktoken", "gym"), "tiktoken"),
+    (("", "gym"), None),
+    ((None, ""), None),
+]
+
+
+@pytest.mark.parametrize("variables, expected", CACHE_RULES)
+def test_cache_folder_is_tiktokens(variables, expected, tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    for name, value in zip(("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"), variables):
+        if value is not None:
+            monkeypatch.setenv(name, str(tmp_path / value) if value else "")
+    folder = tk.cache_folder()
+    assert folder == (str(tmp_path / expected) if expected else None)
+    # tiktoken itself caches a download there (and nowhere else).
+    online(monkeypatch, b"some bytes")
+    tiktoken.load.read_file_cached("https://example.invalid/some.file")
+    written = sorted(str(p.parent) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ([folder] if folder else [])
+
+
+@needs_vocab
+@pytest.mark.parametrize("variable", ["TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", None])
+def test_vocabulary_found_in_tiktokens_cache(variable, tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    folder = tmp_path / "tmp" / "data-gym-cache"
+    if variable:
+        folder = tmp_path / "cache"
+        monkeypatch.setenv(variable, str(folder))
+    folder.mkdir()
+    (folder / hashlib.sha1(tk.O200K_BASE_URL.encode()).hexdigest()).symlink_to(os.path.abspath(VOCAB))
+    asked = offline(monkeypatch)
+    assert tk.find_vocab() == str(folder / hashlib.sha1(tk.O200K_BASE_URL.encode()).hexdigest())
+    assert tk.load_tokenizer().n_vocab == tk.VOCAB_SIZE and asked == []
+
+
+@needs_vocab
+@pytest.mark.parametrize("variable", ["TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", None])
+def test_downloaded_into_tiktokens_cache_when_online(variable, tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    folder = tmp_path / "tmp" / "data-gym-cache"
+    if variable:
+        folder = tmp_path / "new" / "cache"  # made by the download
+        monkeypatch.setenv(variable, str(folder))
+    asked = online(monkeypatch)
+    enc = tk.load_tokenizer()
+    harmony = tk.harmony_encoding()
+    assert asked == [tk.O200K_BASE_URL]  # once: the second lookup finds the cached file
+    cached = folder / hashlib.sha1(tk.O200K_BASE_URL.encode()).hexdigest()
+    assert tk.find_vocab() == str(cached) and asked == [tk.O200K_BASE_URL]
+    with open(VOCAB, "rb") as f:
+        assert cached.read_bytes() == f.read()
+    assert enc.encode("Hello, world!") == harmony.encode("Hello, world!") == [13225, 11, 2375, 0]
+
+
+@needs_vocab
+def test_corrupt_cached_copy_is_fetched_again(tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    cached = tmp_path / "cache" / hashlib.sha1(tk.O200K_BASE_URL.encode()).hexdigest()
+    cached.write_bytes(b"aGVsbG8= 0\n")  # cut short, say
+    asked = online(monkeypatch)
+    assert tk.find_vocab() == str(cached) and asked == [tk.O200K_BASE_URL]
+    assert hashlib.sha256(cached.read_bytes()).hexdigest() == tk.O200K_BASE_SHA256
+
+
+@needs_vocab
+def test_download_without_a_cache(tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken's way to cache nothing
+    asked = online(monkeypatch)
+    assert tk.load_tokenizer().n_vocab == tk.VOCAB_SIZE and asked == [tk.O200K_BASE_URL]
+    # No cache anywhere; the process reads its own copy of the download.
+    assert not (tmp_path / "tmp" / "data-gym-cache").exists()
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [os.path.basename(tk.find_vocab())]
+
+
+def test_offline_with_no_vocabulary_says_what_it_tried(tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    asked = offline(monkeypatch)
+    with pytest.raises(tk.TokenizerError) as missing:
+        tk.find_vocab()
+    message = str(missing.value)
+    cached = os.path.join(tmp_path, "tmp", "data-gym-cache", hashlib.sha1(tk.O200K_BASE_URL.encode()).hexdigest())
+    assert message.startswith(f"no o200k_base vocabulary found (looked in {cached}), and downloading it from "
+                              f"{tk.O200K_BASE_URL} failed (Failed to resolve 'openaipublic.blob.core.windows.net'")
+    assert message.endswith(tk.DOWNLOAD_HINT) and "\n" not in message and asked == [tk.O200K_BASE_URL]
+
+
+def test_download_of_another_file_is_refused(tmp_path, monkeypatch):
+    fresh_machine(monkeypatch, tmp_path)
+    online(monkeypatch, b"aGVsbG8= 0\n")  # a captive portal's page, say
+    with pytest.raises(tk.TokenizerError, match=r"downloading it from \S+ failed \(Hash mismatch"):
+        tk.find_vocab()
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+@needs_vocab
+def test_demo_prints_text_on_a_fresh_machine_online(tmp_path, monkeypatch, capsys):
+    import run_inference
+
+    fresh_machine(monkeypatch, tmp_path)
+    online(monkeypatch)
+    assert run_inference.main(["--max-new-tokens", "3", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    # The built-in prompt went in as text (5 tokens, not the 8 token ids used without a tokenizer).
+    assert "token ids" not in captured.err and "; prefill 5 tokens in " in captured.err

@@ -1,7 +1,18 @@
-"""How the generation and fine-tuning command lines start and end: fewer allocator arenas before JAX
-starts (hostmem.py), Ctrl-C and SIGTERM taken (signals.py), and every failure one line on standard
-error with its exit code: 2 for bad usage, 1 for bad input files or folders, 130 or 143 for a
-signal."""
+"""How the command lines start and end: fewer allocator arenas before JAX starts (hostmem.py),
+Ctrl-C and SIGTERM taken (signals.py), and every failure one line on standard error with its exit
+code. The exit codes, the same for every command (gptoss-generate, gptoss-finetune, gptoss-serve,
+and gptoss-convert, which keeps its own loop, convert/cli.py):
+
+- 0: done.
+- 2, bad usage, as argparse itself answers it: the command line must change. An unknown flag, a
+  flag's value out of range or of the wrong kind, a required flag missing, flags that conflict, or
+  a flag at odds with what it names (an output that exists without --overwrite or --resume, or
+  that lies inside its input; a --max-context beyond the model's). Raised as inputs.UsageError.
+- 1, a bad file: a checkpoint, conversion source, prompt, data or tokenizer file that is missing,
+  unreadable or malformed, an output that cannot be written, or a failure while running (any
+  other ValueError or OSError; inputs.InputError names the prompt files).
+- 130 or 143: stopped by Ctrl-C or SIGTERM.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +26,15 @@ from .signals import Signals
 
 
 def run_command(parse: Callable[[], object], run: Callable[[object, Signals], int], *, raising: bool,
-                before_error: Callable[[], str] = lambda: "") -> int:
+                before_error: Callable[[], str] = lambda: "", program: bool = False) -> int:
     """run(parse(), signals) -> its exit code, or the one its failure maps to.
 
     raising: how signals are taken (signals.py). before_error: text printed before an interrupt's
-    error line (generation ends a reply streamed to the terminal with it).
+    error line (generation ends a reply streamed to the terminal with it). program: this call is the
+    whole program (the entry point, which exits next): the signals then stay taken, only recorded,
+    until the process ends, since Python's own handlers, put back, would turn a Ctrl-C after the work
+    was done (a fine-tuned model saved) into a traceback and exit 130. Otherwise the caller's
+    handlers come back on return.
     """
     limit_allocator_arenas()  # before JAX starts its threads: loading keeps near one layer
     signals = Signals(raising=raising)
@@ -36,7 +51,10 @@ def run_command(parse: Callable[[], object], run: Callable[[object, Signals], in
         print(f"{before_error()}error: {signals.what}", file=sys.stderr)
         return signals.exit_code
     finally:
-        signals.restore()
+        if program:
+            signals.raising = False  # the exit code is decided: a signal from now on changes nothing
+        else:
+            signals.restore()
 
 
 def leave(code: int) -> None:

@@ -130,7 +130,7 @@ def check_flags(args) -> None:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # Signals are polled between steps (raising=False): a step is never cut in half.
-    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=False)
+    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=False, program=argv is None)
 
 
 def entry(prog: str | None = None) -> None:

@@ -27,12 +27,14 @@ examples:
   %(prog)s                                                  # the demo model
   %(prog)s --checkpoint CKPT --chat                         # talk with it (on a terminal)
   %(prog)s --checkpoint CKPT --chat --prompt "What is JAX?" --reasoning-effort low
+  echo "What is JAX?" | %(prog)s --checkpoint CKPT --chat   # the prompt piped in
   %(prog)s --checkpoint CKPT --batch-file prompts.txt --json
   %(prog)s --checkpoint CKPT --prompt-ids 1,2,3 --temperature 0 --dtype float32 --json
 
 Convert a published checkpoint first: gptoss-convert SOURCE_DIR CKPT. The tokenizer vocabulary
 (o200k_base.tiktoken) is read offline: --tokenizer PATH, or $TIKTOKEN_ENCODINGS_BASE, or tiktoken's
 cache. Ctrl-C stops at once (exit 130); in the interactive chat it stops the reply being written.
+Bad usage exits with code 2, a missing or unusable file (checkpoint, prompt, tokenizer) with 1.
 """
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -60,7 +62,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     src.add_argument("--batch-file", metavar="PATH", help="one prompt per line (- for standard input); one batch")
     p.add_argument("--chat", action="store_true",
                    help="harmony chat: the prompt(s) become a user turn and the reply streams as a person reads "
-                        "it; with no prompt, on a terminal, an interactive conversation")
+                        "it; with no prompt, an interactive conversation on a terminal, else the prompt is read "
+                        "from standard input")
     p.add_argument("--reasoning-effort", choices=["low", "medium", "high"], default=None,
                    help="with --chat: the system message's reasoning effort (default: medium)")
     p.add_argument("--system", metavar="TEXT", help="with --chat: instructions (the harmony developer message)")
@@ -90,7 +93,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=True,
+    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=True, program=argv is None,
                        before_error=lambda: "\n" if sys.stdout.isatty() else "")  # end a reply streamed to a terminal
 
 
@@ -130,7 +133,10 @@ def _run(args, signals: Signals) -> int:
     check_flags(args, _warn)
     processes = devices.process_settings(args)
     mesh_sizes = devices.mesh_sizes(args)
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    except ValueError as e:  # a bad flag value: its message names the setting as the flag does, less the dashes
+        raise UsageError(f"--{e}") from None
     texts = prompt_texts(args)
     config, what = model_config(args)
     max_len = max_context(args, config)

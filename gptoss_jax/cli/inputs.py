@@ -1,7 +1,8 @@
 """Everything the generation command line checks before a model is loaded (no JAX here).
 
-Flags that do not fit together, prompt files that are missing, empty, folders or binary, and a
---max-context beyond the model's are refused at once with one line naming the flag or file.
+Flags that do not fit together and a --max-context beyond the model's (usage errors, exit code 2),
+and prompt files that are missing, empty, folders or binary (exit code 1), are refused at once with
+one line naming the flag or file.
 """
 
 from __future__ import annotations
@@ -17,39 +18,51 @@ class UsageError(ValueError):
     """A flag or argument that cannot work (exit code 2); the message names it."""
 
 
+class InputError(ValueError):
+    """A file the command reads that is missing or unusable (exit code 1); the message names it."""
+
+
 DEFAULT_MAX_CONTEXT = 4096
 
 
 def read_text(path: str, flag: str) -> str:
     """A prompt file's text (`-` is standard input); one-line errors naming the flag and file."""
     if path == "-":
-        data = sys.stdin.buffer.read()
-        where = f"{flag} - (standard input)"
-    else:
-        path = expand(path)
-        where = f"{flag} {path}"
-        if os.path.isdir(path):
-            raise UsageError(f"{where}: is a folder, not a file")
-        if not os.path.exists(path):
-            raise UsageError(f"{where}: no such file")
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise UsageError(f"{where}: cannot read it ({e.strerror})") from None
+        return _decode(sys.stdin.buffer.read(), f"{flag} - (standard input)")
+    path = expand(path)
+    where = f"{flag} {path}"
+    if os.path.isdir(path):
+        raise InputError(f"{where}: is a folder, not a file")
+    if not os.path.exists(path):
+        raise InputError(f"{where}: no such file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError(f"{where}: cannot read it ({e.strerror})") from None
+    return _decode(data, where)
+
+
+def _decode(data: bytes, where: str) -> str:
     if b"\0" in data:
-        raise UsageError(f"{where}: looks binary (it holds NUL bytes); a prompt file is UTF-8 text")
+        raise InputError(f"{where}: looks binary (it holds NUL bytes); a prompt file is UTF-8 text")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{where}: is not UTF-8 text (byte {e.start}); a prompt file is UTF-8 text") from None
+        raise InputError(f"{where}: is not UTF-8 text (byte {e.start}); a prompt file is UTF-8 text") from None
     if not text.strip():
-        raise UsageError(f"{where}: is empty")
+        raise InputError(f"{where}: is empty")
     return text
 
 
 def prompt_texts(args) -> list[str] | None:
-    """The prompt texts the flags give (None: none given, or token ids instead)."""
+    """The prompt texts the flags give (None: none given, or token ids instead).
+
+    `--chat` with no prompt flag reads the prompt from standard input when that is not a terminal
+    (`echo "What is JAX?" | gptoss-generate --chat`), as chat command lines do when input is piped:
+    on a terminal it holds a conversation instead, and off one the built-in demo prompt would answer
+    a question nobody asked.
+    """
     if args.batch_file is not None:
         texts = [line.rstrip("\r") for line in read_text(args.batch_file, "--batch-file").split("\n")]
         return [t for t in texts if t.strip()]
@@ -59,6 +72,12 @@ def prompt_texts(args) -> list[str] | None:
         if not args.prompt.strip():
             raise UsageError("--prompt: is empty")
         return [args.prompt]
+    if args.chat and args.prompt_ids is None and not (sys.stdin is not None and sys.stdin.isatty()):
+        data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        if not data.strip():  # no terminal and nothing piped in: a script that forgot its prompt
+            raise UsageError("--chat: no prompt given (--prompt, --prompt-file or --batch-file), and standard "
+                             "input, not a terminal, is empty")
+        return [_decode(data, "--chat: standard input")]
     return None
 
 

@@ -7,7 +7,8 @@ gptoss-jax Orbax checkpoint: `gptoss-convert SOURCE_DIR OUTPUT_DIR` (or `python 
 
 from __future__ import annotations
 
-__all__ = ["ConversionError", "Interrupted", "Summary", "convert_checkpoint", "plan_conversion", "write_checkpoint"]
+__all__ = ["ConversionError", "Interrupted", "OptionError", "Summary", "convert_checkpoint", "plan_conversion",
+           "write_checkpoint"]
 
 
 def __getattr__(name: str):  # lazy, so that the command line answers --help and signals at once

@@ -16,8 +16,10 @@ SOURCE_DIR is one of:
   - a Hugging Face checkpoint folder with MXFP4 experts (as published), or
   - a dequantized (bf16) Hugging Face checkpoint.
 The layout is detected and printed. Every tensor is checked against config.json before anything is
-written; OUTPUT_DIR appears only when the conversion is complete. Load the result with
-`gptoss_jax.load_checkpoint(OUTPUT_DIR)` or `run_inference.py --checkpoint OUTPUT_DIR`.
+written; OUTPUT_DIR appears only when the conversion is complete (its parent folders are created
+where missing, and the command says so). Ctrl-C or SIGTERM before then leaves nothing (exit code 130
+or 143). Load the result with `gptoss_jax.load_checkpoint(OUTPUT_DIR)` or
+`run_inference.py --checkpoint OUTPUT_DIR`.
 """
 
 
@@ -30,11 +32,20 @@ def _format_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The command line: its exit code (conventions: gptoss_jax/cli/command.py).
+
+    With argv None this is the program itself (the installed command, `python -m convert`), and
+    Ctrl-C and SIGTERM stay taken until the process exits: put back, Python's own handlers would
+    turn a signal in the last instant, after the output was renamed into place, into a traceback
+    and exit 130 (or a kill, 143) with a complete output left behind. Called with argv, as from
+    Python, the caller's handlers come back on return.
+    """
     signals = Signals(raising=False)  # first of all: an early Ctrl-C must not print a traceback either
     try:
         return _main(argv, prog, signals)
     finally:
-        signals.restore()
+        if argv is not None:
+            signals.restore()
 
 
 def _main(argv, prog, signals) -> int:
@@ -55,19 +66,22 @@ def _main(argv, prog, signals) -> int:
     # Start-up: the converter's libraries load once the flags parse (--help answers at once).
     from tqdm import tqdm
 
-    from .pipeline import ConversionError, Interrupted, check_output, plan_conversion, write_checkpoint
+    from .pipeline import (ConversionError, Interrupted, OptionError, check_output, missing_folder, plan_conversion,
+                           write_checkpoint)
 
     bar = None
     try:
-        check_output(args.output, args.overwrite, args.source)
+        output = check_output(args.output, args.overwrite, args.source)
         plan = plan_conversion(args.source, args.dtype)
         if signals():
             raise Interrupted
         print(f"source: {plan.source} ({plan.layout} layout, {len(plan.tensors)} tensors, "
               f"{_format_bytes(plan.total_bytes)}); experts stored as {plan.storage}", file=sys.stderr)
+        if (parent := missing_folder(output)) is not None:
+            print(f"creating the missing folder {parent}", file=sys.stderr)
         bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="converting", disable=args.quiet,
                    file=sys.stderr)
-        summary = write_checkpoint(plan, args.output, overwrite=args.overwrite, progress=bar.update,
+        summary = write_checkpoint(plan, output, overwrite=args.overwrite, progress=bar.update,
                                    cancelled=signals)
         bar.close()
     except (ConversionError, Interrupted) as e:
@@ -76,11 +90,14 @@ def _main(argv, prog, signals) -> int:
             bar.close()
         if isinstance(e, ConversionError):
             print(f"error: {e}", file=sys.stderr)
-            return 1
+            return 2 if isinstance(e, OptionError) else 1
         print(f"error: {signals.what}; nothing was written", file=sys.stderr)
         return signals.exit_code
     print(f"wrote {args.output}: {summary.tensors} tensors, {_format_bytes(summary.bytes_read)} read, "
           f"{_format_bytes(summary.bytes_written)} written, {summary.seconds:.1f} s", file=sys.stderr)
+    if signals():  # it came after the point of no return (write_checkpoint): the output is complete
+        print(f"{signals.what} after the conversion had finished: {args.output} is complete and kept",
+              file=sys.stderr)
     return 0
 
 

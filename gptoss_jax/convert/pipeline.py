@@ -2,7 +2,7 @@
 
 Nothing is written before the whole plan checks out; the output is assembled in a hidden sibling
 folder and renamed into place only when complete, so a failed or interrupted run leaves no
-checkpoint behind.
+checkpoint behind (nor the parent folders it created).
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ _STORE_DTYPE = {"mxfp4": np.dtype(ml_dtypes.bfloat16), "bfloat16": np.dtype(ml_d
 
 class ConversionError(ValueError):
     """Conversion refused or failed; the message is one line naming the file and tensor."""
+
+
+class OptionError(ConversionError):
+    """Refused for what was asked rather than for the files: an output that exists (without
+    overwrite), or that holds or lies inside the source; expert storage the source cannot give.
+    The command line reports these as usage errors (exit code 2)."""
 
 
 @dataclasses.dataclass
@@ -106,10 +112,10 @@ def plan_conversion(source: str, dtype: str | None = None) -> Plan:
     if dtype is None:
         dtype = "mxfp4" if packed else "bfloat16"
     if dtype not in _STORE_DTYPE:
-        raise ConversionError(f"--dtype must be one of mxfp4, bfloat16, float32; got {dtype!r}")
+        raise OptionError(f"--dtype must be one of mxfp4, bfloat16, float32; got {dtype!r}")
     if dtype == "mxfp4" and not packed:
-        raise ConversionError(f"{source}: the {layout} layout holds decoded experts; --dtype mxfp4 would "
-                              f"need quantization, which this converter does not do (use bfloat16 or float32)")
+        raise OptionError(f"{source}: the {layout} layout holds decoded experts; --dtype mxfp4 would "
+                          f"need quantization, which this converter does not do (use bfloat16 or float32)")
     plan_rules = formats.rules(config, layout)
     _check_sources(plan_rules, tensors, os.path.join(source, "config.json"))
     return Plan(source, config, layout, dtype, plan_rules, tensors)
@@ -196,11 +202,13 @@ def check_output(output: str, overwrite: bool, source: str | None = None) -> str
     if source is not None:
         source = os.path.abspath(expand(source))
         if os.path.commonpath([output, source]) == source:
-            raise ConversionError(f"{output}: the output must not be inside the source folder")
+            raise OptionError(f"{output}: the output must not be inside the source folder")
+        if os.path.commonpath([output, source]) == output:  # --overwrite would delete the source with it
+            raise OptionError(f"{output}: holds the source folder {source}; choose another output")
     if os.path.exists(output) and not overwrite:
-        raise ConversionError(f"{output}: already exists; pass --overwrite to replace it")
+        raise OptionError(f"{output}: already exists; pass --overwrite to replace it")
     if os.path.exists(output) and not os.path.isdir(output):
-        raise ConversionError(f"{output}: exists and is not a directory")
+        raise OptionError(f"{output}: exists and is not a directory")
     ancestor = os.path.dirname(output)
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
@@ -211,18 +219,40 @@ def check_output(output: str, overwrite: bool, source: str | None = None) -> str
     return output
 
 
-def _make_partial(output: str) -> str:
-    """The hidden sibling folder the output is assembled in, with the usual permissions (umask)."""
+def missing_folder(output: str) -> str | None:
+    """The output's parent folder when it does not exist yet (write_checkpoint creates it), else None."""
+    parent = os.path.dirname(os.path.abspath(expand(output)))
+    return None if os.path.isdir(parent) else parent
+
+
+def _make_partial(output: str) -> tuple[str, list[str]]:
+    """The hidden sibling folder the output is assembled in, with the usual permissions (umask), and
+    the missing parent folders created for it, deepest first (removed again should the run fail)."""
     parent = os.path.dirname(output)
+    created = []
+    folder = parent
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
     try:
         os.makedirs(parent, exist_ok=True)
         partial = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
     except OSError as e:
+        _remove_empty(created)
         raise ConversionError(f"{parent}: cannot create the output folder there ({e.strerror})") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(partial, 0o777 & ~umask)  # mkdtemp makes it 0700
-    return partial
+    return partial, created
+
+
+def _remove_empty(folders: list[str]) -> None:
+    """The folders a failed run created, deepest first, as long as nothing else was put in them."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 def _finish(partial: str, output: str) -> None:
@@ -239,21 +269,24 @@ def _finish(partial: str, output: str) -> None:
 def write_checkpoint(plan: Plan, output: str, *, overwrite: bool = False,
                      progress: Callable[[int], None] = lambda n: None,
                      cancelled: Callable[[], bool] = lambda: False) -> Summary:
-    """Stream the plan into `output`, which appears only once complete.
+    """Stream the plan into `output`, which appears only once complete (its parent folders are
+    created if missing: see missing_folder).
 
     The writing runs in a worker process (gptoss_jax.convert.worker) in its own session, so that
     however the conversion ends (an error, Ctrl-C, SIGTERM, the worker killed for memory) this
     process can stop it outright, with none of Orbax's writer threads left running, and remove the
-    partial folder. `cancelled` is polled about ten times a second; when it returns True the worker
-    is killed and `Interrupted` raised. A KeyboardInterrupt cleans up the same way.
+    partial folder (and the parent folders it created). `cancelled` is polled about ten times a
+    second, and once more just before the output is renamed into place, the point of no return: when
+    it returns True the worker is killed and `Interrupted` raised. A KeyboardInterrupt cleans up the
+    same way. A cancellation after that point changes nothing: the output is complete.
     """
     output = check_output(output, overwrite, plan.source)
-    partial = _make_partial(output)
+    partial, created = _make_partial(output)
     worker = None
     try:
         worker = _Worker(plan, partial)
         summary = worker.run(progress, cancelled)
-        if cancelled():
+        if cancelled():  # the last moment to stop: once renamed, the output is complete and stays
             raise Interrupted
         _finish(partial, output)
         partial = None
@@ -263,6 +296,7 @@ def write_checkpoint(plan: Plan, output: str, *, overwrite: bool = False,
             worker.kill()
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
+            _remove_empty(created)
 
 
 class _Worker:

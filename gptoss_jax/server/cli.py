@@ -1,14 +1,18 @@
 """The serving command line: `gptoss-serve` (and `python -m gptoss_jax.serving`).
 
-Like the generation command, every flag is checked before JAX or the model loads. The server
-listens at once, answering 503 on /health until the engine has compiled its steps, then prints one
-line with its URL. SIGTERM or Ctrl-C: it stops listening, lets running requests finish for
---grace seconds, and exits 0.
+Like the generation command, every flag is checked before JAX or the model loads; then the port is
+taken, before anything loads (in use: one line, exit 1). The server answers 503 on /health until the
+engine has compiled its steps, then prints one line with its URL. SIGTERM or Ctrl-C, at any moment:
+it stops listening, lets running requests run for --grace seconds, ends those still running with
+their last chunk, and exits 0. A warm-up that fails exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
+import math
 import os
 import signal
 import sys
@@ -39,9 +43,13 @@ examples:
 With several processes (hosts), process 0 listens and takes the requests; the others run the same
 engine steps over their devices and stop when process 0 stops.
 
-then, with the openai client:
+then, with the openai client (the demo model's name is gpt-oss-demo; --served-model-name sets another):
   client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
-  client.chat.completions.create(model="gpt-oss", messages=[{"role": "user", "content": "Hi"}])
+  client.chat.completions.create(model="gpt-oss-demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
+
+SIGTERM or Ctrl-C stops the server at any moment, with exit status 0: running requests get --grace
+seconds, then those still running end with their last chunk (finish_reason "length"). A port in use
+or a warm-up that fails: one line, exit status 1.
 """
 
 
@@ -74,9 +82,27 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="the model name clients send and /v1/models lists (default: the checkpoint folder's name, "
                         "or gpt-oss-demo)")
     p.add_argument("--api-key", default=None,
-                   help="a key clients must send (Authorization: Bearer KEY); default: $GPTOSS_API_KEY, else none")
+                   help="a key clients must send to the /v1 endpoints (Authorization: Bearer KEY; /health, /metrics "
+                        "and /openapi.json stay open); default: $GPTOSS_API_KEY, else none: whoever reaches the port "
+                        "can use the model")
     p.add_argument("--grace", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C, seconds given to running requests before exiting (default: %(default)s)")
+                   help="on SIGTERM or Ctrl-C, seconds given to running requests; those still running then end at "
+                        "once, each stream with its last chunk (finish_reason \"length\") and [DONE] (default: "
+                        "%(default)s)")
+    p.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a client has this long to send a request's headers (from connecting, or from the end of its "
+                        "previous reply), then as long again for its body; a slower one gets 408 and is disconnected, "
+                        "so that silent clients cannot hold connections (default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections at most (streaming, waiting or idle); one more is answered 503 with "
+                        "Retry-After and closed (default: %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                   help="the largest request body taken, in MiB (2^20 bytes); a larger one is refused with 413 before "
+                        "it is read (default: %(default)g)")
+    p.add_argument("--allowed-hosts", metavar="NAMES",
+                   help="the Host header names accepted, comma-separated (* for any); requests naming another get "
+                        "400. Default: while --host is a loopback address, only localhost, 127.0.0.1 and ::1 (a web "
+                        "page a browser visits then cannot reach the server by DNS rebinding), else any")
     p.add_argument("--quiet", action="store_true", help="no loading progress bar")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     devices.add_flags(p)
@@ -85,23 +111,70 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def check_flags(args) -> None:
     for flag, value, least in (("--slots", args.slots, 1), ("--prefill-chunk", args.prefill_chunk, 1),
-                               ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0)):
+                               ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
+                               ("--max-connections", args.max_connections, 1)):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    if args.grace < 0:
-        raise UsageError(f"--grace must be at least 0, got {args.grace}")
+    if not 0 <= args.grace < math.inf:
+        raise UsageError(f"--grace must be a number of seconds, at least 0, got {args.grace}")
+    for flag, value in (("--read-timeout", args.read_timeout), ("--max-body-mb", args.max_body_mb)):
+        if not 0 < value < math.inf:
+            raise UsageError(f"{flag} must be a number above 0, got {value}")
+    parse_hosts(args.allowed_hosts)
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
 
 
+def parse_hosts(text: str | None) -> tuple[str, ...] | None:
+    """--allowed-hosts as the names accepted (None: any, for `*` or when the flag is not given)."""
+    if text is None:
+        return None
+    names = [name.strip().lower() for name in text.split(",")]
+    if "*" in names:
+        return None
+    for name in names:
+        if not name:
+            raise UsageError(f"--allowed-hosts {text!r}: an empty name; give names separated by commas, or *")
+        if name.count(":") == 1 or (name.startswith("[") and not name.endswith("]")):
+            raise UsageError(f"--allowed-hosts: give names without their port, got {name!r}")
+    return tuple(name.strip("[]") for name in names)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether --host is reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(args, loopback_names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The Host names the server accepts (None: any): --allowed-hosts, else `loopback_names` while it
+    listens on loopback."""
+    if args.allowed_hosts is None:
+        return loopback_names if is_loopback(args.host) else None
+    return parse_hosts(args.allowed_hosts)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to warn of at start-up: a server reachable beyond this machine that asks for no key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"listening on {host}, beyond this machine, with no API key: whoever reaches the port can use the model "
+            f"(pass --api-key KEY or set GPTOSS_API_KEY; /health and /metrics stay open without it)")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=True)
+    return run_command(lambda: build_parser(prog).parse_args(argv), _run, raising=True, program=argv is None)
 
 
 def entry(prog: str | None = None) -> None:
-    """The program's entry point (`gptoss-serve`, `python -m gptoss_jax.serving`)."""
+    """The program's entry point (`gptoss-serve`, `python -m gptoss_jax.serving`): main(), then exit
+    (command.leave)."""
     leave(main(prog=prog or os.path.basename(sys.argv[0])))
 
 
@@ -109,9 +182,40 @@ def _say(text: str) -> None:
     print(f"gptoss-serve: {text}", file=sys.stderr, flush=True)
 
 
+def _stop_at_once() -> None:
+    """Exit 0 now, without the interpreter's clean-up (as command.leave does for failures): stopped
+    while the model loaded or the engine compiled, XLA still works on another thread, and tearing
+    its runtime down under that work crashes the process (a segmentation fault)."""
+    _say("stopped")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+_HINTS = {errno.EADDRINUSE: "another program listens there; stop it or choose another --port",
+          errno.EADDRNOTAVAIL: "--host must be an address of this machine",
+          errno.EACCES: "ports below 1024 need privileges; choose another --port"}
+
+
+def _listen(host: str, port: int, api_key: str | None):
+    """The listening socket, or None once the reason it cannot be had is said."""
+    from .transport import bind
+
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        sock = bind(host, port)
+    except OSError as e:
+        reason = (e.strerror or str(e)).lower()
+        hint = _HINTS.get(e.errno, "--host must be an address or a name of this machine")
+        _say(f"error: cannot listen on {where} ({reason}): {hint}")
+        return None
+    if warning := exposure_warning(host, api_key):
+        _say(f"warning: {warning}")
+    return sock
+
+
 def _run(args, signals: Signals) -> int:
-    # Start-up: tiktoken and the library load here, after argparse has checked the flags.
-    from .. import tokenizer as tk
+    from .. import tokenizer as tk  # its constants only: the vocabulary is read once the port is taken
 
     check_flags(args)
     processes = devices.process_settings(args)
@@ -121,9 +225,24 @@ def _run(args, signals: Signals) -> int:
     if config.vocab_size != tk.VOCAB_SIZE:
         raise UsageError(f"this model's vocabulary has {config.vocab_size} tokens, not o200k_harmony's "
                          f"{tk.VOCAB_SIZE}: the OpenAI API needs the harmony tokenizer")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("GPTOSS_API_KEY") or None
+    try:
+        sock = None
+        if processes is None or processes.get("process_id") == 0:  # process 0 listens (known here unless
+            sock = _listen(args.host, args.port, api_key)             # --distributed: then once JAX starts)
+            if sock is None:
+                return 1
+        return _serve(args, signals, sock, processes, mesh_sizes, config, what, max_len, api_key)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C while loading or compiling (serving, the server takes them)
+        _stop_at_once()
+
+
+def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: str, max_len: int,
+           api_key: str | None) -> int:
+    from .. import tokenizer as tk
+
     tokenizer = tk.load_tokenizer(args.tokenizer)
     tk.harmony_encoding(args.tokenizer)  # checked now, not at the first request
-    api_key = args.api_key if args.api_key is not None else os.environ.get("GPTOSS_API_KEY") or None
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                       else "gpt-oss-demo")
 
@@ -134,12 +253,17 @@ def _run(args, signals: Signals) -> int:
     from ..serving import Engine
     from ..serving.lockstep import LockstepError
     from ..sharding import describe
-    from .app import Server, create_app, serve_forever
+    from .app import LOOPBACK_HOSTS, Limits, Server, create_app
+    from .transport import serve_forever
 
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
     mesh = devices.choose_mesh(mesh_sizes, config, experts=_experts(args))
     main_process = devices.quiet_other_processes()  # only process 0 listens and speaks
+    if main_process and sock is None:
+        sock = _listen(args.host, args.port, api_key)
+        if sock is None:
+            return 1
     args.quiet = args.quiet or not main_process
     unsplit = devices.unsplit_batch(args.slots, mesh, f"--slots {args.slots}")
     if main_process:
@@ -151,56 +275,67 @@ def _run(args, signals: Signals) -> int:
     params = _load_params(args, config, mesh)
     engine = Engine(config, params, slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
                     prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer)
+    signals.check()  # a signal that came while a library swallowed its KeyboardInterrupt
     if not main_process:
-        return _follow(engine, signals, LockstepError)
-    server = Server(engine, tokenizer, args.tokenizer, model_name=name, api_key=api_key)
+        return _follow(engine, LockstepError)
+    limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), read_timeout=args.read_timeout,
+                    allowed_hosts=allowed_hosts(args, LOOPBACK_HOSTS))
+    server = Server(engine, tokenizer, args.tokenizer, model_name=name, api_key=api_key, limits=limits)
     app = create_app(server)
-    listening = threading.Event()
-    url = {}
+    host = "[" + args.host + "]" if ":" in args.host else args.host
+    url = f"http://{host}:{sock.getsockname()[1]}/v1"
+    lock = threading.Lock()  # the warm-up's outcome against the server's end
+    state = {"compiling": False, "running": False, "failed": False, "stopped": False}
 
-    def warm_up():
+    def warm_up(stop):
         try:
-            _say("compiling the engine's steps (the server answers 503 until they are ready)")
             compiled = engine.warm_up()
-            engine.start()
-        except Exception as e:  # noqa: BLE001 — said, and the server stops
+        except Exception as e:  # noqa: BLE001 — said, and the server stops with exit status 1
+            with lock:
+                state.update(compiling=False, failed=True)
             _say(f"error: warming up failed: {type(e).__name__}: {e}")
-            os.kill(os.getpid(), signal.SIGTERM)
+            stop()
             return
+        with lock:
+            state["compiling"] = False
+            if state["stopped"]:
+                return
+            engine.start()
+            state["running"] = True
         server.ready.set()
-        listening.wait()
         _say(f"compiled: {'; '.join(compiled)}")
-        print(f"gptoss-serve: ready at {url['base']} (model {name!r})", flush=True)
+        print(f"gptoss-serve: ready at {url} (model {name!r})", flush=True)
 
-    def on_started(uvicorn_server):
-        host = "[" + args.host + "]" if ":" in args.host else args.host
-        port = uvicorn_server.servers[0].sockets[0].getsockname()[1] if uvicorn_server.servers else args.port
-        url["base"] = f"http://{host}:{port}/v1"
-        listening.set()
+    def on_started(stop):  # listening, and SIGTERM and Ctrl-C are the server's from here
+        state["compiling"] = True
+        _say("compiling the engine's steps (the server answers 503 until they are ready)")
+        threading.Thread(target=warm_up, args=(stop,), name="gptoss-warm-up", daemon=True).start()
 
     def stopping():
         server.stopping = True
 
-    threading.Thread(target=warm_up, name="gptoss-warm-up", daemon=True).start()
-    # From here uvicorn takes SIGINT and SIGTERM (graceful shutdown), and raises the signal again once
-    # it has stopped: these handlers take it then, so that the command exits 0.
-    signals.restore()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    serve_forever(app, args.host, args.port, args.grace, on_started, on_exit=stopping)
+    serve_forever(app, sock, grace=args.grace, on_started=on_started, on_exit=stopping, on_grace_over=server.cut_all,
+                  header_timeout=args.read_timeout, max_connections=args.max_connections)
+    with lock:
+        state["stopped"] = True
+        failed, compiling, running = state["failed"], state["compiling"], state["running"]
     server.stopping = True
-    engine.stop(cancel=True)
+    if failed:
+        return 1  # its error line said why
+    if compiling:
+        _stop_at_once()
+    if running:
+        engine.stop(cancel=True)
     _say("stopped")
     return 0
 
 
-def _follow(engine, signals: Signals, lost: type[Exception]) -> int:
+def _follow(engine, lost: type[Exception]) -> int:
     """A process other than 0: the same steps as process 0, until it stops. SIGINT and SIGTERM are
     left to process 0 (stopping here alone would hang the others' collectives)."""
     import jax
 
     engine.warm_up()
-    signals.restore()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:

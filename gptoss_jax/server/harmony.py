@@ -24,11 +24,14 @@ shows it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import secrets
 
 from .. import tokenizer as tk
+from ..serving.stops import StopMatcher
+from .body import check_schema
 from .errors import bad_request
 
 
@@ -41,7 +44,7 @@ def _text(content, param: str) -> str:
         return content
     texts = []
     for i, part in enumerate(content):
-        if part.type not in ("text", "input_text", "output_text") or part.text is None:
+        if part.type not in ("text", "input_text", "output_text", "reasoning_text", "summary_text") or part.text is None:
             raise bad_request(f"only text content is supported, got a part of type {part.type!r}",
                               f"{param}[{i}].type")
         texts.append(part.text)
@@ -51,7 +54,43 @@ def _text(content, param: str) -> str:
 def _tool_descriptions(tools: list[tuple[str, str | None, dict | None]]):
     from openai_harmony import ToolDescription
 
+    for i, (_, _, parameters) in enumerate(tools):
+        check_schema(parameters, f"tools[{i}].parameters")
     return [ToolDescription.new(name, description or "", parameters) for name, description, parameters in tools]
+
+
+def context_exceeded(max_len: int, tokens: int, at_least: bool = False) -> Exception:
+    return bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                       f"{'at least ' if at_least else ''}{tokens} tokens. Please reduce the prompt or the completion "
+                       f"length.", "messages", "context_length_exceeded")
+
+
+def _check_length(texts: list[str], vocab, max_len: int | None) -> None:
+    """A 400 for a conversation whose texts alone exceed the context, found before it is rendered:
+    openai-harmony renders holding Python's lock (about 0.1 s a MB on a CPU here, other clients
+    wait), tiktoken counts without it. Cheap for conversations that fit: a text has at most as many
+    tokens as UTF-8 bytes, so only conversations longer than the context in bytes are counted."""
+    if max_len is None or sum(len(t) for t in texts) * 4 <= max_len:  # 4: the most bytes a character takes
+        return
+    if sum(len(t.encode("utf-8")) for t in texts) <= max_len:
+        return
+    encoder = tk.load_tokenizer(vocab)
+    count = sum(len(encoder.encode_ordinary(t)) for t in texts)
+    if count >= max_len:
+        raise context_exceeded(max_len, count, at_least=True)
+
+
+def _render(messages, *, reasoning_effort: str, instructions: list[str], tools, vocab, max_len: int | None
+            ) -> list[int]:
+    """tokenizer.render_prompt, with what openai-harmony refuses answered as a 400."""
+    _check_length(instructions + [m.content[0].text for m in messages if m.content and hasattr(m.content[0], "text")],
+                  vocab, max_len)
+    try:
+        return tk.render_prompt(messages, reasoning_effort=reasoning_effort,
+                                instructions="\n\n".join(t for t in instructions if t) or None,
+                                tools=_tool_descriptions(tools) if tools else None, vocab=vocab)
+    except (ValueError, RuntimeError) as e:
+        raise bad_request(f"The conversation cannot be written in harmony: {e}") from None
 
 
 @dataclasses.dataclass
@@ -70,21 +109,19 @@ class Prompt:
 
 def _tool_choice(tool_choice, names: list[str], vocab) -> tuple[bool, list[int]]:
     """(whether the tools go into the prompt, the reply's forced start) for a request's tool_choice
-    (see the module docstring). A named function is {"type": "function", "function": {"name": ...}}
-    (chat completions) or {"type": "function", "name": ...} (Responses)."""
+    (see the module docstring): a mode, or a named function (protocol.ChatToolChoice, whose name is
+    `.function.name`, or protocol.ResponsesToolChoice, `.name`)."""
     if tool_choice in (None, "auto"):
         return bool(names), []
     if tool_choice == "none":
         return False, []
     if not names:
-        raise bad_request(f"tool_choice {json.dumps(tool_choice)} needs function tools in 'tools'", "tool_choice")
+        raise bad_request(f"tool_choice {tool_choice if isinstance(tool_choice, str) else 'naming a function'} needs "
+                          "function tools in 'tools'", "tool_choice")
     if tool_choice == "required":
         return True, _call_start(names[0] if len(names) == 1 else None, vocab)
-    name = tool_choice.get("name") or (tool_choice.get("function") or {}).get("name") \
-        if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise bad_request("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
-                          f"{{\"name\": ...}}}}, got {json.dumps(tool_choice)}", "tool_choice")
+    function = getattr(tool_choice, "function", None)
+    name = function.name if function is not None else tool_choice.name
     if name not in names:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                           f"({', '.join(names)})", "tool_choice")
@@ -120,8 +157,9 @@ def _tool_result(name: str, output: str):
             .with_recipient("assistant").with_channel("commentary"))
 
 
-def chat_prompt(request, vocab) -> Prompt:
-    """The prompt of a chat completion request (protocol.ChatCompletionRequest)."""
+def chat_prompt(request, vocab, max_len: int | None = None) -> Prompt:
+    """The prompt of a chat completion request (protocol.ChatCompletionRequest); max_len: the context,
+    checked before rendering where the texts alone exceed it."""
     from openai_harmony import Message, Role
 
     instructions, messages, call_names = [], [], {}
@@ -146,75 +184,45 @@ def chat_prompt(request, vocab) -> Prompt:
             messages.append(_tool_result(name, _text(m.content, f"{param}.content")))
     tools = [(t.function.name, t.function.description, t.function.parameters) for t in request.tools or []]
     with_tools, start = _tool_choice(request.tool_choice, [name for name, _, _ in tools], vocab)
-    return Prompt(tk.render_prompt(messages, reasoning_effort=request.reasoning_effort or "medium",
-                                   instructions="\n\n".join(t for t in instructions if t) or None,
-                                   tools=_tool_descriptions(tools) if with_tools else None, vocab=vocab), start)
+    return Prompt(_render(messages, reasoning_effort=request.reasoning_effort or "medium", instructions=instructions,
+                          tools=tools if with_tools else None, vocab=vocab, max_len=max_len), start)
 
 
-def _item_text(content, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{param} must be a string or a list of content parts", param)
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text",
-                                                                    "reasoning_text", "summary_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"only text content is supported, got {kind!r}", f"{param}[{i}]")
-        if not isinstance(part.get("text"), str):
-            raise bad_request("a text part needs a string 'text'", f"{param}[{i}].text")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def responses_prompt(request, vocab) -> Prompt:
-    """The prompt of a Responses API request (protocol.ResponsesRequest)."""
+def responses_prompt(request, vocab, max_len: int | None = None) -> Prompt:
+    """The prompt of a Responses API request (protocol.ResponsesRequest, its items already typed)."""
     from openai_harmony import Message, Role
 
     instructions = [request.instructions] if request.instructions else []
     messages, call_names = [], {}
-    items = [{"type": "message", "role": "user", "content": request.input}] if isinstance(request.input, str) \
-        else request.input
-    for i, item in enumerate(items):
+    if isinstance(request.input, str):
+        messages.append(Message.from_role_and_content(Role.USER, request.input))
+    for i, item in enumerate([] if isinstance(request.input, str) else request.input):
         param = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            text = _item_text(item.get("content", ""), f"{param}.content")
-            if role in ("system", "developer"):
+        if item.type == "message":
+            text = _text(item.content, f"{param}.content")
+            if item.role in ("system", "developer"):
                 instructions.append(text)
-            elif role == "user":
+            elif item.role == "user":
                 messages.append(Message.from_role_and_content(Role.USER, text))
-            elif role == "assistant":
-                messages += _assistant_messages("", text, [])
             else:
-                raise bad_request(f"{param}: role must be user, assistant, system or developer, got {role!r}",
-                                  f"{param}.role")
-        elif kind == "reasoning":
-            text = _item_text(item.get("content") or item.get("summary") or [], f"{param}.content")
-            messages += _assistant_messages(text, "", [])
-        elif kind == "function_call":
-            name, arguments = item.get("name"), item.get("arguments", "{}")
-            if not isinstance(name, str) or not isinstance(arguments, str):
-                raise bad_request(f"{param}: a function_call needs a string name and string arguments", param)
-            call_names[item.get("call_id", "")] = name
-            messages += _assistant_messages("", "", [(name, arguments)])
-        elif kind == "function_call_output":
-            name = call_names.get(item.get("call_id", ""))
+                messages += _assistant_messages("", text, [])
+        elif item.type == "reasoning":
+            messages += _assistant_messages(_text(item.content or item.summary or [], f"{param}.content"), "", [])
+        elif item.type == "function_call":
+            call_names[item.call_id] = item.name
+            messages += _assistant_messages("", "", [(item.name, item.arguments)])
+        else:  # function_call_output
+            name = call_names.get(item.call_id)
             if name is None:
-                raise bad_request(f"{param}: call_id {item.get('call_id')!r} names no earlier function_call",
+                raise bad_request(f"{param}: call_id {item.call_id!r} names no earlier function_call",
                                   f"{param}.call_id")
-            output = item.get("output", "")
+            output = item.output
             messages.append(_tool_result(name, output if isinstance(output, str) else json.dumps(output)))
-        else:
-            raise bad_request(f"{param}: input items of type {kind!r} are not supported", f"{param}.type")
     tools = [(t.name, t.description, t.parameters) for t in request.tools or []]
     with_tools, start = _tool_choice(request.tool_choice, [name for name, _, _ in tools], vocab)
     effort = (request.reasoning.effort if request.reasoning else None) or "medium"
-    return Prompt(tk.render_prompt(messages, reasoning_effort=effort,
-                                   instructions="\n\n".join(t for t in instructions if t) or None,
-                                   tools=_tool_descriptions(tools) if with_tools else None, vocab=vocab), start)
+    return Prompt(_render(messages, reasoning_effort=effort, instructions=instructions,
+                          tools=tools if with_tools else None, vocab=vocab, max_len=max_len), start)
 
 
 @dataclasses.dataclass
@@ -308,23 +316,39 @@ class ReplyStream:
 
 class StopTrimmer:
     """Streamed text with everything from the first stop string on cut away: text that may begin a
-    stop string is held back until the next piece shows whether it does."""
+    stop string is held back until the next piece shows whether it does. Linear in the text however
+    long the stop strings are (serving/stops.py): each character is held and handed out once."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self.stops, self._held, self.hit = stops, "", False
+        self._matcher = StopMatcher(stops) if stops else None
+        self._held: collections.deque[str] = collections.deque()  # pieces held back, in order
+        self._held_len = 0
+        self._given = 0  # characters handed out so far
+        self.hit = False
 
     def add(self, text: str) -> str:
-        if not self.stops or self.hit:
+        if self._matcher is None or self.hit:
             return "" if self.hit else text
-        text = self._held + text
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit, self._held = True, ""
-            return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        start = self._matcher.feed(text)
+        self._held.append(text)
+        self._held_len += len(text)
+        if start is not None:
+            self.hit = True
+            return self._take(start - self._given)
+        return self._take(self._held_len - self._matcher.partial)
+
+    def _take(self, n: int) -> str:
+        """The first n held characters, handed out."""
+        out = []
+        self._given, self._held_len = self._given + n, self._held_len - n
+        while n:
+            piece = self._held.popleft()
+            if len(piece) > n:
+                self._held.appendleft(piece[n:])
+                piece = piece[:n]
+            out.append(piece)
+            n -= len(piece)
+        return "".join(out)
 
     def finish(self) -> str:
-        held, self._held = self._held, ""
-        return "" if self.hit else held
+        return "" if self.hit else self._take(self._held_len)

@@ -1,14 +1,16 @@
 """The request bodies of the endpoints, checked with pydantic (what the openai client itself uses).
 
 Fields the server does not use are ignored, as OpenAI's API ignores what it does not know; a field
-of the wrong type or out of range is a 400 naming it (app.py turns pydantic's errors into that).
+of the wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that).
+Types are strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
+                      field_validator)
 
 
 class _Body(BaseModel):
@@ -52,14 +54,35 @@ class Tool(_Body):
     function: FunctionDef
 
 
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class ChatToolChoice(_Body):
+    """A named function, as chat completions name it: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponsesToolChoice(_Body):
+    """A named function, as the Responses API names it: {"type": "function", "name": ...}."""
+
+    type: Literal["function"]
+    name: StrictStr
+
+
+ToolChoiceMode = Literal["none", "auto", "required"]
+
+
 class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
 class _Sampling(_Body):
     model: StrictStr
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -70,7 +93,7 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tool_choice: Union[ToolChoiceMode, ChatToolChoice, None] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -79,8 +102,13 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default
+    max_tokens: StrictInt = Field(default=16, ge=1)  # OpenAI's default, also for an explicit null
     stop: StrictStr | list[StrictStr] | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_absent(cls, value):
+        return 16 if value is None else value
 
 
 class Reasoning(_Body):
@@ -94,16 +122,65 @@ class ResponseTool(_Body):
     parameters: dict[str, Any] | None = None
 
 
+class ContentPart(_Body):
+    """A part of a Responses item's content; only text parts are read (harmony.py says which)."""
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: StrictStr | list[ContentPart] = ""
+
+
+class ReasoningItem(_Body):
+    type: Literal["reasoning"]
+    content: list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    name: StrictStr
+    arguments: StrictStr = "{}"
+    call_id: StrictStr = ""
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[dict[str, Any]] = ""
+
+
+def _item_kind(item) -> str | None:
+    """An input item's kind: its "type", "message" when it has none (as OpenAI reads it)."""
+    if isinstance(item, dict):
+        kind = item.get("type", "message")
+    else:
+        kind = getattr(item, "type", None)
+    return f"tag:{kind}" if kind in ("message", "reasoning", "function_call", "function_call_output") else None
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("tag:message")], Annotated[ReasoningItem, Tag("tag:reasoning")],
+                            Annotated[FunctionCallItem, Tag("tag:function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("tag:function_call_output")]],
+                      Discriminator(_item_kind, custom_error_type="item_type",
+                                    custom_error_message="an input item's type must be message, reasoning, "
+                                                         "function_call or function_call_output")]
+
+
 class ResponsesRequest(_Body):
     model: StrictStr
-    input: StrictStr | list[dict[str, Any]]
+    input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
     reasoning: Reasoning | None = None
     tools: list[ResponseTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tool_choice: Union[ToolChoiceMode, ResponsesToolChoice, None] = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None

@@ -15,9 +15,9 @@ def _id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    def __init__(self, request, model: str, generation):
+    def __init__(self, request, model: str, generation, response_id: str | None = None):
         self.request, self.model, self.generation = request, model, generation
-        self.id, self.created = _id("resp"), int(time.time())
+        self.id, self.created = response_id or _id("resp"), int(time.time())
         self.items: list[dict] = []  # finished output items
         self._item: dict | None = None  # the item being streamed
         self._seq = 0
@@ -97,6 +97,14 @@ class ResponseBuilder:
         return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",
                                response=final)]
 
+    def fail(self, message: str) -> list[tuple[str, dict]]:
+        """A stream's end when the server failed: an `error` event, then `response.failed` with what was
+        made so far."""
+        failed = self._response("failed", self.items, None)
+        failed["error"] = {"code": "server_error", "message": message}
+        return [self._ev("error", code="server_error", message=message, param=None),
+                self._ev("response.failed", response=failed)]
+
     # Whole -------------------------------------------------------------------------------------------------
 
     def response(self, reply: ReplyStream) -> dict:
@@ -114,7 +122,8 @@ class ResponseBuilder:
         return self._response(self._status(), items, reply)
 
     def _status(self) -> str:
-        return "incomplete" if self.generation.request.finish_reason == "length" else "completed"
+        cut = self.generation.was_cut or self.generation.request.finish_reason == "length"
+        return "incomplete" if cut else "completed"
 
     def _response(self, status: str, output: list[dict], reply: ReplyStream | None) -> dict:
         r = self.request

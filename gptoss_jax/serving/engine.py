@@ -54,6 +54,7 @@ from . import steps
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .request import QueueFull, Request, Settings
+from .stops import StopMatcher
 
 
 @dataclasses.dataclass
@@ -61,8 +62,8 @@ class _Slot:
     request: Request
     prefilled: int = 0  # prompt tokens sent to the cache
     queued: int = 0  # tokens sampled on the devices so far, read or not (the next one's sampling step)
-    text: str = ""  # the reply's last characters, as many as a stop string can need
     decoder: StreamDecoder | None = None  # the reply as text, token by token, for stop strings
+    stops: StopMatcher | None = None  # its stop strings, looked for in that text
 
 
 class Engine:
@@ -121,7 +122,10 @@ class Engine:
         if self._lost is not None:
             raise RuntimeError(f"the engine stopped: {self._lost}")
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
+            # A request that finds a slot free is taken whatever max_waiting says: it waits only until
+            # the next step.
+            free = sum(s is None for s in self._slots)
+            if len(self._waiting) >= self.max_waiting + free:
                 self.metrics.rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues")
             request = Request(next(self._ids), prompt, settings, listener)
@@ -136,6 +140,12 @@ class Engine:
             state = {"running": used, "prefilling": prefilling, "waiting": len(self._waiting), "slots_in_use": used,
                      "slots": self.slots}
         return self.metrics.snapshot(**state)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine's thread (`start`) is running and can take requests: False before start,
+        after stop, and after a failure it cannot recover from (the other processes lost, say)."""
+        return self._thread is not None and self._thread.is_alive() and self._lost is None and not self._stopping
 
     @property
     def _following(self) -> bool:
@@ -375,13 +385,11 @@ class Engine:
         self.metrics.token(request)
         if token in settings.stop_ids:
             return self._free(slot, "stop")
-        if settings.stop_strings:  # the new text with the characters before it a stop string could span
-            state.decoder = state.decoder or StreamDecoder(self.tokenizer)
-            text = state.text + state.decoder.add(token)
-            if any(s in text for s in settings.stop_strings):
+        if settings.stop_strings:  # the reply's new text, in time linear in it (stops.py)
+            if state.stops is None:
+                state.decoder, state.stops = StreamDecoder(self.tokenizer), StopMatcher(settings.stop_strings)
+            if state.stops.feed(state.decoder.add(token)) is not None:
                 return self._free(slot, "stop")
-            keep = max(map(len, settings.stop_strings)) - 1
-            state.text = text[len(text) - keep:] if keep else ""
         if len(request.output_ids) >= settings.max_new_tokens:
             self._free(slot, "length")
 

@@ -1,0 +1,208 @@
+"""What the endpoints share (`Server`: the engine, the tokenizer, the limits, the requests running),
+and one request in flight (`Generation`): its tokens handed from the engine's thread to the event
+loop, its client's connection watched, its end (given, cut at shutdown, abandoned by the client)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+
+from .. import tokenizer as tk
+from ..sampling import Sampling
+from ..serving import Engine, QueueFull, Settings
+from .errors import bad_request, queue_full, unavailable
+from .guard import log
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the server refuses, and how long it waits (gptoss-serve's flags set them)."""
+
+    max_body_bytes: int = 16 * 2**20  # 413 beyond
+    read_timeout: float = 30.0  # seconds for a request's body once its headers came (408 after)
+    max_stop_chars: int = 1000  # the longest stop string taken (400 beyond)
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted; None: any
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class Server:
+    """What the endpoints share: the engine, the tokenizer, the served name, the key, the limits, the
+    state, and the requests running."""
+
+    def __init__(self, engine: Engine, tokenizer, vocab, *, model_name: str, api_key: str | None = None,
+                 limits: Limits = Limits()):
+        self.engine, self.tokenizer, self.vocab = engine, tokenizer, vocab
+        self.model_name, self.api_key, self.limits = model_name, api_key, limits
+        self.ready = threading.Event()  # set once the engine is warmed up and running
+        self.stopping = False
+        self.created = int(time.time())
+        self.handoff: Handoff | None = None  # made on the event loop's first request
+        self.running: set[Generation] = set()
+        self._lock = threading.Lock()
+        # Requests are parsed, rendered and tokenized here, off the event loop.
+        self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gptoss-prepare")
+
+    def cut_all(self) -> None:
+        """End every running request now (on any thread): streams get their last chunk with
+        finish_reason "length" (Responses: response.incomplete) and `[DONE]`; plain requests answer
+        with what they have, finish_reason "length"."""
+        with self._lock:
+            running = list(self.running)
+        for generation in running:
+            generation.cut()
+
+    async def prepare(self, fn, *args):
+        """fn(*args) on a worker thread; its APIError reaches the caller as raised."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+
+class Handoff:
+    """Tokens from the engine's thread to the event loop, with one wake-up of the loop for all that
+    arrived meanwhile rather than one per token (at 256 streams, a step hands over 256 tokens)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._pending: list = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        """On any thread; never raises."""
+        with self._lock:
+            self._pending.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop has closed: nobody is reading
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
+class Generation:
+    """One request in the engine, its tokens read on the event loop. From its submission on, a task
+    watches the client's connection (independently of the tokens): a client that goes away cancels
+    the request at once, so its slot is freed at the engine's next step."""
+
+    def __init__(self, server: Server, http: HTTPRequest, prompt: list[int], settings: Settings, rid: str):
+        loop = asyncio.get_running_loop()
+        if server.handoff is None or server.handoff.loop is not loop:
+            server.handoff = Handoff(loop)
+        handoff, queue = server.handoff, asyncio.Queue()
+        self.server, self.queue, self.id, self.prompt_tokens = server, queue, rid, len(prompt)
+        self.gone = self.was_cut = False
+        try:
+            self.request = server.engine.submit(prompt, settings, lambda token: handoff.put(queue, token))
+        except QueueFull:
+            raise queue_full(server.engine.stats()["waiting"]) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        except RuntimeError as e:  # the engine has stopped
+            log.error("request %s: the engine refused it: %s", rid, e)
+            raise unavailable("The server cannot generate now; retry later.") from None
+        with server._lock:
+            server.running.add(self)
+        self._watch = asyncio.create_task(self._watch_client(http))
+
+    async def _watch_client(self, http: HTTPRequest) -> None:
+        try:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 -- a receive that fails means the client is gone too
+            pass
+        if not self.request.finished:  # gone before the reply was complete (a complete reply: also "disconnect")
+            self.gone = True
+            self._end()
+
+    def cut(self) -> None:
+        self.was_cut = True
+        self._end()
+
+    def _end(self) -> None:
+        self.request.cancel()
+        self.server.handoff.put(self.queue, None)  # the reader stops now, not at the engine's next step
+
+    def close(self) -> None:
+        """The reply is over (given, or abandoned): stop watching, cancel what still runs."""
+        with self.server._lock:
+            self.server.running.discard(self)
+        self._watch.cancel()
+        if not self.request.finished:
+            self.request.cancel()
+
+    async def batches(self) -> AsyncIterator[list[int]]:
+        """The tokens as they come, all those already there at once (a stream that falls behind
+        catches up in fewer, larger chunks), until the request ends, is cut or its client leaves."""
+        try:
+            while True:
+                token = await self.queue.get()
+                batch = []
+                while token is not None:
+                    batch.append(token)
+                    try:
+                        token = self.queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                if batch:
+                    yield batch
+                if token is None:
+                    return
+        finally:
+            self.close()
+
+    async def tokens(self) -> AsyncIterator[int]:
+        async for batch in self.batches():
+            for token in batch:
+                yield token
+
+    @property
+    def failed(self) -> bool:
+        """The engine failed while generating this request (the details are logged, with the id)."""
+        if self.request.finish_reason == "error" and not self.was_cut:
+            log.error("request %s: generation failed: %s", self.id, self.request.error)
+            return True
+        return False
+
+    def usage(self) -> dict:
+        completion = len(self.request.output_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body, stops) -> Settings:
+    """The engine settings of a request; 400 when the prompt and its budget exceed the context."""
+    max_len = server.engine.max_len
+    budget = max_tokens if max_tokens is not None else max_len - len(prompt)
+    if len(prompt) + max(budget, 1) > max_len:
+        raise bad_request(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                          f"{len(prompt) + max(budget, 1)} tokens ({len(prompt)} in the prompt, {max(budget, 1)} for "
+                          f"the completion). Please reduce the prompt or the completion length.",
+                          "messages", "context_length_exceeded")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p)
+    seed = secrets.randbits(31) if body.seed is None else body.seed
+    stops = [stops] if isinstance(stops, str) else list(stops or [])
+    if any(not s for s in stops):
+        raise bad_request("a stop sequence must not be empty", "stop")
+    if len(stops) > 4:
+        raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
+    if any(len(s) > server.limits.max_stop_chars for s in stops):
+        raise bad_request(f"a stop sequence may have at most {server.limits.max_stop_chars} characters, got "
+                          f"{max(map(len, stops))}", "stop")
+    return Settings(max_new_tokens=budget, sampling=sampling, seed=seed,
+                    stop_ids=() if getattr(body, "ignore_eos", False) else tk.STOP_TOKENS, stop_strings=tuple(stops))

@@ -1,0 +1,505 @@
+"""The server under careless and hostile clients: every bad input a 4xx in OpenAI's shape on a
+connection that stays usable, no CPU work that stalls other clients, slots freed as soon as their
+client leaves, failures told without internals, streams always ended properly, and the checks a
+browser's requests meet (content type, Host, the key's scheme)."""
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.parse
+
+import jax.numpy as jnp
+import openai
+import pytest
+from conftest import VOCAB, needs_vocab
+from server_util import ScriptedEngine, serving
+
+import gptoss_jax as gj
+from gptoss_jax import tokenizer as tk
+from gptoss_jax.server.app import Limits, Server, create_app
+from gptoss_jax.serving import Engine, QueueFull, Settings
+from gptoss_jax.serving.lockstep import LockstepError
+from gptoss_jax.testing import random_params
+
+pytestmark = needs_vocab
+MODEL = "gpt-oss-test"
+HI = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+
+
+def text_tokens(n: int) -> list[int]:
+    """n tokens of plain text (a reply that is not harmony: its text is the content)."""
+    return tk.load_tokenizer(VOCAB).encode(" a" * n)[:n]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(text_tokens(40), max_len=4096)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL,
+                    limits=Limits(max_body_bytes=2**20, read_timeout=2.0))
+    server.ready.set()
+    return server
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    with serving(create_app(server)) as base:
+        yield base
+
+
+@pytest.fixture(autouse=True)
+def reset(engine, server):
+    engine.reply, engine.delay, engine.full, engine.fail_after, engine.alive = text_tokens(40), 0.0, False, None, True
+    server.ready.set()
+    server.stopping = False
+
+
+class Connection:
+    """One kept-alive HTTP/1.1 connection; each exchange checks that the server kept it open."""
+
+    def __init__(self, url: str):
+        parts = urllib.parse.urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        self.conn.connect()
+        self.sock = self.conn.sock
+
+    def send(self, method: str, path: str, body=None, headers=None, raw: bytes | None = None):
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        self.conn.request(method, "/v1" + path if path.startswith("/") and not path.startswith("/v1") and
+                          path not in ("/health", "/metrics", "/openapi.json") else path, data, headers)
+        r = self.conn.getresponse()
+        payload = r.read()
+        assert not r.will_close and self.conn.sock is self.sock, f"the server closed the connection after {r.status}"
+        return r.status, dict(r.getheaders()), payload
+
+    def close(self):
+        self.conn.close()
+
+
+@pytest.fixture
+def conn(url):
+    c = Connection(url)
+    yield c
+    c.close()
+
+
+def error_of(response, expected_status, param="unset"):
+    """The OpenAI error of a response (status, headers, payload), checked."""
+    status, _, payload = response
+    assert status == expected_status, payload
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param != "unset":
+        assert error["param"] == param, error
+    return error
+
+
+# 1. Bad input: a 4xx naming the field, never a 500, and the connection stays usable ------------------
+
+SURROGATE = '"a\\ud800b"'  # JSON text of a string holding a lone surrogate
+
+
+def chat_raw(**fields) -> bytes:
+    """A chat body written by hand, so that fields can hold JSON text json.dumps would not write."""
+    base = {"model": json.dumps(MODEL), "messages": json.dumps(HI)}
+    base.update(fields)
+    return ("{" + ",".join(f'"{k}":{v}' for k, v in base.items()) + "}").encode()
+
+
+@pytest.mark.parametrize("path, raw, status, param", [
+    pytest.param("/chat/completions", chat_raw(tool_choice='{"type": "function", "function": "f"}', tools=json.dumps([TOOL])),
+     400, "tool_choice.function", id="tool_choice function a string"),
+    pytest.param("/chat/completions", chat_raw(tool_choice='["f"]', tools=json.dumps([TOOL])), 400, "tool_choice", id="tool_choice a list"),
+    pytest.param("/responses", json.dumps({"model": MODEL, "input": "Hi", "tool_choice": {"type": "function", "function": "f"},
+                               "tools": [{"type": "function", "name": "f"}]}).encode(), 400, "tool_choice.name", id="responses tool_choice without name"),
+    pytest.param("/chat/completions", chat_raw(messages='[{"role": "user", "content": ' + SURROGATE + '}]'), 400,
+     "messages[0].content", id="surrogate in content"),
+    pytest.param("/chat/completions", chat_raw(tools='[{"type": "function", "function": {"name": "f", "description": '
+                                         + SURROGATE + '}}]'), 400, "tools[0].function.description", id="surrogate in tool description"),
+    pytest.param("/chat/completions", chat_raw(messages='[{"role": "assistant", "tool_calls": [{"id": "c", "function": '
+                                            '{"name": "f", "arguments": ' + SURROGATE + '}}]}]'),
+     400, "messages[0].tool_calls[0].function.arguments", id="surrogate in tool arguments"),
+    pytest.param("/chat/completions", chat_raw(model=SURROGATE), 400, "model", id="surrogate in model"),
+    pytest.param("/responses", json.dumps({"model": MODEL, "input": [{"type": "function_call", "name": "f", "call_id": ["x"]}]
+                               }).encode(), 400, "input[0].call_id", id="call_id a list"),
+    pytest.param("/responses", json.dumps({"model": MODEL, "input": [{"type": "function_call_output", "call_id": {"a": 1}}]
+                               }).encode(), 400, "input[0].call_id", id="call_id an object"),
+    pytest.param("/responses", json.dumps({"model": MODEL, "input": [{"type": "wizard"}]}).encode(), 400, "input[0]", id="unknown item type"),
+    pytest.param("/chat/completions", b"[" * 100_000, 400, None, id="100k nested brackets"),
+    pytest.param("/chat/completions", chat_raw(messages='[{"role": "user", "content": ' + "[" * 5000 + "]" * 5000 + "}]"),
+     400, None, id="5000 levels in messages"),
+    pytest.param("/chat/completions", chat_raw(tools='[{"type": "function", "function": {"name": "f", "parameters": '
+                                         + '{"a": ' * 200 + "1" + "}" * 200 + "}}]"), 400, "tools[0].parameters", id="deep tool schema"),
+    pytest.param("/chat/completions", chat_raw(temperature='"0.5"'), 400, "temperature", id="temperature a string"),
+    pytest.param("/chat/completions", chat_raw(top_p="true"), 400, "top_p", id="top_p a boolean"),
+    pytest.param("/completions", json.dumps({"model": MODEL, "prompt": "x", "temperature": "0.5"}).encode(), 400, "temperature", id="completions temperature a string"),
+    pytest.param("/chat/completions", chat_raw(temperature="NaN"), 400, None, id="NaN"),
+    pytest.param("/chat/completions", b'{"model": "x", "messages": \xff}', 400, None, id="not UTF-8"),
+    pytest.param("/chat/completions", chat_raw(max_tokens="1" * 5000), 400, None, id="a 5000-digit number"),
+])
+def test_bad_input_is_a_4xx_and_the_connection_stays(conn, path, raw, status, param):
+    error_of(conn.send("POST", path, raw=raw), status, param)
+    assert conn.send("GET", "/models")[0] == 200  # the same connection answers on
+
+
+def test_404_and_405_are_openai_shaped(conn):
+    error = error_of(conn.send("GET", "/nowhere"), 404)
+    assert "/v1/nowhere" in error["message"]
+    response = conn.send("GET", "/chat/completions")
+    assert "POST" in error_of(response, 405)["message"] and response[1].get("allow") == "POST"
+    assert conn.send("GET", "/models")[0] == 200
+
+
+def test_a_failure_of_the_server_is_a_500_with_an_id_and_no_internals(conn, engine, caplog, monkeypatch):
+    def broken(*_, **__):
+        raise KeyError("/opt/secret/internal-state")
+
+    monkeypatch.setattr(engine, "submit", broken)
+    with caplog.at_level(logging.ERROR, logger="gptoss_jax.server"):
+        error = error_of(conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI}), 500)
+    assert "secret" not in error["message"] and "KeyError" not in error["message"]
+    rid = error["message"].split("request id ")[1].split(")")[0]
+    assert any(rid in r.getMessage() and r.exc_info for r in caplog.records)  # the details, in the log
+    assert conn.send("GET", "/models")[0] == 200
+
+
+# 2. No CPU work on the event loop ----------------------------------------------------------------------
+
+def health_latencies(url: str, until: threading.Event) -> list[float]:
+    """/health's answer times, each on a fresh connection, until `until` is set."""
+    out = []
+    while not until.is_set():
+        t = time.perf_counter()
+        c = Connection(url)
+        assert c.send("GET", "/health")[0] == 200
+        c.close()
+        out.append(time.perf_counter() - t)
+        time.sleep(0.01)
+    return out
+
+
+def while_health_is_polled(url, work):
+    done = threading.Event()
+    latencies = []
+    poller = threading.Thread(target=lambda: latencies.extend(health_latencies(url, done)))
+    poller.start()
+    try:
+        time.sleep(0.05)
+        result = work()
+    finally:
+        done.set()
+        poller.join()
+    return result, latencies
+
+
+def test_a_body_over_the_cap_is_refused_at_once_and_health_answers(url):
+    parts = urllib.parse.urlsplit(url)
+    fifty_mb = b"x" * (50 * 2**20)
+
+    def send_50_mb(chunked: bool):
+        s = socket.create_connection((parts.hostname, parts.port))
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+                + ("Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {len(fifty_mb)}\r\n") + "\r\n")
+        s.sendall(head.encode())
+        try:
+            for i in range(0, len(fifty_mb), 2**20):
+                piece = fifty_mb[i:i + 2**20]
+                s.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused and closed before all of it was sent
+        s.settimeout(10)
+        reply = b""
+        try:
+            while b"\r\n\r\n" not in reply:
+                more = s.recv(65536)
+                if not more:
+                    break
+                reply += more
+        except ConnectionResetError:
+            pass
+        s.close()
+        return reply
+
+    for chunked in (False, True):
+        reply, latencies = while_health_is_polled(url, lambda: send_50_mb(chunked))
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert max(latencies) < 0.1, latencies
+
+
+def test_a_long_conversation_is_refused_without_stalling_others(url, server, monkeypatch):
+    monkeypatch.setattr(server.engine, "max_len", 4096)
+    text = "hello world, " * 70_000  # under the body cap (1 MiB here), far over the context
+    c = Connection(url)
+    response, latencies = while_health_is_polled(
+        url, lambda: c.send("POST", "/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                                                        "content": text}]}))
+    c.close()
+    assert error_of(response, 400, "messages")["code"] == "context_length_exceeded"
+    assert max(latencies) < 0.1, latencies
+
+
+def test_stop_strings_have_a_length_cap(conn):
+    error = error_of(conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI,
+                                                              "stop": ["x" * 100_000] * 4}), 400, "stop")
+    assert "1000" in error["message"]
+
+
+def test_health_answers_while_long_stop_strings_are_checked(url, engine):
+    engine.reply, engine.delay = text_tokens(400), 0.0
+    stops = ["a" * 999 + "b", "a" * 998 + "c", " a" * 499 + "z", "q" * 1000]  # held back, never matched
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+    def generate():
+        return [client.completions.create(model=MODEL, prompt="x", max_tokens=400, stop=stops, stream=s)
+                for s in (False, True)]
+
+    (whole, stream), latencies = while_health_is_polled(url, generate)
+    assert whole.choices[0].text == " a" * 400
+    assert "".join(c.choices[0].text for c in stream) == " a" * 400
+    assert max(latencies) < 0.1, latencies
+
+
+# 3. A client that leaves frees its slot at once ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real():
+    """The demo model's engine behind the app: slots are freed for real."""
+    config = gj.ModelConfig.demo()
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=2, max_len=2048,
+                    prefill_chunk=64, prefill_rows=2, max_waiting=8, tokenizer=tk.load_tokenizer(VOCAB))
+    engine.warm_up()
+    engine.start()
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
+    server.ready.set()
+    with serving(create_app(server)) as base:
+        yield engine, base
+    engine.stop()
+
+
+def slots_in_use(url: str) -> int:
+    c = Connection(url)
+    _, _, text = c.send("GET", "/metrics")
+    c.close()
+    return int(float(next(line.split()[-1] for line in text.decode().splitlines()
+                          if line.startswith("gptoss_kv_slots_in_use "))))
+
+
+def open_request(url: str, stream: bool, max_tokens: int = 2000) -> socket.socket:
+    parts = urllib.parse.urlsplit(url)
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "stream": stream,
+                       "ignore_eos": True}).encode()
+    s = socket.create_connection((parts.hostname, parts.port))
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot_within_half_a_second(real, stream):
+    engine, url = real
+    s = open_request(url, stream)
+    deadline = time.monotonic() + 30
+    while engine.stats()["generated_tokens"] == 0 or slots_in_use(url) == 0:  # generating
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)
+    generated = engine.stats()["generated_tokens"]
+    s.close()
+    gone = time.perf_counter()
+    while slots_in_use(url) != 0:
+        assert time.perf_counter() - gone < 0.5, "the slot was still taken half a second after the client left"
+        time.sleep(0.01)
+    assert engine.stats()["generated_tokens"] > generated  # tokens kept coming: no gap was needed to notice
+
+
+def test_a_waiting_request_cancelled_logs_nothing(real, caplog):
+    engine, url = real
+    with caplog.at_level(logging.WARNING):
+        busy = [open_request(url, True) for _ in range(2)]  # both slots
+        while slots_in_use(url) < 2:
+            time.sleep(0.02)
+        waiting = open_request(url, False)
+        while engine.stats()["waiting"] == 0:
+            time.sleep(0.02)
+        waiting.close()
+        deadline = time.monotonic() + 5
+        while engine.stats()["waiting"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for s in busy:
+            s.close()
+        while slots_in_use(url) != 0:
+            time.sleep(0.02)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], caplog.text
+
+
+# 4, 5. max_tokens null; --max-waiting 0 -------------------------------------------------------------------
+
+def test_completions_max_tokens_null_is_the_default(url):
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=None, extra_body={"max_tokens": None})
+    assert r.usage.completion_tokens == 16
+
+
+def test_max_waiting_0_serves_requests_that_find_a_free_slot():
+    config = gj.ModelConfig.demo()
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=2, max_len=64, prefill_chunk=16,
+                    max_waiting=0)
+    first, second = (engine.submit([1, 2, 3], Settings(max_new_tokens=2)) for _ in range(2))
+    with pytest.raises(QueueFull):
+        engine.submit([1, 2, 3], Settings(max_new_tokens=2))
+    engine.run_until_idle()
+    assert first.finish_reason == second.finish_reason == "length"
+    engine.submit([1], Settings(max_new_tokens=1))  # free again
+
+
+# 7. A failure mid-stream ends the stream properly, without internals ------------------------------------------
+
+def sse_lines(url: str, path: str, body: dict) -> list[str]:
+    c = Connection(url)
+    status, _, payload = c.send("POST", path, body)
+    c.close()
+    assert status == 200, payload
+    return [line for line in payload.decode().splitlines() if line]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", {"messages": HI}),
+    ("/completions", {"prompt": "x"}),
+])
+def test_a_failure_mid_stream_sends_an_error_and_done(url, engine, caplog, path, body):
+    engine.fail_after = 3
+    with caplog.at_level(logging.ERROR, logger="gptoss_jax.server"):
+        lines = sse_lines(url, path, {"model": MODEL, "stream": True, **body})
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["type"] == "server_error" and "request id" in error["message"]
+    assert "CUDA" not in error["message"] and "secret" not in error["message"]
+    assert ScriptedEngine.FAILURE in caplog.text  # the details, in the log
+    # and the openai client raises it
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError, match="request id"):
+        if path == "/completions":
+            list(client.completions.create(model=MODEL, prompt="x", stream=True))
+        else:
+            list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
+
+
+def test_a_failed_response_stream_and_plain_requests(url, engine, conn):
+    engine.fail_after = 3
+    lines = sse_lines(url, "/responses", {"model": MODEL, "input": "Hi", "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-1]["response"]["status"] == "failed" and "CUDA" not in json.dumps(events[-2:])
+    for path, body in (("/chat/completions", {"messages": HI}), ("/completions", {"prompt": "x"}),
+                       ("/responses", {"input": "Hi"})):
+        error = error_of(conn.send("POST", path, {"model": MODEL, **body}), 500)
+        assert "request id" in error["message"] and "CUDA" not in error["message"]
+
+
+# 8. Requests cut at the end of the grace period end properly -----------------------------------------------
+
+def test_cut_all_ends_every_stream_with_a_last_chunk(url, server, engine):
+    engine.reply, engine.delay = text_tokens(400), 0.02  # 8 s of tokens
+    results = {}
+
+    def run(i, path, body):
+        results[i] = sse_lines(url, path, {"model": MODEL, "stream": True, **body}) if body.get("stream", True) \
+            else None
+
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    plain = {}
+    threads = [threading.Thread(target=run, args=(i, path, body)) for i, (path, body) in enumerate(
+        [("/chat/completions", {"messages": HI}), ("/completions", {"prompt": "x"}), ("/responses", {"input": "Hi"})])]
+    threads.append(threading.Thread(target=lambda: plain.setdefault(
+        "r", client.completions.create(model=MODEL, prompt="x", max_tokens=400))))
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(server.running) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    server.cut_all()
+    for t in threads:
+        t.join(5)
+    chat, completion, response = results[0], results[1], results[2]
+    for lines in (chat, completion):
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(response[-1][len("data: "):])["type"] == "response.incomplete"
+    assert plain["r"].choices[0].finish_reason == "length" and 0 < plain["r"].usage.completion_tokens < 400
+
+
+# 10. What a browser's requests meet ---------------------------------------------------------------------
+
+def test_a_body_must_be_sent_as_json(conn):
+    error_of(conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI},
+                       headers={"Content-Type": "text/plain"}), 415)
+    assert conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 2},
+                     headers={"Content-Type": "application/json; charset=utf-8"})[0] == 200
+
+
+def test_only_loopback_hosts_are_accepted_while_on_loopback(engine):
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL, api_key="Key",
+                    limits=Limits(allowed_hosts=("localhost", "127.0.0.1", "::1")))
+    server.ready.set()
+    with serving(create_app(server)) as base:
+        c = Connection(base)
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example"):
+            error_of(c.send("GET", "/health", headers={"Host": host}), 400)
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:1234", "LOCALHOST"):
+            assert c.send("GET", "/health", headers={"Host": host})[0] == 200
+        # the key's scheme is case-insensitive (RFC 7235); the key itself is not
+        assert c.send("GET", "/models", headers={"Authorization": "bearer Key"})[0] == 200
+        assert c.send("GET", "/models", headers={"Authorization": "BEARER Key"})[0] == 200
+        error_of(c.send("GET", "/models", headers={"Authorization": "Bearer key"}), 401)
+        c.close()
+
+
+def test_429_and_503_say_when_to_retry(conn, engine, server):
+    engine.full = True
+    response = conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI})
+    error_of(response, 429)
+    assert int(response[1]["retry-after"]) >= 1
+    engine.full = False
+    server.ready.clear()
+    response = conn.send("GET", "/health")
+    error_of(response, 503)
+    assert int(response[1]["retry-after"]) >= 1
+
+
+# 11. /health when the engine has stopped -----------------------------------------------------------------
+
+def test_health_is_503_once_the_engines_thread_has_stopped(monkeypatch):
+    config = gj.ModelConfig.demo()
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=1, max_len=64, prefill_chunk=16,
+                    tokenizer=tk.load_tokenizer(VOCAB))
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
+    server.ready.set()
+    engine.start()
+    with serving(create_app(server)) as base:
+        c = Connection(base)
+        assert c.send("GET", "/health")[0] == 200
+
+        def lost():
+            raise LockstepError("process 1 is gone")
+
+        monkeypatch.setattr(engine, "step", lost)
+        engine.submit([1, 2], Settings(max_new_tokens=1))  # the next step ends the engine's thread
+        deadline = time.monotonic() + 10
+        while engine.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        error_of(c.send("GET", "/health"), 503)
+        error_of(c.send("POST", "/chat/completions", {"model": MODEL, "messages": HI}), 503)
+        c.close()
+    engine.stop()
