@@ -120,6 +120,13 @@ def _remove(path: str) -> None:
 
 
 def _sha256(path: str) -> str:
+    stat = os.stat(path)
+    return _sha256_of(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    """Hashed once per version of the file: every request the server renders looks the vocabulary up."""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 

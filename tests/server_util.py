@@ -9,13 +9,17 @@ import time
 
 import uvicorn
 
+from gptoss_jax.server.transport import protocol_class
 from gptoss_jax.serving import QueueFull, Request, Settings
 
 
 @contextlib.contextmanager
-def serving(app):
-    """The app on 127.0.0.1 (a free port) while the block runs -> its base URL (".../v1")."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+def serving(app, header_timeout: float = 30.0, max_connections: int = 1024):
+    """The app on 127.0.0.1 (a free port) while the block runs, through gptoss-serve's own connection
+    handling (server/transport.py: the header deadline, the connection cap) -> its base URL (".../v1")."""
+    protocol, _ = protocol_class("auto", header_timeout, max_connections)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol, ws="none", log_level="warning",
+                                           access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -213,8 +213,8 @@ def test_gptoss_serve_command(tmp_path):
     finish and exits 0."""
     env = {**os.environ, "TIKTOKEN_ENCODINGS_BASE": os.path.dirname(os.path.abspath(VOCAB))}
     process = subprocess.Popen([sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "2",
-                                "--max-context", "128", "--compile-cache", "none", "--served-model-name",
-                                "gpt-oss-20b"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                "--max-context", "128", "--compile-cache", "none"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = process.stdout.readline()
         assert line.startswith("gptoss-serve: ready at http://127.0.0.1:"), (line, process.stderr.read())
@@ -226,7 +226,7 @@ def test_gptoss_serve_command(tmp_path):
         assert run.returncode == 0 and run.stdout.strip(), run.stderr
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
         box = {}
-        stream = client.chat.completions.create(model="gpt-oss-20b", messages=[{"role": "user", "content": "Hi"}],
+        stream = client.chat.completions.create(model="gpt-oss-demo", messages=[{"role": "user", "content": "Hi"}],
                                                 max_tokens=60, temperature=0, stream=True)
         first = next(iter(stream))
         reader = threading.Thread(target=lambda: box.setdefault("chunks", list(stream)))

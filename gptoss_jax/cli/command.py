@@ -11,7 +11,8 @@ and gptoss-convert, which keeps its own loop, convert/cli.py):
 - 1, a bad file: a checkpoint, conversion source, prompt, data or tokenizer file that is missing,
   unreadable or malformed, an output that cannot be written, or a failure while running (any
   other ValueError or OSError; inputs.InputError names the prompt files).
-- 130 or 143: stopped by Ctrl-C or SIGTERM.
+- 130 or 143: stopped by Ctrl-C or SIGTERM. gptoss-serve is the exception: Ctrl-C and SIGTERM are
+  how a server is meant to stop, so it exits 0 once its requests are ended (docs/serving.md).
 """
 
 from __future__ import annotations

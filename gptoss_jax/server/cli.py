@@ -73,7 +73,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="each slot's length: prompt plus reply must fit (default: 4096, or the model's context if "
                         "shorter)")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests queued for a slot; beyond that the server answers 429 (default: %(default)s)")
+                   help="requests queued while every slot is taken; beyond that the server answers 429 (0: none "
+                        "waits, a request is taken only by a free slot) (default: %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens of each request prefilled per engine step (default: %(default)s)")
     p.add_argument("--prefill-rows", type=int, default=4,

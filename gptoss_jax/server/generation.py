@@ -128,6 +128,8 @@ class Generation:
         if not self.request.finished:  # gone before the reply was complete (a complete reply: also "disconnect")
             self.gone = True
             self._end()
+        with self.server._lock:  # also where the reply's reader never started (a stream the client left at once)
+            self.server.running.discard(self)
 
     def cut(self) -> None:
         self.was_cut = True

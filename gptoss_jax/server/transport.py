@@ -175,6 +175,16 @@ def guarded(base: type, header_timeout: float, max_connections: int, refusals: _
     return Guarded
 
 
+def protocol_class(http: str, header_timeout: float, max_connections: int) -> tuple[type, _Refusals]:
+    """uvicorn's HTTP implementation `http` ("auto", "h11", "httptools") with this module's limits, and
+    the record of its refused connections (for uvicorn.Config(http=...); serve_forever's own)."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    refusals = _Refusals(max_connections)
+    return guarded(import_from_string(HTTP_PROTOCOLS[http]), header_timeout, max_connections, refusals), refusals
+
+
 def serve_forever(app, sock: socket.socket, *, grace: float, on_started: Callable[[Callable[[], None]], None],
                   on_exit: Callable[[], None], on_grace_over: Callable[[], None], header_timeout: float,
                   max_connections: int, http: str = "auto") -> None:
@@ -183,11 +193,8 @@ def serve_forever(app, sock: socket.socket, *, grace: float, on_started: Callabl
     serves; `stop` (callable from any thread) stops it as a signal would. `http`: uvicorn's HTTP
     implementation ("auto": httptools where installed, else h11)."""
     import uvicorn
-    from uvicorn.config import HTTP_PROTOCOLS
-    from uvicorn.importer import import_from_string
 
-    refusals = _Refusals(max_connections)
-    protocol = guarded(import_from_string(HTTP_PROTOCOLS[http]), header_timeout, max_connections, refusals)
+    protocol, refusals = protocol_class(http, header_timeout, max_connections)
 
     class _Server(uvicorn.Server):
         loop: asyncio.AbstractEventLoop | None = None
