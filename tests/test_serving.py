@@ -132,9 +132,10 @@ def test_cancelling_half_frees_their_slots_and_leaves_the_others_unchanged(engin
 def test_a_full_queue_refuses_at_once(model):
     config, params = model
     engine = Engine(config, params, slots=1, max_len=64, max_waiting=2)
-    engine.submit([1, 2], Settings(max_new_tokens=1))
+    engine.submit([1, 2], Settings(max_new_tokens=1))  # takes the free slot at the next step
     engine.submit([3], Settings(max_new_tokens=1))
-    with pytest.raises(QueueFull, match="2 requests are waiting"):
+    engine.submit([5], Settings(max_new_tokens=1))
+    with pytest.raises(QueueFull, match=r"3 requests are waiting, the most this engine queues \(2 beyond the 1 slots"):
         engine.submit([4], Settings(max_new_tokens=1))
     assert engine.stats()["rejected"] == 1
     with pytest.raises(ValueError, match="exceeds the max context of 64"):

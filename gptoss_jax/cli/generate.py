@@ -32,8 +32,8 @@ examples:
   %(prog)s --checkpoint CKPT --prompt-ids 1,2,3 --temperature 0 --dtype float32 --json
 
 Convert a published checkpoint first: gptoss-convert SOURCE_DIR CKPT. The tokenizer vocabulary
-(o200k_base.tiktoken) is read offline: --tokenizer PATH, or $TIKTOKEN_ENCODINGS_BASE, or tiktoken's
-cache. Ctrl-C stops at once (exit 130); in the interactive chat it stops the reply being written.
+(o200k_base.tiktoken, hash-checked) is found as tiktoken finds it: --tokenizer PATH,
+$TIKTOKEN_ENCODINGS_BASE, tiktoken's cache, else downloaded once into that cache. Ctrl-C stops at once (exit 130); in the interactive chat it stops the reply being written.
 Bad usage exits with code 2, a missing or unusable file (checkpoint, prompt, tokenizer) with 1.
 """
 

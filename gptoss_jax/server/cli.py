@@ -58,8 +58,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="DIR", type=expand,
                    help="a converted gptoss-jax checkpoint (default: the demo model)")
     p.add_argument("--tokenizer", metavar="PATH", type=expand,
-                   help="o200k_base.tiktoken (or its folder), hash-checked; default: $TIKTOKEN_ENCODINGS_BASE or "
-                        "tiktoken's cache")
+                   help="o200k_base.tiktoken (or its folder), hash-checked; default: $TIKTOKEN_ENCODINGS_BASE, "
+                        "tiktoken's cache, else downloaded once into that cache")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
                    help="parameter and activation dtype (default: bfloat16; float32 for the demo model); mxfp4: the "
                         "experts stay packed in MXFP4 on the device, the rest bfloat16")
@@ -242,8 +242,9 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
            api_key: str | None) -> int:
     from .. import tokenizer as tk
 
-    tokenizer = tk.load_tokenizer(args.tokenizer)
-    tk.harmony_encoding(args.tokenizer)  # checked now, not at the first request
+    vocab = tk.find_vocab(args.tokenizer)  # found once (downloaded if need be), not at every request
+    tokenizer = tk.load_tokenizer(vocab)
+    tk.harmony_encoding(vocab)  # checked now, not at the first request
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint
                                       else "gpt-oss-demo")
 
@@ -281,7 +282,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         return _follow(engine, LockstepError)
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), read_timeout=args.read_timeout,
                     allowed_hosts=allowed_hosts(args, LOOPBACK_HOSTS))
-    server = Server(engine, tokenizer, args.tokenizer, model_name=name, api_key=api_key, limits=limits)
+    server = Server(engine, tokenizer, vocab, model_name=name, api_key=api_key, limits=limits)
     app = create_app(server)
     host = "[" + args.host + "]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}/v1"

@@ -1,6 +1,21 @@
-"""Serving many concurrent requests: the continuous-batching engine (engine.py) and its requests."""
+"""Serving many concurrent requests: the continuous-batching engine (engine.py) and its requests.
 
-from .engine import Engine
-from .request import QueueFull, Request, Settings
+The names are imported on first use, so that `python -m gptoss_jax.serving` checks its flags and
+takes its signals before JAX starts, as `gptoss-serve` does.
+"""
 
-__all__ = ["Engine", "QueueFull", "Request", "Settings"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"Engine": "engine", "QueueFull": "request", "Request": "request", "Settings": "request"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

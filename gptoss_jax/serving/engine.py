@@ -103,9 +103,10 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], settings: Settings = Settings(),
                listener: Callable[[int | None], None] | None = None) -> Request:
-        """Queue a request; QueueFull at once when `max_waiting` requests already wait, ValueError for
-        a prompt the engine cannot take (empty, ids outside the vocabulary, too long). `listener`: called
-        on the engine's thread with each token, then None when the request finishes (request.py)."""
+        """Queue a request; QueueFull at once when `max_waiting` requests already wait beyond those the
+        free slots take at the next step, ValueError for a prompt the engine cannot take (empty, ids
+        outside the vocabulary, too long). `listener`: called on the engine's thread with each token,
+        then None when the request finishes (request.py)."""
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("the prompt needs at least one token")
@@ -127,7 +128,8 @@ class Engine:
             free = sum(s is None for s in self._slots)
             if len(self._waiting) >= self.max_waiting + free:
                 self.metrics.rejected += 1
-                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues")
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues ({self.max_waiting} "
+                                f"beyond the {free} slots free)")
             request = Request(next(self._ids), prompt, settings, listener)
             self._waiting.append(request)
             self._wake.notify()
