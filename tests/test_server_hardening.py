@@ -58,7 +58,7 @@ def url(server):
 def reset(engine, server):
     engine.reply, engine.delay, engine.full, engine.fail_after, engine.alive = text_tokens(40), 0.0, False, None, True
     server.ready.set()
-    server.stopping = False
+    server.stopping = server.cut_done = False
 
 
 class Connection:
@@ -437,6 +437,9 @@ def test_cut_all_ends_every_stream_with_a_last_chunk(url, server, engine):
         assert json.loads(lines[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert json.loads(response[-1][len("data: "):])["type"] == "response.incomplete"
     assert plain["r"].choices[0].finish_reason == "length" and 0 < plain["r"].usage.completion_tokens < 400
+    # a request whose body was still being read or prepared when the grace ran out starts nothing
+    response = Connection(url).send("POST", "/completions", {"model": MODEL, "prompt": "x"})
+    assert error_of(response, 503)["code"] == "service_unavailable" and not server.running
 
 
 # 10. What a browser's requests meet ---------------------------------------------------------------------

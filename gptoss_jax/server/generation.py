@@ -47,6 +47,7 @@ class Server:
         self.created = int(time.time())
         self.handoff: Handoff | None = None  # made on the event loop's first request
         self.running: set[Generation] = set()
+        self.cut_done = False  # cut_all has run: the server is ending
         self._lock = threading.Lock()
         # Requests are parsed, rendered and tokenized here, off the event loop.
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gptoss-prepare")
@@ -56,6 +57,7 @@ class Server:
         finish_reason "length" (Responses: response.incomplete) and `[DONE]`; plain requests answer
         with what they have, finish_reason "length"."""
         with self._lock:
+            self.cut_done = True  # a request whose body was still being prepared is refused (503)
             running = list(self.running)
         for generation in running:
             generation.cut()
@@ -106,6 +108,8 @@ class Generation:
         handoff, queue = server.handoff, asyncio.Queue()
         self.server, self.queue, self.id, self.prompt_tokens = server, queue, rid, len(prompt)
         self.gone = self.was_cut = False
+        if server.cut_done:  # prepared while the grace ran out: nothing may start now
+            raise unavailable("The server is shutting down.")
         try:
             self.request = server.engine.submit(prompt, settings, lambda token: handoff.put(queue, token))
         except QueueFull:
