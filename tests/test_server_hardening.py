@@ -246,6 +246,19 @@ def test_a_long_conversation_is_refused_without_stalling_others(url, server, mon
     assert max(latencies) < 0.1, latencies
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_echoing_a_large_tool_schema_does_not_stall_others(url, stream):
+    """A Responses object echoes the request's tools; a schema key harmony does not render costs no
+    prompt tokens, so only the body cap bounds it."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "x-blob": [0] * 300_000}}
+    c = Connection(url)
+    (status, _, payload), latencies = while_health_is_polled(
+        url, lambda: c.send("POST", "/responses", {"model": MODEL, "input": "Hi", "tools": [tool], "stream": stream}))
+    c.close()
+    assert status == 200 and len(payload) > 600_000
+    assert max(latencies) < 0.1, latencies
+
+
 def test_stop_strings_have_a_length_cap(conn):
     error = error_of(conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI,
                                                               "stop": ["x" * 100_000] * 4}), 400, "stop")

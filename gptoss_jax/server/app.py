@@ -319,10 +319,14 @@ def create_app(server: Server) -> FastAPI:
         generation = Generation(server, http, prompt.tokens, settings, rid)
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         builder = ResponseBuilder(req, server.model_name, generation, rid)
+        # A response object echoes the request's tools and instructions, which a client can make
+        # megabytes long: the objects that carry it are written on a worker thread.
+        async def written(make) -> str:
+            return await server.prepare(lambda: "".join(_event(kind, data) for kind, data in make()))
+
         if req.stream:
             async def events():
-                for kind, data in builder.start():
-                    yield _event(kind, data)
+                yield await written(builder.start)
                 async for batch in generation.batches():
                     if text := "".join(_event(kind, data) for token in batch for d in reply.feed(token)
                                        for kind, data in builder.delta(d)):
@@ -332,8 +336,7 @@ def create_app(server: Server) -> FastAPI:
                 for d in reply.finish():
                     for kind, data in builder.delta(d):
                         yield _event(kind, data)
-                for kind, data in builder.end(reply):
-                    yield _event(kind, data)
+                yield await written(lambda: builder.end(reply))
 
             def failure(message: str) -> list[str]:
                 return [_event(kind, data) for kind, data in builder.fail(message)]
@@ -347,6 +350,7 @@ def create_app(server: Server) -> FastAPI:
         if generation.failed:
             raise server_error(rid)
         reply.finish()
-        return builder.response(reply)
+        return Response(await server.prepare(lambda: json.dumps(builder.response(reply))),
+                        media_type="application/json")
 
     return app
