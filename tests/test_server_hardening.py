@@ -19,7 +19,8 @@ from server_util import ScriptedEngine, serving
 
 import gptoss_jax as gj
 from gptoss_jax import tokenizer as tk
-from gptoss_jax.server.app import Limits, Server, create_app
+from gptoss_jax.server.app import create_app
+from gptoss_jax.server.generation import Limits, Server
 from gptoss_jax.serving import Engine, QueueFull, Settings
 from gptoss_jax.serving.lockstep import LockstepError
 from gptoss_jax.testing import random_params

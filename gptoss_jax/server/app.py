@@ -39,7 +39,7 @@ from ..version import __version__
 from . import body, openapi, protocol
 from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, server_error, unauthorized,
                      unavailable)
-from .generation import LOOPBACK_HOSTS, Generation, Limits, Server, settings_of  # noqa: F401 (the server's names)
+from .generation import Generation, Server, settings_of
 from .guard import Guard, log
 from .harmony import ReplyStream, StopTrimmer, chat_prompt, context_exceeded, responses_prompt
 from .metrics import prometheus_text
@@ -253,8 +253,10 @@ def create_app(server: Server) -> FastAPI:
             prompt = prompt[0]
         if isinstance(prompt, str):  # special tokens written out (<|start|>, ...) are read as such
             max_len = server.engine.max_len
-            if len(prompt.encode("utf-8")) > max_len and len(server.tokenizer.encode_ordinary(prompt)) >= max_len:
-                raise context_exceeded(max_len, len(server.tokenizer.encode_ordinary(prompt)), at_least=True)
+            if len(prompt.encode("utf-8")) > max_len:  # may not fit: counted before the special tokens are read
+                count = len(server.tokenizer.encode_ordinary(prompt))
+                if count >= max_len:
+                    raise context_exceeded(max_len, count, at_least=True)
             prompt = server.tokenizer.encode(prompt, allowed_special="all")
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")

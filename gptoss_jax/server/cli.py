@@ -255,7 +255,8 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     from ..serving import Engine
     from ..serving.lockstep import LockstepError
     from ..sharding import describe
-    from .app import LOOPBACK_HOSTS, Limits, Server, create_app
+    from .app import create_app
+    from .generation import LOOPBACK_HOSTS, Limits, Server
     from .transport import serve_forever
 
     devices.use_compile_cache(args.compile_cache)
