@@ -23,11 +23,12 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .cache import ring_positions
 from .config import ModelConfig
-from .kernels import Kernels, gpu, mosaic_attention, tpu, triton, xla
+from .kernels import Kernels, gpu, mosaic_attention, paged, tpu, triton, xla
 from .kernels.attention_vjp import causal_attention
 from .kernels.combine import combine
 from .kernels.xla import MASKED, visible
 from .layers import RMSNorm, apply_rope, rope_tables
+from .paged_cache import POOL_AXES, window_pages
 from .sharding import CACHE_AXES, constrain, spec
 from .weight import Weight, declare, low_rank
 
@@ -184,6 +185,8 @@ class AttentionBlock(nn.Module):
     def _cached(self, impl, q, k, v, sinks, positions, layer_cache, lengths, valid, window):
         """Attention over (the cache's earlier positions) and (the new tokens), two parts combined with
         the sinks; the cache is written after it is read, so donating it updates it in place."""
+        if "table" in layer_cache:
+            return self._paged(impl, q, k, v, positions, layer_cache, lengths, valid, window, sinks)
         cache_k, cache_v = layer_cache["k"], layer_cache["v"]  # [B, S, K, H]
         B, S = cache_k.shape[:2]
         T = k.shape[1]
@@ -209,6 +212,23 @@ class AttentionBlock(nn.Module):
         ring_k = jnp.where(from_new[..., None, None], jnp.take_along_axis(k, index, axis=1), cache_k)
         ring_v = jnp.where(from_new[..., None, None], jnp.take_along_axis(v, index, axis=1), cache_v)
         return o, self._pin({"k": ring_k, "v": ring_v})
+
+    def _paged(self, impl, q, k, v, positions, layer_cache, lengths, valid, window, sinks):
+        """As `_cached`, over a paged cache (paged_cache.py): the layer's storage [N, P, K, H] and its
+        group's table [B, W]; the new keys and values are written at their positions after the read."""
+        pool_k, pool_v, table = layer_cache["k"], layer_cache["v"], layer_cache["table"]
+        k, v = k.astype(pool_k.dtype), v.astype(pool_v.dtype)
+        own = self._causal(impl, q, k, v, window)
+        if window is None:
+            before = paged.prefix(q, pool_k, pool_v, table, lengths, block=self.kernels.attention_block,
+                                  dense_max=q.shape[1] if impl == "reference" else 16)
+        else:
+            before = paged.window(q, pool_k, pool_v, table, lengths, positions, window=window,
+                                  pages=window_pages(self.config, pool_k.shape[1]))
+        o = combine([before, own], sinks, q.dtype)
+        pool_k = paged.write(pool_k, table, positions, valid, k)
+        pool_v = paged.write(pool_v, table, positions, valid, v)
+        return o, {name: constrain(a, POOL_AXES, self.mesh) for name, a in (("k", pool_k), ("v", pool_v))}
 
     @staticmethod
     def _ring(q, ring_k, ring_v, ring_pos, positions, window):

@@ -25,6 +25,7 @@ from .config import ModelConfig
 from .kernels import Kernels
 from .layers import RMSNorm
 from .moe import MLPBlock
+from .paged_cache import layer_view, storage_of
 from .sharding import constrain, mesh_of, on_every_device
 from .weight import Params, Weight, declare
 
@@ -68,8 +69,9 @@ class Transformer(nn.Module):
                  logits_at: jax.Array | None = None, hidden: bool = False):
         """tokens [B, T] int32 -> logits [B, T, V] float32.
 
-        With a cache (cache.py), the tokens continue each sequence (valid [B, T]: real tokens, a
-        prefix of each row; padding after them is ignored) and (logits, updated cache) is returned.
+        With a cache (cache.py, or a paged one: paged_cache.py), the tokens continue each sequence
+        (valid [B, T]: real tokens, a prefix of each row; padding after them is ignored) and
+        (logits, updated cache) is returned.
         logits_at [B] int32: only the logits at that index of each row, [B, V] (a prompt needs its
         last position's alone; [B, T, V] float32 for a 512-token chunk at batch 64 is 26 GB).
         hidden (no cache): the final norm's output [B, T, D] instead of the logits, for a loss that
@@ -86,6 +88,8 @@ class Transformer(nn.Module):
             lengths = cache["lengths"]
             positions = lengths[:, None] + steps  # [B, T]
             new_cache = {"lengths": lengths + valid.sum(axis=1, dtype=jnp.int32)}
+            if "pages" in cache:  # paged (paged_cache.py): layers share storages, the tables stay
+                new_cache["tables"], new_cache["pages"] = cache["tables"], list(cache["pages"])
         for i in range(cfg.num_hidden_layers):
             name = f"block_{i}"
             block_type = nn.remat(TransformerBlock) if self.remat and cache is None else TransformerBlock
@@ -93,6 +97,9 @@ class Transformer(nn.Module):
             with jax.named_scope(name):
                 if cache is None:
                     x = block(x, positions)
+                elif "pages" in cache:
+                    x, storage = block(x, positions, layer_view(cfg, new_cache, i), lengths, valid)
+                    new_cache["pages"][storage_of(cfg, i)] = storage
                 else:
                     x, new_cache[name] = block(x, positions, cache[name], lengths, valid)
         if logits_at is not None:

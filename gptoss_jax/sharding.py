@@ -39,11 +39,13 @@ from .layout import MESH_AXES, check_sizes, default_sizes, format_sizes
 from .weight import path_name
 
 # Logical axis -> mesh axis (None: replicated). Parameters use the names of ModelConfig.axis_sizes();
-# activations and the KV cache add batch, seq, cache_slots and act_embed.
+# activations and the KV cache add batch, seq, cache_slots, kv_pages, page_slots and act_embed.
 RULES: dict[str, str | None] = {
     "batch": "data",
     "seq": None,
     "cache_slots": None,
+    "kv_pages": None,  # the paged cache's pool (paged_cache.py): every page on every device
+    "page_slots": None,
     "vocab": "tensor",
     "embed": None,
     "act_embed": None,

@@ -120,7 +120,7 @@ def test_cancelling_half_frees_their_slots_and_leaves_the_others_unchanged(engin
         r.cancel()
     engine.step()
     assert all(r.finished and r.finish_reason in ("cancelled", "stop", "length") for r in cancelled)
-    assert not any(s is not None and s.request in cancelled for s in engine._slots)  # freed within one step
+    assert not any(s is not None and s.request in cancelled for s in engine.scheduler.rows)  # freed within one step
     engine.run_until_idle()
     for i, r in enumerate(requests):
         if r not in cancelled:
@@ -193,7 +193,7 @@ def test_requests_stream_from_other_threads_and_stop_cancels(model, traffic):
 
 
 def test_on_a_mesh_the_engine_gives_one_device_tokens(model, traffic):
-    """Slots split over `data`, experts over `expert`, heads over `tensor` (8 CPU devices): the greedy
+    """Sequences split over `data`, experts over `expert`, heads over `tensor` (8 CPU devices): the greedy
     tokens equal one device's, with requests arriving at random (float32: no reduction-order
     differences large enough to flip a greedy choice at this size, checked by the exact equality)."""
     from gptoss_jax.params import param_shardings
@@ -207,7 +207,8 @@ def test_on_a_mesh_the_engine_gives_one_device_tokens(model, traffic):
     requests = _arrive_at_random(engine, prompts[:10], settings[:10], seed=1)
     for i, r in enumerate(requests):
         assert r.output_ids == want[i], f"request {i}"
-    assert engine._cache["lengths"].sharding.spec[0] == "data"
+    pool = engine._pool["pages"][0]["k"]  # [pages, page positions, KV heads, head dim]
+    assert pool.sharding.spec[:3] == (None, None, "tensor")
 
 
 @needs_vocab

@@ -1,41 +1,45 @@
-"""Continuous batching: a fixed number of slots in one static KV cache, each request admitted as
-soon as a slot frees up.
+"""Continuous batching over a paged KV cache: requests run as soon as a row and pages for them are
+free, and a prompt whose beginning is already cached computes only the rest.
 
-    engine = Engine(config, params, slots=8, max_len=4096)
+    engine = Engine(config, params, slots=64, max_len=131072)
     engine.start()                                    # a thread runs the steps
     request = engine.submit([1, 2, 3], Settings(max_new_tokens=32))
     for token in request.tokens():
         print(token)
     engine.stop()
 
+Memory is a pool of pages of `page_size` positions (paged_cache.py), taken as sequences grow;
+full pages are named by their prefix and stay cached after their sequence ends, so a later prompt
+with the same beginning (a conversation's next turn, an agent's system prompt and tools) shares
+them (scheduler.py, pages.py).
+
 Each step of the engine (`step`):
-1. frees the slots of cancelled requests, and admits waiting requests into free slots (FIFO);
+1. drops cancelled requests; admits waiting ones (those put back by a preemption first, then in
+   arrival order) while a row is free and the pool has pages for their prompts beyond what is cached;
 2. prefills one chunk (at most `prefill_chunk` prompt tokens) of each of the earliest admitted
-   requests still prefilling, up to `prefill_rows` of them together; a chunk holding a prompt's
-   last token also samples that request's first token;
-3. decodes one token for every slot past its prompt, each sampled by its own settings;
+   sequences still prefilling, up to `prefill_rows` of them together; a chunk holding a prompt's last
+   token also samples that request's first token;
+3. decodes one token for every sequence past its prompt, each sampled by its own settings, in the
+   smallest of the decode sizes that holds them all;
 4. reads the tokens of the step before (the device meanwhile runs this one), hands them to their
-   requests, and finishes the requests that reach a stop token, a stop string or their token
-   budget.
+   requests, and finishes the requests that reach a stop token, a stop string or their token budget.
 
-Each decode step takes the slots' latest tokens from the step before on the devices, so the host
-never waits for a step before queueing the next: the device runs steps back to back while the
-host streams. A request that meets a stop token is computed one step more, and that token dropped.
+Pages are taken before a step is queued; when the pool runs out, the most recently admitted
+sequence is preempted: it waits at the head of the queue to be prefilled again from its prompt and
+the tokens it has (mostly found in the cache), and its tokens do not change. A request that could
+not fit in the pool even alone is refused at `submit`.
 
-So a long prompt delays the others' next token by one chunk at most. Shapes never change with the
-traffic (the cache is [slots, max_len], a prefill [1 or prefill_rows, prefill_chunk], a decode
-step [slots]), so nothing compiles after `warm_up`. On a mesh the slots are split over `data`, as
-`Generator`'s batch is.
-
-With several processes (jax.distributed), process 0 takes the requests and sends each step's
-admissions and cancellations to the others, which run the same steps with `follow()`
+Each decode step takes the rows' latest tokens from the step before on the devices, so the host never
+waits for a step before queueing the next. A request that meets a stop token is computed one step
+more, and that token dropped. Shapes never change with the traffic, so nothing compiles after
+`warm_up`. With several processes (jax.distributed), process 0 takes the requests and sends each
+step's admissions and cancellations to the others, which run the same steps with `follow()`
 (lockstep.py).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import threading
 import time
@@ -43,9 +47,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..cache import init_cache
 from ..config import ModelConfig
 from ..kernels import Kernels
+from ..paged_cache import init_pool, pool_pages, table_width
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, on_every_device, to_host_soon
 from ..tokenizer import StreamDecoder
@@ -53,69 +57,89 @@ from ..weight import Params
 from . import steps
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
+from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
 from .request import QueueFull, Request, Settings
 from .stops import StopMatcher
 
-
-@dataclasses.dataclass
-class _Slot:
-    request: Request
-    prefilled: int = 0  # prompt tokens sent to the cache
-    queued: int = 0  # tokens sampled on the devices so far, read or not (the next one's sampling step)
-    decoder: StreamDecoder | None = None  # the reply as text, token by token, for stop strings
-    stops: StopMatcher | None = None  # its stop strings, looked for in that text
+TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
 
 
 class Engine:
-    """Serves many concurrent requests on one set of parameters (see the module's docstring)."""
+    """Serves many concurrent requests on one set of parameters (see the module's docstring).
+
+    slots: the most sequences running at once (rows of the page tables; a decode step runs the
+    smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
+    size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
+    where JAX does not say, room for `slots` sequences of `max_len`)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
-                 tokenizer=None):
+                 tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
+                 decode_sizes: Sequence[int] | None = None):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
-        if min(slots, prefill_chunk, prefill_rows) < 1 or max_waiting < 0:
-            raise ValueError("slots, prefill_chunk and prefill_rows must be positive, max_waiting at least 0")
+        if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:
+            raise ValueError("slots, prefill_chunk, prefill_rows and page_size must be positive, max_waiting at "
+                             "least 0")
         self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
         self.slots, self.max_len, self.prefill_chunk, self.max_waiting = slots, max_len, prefill_chunk, max_waiting
+        self.page_size = page_size
         # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
         self.prefill_shapes = sorted({1, min(prefill_rows, slots)})
+        self.decode_sizes = sorted(set(decode_sizes or decode_sizes_for(slots)))
+        if self.decode_sizes[-1] != slots or self.decode_sizes[0] < 1:
+            raise ValueError(f"decode sizes {self.decode_sizes} must lie in [1, {slots}] and include {slots}")
         self.mesh = mesh_of(params)
-        self._cache = init_cache(config, slots, max_len, params["embedding"].dtype, mesh=self.mesh)
-        self._last = self._put(np.zeros(slots, np.int32))  # each slot's latest token, on the devices
-        self._in_flight: list = []  # the step before's (tokens on the devices, [(row, slot, _Slot)])
-        self._slots: list[_Slot | None] = [None] * slots
-        self._admitted: list[int] = []  # slots in the order their requests were admitted
+        self.dtype = params["embedding"].dtype
+        self.width = table_width(max_len, page_size)
+        self.metrics = Metrics()
+        count = pages if pages is not None else pool_pages(config, page_size, self.dtype, kv_memory, fallback=slots * (
+            self.width + sliding_most(config, page_size, prefill_chunk)))
+        self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
+                                   metrics=self.metrics)
+        self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
+        self._tables = self._put(np.zeros((2, slots, self.width), np.int32))
+        self._last = self._put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
+        self._in_flight: list = []  # the step before's (tokens on the devices, [(row in them, Seq)])
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.metrics = Metrics()
         self.compiled: list[str] = []
-        self._slot_settings = None  # the decode step's per-slot sampling settings on the devices, kept
-        # until a slot changes hands (they change only then; only the steps array changes every step)
+        # every row's sampling settings on the devices, kept until a row changes hands: (scheduler.changes, ...)
+        self._row_settings = None
         self._lockstep = Lockstep.of_this_process()  # None: one process
         self._lost: str | None = None  # why the other processes were lost (then nothing more is taken)
 
     # The Python API ------------------------------------------------------------------------------------
 
+    @property
+    def pool_tokens(self) -> int:
+        """Positions the pool holds (every page in a full layer's group)."""
+        return self.scheduler.pages.count * self.page_size
+
     def submit(self, prompt_ids: Sequence[int], settings: Settings = Settings(),
                listener: Callable[[int | None], None] | None = None) -> Request:
         """Queue a request; QueueFull at once when `max_waiting` requests already wait beyond those the
-        free slots take at the next step, ValueError for a prompt the engine cannot take (empty, ids
-        outside the vocabulary, too long). `listener`: called on the engine's thread with each token,
-        then None when the request finishes (request.py)."""
+        free rows take at the next step, ValueError for a prompt the engine cannot take (empty, ids
+        outside the vocabulary, too long for the context or for the pool alone). `listener`: called
+        on the engine's thread with each token, then None when the request finishes (request.py)."""
         prompt = list(prompt_ids)
         if not prompt:
             raise ValueError("the prompt needs at least one token")
         vocab = self.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if len(prompt) + settings.max_new_tokens > self.max_len:
+        total = len(prompt) + settings.max_new_tokens
+        if total > self.max_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens exceeds the "
                              f"max context of {self.max_len}")
+        need, count = self.scheduler.pages_alone(total), self.scheduler.pages.count
+        if need > count:
+            raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens needs "
+                             f"{need} pages of the KV cache, more than its {count} ({self.pool_tokens} positions)")
         if settings.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
         if self._following:
@@ -123,13 +147,13 @@ class Engine:
         if self._lost is not None:
             raise RuntimeError(f"the engine stopped: {self._lost}")
         with self._lock:
-            # A request that finds a slot free is taken whatever max_waiting says: it waits only until
-            # the next step.
-            free = sum(s is None for s in self._slots)
+            # A request that finds a row free is taken whatever max_waiting says: it waits only until
+            # the next step (or until the pool has room).
+            free = self.scheduler.rows.count(None)
             if len(self._waiting) >= self.max_waiting + free:
                 self.metrics.rejected += 1
-                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues ({self.max_waiting} "
-                                f"beyond the {free} slots free)")
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues "
+                                f"({self.max_waiting} beyond the {free} slots free)")
             request = Request(next(self._ids), prompt, settings, listener)
             self._waiting.append(request)
             self._wake.notify()
@@ -137,10 +161,13 @@ class Engine:
 
     def stats(self) -> dict:
         with self._lock:
-            used = sum(s is not None for s in self._slots)
-            prefilling = sum(1 for s in self._slots if s is not None and s.prefilled < len(s.request.prompt_ids))
-            state = {"running": used, "prefilling": prefilling, "waiting": len(self._waiting), "slots_in_use": used,
-                     "slots": self.slots}
+            used = len(self.scheduler.admitted)
+            prefilling = sum(s.prefilling for s in self.scheduler.admitted)
+            pages = self.scheduler.pages
+            waiting = len(self._waiting) + len(self.scheduler.preempted)
+            state = {"running": used, "prefilling": prefilling, "waiting": waiting,
+                     "slots_in_use": used, "slots": self.slots, "pages": pages.count, "pages_in_use": pages.held,
+                     "pages_cached": pages.cached, "page_size": self.page_size, "pages_evicted": pages.evicted}
         return self.metrics.snapshot(**state)
 
     @property
@@ -164,11 +191,11 @@ class Engine:
             self._thread.start()
 
     def stop(self, cancel: bool = True) -> None:
-        """Stop taking steps: cancel=True cancels every request not yet finished (their slots are freed
+        """Stop taking steps: cancel=True cancels every request not yet finished (their pages are freed
         at once); cancel=False lets them finish first."""
         with self._lock:
             if cancel:
-                for r in list(self._waiting) + [s.request for s in self._slots if s is not None]:
+                for r in [*self._waiting, *self.scheduler.preempted, *(s.request for s in self.scheduler.admitted)]:
                     r.cancel()
             self._stopping = True
             self._wake.notify()
@@ -194,21 +221,27 @@ class Engine:
                 self._fail_running(f"{type(e).__name__}: {e}")
 
     def warm_up(self) -> list[str]:
-        """Compile the steps (nothing is generated, no slot changes) and say what was compiled."""
-        S, C = self.slots, self.prefill_chunk
+        """Compile the steps (nothing is generated, no page or row changes) and say what was compiled."""
+        C = self.prefill_chunk
         outputs = []
         for P in self.prefill_shapes:
             for mode in MODES:
-                outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [False] * P, mode))
-        for mode in MODES:
-            self._slot_settings = (*self._sampling_arrays([None] * S), mode)
-            outputs.append(self._decode_call(np.full(S, -1, np.int32)))
-        self._slot_settings = None
+                outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P,
+                                                  [False] * P, [0] * P, mode))
+        for B in self.decode_sizes:
+            for mode in MODES:
+                self._row_settings = (self.scheduler.changes, *self._sampling_arrays([None] * self.slots), mode)
+                outputs.append(self._decode_call([None] * B, [0] * B, [-1] * B))
+        self._row_settings = None
+        self.scheduler.table_writes = [(0, self.slots, 0, 0)]  # padding: dropped
+        self._send_table_writes()
         for x in outputs:
             np.asarray(x)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
-            f"decode step [{S}]", f"token picks ({', '.join(MODES)}) [{', '.join(map(str, self.prefill_shapes + [S]))}]",
-            f"KV cache [{S}, {self.max_len}]"]
+            f"decode step [{', '.join(map(str, self.decode_sizes))}]",
+            f"token picks ({', '.join(MODES)}) [{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]",
+            f"KV cache {self.scheduler.pages.count} pages of {self.page_size} ({self.pool_tokens} positions), "
+            f"tables [2, {self.slots}, {self.width}]"]
         return self.compiled
 
     def run_until_idle(self) -> None:
@@ -249,154 +282,175 @@ class Engine:
             self._apply(message)
         else:
             with self._lock:
-                cancelled = self._free_cancelled()
+                cancelled, dropped = self._free_cancelled()
+                self.scheduler.admit_preempted()
                 admitted = self._admit()
                 if self._lockstep is not None:
-                    self._lockstep.send(Message(cancelled, [(s, self._slots[s].request) for s in admitted]))
+                    self._lockstep.send(Message(cancelled, [(s.row, s.request) for s in admitted], dropped=dropped))
+        prefilling = [s for s in self.scheduler.admitted if s.prefilling][:self.prefill_shapes[-1]]
+        decoding = [s for s in self.scheduler.admitted
+                    if not s.prefilling and s.queued < s.request.settings.max_new_tokens]
+        prefilling, decoding = self.scheduler.make_room(prefilling, decoding)
+        self._send_table_writes()
         queued = []
-        prefilling = [s for s in self._admitted if self._slots[s].prefilled < len(self._slots[s].request.prompt_ids)]
         if prefilling:
             queued.append(self._prefill(prefilling))
-        decoding = [s for s in self._admitted
-                    if 0 < self._slots[s].queued < self._slots[s].request.settings.max_new_tokens]
         if decoding:
             queued.append(self._decode(decoding))
+        for seq in prefilling + decoding:
+            self.scheduler.after_step(seq)
         before, self._in_flight = self._in_flight, queued
         for tokens, rows in before:  # read while the device runs this step's work
             self._read(tokens, rows)
-        return bool(queued or before)
+        return bool(queued or before or self._waiting or self.scheduler.preempted)
 
-    def _free(self, slot: int, reason: str) -> None:
-        request = self._slots[slot].request
-        self._slots[slot] = None
-        self._slot_settings = None
-        self._admitted.remove(slot)
-        request._finish(reason, time.perf_counter())
-        self.metrics.finish(request)
+    # Admission, pages and preemption ----------------------------------------------------------------
 
-    def _free_cancelled(self) -> list[int]:
-        """Drop cancelled requests -> the slots freed, in order."""
+    def _free_cancelled(self) -> tuple[list[int], list[int]]:
+        """Drop cancelled requests -> (rows freed, in order; ids of preempted requests dropped)."""
         for r in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(r)
-            r._finish("cancelled", time.perf_counter())
-            self.metrics.finish(r)
-        freed = [slot for slot in self._admitted if self._slots[slot].request.cancelled]
-        for slot in freed:
-            self._free(slot, "cancelled")
-        return freed
+            self._end(r, "cancelled")
+        dropped = [r for r in self.scheduler.preempted if r.cancelled]
+        for r in dropped:
+            self._drop_preempted(r)
+        freed = [s for s in self.scheduler.admitted if s.request.cancelled]
+        for seq in freed:
+            self._free(seq, "cancelled")
+        return [s.row for s in freed], [r.id for r in dropped]
 
-    def _admit(self) -> list[int]:
-        """Waiting requests into free slots -> the slots filled."""
-        filled = []
-        for slot in range(self.slots):
-            if self._slots[slot] is None and self._waiting:
-                self._take(slot, self._waiting.popleft())
-                filled.append(slot)
-        return filled
+    def _drop_preempted(self, request: Request) -> None:
+        self.scheduler.preempted.remove(request)
+        self._end(request, "cancelled")
 
-    def _take(self, slot: int, request: Request) -> None:
-        self._slots[slot] = _Slot(request)
-        self._slot_settings = None
-        self._admitted.append(slot)
-        self.metrics.prompt_tokens += len(request.prompt_ids)
+    def _end(self, request: Request, reason: str, error: str | None = None) -> None:
+        request._finish(reason, time.perf_counter(), error=error)
+        self.metrics.finish(request)
+
+    def _admit(self) -> list[Seq]:
+        """Waiting requests into free rows while the pool has room for them -> the sequences admitted."""
+        admitted = []
+        while (self._waiting and not self.scheduler.preempted and (row := self.scheduler.free_row()) is not None
+               and self.scheduler.fits(self._waiting[0])):
+            admitted.append(self.scheduler.take(row, self._waiting.popleft()))
+        return admitted
 
     def _apply(self, message: Message) -> None:
-        """A follower: process 0's decisions for this step."""
-        for slot in message.cancel:
-            self._free(slot, "cancelled")
-        for slot, request in message.admit:
-            if self._slots[slot] is not None:
-                raise LockstepError(f"process {self._lockstep.process_index} differs from process 0: slot {slot} is "
+        """A follower: process 0's decisions for this step, in the order process 0 made them."""
+        for row in message.cancel:
+            self._free(self.scheduler.rows[row], "cancelled")
+        for request_id in message.dropped:
+            self._drop_preempted(next(r for r in self.scheduler.preempted if r.id == request_id))
+        self.scheduler.admit_preempted()
+        for row, request in message.admit:
+            if self.scheduler.rows[row] is not None:
+                raise LockstepError(f"process {self._lockstep.process_index} differs from process 0: row {row} is "
                                     f"still taken here")
-            self._take(slot, request)
+            self.scheduler.take(row, request)
 
-    def _prefill_call(self, slots: list[int | None], tokens: np.ndarray, counts: list[int], finishing: list[bool],
-                      mode: str):
-        """prefill_slots and pick_first for these rows (None: a padding row) -> their first tokens
-        [P] on the devices."""
-        index = self._put(np.array([self.slots if s is None else s for s in slots], np.int32))
-        resets = np.array([s is not None and self._slots[s].prefilled == 0 for s in slots])
-        logits, self._cache = steps.prefill_slots(*self._model, self.params, self._cache, index, self._put(tokens),
-                                                  self._put(np.array(counts, np.int32)), self._put(resets))
-        sampling = self._sampling_arrays([None if s is None else self._slots[s].request for s in slots])
-        first, self._last = steps.pick_first(self.mesh, mode, logits, self._last, index,
-                                             self._put(np.array(finishing)), *sampling)
+    def _free(self, seq: Seq, reason: str) -> None:
+        self.scheduler.release(seq)
+        self._end(seq.request, reason)
+
+    def _send_table_writes(self) -> None:
+        writes, self.scheduler.table_writes = self.scheduler.table_writes, []
+        for at in range(0, len(writes), TABLE_WRITES):
+            part = np.full((4, TABLE_WRITES), self.slots, np.int32)  # row `slots`: padding, dropped
+            part[:, :len(writes[at:at + TABLE_WRITES])] = np.array(writes[at:at + TABLE_WRITES], np.int32).T
+            self._tables = steps.write_tables(self._tables, *(self._put(x) for x in part))
+
+    # Prefill and decode ---------------------------------------------------------------------------------
+
+    def _prefill_call(self, seqs: list[Seq | None], tokens: np.ndarray, counts: list[int], starts: list[int],
+                      finishing: list[bool], sample_steps: list[int], mode: str):
+        """prefill_rows and pick_first for these rows (None: a padding row) -> their first tokens [P]
+        on the devices."""
+        rows = self._put(np.array([self.slots if s is None else s.row for s in seqs], np.int32))
+        logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables, rows,
+                                                self._put(tokens), self._put(np.array(counts, np.int32)),
+                                                self._put(np.array(starts, np.int32)))
+        sampling = self._sampling_arrays([None if s is None else s.request for s in seqs])
+        first, self._last = steps.pick_first(self.mesh, mode, logits, self._last, rows, self._put(np.array(finishing)),
+                                             self._put(np.array(sample_steps, np.int32)), *sampling)
         return first
 
-    def _prefill(self, prefilling: list[int]):
-        """Queue one chunk of each of the first prefilling slots (in admission order) -> (first tokens
-        on the devices, the rows whose prompts it ends)."""
+    def _prefill(self, prefilling: list[Seq]):
+        """Queue one chunk of each of these sequences -> (first tokens on the devices, the rows whose
+        prompts it ends)."""
         P = self.prefill_shapes[-1] if len(prefilling) > 1 else 1
-        rows: list[int | None] = prefilling[:P] + [None] * (P - len(prefilling[:P]))
+        seqs: list[Seq | None] = prefilling + [None] * (P - len(prefilling))
         C = self.prefill_chunk
-        tokens, counts, finishing = np.zeros((P, C), np.int32), [0] * P, [False] * P
-        for i, slot in enumerate(rows):
-            if slot is not None:
-                state = self._slots[slot]
-                chunk = state.request.prompt_ids[state.prefilled:state.prefilled + C]
-                tokens[i, :len(chunk)], counts[i] = chunk, len(chunk)
-                finishing[i] = state.prefilled + len(chunk) == len(state.request.prompt_ids)
-        mode = rows_mode([self._slots[s].request.settings.sampling for i, s in enumerate(rows) if finishing[i]])
-        first = self._prefill_call(rows, tokens, counts, finishing, mode)
+        tokens, counts, starts = np.zeros((P, C), np.int32), [0] * P, [0] * P
+        finishing, sample_steps = [False] * P, [0] * P
+        for i, seq in enumerate(prefilling):
+            chunk = seq.tokens[seq.length:seq.length + C]
+            tokens[i, :len(chunk)], counts[i], starts[i] = chunk, len(chunk), seq.length
+            finishing[i] = seq.length + len(chunk) == len(seq.tokens)
+            sample_steps[i] = seq.queued
+        mode = rows_mode([s.request.settings.sampling for i, s in enumerate(prefilling) if finishing[i]])
+        first = self._prefill_call(seqs, tokens, counts, starts, finishing, sample_steps, mode)
         done = []
-        for i, slot in enumerate(rows):
-            if slot is not None:
-                state = self._slots[slot]
-                state.prefilled += counts[i]
-                if finishing[i]:
-                    state.queued = 1
-                    done.append((i, slot, state))
+        for i, seq in enumerate(prefilling):
+            seq.length += counts[i]
+            if finishing[i]:
+                seq.queued += 1
+                done.append((i, seq))
         return to_host_soon(first), done
 
-    def _decode_call(self, steps_done: np.ndarray):
-        """decode_slots and pick_next with each slot's sampling step (-1: idle) -> the next tokens [S]
+    def _decode_call(self, seqs: list[Seq | None], lengths: list[int], sample_steps: list[int]):
+        """decode_rows and pick_next with each row's sampling step (-1: padding) -> the latest tokens [R]
         on the devices."""
-        if self._slot_settings is None:  # changes only when a slot changes hands
-            requests = [s and s.request for s in self._slots]
+        if self._row_settings is None or self._row_settings[0] != self.scheduler.changes:
+            requests = [s and s.request for s in self.scheduler.rows]
             mode = rows_mode([r.settings.sampling for r in requests if r is not None])
-            self._slot_settings = (*self._sampling_arrays(requests), mode)
-        *settings, mode = self._slot_settings
-        steps_done = self._put(steps_done)
-        logits, self._cache = steps.decode_slots(*self._model, self.params, self._cache, self._last, steps_done)
-        self._last = steps.pick_next(self.mesh, mode, logits, self._last, steps_done, *settings)
+            self._row_settings = (self.scheduler.changes, *self._sampling_arrays(requests), mode)
+        _, *settings, mode = self._row_settings
+        rows = self._put(np.array([self.slots if s is None else s.row for s in seqs], np.int32))
+        sample_steps = np.array(sample_steps, np.int32)
+        logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, rows,
+                                               self._put(np.array(lengths, np.int32)), self._put(sample_steps >= 0))
+        self._last = steps.pick_next(self.mesh, mode, logits, self._last, rows, self._put(sample_steps), *settings)
         return self._last
 
-    def _decode(self, slots: list[int]):
-        """Queue one decode step of these slots -> (their tokens on the devices, the rows)."""
-        steps_done = np.full(self.slots, -1, np.int32)
-        rows = []
-        for slot in slots:
-            state = self._slots[slot]
-            steps_done[slot] = state.queued
-            state.queued += 1
-            rows.append((slot, slot, state))
-        return to_host_soon(self._decode_call(steps_done)), rows
+    def _decode(self, decoding: list[Seq]):
+        """Queue one decode step of these sequences -> (their tokens on the devices, the rows)."""
+        B = next(b for b in self.decode_sizes if b >= len(decoding))
+        pad = B - len(decoding)
+        lengths, sample_steps, rows = [], [], []
+        for seq in decoding:
+            lengths.append(seq.length)
+            sample_steps.append(seq.queued)
+            seq.length += 1
+            seq.queued += 1
+            rows.append((seq.row, seq))
+        last = self._decode_call(decoding + [None] * pad, lengths + [0] * pad, sample_steps + [-1] * pad)
+        return to_host_soon(last), rows
 
     def _read(self, tokens, rows) -> None:
-        """Hand a queued step's tokens to their requests (rows of requests that ended since are dropped)."""
+        """Hand a queued step's tokens to their requests (those of sequences ended or preempted since are
+        dropped)."""
         tokens = np.asarray(tokens)
-        for i, slot, state in rows:
-            if self._slots[slot] is state:
-                self._emit(slot, int(tokens[i]))
+        for i, seq in rows:
+            if self.scheduler.rows[seq.row] is seq:
+                self._emit(seq, int(tokens[i]))
 
-    def _emit(self, slot: int, token: int) -> None:
-        """Hand a slot's new token to its request; free the slot if that ends it."""
-        state = self._slots[slot]
-        request, settings = state.request, state.request.settings
+    def _emit(self, seq: Seq, token: int) -> None:
+        """Hand a sequence's new token to its request; free the sequence if that ends it."""
+        request, settings = seq.request, seq.request.settings
         request._add(token, time.perf_counter())
         self.metrics.token(request)
         if token in settings.stop_ids:
-            return self._free(slot, "stop")
+            return self._free(seq, "stop")
         if settings.stop_strings:  # the reply's new text, in time linear in it (stops.py)
-            if state.stops is None:
-                state.decoder, state.stops = StreamDecoder(self.tokenizer), StopMatcher(settings.stop_strings)
-            if state.stops.feed(state.decoder.add(token)) is not None:
-                return self._free(slot, "stop")
+            if request._stops is None:
+                request._decoder, request._stops = StreamDecoder(self.tokenizer), StopMatcher(settings.stop_strings)
+            if request._stops.feed(request._decoder.add(token)) is not None:
+                return self._free(seq, "stop")
         if len(request.output_ids) >= settings.max_new_tokens:
-            self._free(slot, "length")
+            self._free(seq, "length")
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._admitted or self._in_flight)
+        return bool(self._waiting or self.scheduler.preempted or self.scheduler.admitted or self._in_flight)
 
     def _run(self) -> None:
         while True:
@@ -410,24 +464,29 @@ class Engine:
             except LockstepError as e:  # the other processes are gone: nothing more can run
                 with self._lock:
                     self._lost = str(e)
-                    ended = list(self._waiting) + [self._slots[s].request for s in self._admitted]
+                    ended = [*self._waiting, *self.scheduler.preempted, *(s.request for s in self.scheduler.admitted)]
                     self._waiting.clear()
-                    self._slots, self._admitted, self._in_flight = [None] * self.slots, [], []
+                    self.scheduler.preempted.clear()
+                    self._reset()
                 for request in ended:
-                    request._finish("error", time.perf_counter(), error=self._lost)
-                    self.metrics.finish(request)
+                    self._end(request, "error", self._lost)
                 return
             except Exception as e:  # a failed step ends the requests it held, never the engine
                 self._fail_running(f"{type(e).__name__}: {e}")
 
+    def _reset(self) -> None:
+        """A fresh pool, tables and rows (a step may have consumed the donated pool): nothing is held or
+        cached any more."""
+        self.scheduler.reset()
+        self._in_flight = []
+        self._pool = init_pool(self.config, self.scheduler.pages.count, self.page_size, self.dtype, mesh=self.mesh)
+        self._tables = self._put(np.zeros((2, self.slots, self.width), np.int32))
+        self._last = self._put(np.zeros(self.slots, np.int32))
+
     def _fail_running(self, message: str) -> None:
-        self._slot_settings = None
-        # The step may have consumed the donated cache: start from a fresh one.
-        self._cache = init_cache(self.config, self.slots, self.max_len, self.params["embedding"].dtype, mesh=self.mesh)
-        self._last, self._in_flight = self._put(np.zeros(self.slots, np.int32)), []
-        for slot in list(self._admitted):
-            request = self._slots[slot].request
-            self._slots[slot] = None
-            self._admitted.remove(slot)
-            request._finish("error", time.perf_counter(), error=message)
-            self.metrics.finish(request)
+        """A failed step: the running requests end with the error; preempted ones wait on (they start
+        again from their prompts and the tokens they have)."""
+        ended = [s.request for s in self.scheduler.admitted]
+        self._reset()
+        for request in ended:
+            self._end(request, "error", message)

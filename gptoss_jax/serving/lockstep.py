@@ -3,15 +3,16 @@ the same steps.
 
 A step's model calls are collectives over every device of every process, so each process must make
 the same calls in the same order with the same inputs. Everything an engine step does follows from
-its slots' state and the tokens it reads back (which every process reads alike), except two things
-that arrive from outside: which requests are admitted into which slots, and which are cancelled.
+its rows' state and the tokens it reads back (which every process reads alike: the pages taken,
+the sequences preempted), except two things that arrive from outside: which requests are admitted
+into which rows, and which are cancelled.
 Process 0 decides those at the start of each step and sends them, as one message per step, through
 the key-value store of `jax.distributed` (the coordination service every process already joined);
 the others (followers) wait for each step's message, apply it, and run the step.
 
     message  = JSON header, then the admitted prompts as int32 bytes
-    header   = {"cancel": [slot, ...], "admit": [[slot, request id, prompt length, settings], ...],
-                "stop": bool}
+    header   = {"cancel": [row, ...], "admit": [[row, request id, prompt length, settings], ...],
+                "dropped": [id of a preempted request, ...], "stop": bool}
 
 Sending is one call to the coordination service per step (under a millisecond on one host); the
 store keeps the last `KEEP` steps' messages (a follower is never more than a step or two behind,
@@ -44,10 +45,11 @@ class Message:
     cancel: list[int] = dataclasses.field(default_factory=list)
     admit: list[tuple[int, Request]] = dataclasses.field(default_factory=list)
     stop: bool = False
+    dropped: list[int] = dataclasses.field(default_factory=list)  # ids of preempted requests cancelled
 
 
 def encode(message: Message) -> bytes:
-    header = {"cancel": message.cancel, "stop": message.stop,
+    header = {"cancel": message.cancel, "stop": message.stop, "dropped": message.dropped,
               "admit": [[slot, r.id, len(r.prompt_ids), _settings_json(r.settings)] for slot, r in message.admit]}
     prompts = [np.asarray(r.prompt_ids, np.int32) for _, r in message.admit]
     body = np.concatenate(prompts).tobytes() if prompts else b""
@@ -62,7 +64,7 @@ def decode(data: bytes) -> Message:
     for slot, request_id, length, settings in header["admit"]:
         admit.append((slot, Request(request_id, prompts[at:at + length].tolist(), _settings(settings))))
         at += length
-    return Message(header["cancel"], admit, header["stop"])
+    return Message(header["cancel"], admit, header["stop"], header["dropped"])
 
 
 def _settings_json(s: Settings) -> dict:

@@ -15,11 +15,18 @@ class Metrics:
     def __init__(self):
         self.started = time.perf_counter()
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt tokens, those found in the KV cache
+        self.preemptions = 0  # sequences sent back to waiting when the KV cache ran out of pages
         self.generated_tokens = 0
         self.finished = collections.Counter()  # finish reason -> requests
         self.rejected = 0  # submissions refused because the queue was full
         self.time_to_first_token = collections.deque(maxlen=WINDOW)
         self.inter_token = collections.deque(maxlen=WINDOW)
+
+    def prompt(self, tokens: int, cached: int) -> None:
+        """Count an admitted prompt and how many of its tokens were found in the cache."""
+        self.prompt_tokens += tokens
+        self.cached_tokens += cached
 
     def token(self, request) -> None:
         """Count the token the request has just received (the last of its `token_times`)."""
@@ -44,7 +51,9 @@ class Metrics:
             p = np.percentile(np.fromiter(values, float), [50, 90, 99])
             return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2])}
 
-        return {**state, "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+        return {**state, "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
+                "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "preemptions": self.preemptions, "generated_tokens": self.generated_tokens,
                 "generated_tokens_per_s": self.generated_tokens / elapsed if elapsed > 0 else 0.0,
                 "finished": dict(self.finished), "rejected": self.rejected,
                 "time_to_first_token_s": percentiles(self.time_to_first_token),

@@ -66,6 +66,11 @@ class Request:
         self._done = threading.Event()
         self._cancelled = False
         self._listener = listener
+        self.cached_tokens: int | None = None  # prompt tokens found in the KV cache at admission
+        # The engine's, kept across a preemption: the names of its pages (pages.py), its reply as text
+        # and its stop strings' matcher.
+        self._page_names: list[bytes] = []
+        self._decoder = self._stops = None
 
     # Read by any thread ------------------------------------------------------------------------------
 
@@ -74,7 +79,7 @@ class Request:
         return self._done.is_set()
 
     def cancel(self) -> None:
-        """Stop generating for this request: its slot is freed at the engine's next step."""
+        """Stop generating for this request: its pages are freed at the engine's next step."""
         self._cancelled = True
 
     @property

@@ -1,0 +1,64 @@
+"""Attention to a paged cache in plain jnp (paged_cache.py), and the writes of new keys and values.
+
+Each returns (o, lse) of sink-free attention over one set of keys, as every attention kernel here
+does; the caller folds in the sinks and the new tokens' own part (combine.py).
+- `prefix`: full layers: every query sees keys [0, lengths[b]) of its sequence, gathered through the
+  table (a page at a time for prompts, blockwise.py's loop).
+- `window`: sliding layers: the queries see the cached keys inside their window, read from the
+  `window_pages` pages that can hold them, whatever the context's length.
+- `write`: the new tokens' keys (or values) into their pages, at their positions.
+
+Legend: B = sequences, T = query positions, N = pages, P = positions a page, W = table width,
+K = KV heads, G = query heads per KV head, H = head dim, n = pages read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import xla
+
+
+def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
+    """pool [N, P, K, H], pages [B, n] -> their positions in order [B, n P, K, H]."""
+    B, n = pages.shape
+    return jnp.take(pool, pages, axis=0, mode="clip").reshape(B, n * pool.shape[1], *pool.shape[2:])
+
+
+def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16):
+    """q [B, T, K, G, H] after every key of its sequence: keys [0, lengths) through table [B, W]
+    -> (o, lse)."""
+    return xla.prefix(q, gather(pool_k, table), gather(pool_v, table), lengths, block=block, dense_max=dense_max)
+
+
+def window(q, pool_k, pool_v, table, lengths, q_pos, *, window: int, pages: int):
+    """Sliding layers: q [B, T, K, G, H] at positions q_pos [B, T] (lengths + 0..T-1) sees the cached
+    keys p < lengths with p > q_pos - window, which lie in the `pages` pages from the one holding
+    position lengths - window + 1 -> (o, lse).
+
+    Only the first `window` queries can see any cached key: the rest get lse -inf without scoring.
+    """
+    B, T = q.shape[:2]
+    P, W = pool_k.shape[1], table.shape[1]
+    first = jnp.maximum(lengths - window + 1, 0) // P  # [B]
+    cols = first[:, None] + jnp.arange(pages)  # [B, n]
+    ids = jnp.take_along_axis(table, jnp.minimum(cols, W - 1), axis=1)
+    k_pos = (cols[:, :, None] * P + jnp.arange(P)).reshape(B, pages * P)  # [B, n P]
+    seeing = min(T, window)
+    qp = q_pos[:, :seeing]
+    mask = xla.visible(qp, k_pos, window) & (k_pos < lengths[:, None])[:, None]  # [B, seeing, n P]
+    o, lse = xla.dense(q[:, :seeing], gather(pool_k, ids), gather(pool_v, ids), mask)
+    if seeing < T:
+        o = jnp.pad(o, ((0, 0), (0, T - seeing), (0, 0), (0, 0), (0, 0)))
+        lse = jnp.pad(lse, ((0, 0), (0, T - seeing), (0, 0), (0, 0)), constant_values=-jnp.inf)
+    return o, lse
+
+
+def write(pool: jax.Array, table: jax.Array, positions: jax.Array, valid: jax.Array, new: jax.Array) -> jax.Array:
+    """new [B, T, K, H] at positions [B, T] (where valid) into pool [N, P, K, H] through table [B, W]."""
+    N, P = pool.shape[:2]
+    W = table.shape[1]
+    page = jnp.take_along_axis(table, jnp.clip(positions // P, 0, W - 1), axis=1)  # [B, T]
+    page = jnp.where(valid, page, N)  # past the pool: dropped
+    return pool.at[page, positions % P].set(new.astype(pool.dtype), mode="drop")

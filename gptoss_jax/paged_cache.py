@@ -1,0 +1,107 @@
+"""The paged KV cache: keys and values in a pool of pages of P positions, found through page tables.
+
+    pool   {"pages": [{"k": [N, P, K, H], "v": [N, P, K, H]}, ...]}   one storage per layer pair
+    tables int32 [2, R, W]    tables[g, r, i]: the page holding positions [i P, (i + 1) P) of the
+                              sequence in row r, for the layers of group g (0: full, 1: sliding)
+    a step's view of it, for B sequences (rows gathered from the tables):
+    cache  {"lengths": [B], "tables": [2, B, W], "pages": [...]}
+
+The layers of one kind form a group: full-attention layers (group 0) keep every position of a
+sequence; sliding-window layers (group 1) need only the last `window` positions, so the host frees
+their older pages (serving/pages.py) and a step reads `window_pages` of them at most. A page id
+belongs to one group at a time and holds that group's keys and values for all of the group's layers:
+the n-th layer of each group keeps them in storage n, so a full layer and a sliding layer share a
+storage array (gpt-oss alternates the two kinds, 12 of each in the 20b), and one pool of page ids
+serves both groups with no memory set aside for either.
+
+A table entry past a sequence's length (or a sliding page out of its window) may name a page that
+another sequence owns now: the attention never reads positions at or past a sequence's length, or
+out of a sliding layer's window, and a step writes only at the positions of its new tokens.
+
+Legend: N = pages in the pool, P = positions a page, K = KV heads, H = head dim, R = rows (running
+sequences), W = table width (pages of the longest context), B = sequences of one step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .sharding import sharding, zeros_on_devices
+
+FULL, SLIDING = 0, 1
+POOL_SHARE = 0.85  # of the device memory free after the weights, for the pool when no size is given
+POOL_AXES = ("kv_pages", "page_slots", "kv_heads", "head_dim")
+
+
+def group_of(config: ModelConfig, layer: int) -> int:
+    return SLIDING if config.is_sliding(layer) else FULL
+
+
+def storage_of(config: ModelConfig, layer: int) -> int:
+    """The storage a layer keeps its pages in: its rank among the layers of its group."""
+    return sum(group_of(config, n) == group_of(config, layer) for n in range(layer))
+
+
+def storages(config: ModelConfig) -> int:
+    kinds = [group_of(config, n) for n in range(config.num_hidden_layers)]
+    return max(kinds.count(FULL), kinds.count(SLIDING))
+
+
+def table_width(max_len: int, page_size: int) -> int:
+    """Pages of the longest context (a table row's width)."""
+    return -(-max_len // page_size)
+
+
+def window_pages(config: ModelConfig, page_size: int) -> int:
+    """Pages a sliding layer reads for the positions before a step's first new token: those of the
+    last window - 1 positions, wherever a page boundary falls."""
+    return -(-(config.sliding_window - 1) // page_size) + 1
+
+
+def page_bytes(config: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
+    """Device memory of one page id (keys and values of one group's layers, P positions)."""
+    per_position = 2 * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    return storages(config) * page_size * per_position
+
+
+def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None, *, fallback: int) -> int:
+    """Pages in `kv_memory` bytes; by default in `POOL_SHARE` of the memory the first device has free
+    (after the weights), or `fallback` pages where JAX does not say (CPU)."""
+    per_page = page_bytes(config, page_size, dtype)
+    if kv_memory is None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return fallback
+        kv_memory = int(POOL_SHARE * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    if kv_memory < per_page:
+        raise ValueError(f"{kv_memory / 2**20:.1f} MiB of KV memory holds no page of {per_page / 2**20:.2f} MiB")
+    return kv_memory // per_page
+
+
+def pool_shapes(config: ModelConfig, pages: int, page_size: int, dtype=jnp.bfloat16) -> dict:
+    shape = jax.ShapeDtypeStruct((pages, page_size, config.num_key_value_heads, config.head_dim), jnp.dtype(dtype))
+    return {"pages": [{"k": shape, "v": shape} for _ in range(storages(config))]}
+
+
+def init_pool(config: ModelConfig, pages: int, page_size: int, dtype=jnp.bfloat16, *, mesh=None) -> dict:
+    """A pool of `pages` pages of `page_size` positions, zeros, made on the devices (on a mesh: KV
+    heads on `tensor` where they divide, the pages on every device)."""
+    return zeros_on_devices(*_layout(config, pages, page_size, jnp.dtype(dtype), mesh))
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(config, pages, page_size, dtype, mesh):
+    shapes = pool_shapes(config, pages, page_size, dtype)
+    if mesh is None:
+        return shapes, None
+    return shapes, jax.tree.map(lambda s: sharding(POOL_AXES, s.shape, mesh, what="KV pages"), shapes)
+
+
+def layer_view(config: ModelConfig, cache: dict, layer: int) -> dict:
+    """What a layer's attention reads and writes: {"k", "v": its storage, "table": [B, W] of its group}."""
+    storage = cache["pages"][storage_of(config, layer)]
+    return {"k": storage["k"], "v": storage["v"], "table": cache["tables"][group_of(config, layer)]}

@@ -1,0 +1,214 @@
+"""Who runs and what each holds: the serving engine's rows, its sequences' pages, their prefixes found
+in the cache, and preemption when the pool runs short. Host bookkeeping only: the engine (engine.py)
+runs the steps, and sends the table entries set here (`table_writes`) before each.
+
+A sequence holds pages of both groups (paged_cache.py): full layers every page from its first
+position on, sliding layers the pages of its window and of the step's new positions, released once
+no later query sees them. Pages are named once whole and known (pages.py), so that they outlive the
+sequence in the cache; a prefix is found as every full page from the first that carries the
+prompt's name, and the sliding pages of its last window.
+
+Every decision here follows from what every process of several sees alike (admissions, cancellations,
+the tokens read), so that they all take the same pages (lockstep.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+from ..config import ModelConfig
+from ..paged_cache import FULL, SLIDING, window_pages
+from .metrics import Metrics
+from .pages import Pages, extend_hashes
+from .request import Request
+
+
+def sliding_most(config: ModelConfig, page_size: int, prefill_chunk: int) -> int:
+    """Sliding pages one sequence holds at most: its window's, and a chunk's new ones."""
+    return window_pages(config, page_size) + -(-prefill_chunk // page_size) + 1
+
+
+@dataclasses.dataclass
+class Seq:
+    """A request holding a row: where its sequence stands, and its pages."""
+
+    request: Request
+    row: int
+    tokens: list[int]  # what the cache is to hold before the next token: the prompt, after a preemption
+    # also the reply read so far
+    full: list[int]  # group FULL: the page of each logical page, from the first
+    sliding: dict[int, int]  # group SLIDING: logical page -> page, those still in the window
+    length: int = 0  # positions in the cache once the queued steps have run
+    queued: int = 0  # tokens sampled so far, read or not (the next one's sampling step)
+    named: int = 0  # its first pages that carry their names, those found in the cache included
+
+    @property
+    def prefilling(self) -> bool:
+        return self.length < len(self.tokens)
+
+
+class Scheduler:
+    """`slots` rows over a pool of `pages` pages of `page_size` positions (see the module)."""
+
+    def __init__(self, config: ModelConfig, *, slots: int, page_size: int, pages: int, prefill_chunk: int,
+                 metrics: Metrics):
+        self.config, self.slots, self.page_size, self.prefill_chunk = config, slots, page_size, prefill_chunk
+        self.metrics = metrics
+        self.sliding_most = sliding_most(config, page_size, prefill_chunk)
+        self.pages = Pages(pages)
+        self.rows: list[Seq | None] = [None] * slots
+        self.admitted: list[Seq] = []  # running sequences in the order they were admitted
+        self.preempted: collections.deque[Request] = collections.deque()  # back to waiting, first in line
+        self.table_writes: list[tuple[int, int, int, int]] = []  # (group, row, column, page) not yet sent
+        self.changes = 0  # counts rows changing hands (the engine keeps the rows' settings until then)
+
+    def reset(self) -> None:
+        """Nothing held or cached any more (the pool on the devices is new); preempted requests wait on."""
+        self.pages = Pages(self.pages.count)
+        self.rows, self.admitted, self.table_writes = [None] * self.slots, [], []
+        self.changes += 1
+
+    def pages_alone(self, tokens: int) -> int:
+        """Pages one sequence of this many positions holds at most."""
+        full = -(-tokens // self.page_size)
+        return full + min(self.sliding_most, full + 1)
+
+    # Admission ----------------------------------------------------------------------------------------
+
+    def free_row(self) -> int | None:
+        return self.rows.index(None) if None in self.rows else None
+
+    def _tokens_of(self, request: Request) -> list[int]:
+        return request.prompt_ids + request.output_ids
+
+    def cached_prefix(self, request: Request) -> tuple[list[int], dict[int, int]]:
+        """The longest cached prefix of whole pages before the request's last token (which is always
+        computed, for its logits): (full-layer pages from the first, sliding-layer pages of its last
+        window by logical page)."""
+        tokens, P = self._tokens_of(request), self.page_size
+        names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P)
+        full = []
+        for name in names:
+            page = self.pages.find(FULL, name)
+            if page is None:
+                break
+            full.append(page)
+        for n in range(len(full), 0, -1):  # the sliding layers need the window before position n P
+            first = max(n * P - self.config.sliding_window + 1, 0) // P
+            sliding = {i: self.pages.find(SLIDING, names[i]) for i in range(first, n)}
+            if None not in sliding.values():
+                return full[:n], sliding
+        return [], {}
+
+    def fits(self, request: Request) -> bool:
+        """Whether the pool has pages for the request's prompt and first token beyond its cached prefix
+        (pages cached but held by none count as free, except those the prefix itself would hold)."""
+        full, sliding = self.cached_prefix(request)
+        shared = full + list(sliding.values())
+        idle_shared = sum(self.pages.refs(p) == 0 for p in shared)
+        need = self.pages_alone(len(request.prompt_ids) + len(request.output_ids) + 1) - len(shared)
+        return need <= self.pages.available - idle_shared
+
+    def take(self, row: int, request: Request) -> Seq:
+        """The request into this row, holding its cached prefix's pages."""
+        full, sliding = self.cached_prefix(request)
+        for page in itertools.chain(full, sliding.values()):
+            self.pages.share(page)
+        seq = Seq(request, row, self._tokens_of(request), full, sliding, length=len(full) * self.page_size,
+                  queued=len(request.output_ids), named=len(full))
+        self.table_writes += [(FULL, row, i, page) for i, page in enumerate(full)]
+        self.table_writes += [(SLIDING, row, i, page) for i, page in sliding.items()]
+        self.rows[row] = seq
+        self.admitted.append(seq)
+        self.changes += 1
+        if request.cached_tokens is None:  # the first admission: a preempted request's return is no prompt
+            request.cached_tokens = seq.length
+            self.metrics.prompt(len(request.prompt_ids), seq.length)
+        return seq
+
+    def admit_preempted(self) -> None:
+        """Preempted requests back into free rows, first in line, while they fit."""
+        while self.preempted and (row := self.free_row()) is not None and self.fits(self.preempted[0]):
+            self.take(row, self.preempted.popleft())
+
+    # Growth and preemption ----------------------------------------------------------------------------
+
+    def _grow(self, seq: Seq, end: int) -> bool:
+        """Pages for the sequence's positions up to `end` in both groups -> False if the pool ran out
+        (the pages taken so far stay the sequence's)."""
+        last = (end - 1) // self.page_size
+        while len(seq.full) <= last:
+            page = self.pages.take()
+            if page is None:
+                return False
+            self.table_writes.append((FULL, seq.row, len(seq.full), page))
+            seq.full.append(page)
+        for i in range(seq.length // self.page_size, last + 1):
+            if i not in seq.sliding:
+                page = self.pages.take()
+                if page is None:
+                    return False
+                self.table_writes.append((SLIDING, seq.row, i, page))
+                seq.sliding[i] = page
+        return True
+
+    def make_room(self, prefilling: list[Seq], decoding: list[Seq]) -> tuple[list[Seq], list[Seq]]:
+        """Pages for this step's new positions (a chunk of each prefilling sequence, one position of each
+        decoding one), earliest admitted first; where the pool runs out, the most recently admitted
+        sequences are preempted (even the one growing) -> (prefilling, decoding) still running."""
+        grow = {id(s): min(self.prefill_chunk, len(s.tokens) - s.length) for s in prefilling}
+        grow.update((id(s), 1) for s in decoding)
+        for seq in list(self.admitted):
+            while id(seq) in grow and self.rows[seq.row] is seq and not self._grow(seq, seq.length + grow[id(seq)]):
+                self.preempt(self.admitted[-1])
+        return [s for s in prefilling if self.rows[s.row] is s], [s for s in decoding if self.rows[s.row] is s]
+
+    def preempt(self, seq: Seq) -> None:
+        """Back to waiting, first in line; its pages released (named ones stay cached for its return)."""
+        self.release(seq)
+        self.preempted.appendleft(seq.request)
+        self.metrics.preemptions += 1
+
+    def release(self, seq: Seq) -> None:
+        """The sequence's row and pages (named first where whole and known, then latest first, so that a
+        prefix outlives its tail in the cache)."""
+        self._name_pages(seq)
+        for page in reversed(list(seq.sliding.values())):
+            self.pages.release(page)
+        for page in reversed(seq.full):
+            self.pages.release(page)
+        seq.full, seq.sliding = [], {}
+        self.rows[seq.row] = None
+        self.admitted.remove(seq)
+        self.changes += 1
+
+    def _name_pages(self, seq: Seq) -> None:
+        """Name the sequence's pages that are whole (every position queued into the cache) and whose
+        tokens are known (a reply's are once read)."""
+        known = self._tokens_of(seq.request)
+        whole = min(len(known), seq.length) // self.page_size
+        names = extend_hashes(seq.request._page_names, known[:whole * self.page_size], self.page_size)
+        for i in range(seq.named, whole):
+            self.pages.name(seq.full[i], FULL, names[i])
+            if i in seq.sliding:
+                self.pages.name(seq.sliding[i], SLIDING, names[i])
+            seq.named = i + 1
+
+    def after_step(self, seq: Seq) -> None:
+        """After a step of the sequence is queued: name what it filled; release the sliding pages no
+        later query sees (the next one, at position `length`, sees keys past length - window)."""
+        if seq.length // self.page_size > seq.named:
+            self._name_pages(seq)
+        gone = (seq.length - self.config.sliding_window + 1) // self.page_size  # pages wholly before the window
+        for i in [i for i in seq.sliding if i < gone]:
+            self.pages.release(seq.sliding.pop(i))
+
+
+def decode_sizes_for(slots: int) -> list[int]:
+    """The decode step's sizes by default: every slot, and each quarter down to 8 or so."""
+    sizes = [slots]
+    while sizes[-1] // 4 >= 8:
+        sizes.append(sizes[-1] // 4)
+    return sizes

@@ -1,0 +1,256 @@
+"""The paged KV cache with prefix reuse (paged_cache.py, serving/pages.py, serving/engine.py).
+
+The model is the tiny config in float32 with its 16-token sliding window, shorter than the prompts.
+Every request's greedy tokens must equal those `Generator` gives it alone, whatever it found in the
+cache: prefixes shorter than a page, page-aligned, longer than the window, a whole earlier
+conversation; pages reused by a later request, freed and taken by another, a pool too small for
+everything running (preemption). The tests can fail: a broken page name (one token of each page left
+out) makes requests reuse a wrong page, and an attention that reads one position past a sequence's
+length sees a freed page's old contents, which the tests fill with large values first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gptoss_jax.generate import Generator
+from gptoss_jax.paged_cache import FULL, SLIDING, page_bytes, window_pages
+from gptoss_jax.sampling import Sampling
+from gptoss_jax.serving import Engine, Settings
+from gptoss_jax.serving import pages as pages_module
+from gptoss_jax.serving.pages import Pages, chain, extend_hashes
+from gptoss_jax.testing import random_params
+
+MAX_LEN = 256
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny, random_params(tiny, seed=3, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """The greedy tokens of a prompt alone, from `Generator` (memoized)."""
+    config, params = model
+    generator = Generator(config, params, max_len=MAX_LEN)
+    memo = {}
+
+    def run(prompt, new_tokens):
+        key = (tuple(prompt), new_tokens)
+        if key not in memo:
+            memo[key] = generator.generate([prompt], max_new_tokens=new_tokens, sampling=GREEDY)[0].output_ids
+        return memo[key]
+
+    return run
+
+
+def _tokens(config, seed, n):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, n).tolist()
+
+
+def _run(engine, prompts, new_tokens, together=False):
+    """Submit the prompts (one at a time, each run to its end, or all together) -> their requests."""
+    requests = []
+    for prompt in prompts:
+        requests.append(engine.submit(prompt, Settings(max_new_tokens=new_tokens, sampling=GREEDY)))
+        if not together:
+            engine.run_until_idle()
+    engine.run_until_idle()
+    return requests
+
+
+# The pages on the host ------------------------------------------------------------------------------
+
+def test_page_names_are_chained_over_the_whole_prefix():
+    a = extend_hashes([], list(range(20)), 8)
+    assert len(a) == 2  # full pages only
+    b = extend_hashes([], [99] + list(range(1, 20)), 8)
+    assert a[0] != b[0] and a[1] != b[1]  # the same second page after another first page: another name
+    assert extend_hashes(a[:1], list(range(24)), 8) == extend_hashes([], list(range(24)), 8)  # extended in place
+    assert chain(b"", [1, 2]) != chain(b"", [2, 1])
+
+
+def test_pages_are_shared_cached_and_evicted_least_recently_released_first():
+    pool = Pages(3)
+    a, b, c = pool.take(), pool.take(), pool.take()
+    assert pool.take() is None and pool.available == 0
+    pool.name(a, FULL, b"x")
+    pool.name(b, SLIDING, b"x")  # the same name in the other group is another page
+    pool.name(c, FULL, b"x")  # the name is taken: c stays unnamed
+    assert pool.find(FULL, b"x") == a and pool.find(SLIDING, b"x") == b
+    pool.share(a)
+    pool.release(a)
+    assert pool.available == 0  # still held once
+    pool.release(b)
+    pool.release(a)
+    pool.release(c)  # unnamed: free at once
+    assert (pool.available, pool.cached, pool.held) == (3, 2, 0)
+    assert pool.take() == c  # free pages before cached ones
+    assert pool.take() == b and pool.find(SLIDING, b"x") is None  # then the least recently released
+    assert pool.find(FULL, b"x") == a and pool.evicted == 1
+    pool.share(a)  # a cached page held again
+    assert pool.available == 0 and pool.refs(a) == 1
+
+
+# Prefix reuse ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(model):
+    """Pages of 8 positions (the window spans 2 of them), prompts prefilled 16 tokens a step."""
+    config, params = model
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    engine.warm_up()
+    return engine
+
+
+@pytest.mark.parametrize("page_size", [8, 32])
+def test_shared_prefixes_of_every_kind_give_each_request_its_tokens_alone(model, alone, engine, page_size):
+    """A system prompt of 50 tokens, then requests that share 5 of its tokens (less than a page), 16
+    (whole pages), all 50 (past the window), and a whole earlier conversation (prompt and reply),
+    one after another and then all at once: each request's tokens are its tokens alone, and the
+    cache served exactly the whole pages of the shared prefix (the last prompt token is always
+    computed)."""
+    config, params = model
+    if page_size != engine.page_size:  # pages larger than the window
+        engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=page_size)
+    P = page_size
+    system = _tokens(config, 100 + P, 50)
+    first = system + _tokens(config, 1, 20)
+    prompts = [first, system[:5] + _tokens(config, 2, 9), system[:16] + _tokens(config, 3, 7),
+               system + _tokens(config, 4, 30)]
+    requests = _run(engine, prompts, 12)
+    conversation = first + requests[0].output_ids + _tokens(config, 5, 10)
+    requests += _run(engine, [conversation], 12)
+    for r in requests:
+        assert r.output_ids == alone(r.prompt_ids, 12)
+    written = len(first) + 11  # the first request's positions in the cache (its last token never went in)
+    assert [r.cached_tokens for r in requests] == [0, 0, 16 // P * P, 48 // P * P, written // P * P]
+    # All at once, arriving together: each still gets its own tokens.
+    crowd = _run(engine, [system + _tokens(config, 10 + i, 5 + 7 * i) for i in range(6)], 8, together=True)
+    for r in crowd:
+        assert r.output_ids == alone(r.prompt_ids, 8)
+    assert all(r.cached_tokens == 48 // P * P for r in crowd)  # the system prompt's pages, cached above
+    stats = engine.stats()
+    assert stats["cached_prompt_tokens"] > 0 and stats["pages_in_use"] == 0 and stats["running"] == 0
+
+
+def test_a_broken_page_name_reuses_a_wrong_page_and_the_tokens_show_it(model, alone, monkeypatch):
+    """Names that leave out each page's last token make prompts that differ only there share a page:
+    the second prompt then computes on the first's keys, and its tokens part from its tokens alone
+    (checked over five such pairs, so that the test does not hang on one argmax)."""
+    config, params = model
+    monkeypatch.setattr(pages_module, "chain", lambda previous, tokens: chain(previous, tokens[:-1]))
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    wrong = 0
+    for seed in range(5):
+        a = _tokens(config, 200 + seed, 40)
+        b = list(a)
+        b[7] = (a[7] + 1) % config.vocab_size  # the last token of the first page
+        first, second = _run(engine, [a, b], 8)
+        assert first.output_ids == alone(a, 8) and second.cached_tokens == 32  # the broken name matched
+        wrong += second.output_ids != alone(b, 8)
+    assert wrong > 0
+
+
+def _poison(engine) -> None:
+    """Large keys and values in every free page: a read of a freed page's old contents is seen."""
+    free = jnp.asarray(engine.scheduler.pages.free_pages(), jnp.int32)
+    engine._pool = jax.tree.map(lambda a: a.at[free].set(50.0), engine._pool)
+
+
+def test_a_freed_page_never_reaches_another_sequence(model, alone, engine):
+    """Pages freed by finished requests, filled with large values, taken by new requests (prefix hits
+    and misses): the tokens stay each request's alone."""
+    config, _ = model
+    _run(engine, [_tokens(config, 300 + i, 30 + 9 * i) for i in range(4)], 10, together=True)
+    _poison(engine)
+    shared = _tokens(config, 310, 35)
+    requests = _run(engine, [shared + _tokens(config, 320 + i, 3 + 11 * i) for i in range(5)], 10, together=True)
+    for r in requests:
+        assert r.output_ids == alone(r.prompt_ids, 10)
+
+
+def test_an_attention_that_reads_past_the_length_is_caught(model, alone, monkeypatch):
+    """The check above can fail: attention to one more position than the sequence holds reads
+    whatever its page held before (the large values), and the tokens change."""
+    import gptoss_jax.kernels.paged as paged
+
+    config, params = model
+    prefix = paged.prefix
+    monkeypatch.setattr(paged, "prefix", lambda q, k, v, table, n, **kw: prefix(q, k, v, table, n + 1, **kw))
+    jax.clear_caches()  # the steps trace again, with the broken read
+    try:
+        engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+        _poison(engine)
+        prompts = [_tokens(config, 330 + i, 20 + 5 * i) for i in range(3)]
+        requests = _run(engine, prompts, 6, together=True)
+        assert any(r.output_ids != alone(r.prompt_ids, 6) for r in requests)
+    finally:
+        jax.clear_caches()
+
+
+def test_a_page_half_prefilled_is_not_found_by_a_request_that_arrives_meanwhile(model, alone):
+    """Pages of 32 positions, prompts prefilled 24 at a time: a request sharing a prompt whose second
+    page is half prefilled finds only the first page cached (a page is named once whole), and its
+    tokens are its own (the free pages hold large values, so a read of the missing half would show)."""
+    config, params = model
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=24, page_size=32)
+    _poison(engine)
+    first = _tokens(config, 350, 100)
+    a = engine.submit(first, Settings(max_new_tokens=6, sampling=GREEDY))
+    engine.step()
+    engine.step()  # positions 0-47: the second page half written
+    b = engine.submit(first[:70] + _tokens(config, 351, 9), Settings(max_new_tokens=6, sampling=GREEDY))
+    engine.run_until_idle()
+    assert b.cached_tokens == 32
+    assert a.output_ids == alone(a.prompt_ids, 6) and b.output_ids == alone(b.prompt_ids, 6)
+    c = _run(engine, [first[:70] + _tokens(config, 352, 9)], 6)[0]  # once whole, it is found
+    assert c.cached_tokens == 64 and c.output_ids == alone(c.prompt_ids, 6)
+
+
+# Memory: pages as sequences grow, the window's pages only, preemption -----------------------------------
+
+def test_sliding_layers_hold_a_window_of_pages_and_full_layers_every_page(model, alone, engine):
+    config, _ = model
+    prompt = _tokens(config, 400, 150)
+    request = engine.submit(prompt, Settings(max_new_tokens=40, sampling=GREEDY))
+    most = 0
+    while not request.finished:
+        engine.step()
+        for seq in engine.scheduler.admitted:
+            assert len(seq.full) == -(-seq.length // engine.page_size)
+            most = max(most, len(seq.sliding))
+    # The window (16) and a chunk (16) of new positions: at most 2 + 2 + 1 pages of 8, never the 24
+    # pages of the sequence.
+    assert 0 < most <= window_pages(config, 8) + 16 // 8 + 1 == 6
+    assert request.output_ids == alone(prompt, 40)
+
+
+def test_a_pool_too_small_for_everything_running_preempts_and_every_request_completes(model, alone):
+    """Four requests that need 16 to 20 pages each at their longest, in a pool of 30: the latest admitted
+    are preempted and come back, and every request gets its tokens alone."""
+    config, params = model
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30)
+    prompts = [_tokens(config, 500 + i, 40 + 10 * i) for i in range(4)]
+    requests = _run(engine, prompts, 40, together=True)
+    for r in requests:
+        assert r.output_ids == alone(r.prompt_ids, 40)
+        assert r.finish_reason == "length"
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
+
+
+def test_a_request_that_cannot_fit_alone_is_refused_at_once(model):
+    config, params = model
+    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=12)
+    # 80 positions: 10 pages of the full layers, and the sliding layers' window and chunk, 6.
+    with pytest.raises(ValueError, match=r"needs 16 pages of the KV cache, more than its 12 \(96 positions\)"):
+        engine.submit([1] * 60, Settings(max_new_tokens=20))
+    engine.submit([1] * 20, Settings(max_new_tokens=20))  # 5 + 6 pages: fits
+    with pytest.raises(ValueError, match="holds no page"):
+        Engine(config, params, kv_memory=page_bytes(config, 64, jnp.float32) - 1)
