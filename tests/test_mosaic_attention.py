@@ -47,6 +47,36 @@ def test_cache_attention_reads_only_the_filled_part(T):
         exact.check(combine([(o[1:], lse[1:])], sinks, jnp.float32), f"o with sinks, splits={splits}")
 
 
+@pytest.mark.parametrize("page", [64, 32])
+def test_cache_attention_reads_a_paged_cache_through_its_table(page):
+    """The same sequences (0, 70 and 256 keys) in pages of a pool, in shuffled order among pages of
+    huge keys and values that no table names: the result is the contiguous cache's, within the
+    noise; pages of 32 put two pages in each 64-key block."""
+    kq, kk, kv, kp = jax.random.split(jax.random.key(7), 4)
+    B, S, K, G, H = 3, 256, 2, 4, 64
+    kv_len = jnp.array([0, 70, 256], jnp.int32)
+    beyond = (jnp.arange(S)[None] >= kv_len[:, None])[..., None, None]
+    q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
+    k = jnp.where(beyond, 3e4, jax.random.normal(kk, (B, S, K, H))).astype(jnp.bfloat16)
+    v = jnp.where(beyond, -3e4, jax.random.normal(kv, (B, S, K, H))).astype(jnp.bfloat16)
+    W = S // page
+    spare = 5  # pages no table names
+    order = np.asarray(jax.random.permutation(kp, B * W + spare))
+    table = jnp.asarray(order[:B * W].reshape(B, W), jnp.int32)
+    pool_k = jnp.full((B * W + spare, page, K, H), 3e4, jnp.bfloat16).at[table].set(k.reshape(B, W, page, K, H))
+    pool_v = jnp.full((B * W + spare, page, K, H), -3e4, jnp.bfloat16).at[table].set(v.reshape(B, W, page, K, H))
+    low_o, low_lse = xla.prefix(q[1:], k[1:], v[1:], kv_len[1:], block=64)
+    exact_o, exact_lse = _attention64(q[1:], k[1:], v[1:], kv_len[1:])
+    exact_o = Exact.measure(np.asarray(low_o, np.float64), exact_o, precision="bfloat16")
+    exact_lse = Exact.measure(np.asarray(low_lse, np.float64), exact_lse, precision="bfloat16")
+    for block_k in (64, 128):
+        o, lse = mosaic_attention.cache_attention(q, pool_k, pool_v, kv_len, table=table, block_k=block_k,
+                                                  interpret=True)
+        assert bool(jnp.all(jnp.isneginf(lse[0])))
+        exact_lse.check(lse[1:], f"lse, pages of {page}, blocks of {block_k}")
+        exact_o.check(o[1:], f"o, pages of {page}, blocks of {block_k}")
+
+
 def _attention64(q, k, v, kv_len):
     """Sink-free attention of every query to keys [0, kv_len[b]) in float64 numpy: (o [B, T, K, G, H],
     lse [B, T, K, G])."""
@@ -89,5 +119,14 @@ def test_the_kernels_switch_runs_it_for_decode():
 
     assert gj.Kernels(attention="mosaic", interpret=True).attention_for(1) == "mosaic"
     got = run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16)
-    Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32),
-                  precision="bfloat16").check(got, "mosaic")
+    exact = Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32), precision="bfloat16")
+    exact.check(got, "mosaic")
+    # The same cache as pages of a pool (paged_cache.py), the sequences' pages interleaved: the
+    # serving engine's decode step, through the page table.
+    P = 64
+    table = jnp.arange(B * S // P, dtype=jnp.int32).reshape(S // P, B).T  # [B, W]: page 2i + b
+    pages = {name: jnp.zeros((B * S // P, P) + a.shape[2:], a.dtype).at[table].set(
+        a.reshape(B, S // P, P, *a.shape[2:])) for name, a in cache.items()}
+    cache = {**pages, "table": table}
+    exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), "mosaic, paged")
+    exact.check(run(gj.Kernels(), jnp.bfloat16), "jnp, paged")

@@ -97,6 +97,36 @@ def test_pages_are_shared_cached_and_evicted_least_recently_released_first():
     assert pool.available == 0 and pool.refs(a) == 1
 
 
+def test_attention_through_page_tables_is_the_contiguous_caches(model):
+    """kernels/paged.py: prompt chunks and decode over pages in shuffled order (gathered whole, or a
+    block of pages at a time up to the longest sequence) against the definition in float64, within the
+    noise of the contiguous cache's jnp attention in float32; positions past a length hold huge values."""
+    from gptoss_jax.kernels import paged, xla
+    from noise import Exact
+
+    B, S, K, G, H, P = 3, 128, 2, 4, 16, 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    lengths = jnp.array([0, 37, 128], jnp.int32)
+    beyond = (jnp.arange(S)[None] >= lengths[:, None])[..., None, None]
+    k = jnp.where(beyond, 1e4, jax.random.normal(keys[0], (B, S, K, H)))
+    v = jnp.where(beyond, -1e4, jax.random.normal(keys[1], (B, S, K, H)))
+    table = jax.random.permutation(keys[2], B * S // P).reshape(B, S // P).astype(jnp.int32)
+    pool_k = jnp.zeros((B * S // P, P, K, H)).at[table].set(k.reshape(B, S // P, P, K, H))
+    pool_v = jnp.zeros((B * S // P, P, K, H)).at[table].set(v.reshape(B, S // P, P, K, H))
+    for T in (1, 20):
+        q = jax.random.normal(keys[3], (B, T, K, G, H))
+        s = np.einsum("btkgh,bskh->btkgs", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(H)
+        s = np.where((np.arange(S)[None] < np.asarray(lengths)[:, None])[:, None, None, None], s, -np.inf)
+        p = np.exp(s[1:] - s[1:].max(-1, keepdims=True))
+        exact_o = np.einsum("btkgs,bskh->btkgh", p / p.sum(-1, keepdims=True), np.asarray(v, np.float64)[1:])
+        low_o, _ = xla.prefix(q, k, v, lengths, block=16)
+        exact = Exact.measure(np.asarray(low_o[1:], np.float64), exact_o)
+        for dense_keys in (4096, 0):  # every page at once; a block of pages at a time
+            o, lse = paged.prefix(q, pool_k, pool_v, table, lengths, block=16, dense_keys=dense_keys)
+            exact.check(o[1:], f"T={T}, dense_keys={dense_keys}")
+            assert bool(jnp.all(lse[0] <= -1e30))  # the empty sequence saw no key
+
+
 # Prefix reuse ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

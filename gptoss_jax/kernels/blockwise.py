@@ -64,9 +64,13 @@ def key_block_range(first_q, last_q, kv_block: int, num_keys, window: int | None
 
 
 def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: int = 512, kv_block: int = 512,
-              start=None) -> tuple[jax.Array, jax.Array]:
+              start=None, table=None) -> tuple[jax.Array, jax.Array]:
     """q [B, T, K, G, H], k and v [B, S, K, H] with key j at position j -> (o, lse), or with
     start=(m0, l0) [K, G] the rows begin from that state (the sinks: m0 = sink, l0 = 1) and lse counts it.
+
+    With a page table [B, W] (paged_cache.py), k and v are pools of pages [N, P, K, H] and sequence b's
+    key j sits in page table[b, j // P]: S = W P, and each key block gathers its pages (blocks of
+    whole pages).
 
     q_pos [B, T]: query positions, non-decreasing along T (default 0..T-1); kv_len [B]: keys at or
     past it are invisible (default S), as in a KV cache holding kv_len positions.
@@ -75,9 +79,11 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
     visible to it (a dynamic-bound loop), with a running max m, denominator denom and accumulator acc.
     """
     B, T, K, G, H = q.shape
-    S = k.shape[1]
+    S = k.shape[1] if table is None else table.shape[1] * k.shape[1]
     scale = 1.0 / math.sqrt(H)
     bq, bk = min(q_block, T), min(kv_block, S)
+    if table is not None:
+        bk = max(bk // k.shape[1], 1) * k.shape[1]  # whole pages
     nq = -(-T // bq)
     if q_pos is None:
         q_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -100,8 +106,7 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
         def visit(j, carry):
             m, denom, acc = carry
             first = jnp.minimum(j * bk, S - bk)
-            k_blk = jax.lax.dynamic_slice_in_dim(k, first, bk, axis=1)  # [B, bk, K, H]
-            v_blk = jax.lax.dynamic_slice_in_dim(v, first, bk, axis=1)
+            k_blk, v_blk = _key_block(k, first, bk, table), _key_block(v, first, bk, table)  # [B, bk, K, H]
             k_pos = first + jnp.arange(bk)
             seen = (k_pos[None] < kv_len[:, None]) & (k_pos[None] >= j * bk)
             k_pos = jnp.where(seen, k_pos[None], -1)  # [B, bk]; -1 never visible
@@ -125,3 +130,13 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
     o = o.swapaxes(0, 1).reshape(B, nq * bq, K, G, H)[:, :T]
     lse = lse.swapaxes(0, 1).reshape(B, nq * bq, K, G)[:, :T]
     return o, lse
+
+
+def _key_block(x, first, size: int, table):
+    """Keys [first, first + size) of every sequence: a slice of x [B, S, K, H], or through the page
+    table [B, W] the pages of a pool [N, P, K, H] that hold them (first a multiple of P)."""
+    if table is None:
+        return jax.lax.dynamic_slice_in_dim(x, first, size, axis=1)
+    P = x.shape[1]
+    pages = jax.lax.dynamic_slice_in_dim(table, first // P, size // P, axis=1)  # [B, size / P]
+    return jnp.take(x, pages, axis=0, mode="clip").reshape(table.shape[0], size, *x.shape[2:])

@@ -10,6 +10,10 @@ KV head), counted on the device from kv_len, so a batch of one still fills the G
 reads a slot past its sequence's length (beyond the last block's tail). combine.fold_splits folds
 the ranges' partial results by their log-sum-exp.
 
+Over a paged cache (paged_cache.py: pools of pages [N, P, K, H] and a page table [B, W]), a block of
+keys is `block_k / P` whole pages, each brought in by a TMA copy of its own: the program reads the
+page ids from the table as it goes.
+
 Only 8 of the 64 rows are real at gpt-oss's decode (one token, 8 query heads per KV head): the
 tensor cores do 8x the useful work, which is still far below what reading the cache costs.
 
@@ -53,16 +57,23 @@ def default_block(programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "splits", "interpret"))
-def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int | None = None,
+def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, splits: int | None = None,
                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """q [B, T, K, G, H], k and v [B, S, K, H] (16-bit), every query seeing keys [0, kv_len[b]) ->
     (o [B, T, K, G, H] float32, lse [B, T, K, G] float32, -inf for a row that saw no key), sink-free.
+    With `table` [B, W]: k and v are pools of pages [N, P, K, H], sequence b's key j in page
+    table[b, j // P] (P a multiple of 8 that divides block_k, or block_k's multiple).
 
-    `block_k`: keys per block (a multiple of 64; by default `default_block`); `splits`: key ranges per
-    (sequence, KV head), by default enough programs for about four per SM of a large GPU."""
+    `block_k`: keys per block (a multiple of 64; by default `default_block`, at least a page); `splits`:
+    key ranges per (sequence, KV head), by default enough programs for about four per SM of a large GPU."""
     B, T, K, G, H = q.shape
-    S = k.shape[1]
+    P = k.shape[1]  # a page's positions (paged), or the cache's slots
+    S = P if table is None else table.shape[1] * P
     block_k = block_k or default_block(B * K)
+    if table is not None:
+        block_k = max(block_k, P)
+        if block_k % P or P % 8:
+            raise ValueError(f"pages of {P} positions must be a multiple of 8 that divides the key block ({block_k})")
     if not supported():
         raise RuntimeError(f"the Mosaic GPU cache attention needs JAX >= 0.11, this is {jax.__version__}")
     if block_k % 64:
@@ -79,8 +90,10 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - T * G), (0, 0)))
     tiles16 = tiles(q.dtype)
 
-    def body(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem,
-             q_bar, k_bar, v_bar):
+    per_block = bk // P if table is not None else 1  # pages a block of keys spans (paged)
+
+    def body(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem,
+             m_smem, l_smem, q_bar, k_bar, v_bar):
         b, kh, part = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
         n = len_ref[b]
         blocks = (n + bk - 1) // bk  # filled key blocks of this sequence
@@ -89,9 +102,20 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
         count = jnp.maximum(jnp.minimum(first + per, blocks) - first, 0)  # this program's blocks
 
         def fetch(i, slot):  # block first + i of this KV head into a buffer slot
-            keys = (b, pl.ds((first + i) * bk, bk), kh)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+            if table is None:
+                keys = (b, pl.ds((first + i) * bk, bk), kh)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+                return
+            for j in range(per_block):  # its pages, each a copy with a barrier of its own
+                page = table_ref[b, jnp.minimum((first + i) * per_block + j, table_ref.shape[1] - 1)]
+                rows = (slot, pl.ds(j * P, P))
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh], k_smem.at[rows], k_bar.at[slot * per_block + j])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh], v_smem.at[rows], v_bar.at[slot * per_block + j])
+
+        def wait(bars, slot):
+            for j in range(per_block):
+                plgpu.barrier_wait(bars.at[slot * per_block + j])
 
         plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar)
 
@@ -112,7 +136,7 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
             def _():  # the next block streams in while this one is scored (its slot was read last step)
                 fetch(i + 1, 1 - slot)
 
-            plgpu.barrier_wait(k_bar.at[slot])
+            wait(k_bar, slot)
 
             def scores(ref):
                 plgpu.wgmma(ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -126,7 +150,7 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bar.at[slot])
+            wait(v_bar, slot)
 
             p_smem[...] = p.astype(p_smem.dtype)  # the tensor cores read both operands from shared memory
             plgpu.commit_smem()
@@ -159,8 +183,9 @@ def cache_attention(q, k, v, kv_len, *, block_k: int | None = None, splits: int 
                            p_smem=plgpu.SMEM((ROWS, bk), v.dtype, transforms=tiles16),
                            o_smem=plgpu.SMEM((ROWS, H), f32, transforms=tiles(f32)),
                            m_smem=plgpu.SMEM((ROWS,), f32), l_smem=plgpu.SMEM((ROWS,), f32),
-                           q_bar=plgpu.Barrier(), k_bar=plgpu.Barrier(num_barriers=2),
-                           v_bar=plgpu.Barrier(num_barriers=2)))
-    o, m, l = kernel(kv_len.astype(jnp.int32), rows, k, v)
+                           q_bar=plgpu.Barrier(), k_bar=plgpu.Barrier(num_barriers=2 * per_block),
+                           v_bar=plgpu.Barrier(num_barriers=2 * per_block)))
+    pages = jnp.zeros((1, 1), jnp.int32) if table is None else table.astype(jnp.int32)
+    o, m, l = kernel(kv_len.astype(jnp.int32), pages, rows, k, v)
     lse = lse_of(m / LOG2E, l)  # the row max in the natural base
     return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)

@@ -3,7 +3,7 @@
 Each returns (o, lse) of sink-free attention over one set of keys, as every attention kernel here
 does; the caller folds in the sinks and the new tokens' own part (combine.py).
 - `prefix`: full layers: every query sees keys [0, lengths[b]) of its sequence, gathered through the
-  table (a page at a time for prompts, blockwise.py's loop).
+  table (whole for decode over short tables, else a block of pages at a time: blockwise.py's loop).
 - `window`: sliding layers: the queries see the cached keys inside their window, read from the
   `window_pages` pages that can hold them, whatever the context's length.
 - `write`: the new tokens' keys (or values) into their pages, at their positions.
@@ -26,10 +26,16 @@ def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
     return jnp.take(pool, pages, axis=0, mode="clip").reshape(B, n * pool.shape[1], *pool.shape[2:])
 
 
-def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16):
+def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16, dense_keys: int = 4096):
     """q [B, T, K, G, H] after every key of its sequence: keys [0, lengths) through table [B, W]
-    -> (o, lse)."""
-    return xla.prefix(q, gather(pool_k, table), gather(pool_v, table), lengths, block=block, dense_max=dense_max)
+    -> (o, lse). Decode-sized queries over tables of at most `dense_keys` positions gather every
+    page at once; otherwise key blocks of whole pages are gathered in turn, up to the longest length."""
+    B, T = q.shape[:2]
+    if T <= dense_max and table.shape[1] * pool_k.shape[1] <= dense_keys:
+        return xla.prefix(q, gather(pool_k, table), gather(pool_v, table), lengths, block=block, dense_max=dense_max)
+    after_all = jnp.full((B, T), table.shape[1] * pool_k.shape[1], jnp.int32)  # queries past every key
+    return xla.blockwise(q, pool_k, pool_v, window=None, q_pos=after_all, kv_len=lengths, q_block=block,
+                         kv_block=block, table=table)
 
 
 def window(q, pool_k, pool_v, table, lengths, q_pos, *, window: int, pages: int):
