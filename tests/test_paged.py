@@ -284,3 +284,13 @@ def test_a_request_that_cannot_fit_alone_is_refused_at_once(model):
     engine.submit([1] * 20, Settings(max_new_tokens=20))  # 5 + 6 pages: fits
     with pytest.raises(ValueError, match="holds no page"):
         Engine(config, params, kv_memory=page_bytes(config, 64, jnp.float32) - 1)
+
+
+def test_without_prefix_reuse_every_prompt_is_computed_whole(model, alone):
+    config, params = model
+    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, prefix_reuse=False)
+    system = _tokens(config, 600, 40)
+    requests = _run(engine, [system + _tokens(config, 601, 5), system + _tokens(config, 602, 5)], 6)
+    assert [r.cached_tokens for r in requests] == [0, 0]
+    assert all(r.output_ids == alone(r.prompt_ids, 6) for r in requests)
+    assert engine.stats()["pages_cached"] == 0

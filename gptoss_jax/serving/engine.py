@@ -70,12 +70,13 @@ class Engine:
     slots: the most sequences running at once (rows of the page tables; a decode step runs the
     smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
-    where JAX does not say, room for `slots` sequences of `max_len`)."""
+    where JAX does not say, room for `slots` sequences of `max_len`). prefix_reuse=False: every prompt
+    is computed whole (for comparison)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
                  tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
-                 decode_sizes: Sequence[int] | None = None):
+                 decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:
@@ -96,7 +97,7 @@ class Engine:
         count = pages if pages is not None else pool_pages(config, page_size, self.dtype, kv_memory, fallback=slots * (
             self.width + sliding_most(config, page_size, prefill_chunk)))
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, reuse=prefix_reuse)
         self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
         self._tables = self._put(np.zeros((2, slots, self.width), np.int32))
         self._last = self._put(np.zeros(slots, np.int32))  # each row's latest token, on the devices

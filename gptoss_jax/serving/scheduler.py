@@ -53,8 +53,9 @@ class Scheduler:
     """`slots` rows over a pool of `pages` pages of `page_size` positions (see the module)."""
 
     def __init__(self, config: ModelConfig, *, slots: int, page_size: int, pages: int, prefill_chunk: int,
-                 metrics: Metrics):
+                 metrics: Metrics, reuse: bool = True):
         self.config, self.slots, self.page_size, self.prefill_chunk = config, slots, page_size, prefill_chunk
+        self.reuse = reuse  # False: no prefix is looked up or named (every prompt computed whole)
         self.metrics = metrics
         self.sliding_most = sliding_most(config, page_size, prefill_chunk)
         self.pages = Pages(pages)
@@ -87,6 +88,8 @@ class Scheduler:
         """The longest cached prefix of whole pages before the request's last token (which is always
         computed, for its logits): (full-layer pages from the first, sliding-layer pages of its last
         window by logical page)."""
+        if not self.reuse:
+            return [], {}
         tokens, P = self._tokens_of(request), self.page_size
         names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P)
         full = []
@@ -187,6 +190,8 @@ class Scheduler:
     def _name_pages(self, seq: Seq) -> None:
         """Name the sequence's pages that are whole (every position queued into the cache) and whose
         tokens are known (a reply's are once read)."""
+        if not self.reuse:
+            return
         known = self._tokens_of(seq.request)
         whole = min(len(known), seq.length) // self.page_size
         names = extend_hashes(seq.request._page_names, known[:whole * self.page_size], self.page_size)
