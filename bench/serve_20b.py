@@ -3,7 +3,7 @@ engine (gptoss_jax.serving.Engine) against Hugging Face transformers' continuous
 (ContinuousBatchingManager) on the same GPU in the same run, on the same requests.
 
     python bench/serve_20b.py [--experts bf16,mxfp4] [--concurrency 1,16,64,256] [--arrivals all,poisson]
-        [--prompt 1024] [--new 1024] [--prefill 8x512] [--multistep 8] [--skip-peer] [--skip-jax]
+        [--prompt 1024] [--new 1024] [--prefill 8x512] [--skip-peer] [--skip-jax]
 
 For each concurrency c: c requests of `--prompt` random token ids each (the same ids for both), each
 asking for exactly `--new` tokens (greedy, no stop token), into an engine of c slots;
@@ -16,8 +16,7 @@ the process's peak on the GPU so far. Each configuration is warmed up first (com
 graphs) outside the timed runs. The engine's "CLI batch 1" row is `Generator` (what the command
 line runs) decoding one request of the same shape: the reference for the inter-token latency at
 concurrency 1. `--prefill ROWSxCHUNK,...` runs the engine once per prompt-prefill shape (prompts
-prefilled together x tokens of each per step). `--multistep K` also times, at the smallest and the
-largest concurrency, K decode steps of every slot in one jitted call against one call a step.
+prefilled together x tokens of each per step).
 
 Each framework runs in a process of its own, one after the other, each alone on the GPU.
 """
@@ -158,62 +157,7 @@ def run_jax(args) -> dict:
                           flush=True)
             sys.setswitchinterval(0.005)
         engine.stop()
-        if args.multistep > 1 and c in (min(args.concurrency), max(args.concurrency)) and shape == args.prefill[0]:
-            engine._cache = None  # room for the probe's own cache
-            out[f"multistep_c{c}"] = multistep_probe(engine, args.multistep, args.prompt)
-            print(f"c={c} multistep: {out[f'multistep_c{c}']}", file=sys.stderr, flush=True)
         del engine
-    return out
-
-
-def multistep_probe(engine, k: int, context: int, total: int = 128) -> dict:
-    """Milliseconds per decode step of all the engine's slots at `context` cached tokens, with the
-    engine's jitted decode and greedy pick: one call a step, queued back to back as the engine does,
-    against k steps per call (a fori_loop inside one jitted call): what fewer host round trips win."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from gptoss_jax.cache import init_cache
-    from gptoss_jax.serving import steps
-
-    S = engine.slots
-    settings = engine._sampling_arrays([None] * S)
-    config, kernels, mesh = engine._model
-
-    @functools.partial(jax.jit, donate_argnames=("cache",))
-    def k_steps(params, cache, last, done, *settings):
-        def body(i, carry):
-            cache, last = carry
-            logits, cache = steps.decode_slots(config, kernels, mesh, params, cache, last, done + i)
-            return cache, steps.pick_next(mesh, "greedy", logits, last, done + i, *settings)
-        return jax.lax.fori_loop(0, k, body, (cache, last))
-
-    def fresh():  # random latest tokens: the slots' tokens route to experts as real traffic does
-        cache = init_cache(config, S, engine.max_len, engine.params["embedding"].dtype, mesh=mesh)
-        cache["lengths"] = jnp.full_like(cache["lengths"], context)
-        return cache, engine._put(np.random.default_rng(0).integers(0, config.vocab_size, S, dtype=np.int32))
-
-    def one_a_call(cache, last, n):
-        for i in range(n):
-            done = jnp.full(S, i, jnp.int32)
-            logits, cache = steps.decode_slots(config, kernels, mesh, engine.params, cache, last, done)
-            last = steps.pick_next(mesh, "greedy", logits, last, done, *settings)
-        return jax.block_until_ready(last)
-
-    def k_a_call(cache, last, n):
-        for i in range(0, n, k):
-            cache, last = k_steps(engine.params, cache, last, jnp.full(S, i, jnp.int32), *settings)
-        return jax.block_until_ready(last)
-
-    out = {}
-    for name, run in (("one_step_per_call_ms", one_a_call), (f"{k}_steps_per_call_ms", k_a_call)):
-        run(*fresh(), k)  # compile
-        cache, last = fresh()
-        t = time.perf_counter()
-        run(cache, last, total)
-        out[name] = 1e3 * (time.perf_counter() - t) / total
     return out
 
 
@@ -392,9 +336,6 @@ def table(results: dict, args) -> str:
         if "cli_batch1" in r:
             lines.append(f"| {name}: command line, batch 1 | | 1 | | {f(1e3 / r['cli_batch1']['itl_mean_ms'], 0)} | | "
                          f"{f(r['cli_batch1']['ttft_ms'], 0)} | mean {f(r['cli_batch1']['itl_mean_ms'], 2)} | |")
-        for key in (k for k in r if k.startswith("multistep_")):
-            lines.append(f"| {name}: decode ms a step, {key[len('multistep_'):]} | " + ", ".join(
-                f"{k.replace('_ms', '').replace('_', ' ')} {v:.2f}" for k, v in r[key].items()) + " | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -411,8 +352,6 @@ def main() -> None:
     parser.add_argument("--prefill", default="8x512",
                         help="the engine's prompt prefill shapes, ROWSxCHUNK: prompts prefilled together x tokens of "
                              "each per step; several (comma-separated) run one after the other")
-    parser.add_argument("--multistep", type=int, default=0,
-                        help="also time K decode steps per jitted call against one (0: skip)")
     parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")
     parser.add_argument("--peer-memory", type=float, default=0.6, help="transformers' max_memory_percent (its cache)")
     parser.add_argument("--skip-peer", action="store_true")

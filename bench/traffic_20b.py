@@ -1,0 +1,211 @@
+"""Serving full-size gpt-oss-20b (synthetic weights) on one GPU under traffic shaped like real use, on
+the paged KV cache: multi-turn agents that resend a shared system prompt and their whole history,
+long and mixed contexts at the model's full context, and 1k/1k at high concurrency.
+
+    python bench/traffic_20b.py [--experts bf16] [--parts agents,long,uniform] [--uniform 256,512,1024]
+        [--long 64,256] [--conversations 64] [--turns 8] [--system 2000] [--page-size 64] [--json FILE]
+
+- agents: `--conversations` conversations arriving as a Poisson process over `--window` seconds, all
+  starting with the same `--system`-token system prompt (an agent's instructions and tool
+  definitions); `--turns` turns each: a user message of 100-300 tokens, a reply of exactly 200-400
+  tokens (greedy, no stop), each turn sending the whole conversation so far. Run with prefix reuse
+  on and off (Engine(prefix_reuse=...)): output tokens/s, time to first token p50/p99 over every
+  turn, and the share of prompt tokens found in the cache.
+- long: at max context 131,072, c requests at once with prompt lengths log-normal (median 2,000,
+  capped at 100,000) and replies of 200-1,000 tokens: output tokens/s and the sequences running at
+  once (sampled every 50 ms), against the same engine allowed only the sequences a static cache of
+  [slots, 131,072] would hold in the same memory (the pool's positions / 131,072).
+- uniform: c requests of 1,024 random prompt tokens and 1,024 new tokens each, all at once.
+
+Token ids are random (the same for every run, by seed); every figure comes from the engine's own
+request timings (Request.token_times). One process, one GPU; each engine is warmed up first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_20b import summary  # noqa: E402  (the same rates and percentiles as the 1k/1k bench)
+
+def agents_workload(vocab: int, args):
+    """(system prompt, per conversation: arrival time, [(user message, reply length)] per turn)."""
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, vocab, args.system).tolist()
+    gaps = rng.exponential(args.window / args.conversations, args.conversations)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    turns = [[(rng.integers(0, vocab, int(rng.integers(100, 301))).tolist(), int(rng.integers(200, 401)))
+              for _ in range(args.turns)] for _ in range(args.conversations)]
+    return system, arrivals, turns
+
+
+def run_agents(engine, config, args, Settings, greedy) -> dict:
+    system, arrivals, turns = agents_workload(config.vocab_size, args)
+    done = []  # (prompt length, submitted, token times)
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def conversation(i):
+        time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        history = list(system)
+        for user, reply in turns[i]:
+            history += user
+            submitted = time.perf_counter()
+            request = engine.submit(history, Settings(max_new_tokens=reply, sampling=greedy))
+            request.result()
+            with lock:
+                done.append((len(history), submitted, request.token_times))
+            history += request.output_ids
+
+    before = engine.stats()
+    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(turns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = engine.stats()
+    s = summary([d[0] for d in done], [d[1] for d in done], [d[2] for d in done])
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    s.update(prompt_tokens=prompt, cached_share=(after["cached_prompt_tokens"] - before["cached_prompt_tokens"]) / prompt,
+             preemptions=after["preemptions"] - before["preemptions"])
+    return s
+
+
+def long_workload(vocab: int, c: int, context: int):
+    rng = np.random.default_rng(100 + c)
+    replies = rng.integers(200, 1001, c)
+    lengths = np.minimum(rng.lognormal(np.log(2000), 1.0, c).astype(int) + 1, min(100_000, context - 1_000))
+    return [rng.integers(0, vocab, n).tolist() for n in lengths], [int(r) for r in replies]
+
+
+def run_batch(engine, prompts, replies, Settings, greedy) -> dict:
+    """Every request at once; the sequences running at once sampled every 50 ms."""
+    running, stop = [], threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            running.append(engine.stats()["running"])
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    submitted, requests = [], []
+    for p, n in zip(prompts, replies):
+        submitted.append(time.perf_counter())
+        requests.append(engine.submit(p, Settings(max_new_tokens=n, sampling=greedy)))
+    for r in requests:
+        r.result()
+    stop.set()
+    sampler.join()
+    assert all(len(r.output_ids) == n for r, n in zip(requests, replies))
+    s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
+    s.update(running_max=max(running, default=0), running_mean=float(np.mean(running)) if running else 0.0,
+             preemptions=engine.stats()["preemptions"])
+    return s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt-oss-20b")
+    parser.add_argument("--experts", default="bf16", choices=("bf16", "mxfp4"))
+    parser.add_argument("--parts", default="agents,long,uniform")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system", type=int, default=2000, help="shared system prompt tokens (agents)")
+    parser.add_argument("--window", type=float, default=20.0, help="agents: conversations arrive over this many s")
+    parser.add_argument("--agent-slots", type=int, default=64, help="agents: the engine's slots")
+    parser.add_argument("--long", default="64,256", help="long: concurrencies")
+    parser.add_argument("--uniform", default="256,512,1024", help="uniform 1k/1k: concurrencies")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--prefill", default="8x512", help="ROWSxCHUNK: prompts prefilled together x tokens each")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    rows, chunk = (int(x) for x in args.prefill.split("x"))
+    parts = args.parts.split(",")
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+    import jax
+
+    import gptoss_jax as gj
+    from gptoss_jax.sampling import Sampling
+    from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.testing import random_params_on_device
+
+    config = gj.ModelConfig.preset(args.preset)
+    params = jax.block_until_ready(random_params_on_device(
+        config, seed=0, experts="mxfp4" if args.experts == "mxfp4" else None))
+    kernels = gj.Kernels()
+    greedy = Sampling(temperature=0.0)
+    out = {"framework": f"gptoss-jax ({args.experts} experts), jax {jax.__version__}",
+           "device": jax.devices()[0].device_kind, "kernels": kernels.describe(packed=args.experts == "mxfp4"),
+           "runs": {}}
+
+    def engine_for(slots, max_len, **kw):
+        t = time.perf_counter()
+        engine = Engine(config, params, slots=slots, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(rows, slots),
+                        max_waiting=100_000, kernels=kernels, page_size=args.page_size, **kw)
+        engine.warm_up()
+        engine.submit(list(range(16)), Settings(max_new_tokens=4))  # the first steps' host paths, untimed
+        engine.run_until_idle()
+        engine.start()
+        print(f"engine: {slots} slots, {engine.scheduler.pages.count} pages ({engine.pool_tokens:,} positions), "
+              f"warm-up {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        return engine
+
+    def close(engine):
+        engine.stop()
+        engine._pool = None  # the pool's memory back before the next engine sizes its own
+        gc.collect()
+
+    def record(name, s):
+        out["runs"][name] = s
+        print(f"{name}: {json.dumps(s)}", file=sys.stderr, flush=True)
+
+    if "agents" in parts:
+        for reuse in (True, False):
+            engine = engine_for(args.agent_slots, min(32_768, config.max_context_length), prefix_reuse=reuse)
+            record(f"agents, reuse {'on' if reuse else 'off'}", run_agents(engine, config, args, Settings, greedy))
+            close(engine)
+    if "uniform" in parts:
+        for c in (int(x) for x in args.uniform.split(",")):
+            engine = engine_for(c, 2048)
+            prompts = [np.random.default_rng(1000 + c + i).integers(0, config.vocab_size, 1024).tolist()
+                       for i in range(c)]
+            record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
+            close(engine)
+    context = config.max_context_length  # 131,072 for gpt-oss
+    if "long" in parts:
+        for c in (int(x) for x in args.long.split(",")):
+            prompts, replies = long_workload(config.vocab_size, c, context)
+            engine = engine_for(c, context)
+            record(f"long, c={c}, paged", run_batch(engine, prompts, replies, Settings, greedy))
+            static = max(1, engine.pool_tokens // context)  # what [slots, 131072] holds in the same memory
+            close(engine)
+            engine = engine_for(static, context)
+            record(f"long, c={c}, {static} sequences (a static cache's)", run_batch(engine, prompts, replies, Settings,
+                                                                                     greedy))
+            close(engine)
+    out["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+    f = lambda x, d=0: "-" if x is None else f"{x:,.{d}f}"  # noqa: E731
+    print("| run | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | cached share | running max / mean | "
+          "preemptions |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name, s in out["runs"].items():
+        print(f"| {name} | {f(s['output_tokens_per_s'])} | {f(s['ttft_p50_ms'])} / {f(s['ttft_p99_ms'])} | "
+              f"{f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s.get('cached_share'), 3)} | "
+              f"{s.get('running_max', '-')} / {f(s.get('running_mean'), 1)} | {s.get('preemptions', 0)} |")
+
+
+if __name__ == "__main__":
+    main()
