@@ -358,7 +358,7 @@ class Engine:
         for at in range(0, len(writes), TABLE_WRITES):
             part = np.full((4, TABLE_WRITES), self.slots, np.int32)  # row `slots`: padding, dropped
             part[:, :len(writes[at:at + TABLE_WRITES])] = np.array(writes[at:at + TABLE_WRITES], np.int32).T
-            self._tables = steps.write_tables(self._tables, *(self._put(x) for x in part))
+            self._tables = steps.write_tables(self._tables, self._put(part))
 
     # Prefill and decode ---------------------------------------------------------------------------------
 
@@ -366,13 +366,11 @@ class Engine:
                       finishing: list[bool], sample_steps: list[int], mode: str):
         """prefill_rows and pick_first for these rows (None: a padding row) -> their first tokens [P]
         on the devices."""
-        rows = self._put(np.array([self.slots if s is None else s.row for s in seqs], np.int32))
-        logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables, rows,
-                                                self._put(tokens), self._put(np.array(counts, np.int32)),
-                                                self._put(np.array(starts, np.int32)))
-        sampling = self._sampling_arrays([None if s is None else s.request for s in seqs])
-        first, self._last = steps.pick_first(self.mesh, mode, logits, self._last, rows, self._put(np.array(finishing)),
-                                             self._put(np.array(sample_steps, np.int32)), *sampling)
+        rows = [self.slots if s is None else s.row for s in seqs]
+        plan = self._put(np.array([rows, counts, starts, finishing, sample_steps], np.int32))
+        logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables,
+                                                self._put(tokens), plan)
+        first, self._last = steps.pick_first(self.mesh, mode, logits, self._last, plan, *self._settings()[:-1])
         return first
 
     def _prefill(self, prefilling: list[Seq]):
@@ -401,17 +399,20 @@ class Engine:
     def _decode_call(self, seqs: list[Seq | None], lengths: list[int], sample_steps: list[int]):
         """decode_rows and pick_next with each row's sampling step (-1: padding) -> the latest tokens [R]
         on the devices."""
+        *settings, mode = self._settings()
+        plan = self._put(np.array([[self.slots if s is None else s.row for s in seqs], lengths, sample_steps], np.int32))
+        logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, plan)
+        self._last = steps.pick_next(self.mesh, mode, logits, self._last, plan, *settings)
+        return self._last
+
+    def _settings(self):
+        """Every row's sampling settings on the devices [R] (sent again only when a row has changed hands)
+        and the decode step's sampling mode for them."""
         if self._row_settings is None or self._row_settings[0] != self.scheduler.changes:
             requests = [s and s.request for s in self.scheduler.rows]
             mode = rows_mode([r.settings.sampling for r in requests if r is not None])
             self._row_settings = (self.scheduler.changes, *self._sampling_arrays(requests), mode)
-        _, *settings, mode = self._row_settings
-        rows = self._put(np.array([self.slots if s is None else s.row for s in seqs], np.int32))
-        sample_steps = np.array(sample_steps, np.int32)
-        logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, rows,
-                                               self._put(np.array(lengths, np.int32)), self._put(sample_steps >= 0))
-        self._last = steps.pick_next(self.mesh, mode, logits, self._last, rows, self._put(sample_steps), *settings)
-        return self._last
+        return self._row_settings[1:]
 
     def _decode(self, decoding: list[Seq]):
         """Queue one decode step of these sequences -> (their tokens on the devices, the rows)."""

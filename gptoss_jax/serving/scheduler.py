@@ -43,6 +43,7 @@ class Seq:
     length: int = 0  # positions in the cache once the queued steps have run
     queued: int = 0  # tokens sampled so far, read or not (the next one's sampling step)
     named: int = 0  # its first pages that carry their names, those found in the cache included
+    released: int = 0  # its sliding pages before this one are released (out of the window)
 
     @property
     def prefilling(self) -> bool:
@@ -162,7 +163,7 @@ class Scheduler:
         decoding one), earliest admitted first; where the pool runs out, the most recently admitted
         sequences are preempted (even the one growing) -> (prefilling, decoding) still running."""
         grow = {id(s): min(self.prefill_chunk, len(s.tokens) - s.length) for s in prefilling}
-        grow.update((id(s), 1) for s in decoding)
+        grow.update((id(s), 1) for s in decoding if s.length % self.page_size == 0)  # else its page is held
         for seq in list(self.admitted):
             while id(seq) in grow and self.rows[seq.row] is seq and not self._grow(seq, seq.length + grow[id(seq)]):
                 self.preempt(self.admitted[-1])
@@ -207,8 +208,10 @@ class Scheduler:
         if seq.length // self.page_size > seq.named:
             self._name_pages(seq)
         gone = (seq.length - self.config.sliding_window + 1) // self.page_size  # pages wholly before the window
-        for i in [i for i in seq.sliding if i < gone]:
-            self.pages.release(seq.sliding.pop(i))
+        if gone > seq.released:
+            for i in [i for i in seq.sliding if i < gone]:
+                self.pages.release(seq.sliding.pop(i))
+            seq.released = gone
 
 
 def decode_sizes_for(slots: int) -> list[int]:

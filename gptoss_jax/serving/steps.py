@@ -9,11 +9,16 @@ steps without reading their tokens first.
   real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
   logits at each row's last real token; the pool is donated and written in place.
 - `pick_first`: the first tokens of the rows whose chunk ended their prompt (`finishing`), each by its
-  own settings at its own sampling step, written into those rows' latest tokens.
-- `decode_rows`: one step of B rows (a bucket of the running ones; `active` false: padding, whose
+  row's settings at its own sampling step, written into those rows' latest tokens.
+- `decode_rows`: one step of B rows (a bucket of the running ones; sampling step -1: padding, whose
   cache is neither read for a result nor written) from the rows' latest tokens -> logits [B, V].
-- `pick_next`: each active row's next token by its settings (held per row [R], gathered) -> the
-  latest tokens [R], those rows' replaced.
+- `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
+  rows' replaced.
+
+What changes from step to step comes as one int32 array (a `plan`), so that the host sends one
+small copy a step: for a prefill [5, P] (rows, counts, starts, finishing, sampling steps), for a
+decode [3, B] (rows, lengths, sampling steps). The sampling settings are held per row [R] on the
+devices, sent again only when a row changes hands, and gathered by the picks.
 
 The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`) is
 chosen on the host for the rows at hand, without compiling the model step three times or branching
@@ -36,9 +41,9 @@ from ..sharding import everywhere
 
 
 @functools.partial(jax.jit, donate_argnames=("tables",))
-def write_tables(tables, groups, rows, cols, pages):
-    """tables [2, R, W]; groups, rows, cols, pages [U] int32 (row R: padding) -> tables."""
-    return tables.at[groups, rows, cols].set(pages, mode="drop")
+def write_tables(tables, writes):
+    """tables [2, R, W]; writes int32 [4, U]: groups, rows, columns, pages (row R: padding) -> tables."""
+    return tables.at[writes[0], writes[1], writes[2]].set(writes[3], mode="drop")
 
 
 def _view(pool, tables, rows, lengths) -> dict:
@@ -46,9 +51,10 @@ def _view(pool, tables, rows, lengths) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",))
-def prefill_rows(config, kernels, mesh, params, pool, tables, rows, tokens, counts, starts):
-    """rows, counts and starts [P] int32, tokens [P, C] int32 -> (logits [P, V] float32 at each row's
-    last real token, pool). A padding row (counts 0) writes nothing."""
+def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
+    """tokens [P, C] int32, plan [5, P] (rows, counts, starts, ...) -> (logits [P, V] float32 at each
+    row's last real token, pool). A padding row (counts 0) writes nothing."""
+    rows, counts, starts = plan[0], plan[1], plan[2]
     valid = jnp.arange(tokens.shape[1])[None] < counts[:, None]  # [P, C]
     logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
         {"params": params}, tokens, _view(pool, tables, rows, starts), valid, logits_at=jnp.maximum(counts - 1, 0))
@@ -56,17 +62,21 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, rows, tokens, coun
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def pick_first(mesh, mode, logits, last, rows, finishing, steps, seeds, temperature, top_k, top_p, min_p):
-    """logits [P, V]; rows, finishing, each row's sampling step and its settings [P] -> (first tokens
-    [P] int32, meaningful where finishing; last [R] with the finishing rows set to them)."""
-    first = sample_rows(logits, seeds, steps, temperature, top_k, top_p, min_p, mode)
+def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p):
+    """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row [R]
+    -> (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them)."""
+    rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
+    settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
+    first = sample_rows(logits, settings[0], steps, *settings[1:], mode=mode)
     last = last.at[jnp.where(finishing, rows, last.shape[0])].set(first, mode="drop")
     return everywhere(first, mesh), everywhere(last, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",))
-def decode_rows(config, kernels, mesh, params, pool, tables, last, rows, lengths, active):
-    """rows, lengths (each row's cached positions) and active [B] -> (logits [B, V], pool)."""
+def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
+    """plan [3, B]: rows, lengths (each row's cached positions), sampling steps (-1: padding) ->
+    (logits [B, V], pool)."""
+    rows, lengths, active = plan[0], plan[1], plan[2] >= 0
     tokens = jnp.take(last, rows, mode="clip")[:, None]  # [B, 1]
     logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
         {"params": params}, tokens, _view(pool, tables, rows, lengths), active[:, None])
@@ -74,8 +84,10 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, rows, lengths
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def pick_next(mesh, mode, logits, last, rows, steps, seeds, temperature, top_k, top_p, min_p):
-    """logits [B, V], rows and steps [B] (-1: padding), the settings of every row [R] -> last [R]."""
+def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p):
+    """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row [R]
+    -> last [R]."""
+    rows, steps = plan[0], plan[2]
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     next_tokens = sample_rows(logits, settings[0], jnp.maximum(steps, 0), *settings[1:], mode=mode)
     return everywhere(last.at[jnp.where(steps >= 0, rows, last.shape[0])].set(next_tokens, mode="drop"), mesh)
