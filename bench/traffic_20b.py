@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_20b import summary  # noqa: E402  (the same rates and percentiles as the 1k/1k bench)
+from serve_20b import summary, workload  # noqa: E402  (the 1k/1k bench's prompts, rates and percentiles)
 
 def agents_workload(vocab: int, args):
     """(system prompt, per conversation: arrival time, [(user message, reply length)] per turn)."""
@@ -177,8 +177,7 @@ def main() -> None:
     if "uniform" in parts:
         for c in (int(x) for x in args.uniform.split(",")):
             engine = engine_for(c, 2048)
-            prompts = [np.random.default_rng(1000 + c + i).integers(0, config.vocab_size, 1024).tolist()
-                       for i in range(c)]
+            prompts = workload(config.vocab_size, c, "all", argparse.Namespace(prompt=1024))[0]  # serve_20b.py's
             record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
             close(engine)
     context = config.max_context_length  # 131,072 for gpt-oss

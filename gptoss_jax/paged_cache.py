@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import ModelConfig
 from .sharding import sharding, zeros_on_devices
@@ -79,7 +80,12 @@ def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None
         kv_memory = int(POOL_SHARE * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
     if kv_memory < per_page:
         raise ValueError(f"{kv_memory / 2**20:.1f} MiB of KV memory holds no page of {per_page / 2**20:.2f} MiB")
-    return kv_memory // per_page
+    pages = kv_memory // per_page
+    if jax.process_count() > 1:  # every process runs the same steps, so they hold the same pool: the smallest
+        from jax.experimental import multihost_utils  # (here: only with several processes)
+
+        pages = int(np.min(multihost_utils.process_allgather(np.array([pages], np.int64), tiled=True)))
+    return pages
 
 
 def pool_shapes(config: ModelConfig, pages: int, page_size: int, dtype=jnp.bfloat16) -> dict:

@@ -38,7 +38,8 @@ class ScriptedEngine:
     """Engine.submit's contract, replying to every request with `reply` (token ids), one token every
     `delay` seconds; `prompts` records what was submitted; `full` makes submit refuse (QueueFull);
     `fail_after` N: each request fails (finish reason "error", with `FAILURE` as the engine's
-    message) after N tokens."""
+    message) after N tokens; `cached` N: each request finds N prompt tokens in the KV cache (at most
+    all but its last)."""
 
     FAILURE = "XlaRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS in /opt/secret/site-packages/jaxlib"
 
@@ -47,6 +48,7 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.full = False
         self.fail_after: int | None = None
+        self.cached = 0
         self.alive = True  # Engine.alive: the engine's thread runs
         self.running: list[Request] = []
 
@@ -56,6 +58,7 @@ class ScriptedEngine:
         if len(prompt_ids) + settings.max_new_tokens > self.max_len:
             raise ValueError("too long")
         request = Request(len(self.prompts), prompt_ids, settings, listener)
+        request.cached_tokens = min(self.cached, len(prompt_ids) - 1)  # admitted at once
         self.prompts.append(list(prompt_ids))
         self.running.append(request)
         threading.Thread(target=self._run, args=(request,), daemon=True).start()
@@ -79,7 +82,9 @@ class ScriptedEngine:
         request._finish(reason, time.perf_counter(), error=error)
 
     def stats(self) -> dict:
-        return {"running": len(self.running), "waiting": 0, "slots_in_use": len(self.running), "slots": 8,
-                "prompt_tokens": 0, "generated_tokens": 0, "generated_tokens_per_s": 0.0, "finished": {},
+        return {"running": len(self.running), "prefilling": 0, "waiting": 0, "slots_in_use": len(self.running),
+                "slots": 8, "pages": 64, "pages_in_use": len(self.running), "pages_cached": 0, "page_size": 64,
+                "pages_evicted": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "prefix_hit_rate": 0.0,
+                "preemptions": 0, "generated_tokens": 0, "generated_tokens_per_s": 0.0, "finished": {},
                 "rejected": 0, "time_to_first_token_s": {"p50": None, "p90": None, "p99": None},
                 "inter_token_latency_s": {"p50": None, "p90": None, "p99": None}}

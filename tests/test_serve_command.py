@@ -10,6 +10,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -95,6 +96,14 @@ def serve(*flags: str, code: str | None = None) -> Process:
                    "none", *flags, code=code)
 
 
+def ended(process: Process, timeout: float) -> int:
+    """The process's exit status once it ends by itself (closed either way)."""
+    try:
+        return process.wait(timeout)
+    finally:
+        process.close()
+
+
 def port_of(base: str) -> int:
     return int(base.rsplit(":", 1)[1])
 
@@ -158,10 +167,7 @@ def test_a_port_in_use_is_said_in_one_line_before_anything_loads():
         other.listen()
         port = other.getsockname()[1]
         process = serve("--port", str(port))  # the later --port wins
-        try:
-            code = process.wait(60)
-        finally:
-            process.close()
+        code = ended(process, 60)
     lines = process.stderr.splitlines()
     assert code == 1, process.stderr
     assert len(lines) == 1 and lines[0].startswith("gptoss-serve: error: "), lines
@@ -213,6 +219,43 @@ def test_silent_and_slow_clients_are_closed_after_the_read_timeout(idle):
 
 
 @needs_vocab
+def test_the_start_up_says_what_the_kv_cache_holds(idle):
+    """One line: the pool's pages, the tokens they hold and their memory (on a CPU, room for --slots 2
+    sequences of --max-context 128: two full pages each, and their sliding layers' pages)."""
+    process, _ = idle
+    line = next(line for line in process.stderr.splitlines() if "KV cache:" in line)
+    said = re.fullmatch(r"gptoss-serve: KV cache: (\d+) pages of 64 positions \((\d+) tokens\), [\d.]+ MiB", line)
+    assert said, line
+    pages, tokens = int(said[1]), int(said[2])
+    assert tokens == 64 * pages and pages >= 2 * 2, line
+
+
+@needs_vocab
+def test_the_kv_cache_flags_reach_the_engine_and_a_pool_too_small_is_said():
+    """--page-size, --kv-memory-gb and --no-prefix-cache make the pool the start-up line describes; a
+    pool that cannot hold one request of --max-context stops the server, exit 1, before compiling,
+    with a line naming both flags."""
+    code = ended(process := serve("--page-size", "32", "--kv-memory-gb", "0.0001", "--no-prefix-cache"), 120)
+    lines = process.stderr.splitlines()
+    assert code == 1, process.stderr
+    # 0.0001 GiB in pages of 16 KiB (the demo model: 2 storages, 32 positions of 2 x 2 x 16 float32 each)
+    assert "gptoss-serve: KV cache: 6 pages of 32 positions (192 tokens), 0.1 MiB; prefix cache off" in lines, lines
+    assert lines[-1].startswith("error: the KV cache's 6 pages (192 positions) cannot hold one request of "
+                                "--max-context 128, which needs 9"), lines
+    assert "--kv-memory-gb" in lines[-1] and "compiling" not in process.stderr
+
+
+def test_the_max_context_is_the_models_by_default():
+    from gptoss_jax.config import ModelConfig
+
+    config = ModelConfig.demo()
+    assert cli.max_context(cli.build_parser().parse_args([]), config) == config.max_context_length == 8192
+    assert cli.max_context(cli.build_parser().parse_args(["--max-context", "100"]), config) == 100
+    with pytest.raises(cli.UsageError, match="--max-context 9000 exceeds the model's context of 8192"):
+        cli.max_context(cli.build_parser().parse_args(["--max-context", "9000"]), config)
+
+
+@needs_vocab
 def test_sigterm_when_idle_exits_0(idle):
     process, _ = idle
     assert process.stop() == 0, process.stderr
@@ -250,10 +293,7 @@ def test_a_failed_warm_up_exits_1():
             "from gptoss_jax.server.cli import entry\n"
             "entry('gptoss-serve')\n")
     process = serve(code=code)
-    try:
-        exit_code = process.wait(120)
-    finally:
-        process.close()
+    exit_code = ended(process, 120)
     assert exit_code == 1, process.stderr
     assert process.stderr.splitlines()[-1] == ("gptoss-serve: error: warming up failed: RuntimeError: "
                                                "RESOURCE_EXHAUSTED: out of memory while compiling")
@@ -348,6 +388,11 @@ def test_allowed_hosts():
     (["--max-connections", "0"], "--max-connections must be at least 1"),
     (["--max-body-mb", "nan"], "--max-body-mb must be a number above 0"),
     (["--grace", "inf"], "--grace must be"),
+    (["--page-size", "0"], "--page-size must be at least 1, got 0"),
+    (["--page-size", "12"], "--page-size must be a multiple of 8, got 12"),
+    (["--kv-memory-gb", "0"], "--kv-memory-gb must be a number above 0, got 0"),
+    (["--kv-memory-gb", "-2"], "--kv-memory-gb must be a number above 0"),
+    (["--kv-memory-gb", "inf"], "--kv-memory-gb must be a number above 0"),
 ])
 def test_the_new_flags_are_checked(flags, message):
     with pytest.raises(cli.UsageError, match=message):

@@ -108,6 +108,44 @@ def test_seeded_sampling_repeats(client):
     assert a == b != c
 
 
+def test_a_shared_prefix_is_reported_as_cached(client, engine):
+    """Two chats one after the other with the same long system message (a text no other test sends):
+    the first finds nothing cached, the second the whole pages of its prefix, counted in
+    usage.prompt_tokens_details.cached_tokens (streamed: in the usage chunk); the same for the
+    Responses API's usage.input_tokens_details.cached_tokens, and completions."""
+    page = engine.page_size
+
+    def chat(system, question, **kw):
+        return client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, **kw, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": question}])
+
+    system = "You answer questions about the tides of the northern sea, in two sentences at most. " * 6
+    first = chat(system, "When is the next high tide?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = chat(system, "How high will it be?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert page <= cached < second.usage.prompt_tokens and cached % page == 0, cached
+    chunks = list(chat(system, "And the low tide?", stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+    instructions = "You name the lighthouses along a coast, one a line, nothing more. " * 6
+    first = client.responses.create(model=MODEL, instructions=instructions, input="The west coast?", temperature=0,
+                                    max_output_tokens=4)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    second = client.responses.create(model=MODEL, instructions=instructions, input="The east coast?", temperature=0,
+                                     max_output_tokens=4)
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert page <= cached < second.usage.input_tokens and cached % page == 0, cached
+    events = list(client.responses.create(model=MODEL, instructions=instructions, input="The north coast?",
+                                          temperature=0, max_output_tokens=4, stream=True))
+    assert events[-1].response.usage.input_tokens_details.cached_tokens == cached
+
+    prompt = list(range(1000, 1000 + 2 * page + 5))
+    counts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+              .usage.prompt_tokens_details.cached_tokens for _ in range(2)]
+    assert counts == [0, 2 * page]
+
+
 def wait_idle(engine, timeout=20.0) -> dict:
     deadline = time.monotonic() + timeout
     while (stats := engine.stats())["slots_in_use"] or stats["waiting"]:
@@ -189,13 +227,24 @@ def test_load_64_streaming_clients_with_disconnects(client, engine):
 
 
 def test_metrics_are_prometheus_text(url, client, engine):
-    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    prompt = list(range(2000, 2000 + engine.page_size + 5))  # the second finds a page cached
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
     with urllib.request.urlopen(url[:-len("/v1")] + "/metrics", timeout=10) as r:
         text = r.read().decode()
     stats = engine.stats()
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
     assert samples["gptoss_kv_slots"] == stats["slots"] == 8
+    assert samples["gptoss_kv_slots_in_use"] == samples["gptoss_running_requests"] == 0
+    assert samples["gptoss_kv_pages"] == stats["pages"] == engine.scheduler.pages.count
+    assert samples["gptoss_kv_pages_in_use"] == stats["pages_in_use"] == 0  # nothing runs: every page free or cached
+    assert samples["gptoss_kv_pages_cached"] == stats["pages_cached"] > 0
+    assert samples["gptoss_kv_page_size"] == engine.page_size
+    assert samples["gptoss_cached_prompt_tokens_total"] == stats["cached_prompt_tokens"] >= engine.page_size
+    assert 0 < samples["gptoss_prefix_hit_rate"] == stats["prefix_hit_rate"] < 1
+    assert samples["gptoss_preemptions_total"] == stats["preemptions"]
+    assert samples["gptoss_kv_pages_evicted_total"] == stats["pages_evicted"]
     assert samples["gptoss_generated_tokens_total"] == stats["generated_tokens"] > 0
     assert samples['gptoss_finished_requests_total{reason="length"}'] == stats["finished"]["length"]
     assert 'gptoss_inter_token_latency_seconds{quantile="0.5"}' in samples

@@ -195,6 +195,29 @@ def test_a_required_or_named_tool_is_called(client, engine):
         ("function_call", "get_weather", {"city": "Oslo"})]
 
 
+def test_cached_tokens_in_every_usage(client, engine):
+    """The prompt tokens the engine found in its KV cache (request.cached_tokens) reach every usage
+    object, in the shapes the openai client parses: chat and completions, plain and in the streamed
+    usage chunk (prompt_tokens_details), and Responses, plain and in response.completed
+    (input_tokens_details)."""
+    engine.cached = 32
+    try:
+        assert chat(client).usage.prompt_tokens_details.cached_tokens == 32
+        chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+        completion = client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=3)
+        assert completion.usage.prompt_tokens_details.cached_tokens == 32
+        chunks = list(client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=3, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+        assert client.responses.create(model=MODEL, input="Hi").usage.input_tokens_details.cached_tokens == 32
+        events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
+        assert events[-1].response.usage.input_tokens_details.cached_tokens == 32
+    finally:
+        engine.cached = 0
+    assert chat(client).usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_stop_sequences_cut_the_text(client):
     r = chat(client, stop=["there"])
     assert r.choices[0].message.content == "Hello "

@@ -3,6 +3,7 @@ connection that stays usable, no CPU work that stalls other clients, slots freed
 client leaves, failures told without internals, streams always ended properly, and the checks a
 browser's requests meet (content type, Host, the key's scheme)."""
 
+import gc
 import http.client
 import json
 import logging
@@ -188,6 +189,7 @@ def health_latencies(url: str, until: threading.Event) -> list[float]:
 
 
 def while_health_is_polled(url, work):
+    gc.collect()  # now: a full collection that falls due in the window stalls every thread, whatever the server does
     done = threading.Event()
     latencies = []
     poller = threading.Thread(target=lambda: latencies.extend(health_latencies(url, done)))
@@ -373,6 +375,26 @@ def test_max_waiting_0_serves_requests_that_find_a_free_slot():
     engine.run_until_idle()
     assert first.finish_reason == second.finish_reason == "length"
     engine.submit([1], Settings(max_new_tokens=1))  # free again
+
+
+def test_a_request_the_kv_cache_cannot_hold_alone_is_a_400():
+    """A prompt and budget within the context but beyond what the whole pool of KV pages holds: 400,
+    naming the pages, before anything runs (the engine's thread runs, nothing is compiled)."""
+    config = gj.ModelConfig.demo()
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=2, max_len=1024, prefill_chunk=64,
+                    page_size=64, pages=4)
+    engine.start()
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
+    server.ready.set()
+    try:
+        with serving(create_app(server)) as base:
+            client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=MODEL, prompt=list(range(300)), max_tokens=10)
+            assert "pages of the KV cache" in e.value.body["message"], e.value.body
+            assert engine.stats()["finished"] == {}  # nothing was queued
+    finally:
+        engine.stop()
 
 
 # 7. A failure mid-stream ends the stream properly, without internals ------------------------------------------

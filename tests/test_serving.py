@@ -34,9 +34,10 @@ def model(tiny):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    """8 slots, prompts prefilled 64 tokens a step; warmed up once for the module."""
+    """8 slots (decode steps of 2 or 8 rows), prompts prefilled 64 tokens a step, pages of 16 positions;
+    warmed up once for the module."""
     config, params = model
-    engine = Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64)
+    engine = Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(2, 8))
     engine.warm_up()
     return engine
 
@@ -145,7 +146,8 @@ def test_a_full_queue_refuses_at_once(model):
 
 
 def test_nothing_compiles_after_warm_up(engine, model):
-    """200 requests of random lengths and sampling settings, counted by JAX's own compile events."""
+    """200 requests of random lengths and sampling settings, half of them starting with one of three
+    shared prefixes (found in the cache, or not yet), counted by JAX's own compile events."""
     config, _ = model
     compiles, listening = [], [True]
 
@@ -155,11 +157,15 @@ def test_nothing_compiles_after_warm_up(engine, model):
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     rng = np.random.default_rng(5)
+    shared = [rng.integers(0, config.vocab_size, 100).tolist() for _ in range(3)]
+    before = engine.stats()["cached_prompt_tokens"]
     try:
         for _ in range(200):
             sampling = Sampling(temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.choice([0, 20])),
                                 top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])))
-            prompt = rng.integers(0, config.vocab_size, int(rng.integers(1, 301))).tolist()
+            prompt = rng.integers(0, config.vocab_size, int(rng.integers(1, 201))).tolist()
+            if rng.random() < 0.5:
+                prompt = shared[int(rng.integers(0, 3))] + prompt
             engine.submit(prompt, Settings(max_new_tokens=int(rng.integers(1, 4)), sampling=sampling,
                                            seed=int(rng.integers(0, 2**31))))
         engine.run_until_idle()
@@ -167,6 +173,7 @@ def test_nothing_compiles_after_warm_up(engine, model):
         listening[0] = False
     assert compiles == []
     assert engine.stats()["finished"]["length"] >= 200
+    assert engine.stats()["cached_prompt_tokens"] > before  # prefixes were found
 
 
 def test_requests_stream_from_other_threads_and_stop_cancels(model, traffic):

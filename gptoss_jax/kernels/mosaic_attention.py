@@ -101,14 +101,20 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
         first = part * per
         count = jnp.maximum(jnp.minimum(first + per, blocks) - first, 0)  # this program's blocks
 
-        def fetch(i, slot):  # block first + i of this KV head into a buffer slot
+        def page_ids(i):  # the pages of block first + i (paged; read a block ahead, so that the
+            # load's latency passes while the block before is scored)
+            if table is None:
+                return ()
+            return tuple(table_ref[b, jnp.minimum((first + i) * per_block + j, table_ref.shape[1] - 1)]
+                         for j in range(per_block))
+
+        def fetch(i, slot, pages):  # block first + i of this KV head into a buffer slot
             if table is None:
                 keys = (b, pl.ds((first + i) * bk, bk), kh)
                 plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
                 return
-            for j in range(per_block):  # its pages, each a copy with a barrier of its own
-                page = table_ref[b, jnp.minimum((first + i) * per_block + j, table_ref.shape[1] - 1)]
+            for j, page in enumerate(pages):  # its pages, each a copy with a barrier of its own
                 rows = (slot, pl.ds(j * P, P))
                 plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh], k_smem.at[rows], k_bar.at[slot * per_block + j])
                 plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh], v_smem.at[rows], v_bar.at[slot * per_block + j])
@@ -121,7 +127,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
 
         @pl.when(count > 0)
         def _():
-            fetch(0, 0)
+            fetch(0, 0, page_ids(0))
 
         plgpu.barrier_wait(q_bar)
         m = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -129,12 +135,14 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
         acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
 
         def visit(i, carry):
-            m, l, acc = carry
+            m, l, acc, pages = carry
             slot = lax.rem(i, 2)
 
             @pl.when(i + 1 < count)
             def _():  # the next block streams in while this one is scored (its slot was read last step)
-                fetch(i + 1, 1 - slot)
+                fetch(i + 1, 1 - slot, pages)
+
+            pages = page_ids(i + 2)
 
             wait(k_bar, slot)
 
@@ -160,9 +168,9 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
                 return ref[...]
 
             pv = pl.run_scoped(values, plgpu.ACC((ROWS, H), jnp.float32))  # [R, H]
-            return m_new, l, acc + pv
+            return m_new, l, acc + pv, pages
 
-        m, l, acc = lax.fori_loop(0, count, visit, (m, l, acc))
+        m, l, acc, _ = lax.fori_loop(0, count, visit, (m, l, acc, page_ids(1)))
         o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
         m_smem[...] = m
         l_smem[...] = l

@@ -20,15 +20,17 @@ import threading
 
 from ..metadata import expand
 from ..version import __version__
-from ..cli import devices
+from ..cli import devices, inputs
 from ..cli.command import leave, run_command
-from ..cli.inputs import UsageError, max_context, model_config
+from ..cli.inputs import UsageError, model_config
 from ..cli.signals import Signals
 
 DESCRIPTION = """\
 Serve gpt-oss over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
 /v1/responses, /v1/models, /health and /metrics (Prometheus). Requests are batched continuously:
-each takes one of --slots KV cache slots as soon as one is free.
+up to --slots generate at once, their keys and values held in a pool of KV cache pages taken as
+they grow. Pages stay cached after their request ends, so a prompt that begins as an earlier one
+did (the same system prompt and tools, a conversation's next turn) computes only the rest.
 
 With no --checkpoint, the built-in tiny demo model with RANDOM weights is served (its replies are
 meaningless), so the whole path can be tried on a CPU in seconds.
@@ -67,14 +69,24 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                                        "interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--slots", type=int, default=16,
-                   help="requests generated at once, each holding one KV cache slot of --max-context tokens "
-                        "(default: %(default)s)")
+                   help="sequences generated at once; their memory is the KV cache's pages (--kv-memory-gb), "
+                        "taken as they grow (default: %(default)s)")
     p.add_argument("--max-context", type=int, default=None,
-                   help="each slot's length: prompt plus reply must fit (default: 4096, or the model's context if "
-                        "shorter)")
+                   help="the longest request: prompt plus reply must fit (default: the model's context, 131,072 "
+                        "tokens for gpt-oss); it sets no memory aside")
+    p.add_argument("--kv-memory-gb", type=float, default=None, metavar="GIB",
+                   help="the KV cache's pool of pages, in GiB (2^30 bytes), whole: each device holds all of it, or "
+                        "its share of the KV heads with --mesh tensor=N (default: 85%% of the memory the first "
+                        "device has free once the weights are loaded; on a CPU, room for --slots sequences of 8,192 "
+                        "tokens and one of --max-context)")
+    p.add_argument("--page-size", type=int, default=64, metavar="POSITIONS",
+                   help="positions of one KV cache page, a multiple of 8: the unit of memory taken and of prefixes "
+                        "reused (default: %(default)s)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt whole, even where its beginning is cached (for comparison)")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests queued while every slot is taken; beyond that the server answers 429 (0: none "
-                        "waits, a request is taken only by a free slot) (default: %(default)s)")
+                   help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
+                        "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens of each request prefilled per engine step (default: %(default)s)")
     p.add_argument("--prefill-rows", type=int, default=4,
@@ -111,7 +123,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def check_flags(args) -> None:
-    for flag, value, least in (("--slots", args.slots, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+    for flag, value, least in (("--slots", args.slots, 1), ("--page-size", args.page_size, 1),
+                               ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
                                ("--max-connections", args.max_connections, 1)):
         if value < least:
@@ -120,12 +133,44 @@ def check_flags(args) -> None:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.grace < math.inf:
         raise UsageError(f"--grace must be a number of seconds, at least 0, got {args.grace}")
-    for flag, value in (("--read-timeout", args.read_timeout), ("--max-body-mb", args.max_body_mb)):
-        if not 0 < value < math.inf:
+    if args.page_size % 8:
+        raise UsageError(f"--page-size must be a multiple of 8, got {args.page_size}")
+    for flag, value in (("--read-timeout", args.read_timeout), ("--max-body-mb", args.max_body_mb),
+                        ("--kv-memory-gb", args.kv_memory_gb)):
+        if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
+
+
+def max_context(args, config) -> int:
+    """--max-context, checked against the model; by default the model's whole context (the KV cache is
+    taken page by page as sequences grow, so a long limit sets no memory aside)."""
+    if args.max_context is None:
+        return config.max_context_length
+    return inputs.max_context(args, config)
+
+
+def kv_cache_line(engine) -> str:
+    """The start-up's account of the KV cache: its pages, the tokens they hold, their memory."""
+    from ..paged_cache import page_bytes
+
+    pages, size = engine.scheduler.pages.count, engine.page_size
+    memory = pages * page_bytes(engine.config, size, engine.dtype)
+    memory = f"{memory / 2**30:.1f} GiB" if memory >= 2**30 / 10 else f"{memory / 2**20:.1f} MiB"
+    reuse = "" if engine.scheduler.reuse else "; prefix cache off"
+    return f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens), {memory}{reuse}"
+
+
+def check_pool(engine, max_len: int) -> None:
+    """ValueError when the pool cannot hold one request of the whole context alone (it would be refused
+    as too long for the KV cache, though within --max-context)."""
+    need, pages = engine.scheduler.pages_alone(max_len), engine.scheduler.pages.count
+    if need > pages:
+        raise ValueError(f"the KV cache's {pages:,} pages ({engine.pool_tokens:,} positions) cannot hold one request "
+                         f"of --max-context {max_len:,}, which needs {need:,} (its full and sliding layers' pages): "
+                         f"give the cache more memory (--kv-memory-gb) or lower --max-context")
 
 
 def parse_hosts(text: str | None) -> tuple[str, ...] | None:
@@ -273,11 +318,16 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         if unsplit:
             _say(f"warning: {unsplit}")
         experts = "; experts packed in MXFP4" if _experts(args) else ""
-        _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots of {max_len} tokens")
+        _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots, a context of {max_len:,} tokens")
         _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     params = _load_params(args, config, mesh)
+    kv_memory = None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30)
     engine = Engine(config, params, slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
-                    prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer)
+                    prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer,
+                    page_size=args.page_size, kv_memory=kv_memory, prefix_reuse=not args.no_prefix_cache)
+    if main_process:
+        _say(kv_cache_line(engine))
+    check_pool(engine, max_len)
     signals.check()  # a signal that came while a library swallowed its KeyboardInterrupt
     if not main_process:
         return _follow(engine, LockstepError)

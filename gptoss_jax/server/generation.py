@@ -185,9 +185,12 @@ class Generation:
         return False
 
     def usage(self) -> dict:
+        """OpenAI's usage object (chat and completions): the prompt's tokens, of them those found in the
+        KV cache (`cached_tokens`, whole pages; 0 for a request never admitted), and the reply's."""
         completion = len(self.request.output_ids)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.request.cached_tokens or 0}}
 
 
 def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body, stops) -> Settings:

@@ -12,14 +12,27 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats
-        for name, key, doc in (("running_requests", "running", "requests holding a slot"),
-                               ("waiting_requests", "waiting", "requests waiting for a slot"),
-                               ("kv_slots_in_use", "slots_in_use", "KV cache slots in use"),
-                               ("kv_slots", "slots", "KV cache slots"),
+        for name, key, doc in (("running_requests", "running", "requests running (each holding a slot)"),
+                               ("waiting_requests", "waiting", "requests waiting for a slot or for KV pages, "
+                                                               "preempted ones included"),
+                               ("kv_slots_in_use", "slots_in_use", "slots in use: sequences running"),
+                               ("kv_slots", "slots", "slots: the most sequences running at once"),
+                               ("kv_pages", "pages", "pages in the KV cache's pool"),
+                               ("kv_pages_in_use", "pages_in_use", "KV pages held by running sequences"),
+                               ("kv_pages_cached", "pages_cached", "KV pages held by none, kept for prefix reuse"),
+                               ("kv_page_size", "page_size", "positions a KV page holds"),
+                               ("prefix_hit_rate", "prefix_hit_rate", "of the prompt tokens admitted since start, "
+                                                                      "the share found in the KV cache"),
                                ("generated_tokens_per_second", "generated_tokens_per_s",
                                 "generated tokens per second since start")):
             yield GaugeMetricFamily(f"gptoss_{name}", doc, value=s[key])
         yield CounterMetricFamily("gptoss_prompt_tokens", "prompt tokens admitted", value=s["prompt_tokens"])
+        yield CounterMetricFamily("gptoss_cached_prompt_tokens", "prompt tokens found in the KV cache (not computed)",
+                                  value=s["cached_prompt_tokens"])
+        yield CounterMetricFamily("gptoss_preemptions", "sequences sent back to waiting when the KV cache ran out "
+                                                        "of pages", value=s["preemptions"])
+        yield CounterMetricFamily("gptoss_kv_pages_evicted", "cached KV pages reused for other sequences",
+                                  value=s["pages_evicted"])
         yield CounterMetricFamily("gptoss_generated_tokens", "tokens generated", value=s["generated_tokens"])
         yield CounterMetricFamily("gptoss_rejected_requests", "requests refused with a full queue",
                                   value=s["rejected"])

@@ -130,7 +130,7 @@ class ResponseBuilder:
         usage = None
         if reply is not None:
             u = self.generation.usage()
-            usage = {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
                      "output_tokens": u["completion_tokens"],
                      "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens},
                      "total_tokens": u["total_tokens"]}

@@ -70,7 +70,8 @@ class Engine:
     slots: the most sequences running at once (rows of the page tables; a decode step runs the
     smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
-    where JAX does not say, room for `slots` sequences of `max_len`). prefix_reuse=False: every prompt
+    where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
+    prefix_reuse=False: every prompt
     is computed whole (for comparison)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
@@ -94,8 +95,11 @@ class Engine:
         self.dtype = params["embedding"].dtype
         self.width = table_width(max_len, page_size)
         self.metrics = Metrics()
-        count = pages if pages is not None else pool_pages(config, page_size, self.dtype, kv_memory, fallback=slots * (
-            self.width + sliding_most(config, page_size, prefill_chunk)))
+        # Where JAX does not say how much memory is free (a CPU): every slot with 8,192 positions, and at
+        # least one sequence of the whole context.
+        most = sliding_most(config, page_size, prefill_chunk)
+        fallback = max(slots * (table_width(min(max_len, 8192), page_size) + most), self.width + most)
+        count = pages if pages is not None else pool_pages(config, page_size, self.dtype, kv_memory, fallback=fallback)
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
                                    metrics=self.metrics, reuse=prefix_reuse)
         self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
