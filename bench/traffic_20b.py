@@ -75,7 +75,8 @@ def run_agents(engine, config, args, Settings, greedy) -> dict:
     after = engine.stats()
     s = summary([d[0] for d in done], [d[1] for d in done], [d[2] for d in done])
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    s.update(prompt_tokens=prompt, cached_share=(after["cached_prompt_tokens"] - before["cached_prompt_tokens"]) / prompt,
+    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    s.update(prompt_tokens=prompt, cached_share=cached / prompt,
              preemptions=after["preemptions"] - before["preemptions"])
     return s
 
@@ -126,6 +127,9 @@ def main() -> None:
     parser.add_argument("--uniform", default="256,512,1024", help="uniform 1k/1k: concurrencies")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--prefill", default="8x512", help="ROWSxCHUNK: prompts prefilled together x tokens each")
+    parser.add_argument("--one-decode-size", action="store_true",
+                        help="compile the decode step for all the slots only (a shorter warm-up; fewer slots in "
+                             "use then decode in a step of every slot)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     rows, chunk = (int(x) for x in args.prefill.split("x"))
@@ -150,8 +154,10 @@ def main() -> None:
 
     def engine_for(slots, max_len, **kw):
         t = time.perf_counter()
-        engine = Engine(config, params, slots=slots, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(rows, slots),
-                        max_waiting=100_000, kernels=kernels, page_size=args.page_size, **kw)
+        engine = Engine(config, params, slots=slots, max_len=max_len, prefill_chunk=chunk,
+                        prefill_rows=min(rows, slots),
+                        max_waiting=100_000, kernels=kernels, page_size=args.page_size,
+                        decode_sizes=(slots,) if args.one_decode_size else None, **kw)
         engine.warm_up()
         engine.submit(list(range(16)), Settings(max_new_tokens=4))  # the first steps' host paths, untimed
         engine.run_until_idle()
