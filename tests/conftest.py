@@ -6,6 +6,7 @@ import time
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,6 +86,13 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_params(tiny):
     return random_params(tiny, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_f32(tiny):
+    """(the tiny config, its float32 parameters): the serving engine's tests, where greedy tokens must
+    equal `Generator`'s exactly."""
+    return tiny, random_params(tiny, seed=3, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="session")

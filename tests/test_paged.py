@@ -22,15 +22,14 @@ from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, Settings
 from gptoss_jax.serving import pages as pages_module
 from gptoss_jax.serving.pages import Pages, chain, extend_hashes
-from gptoss_jax.testing import random_params
 
 MAX_LEN = 256
 GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return tiny, random_params(tiny, seed=3, dtype=jnp.float32)
+def model(tiny_f32):
+    return tiny_f32
 
 
 @pytest.fixture(scope="module")

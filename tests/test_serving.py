@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,7 +19,6 @@ import gptoss_jax as gj
 from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, QueueFull, Settings
-from gptoss_jax.testing import random_params
 from conftest import VOCAB, needs_vocab
 
 MAX_LEN = 512
@@ -28,8 +26,8 @@ GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
-    return tiny, random_params(tiny, seed=3, dtype=jnp.float32)
+def model(tiny_f32):
+    return tiny_f32
 
 
 @pytest.fixture(scope="module")

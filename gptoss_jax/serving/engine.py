@@ -336,8 +336,8 @@ class Engine:
         """Waiting requests into free rows while the pool has room for them -> the sequences admitted."""
         admitted = []
         while (self._waiting and not self.scheduler.preempted and (row := self.scheduler.free_row()) is not None
-               and self.scheduler.fits(self._waiting[0])):
-            admitted.append(self.scheduler.take(row, self._waiting.popleft()))
+               and (prefix := self.scheduler.fits(self._waiting[0])) is not None):
+            admitted.append(self.scheduler.take(row, self._waiting.popleft(), prefix))
         return admitted
 
     def _apply(self, message: Message) -> None:

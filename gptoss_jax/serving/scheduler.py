@@ -106,18 +106,19 @@ class Scheduler:
                 return full[:n], sliding
         return [], {}
 
-    def fits(self, request: Request) -> bool:
-        """Whether the pool has pages for the request's prompt and first token beyond its cached prefix
-        (pages cached but held by none count as free, except those the prefix itself would hold)."""
-        full, sliding = self.cached_prefix(request)
+    def fits(self, request: Request):
+        """The request's cached prefix (`cached_prefix`) when the pool has pages for its prompt and first
+        token beyond it (pages cached but held by none count as free, except those the prefix itself
+        would hold), else None."""
+        full, sliding = prefix = self.cached_prefix(request)
         shared = full + list(sliding.values())
         idle_shared = sum(self.pages.refs(p) == 0 for p in shared)
         need = self.pages_alone(len(request.prompt_ids) + len(request.output_ids) + 1) - len(shared)
-        return need <= self.pages.available - idle_shared
+        return prefix if need <= self.pages.available - idle_shared else None
 
-    def take(self, row: int, request: Request) -> Seq:
-        """The request into this row, holding its cached prefix's pages."""
-        full, sliding = self.cached_prefix(request)
+    def take(self, row: int, request: Request, prefix=None) -> Seq:
+        """The request into this row, holding its cached prefix's pages (`prefix`: as `fits` found it)."""
+        full, sliding = prefix or self.cached_prefix(request)
         for page in itertools.chain(full, sliding.values()):
             self.pages.share(page)
         seq = Seq(request, row, self._tokens_of(request), full, sliding, length=len(full) * self.page_size,
@@ -134,8 +135,9 @@ class Scheduler:
 
     def admit_preempted(self) -> None:
         """Preempted requests back into free rows, first in line, while they fit."""
-        while self.preempted and (row := self.free_row()) is not None and self.fits(self.preempted[0]):
-            self.take(row, self.preempted.popleft())
+        while self.preempted and (row := self.free_row()) is not None and (
+                prefix := self.fits(self.preempted[0])) is not None:
+            self.take(row, self.preempted.popleft(), prefix)
 
     # Growth and preemption ----------------------------------------------------------------------------
 
