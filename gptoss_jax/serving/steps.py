@@ -39,6 +39,15 @@ from ..model import Transformer
 from ..sampling import sample_rows
 from ..sharding import everywhere
 
+# XLA's rematerialization pass never runs on the model steps. It counts a donated pool twice (the
+# parameter and the updated pool it writes in place), so once the pool passes about half of the
+# memory free after the weights it decides the step cannot fit and recomputes parts of it, Pallas
+# kernels included: on one NVIDIA H200, gpt-oss-20b's decode step of 256 sequences over a pool of
+# 65.9 GiB ran 11 of its kernels twice (20.14 against 18.35 ms a token for the static cache), and from
+# 45.4 GiB on it recomputed some (2026-11-26, docs/benchmarks.md). The steps need no recomputation:
+# their temporaries are under 1.1 GiB beside the pool, which the allocator updates in place.
+_STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
 
 @functools.partial(jax.jit, donate_argnames=("tables",))
 def write_tables(tables, writes):
@@ -50,7 +59,8 @@ def _view(pool, tables, rows, lengths) -> dict:
     return {"lengths": lengths, "tables": jnp.take(tables, rows, axis=1, mode="clip"), "pages": pool["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
+                   compiler_options=_STEP_OPTIONS)
 def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     """tokens [P, C] int32, plan [5, P] (rows, counts, starts, ...) -> (logits [P, V] float32 at each
     row's last real token, pool). A padding row (counts 0) writes nothing."""
@@ -72,7 +82,8 @@ def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p,
     return everywhere(first, mesh), everywhere(last, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
+                   compiler_options=_STEP_OPTIONS)
 def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     """plan [3, B]: rows, lengths (each row's cached positions), sampling steps (-1: padding) ->
     (logits [B, V], pool)."""
