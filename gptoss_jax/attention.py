@@ -34,6 +34,10 @@ from .weight import Weight, declare, low_rank
 
 # Tokens per call from which the q, k and v products are kept apart (prompts; see __call__).
 SEPARATE_PROJECTIONS_FROM = 256
+# Positions (sequences x table width x page) up to which a prompt chunk's cached prefix is gathered
+# out of the paged cache for the flash kernel (about 0.5 GiB of keys and values at gpt-oss's 8 KV
+# heads); longer tables are read a block of pages at a time in jnp (kernels/paged.py).
+GATHER_FOR_FLASH = 262_144
 
 
 def attention_reference(q, k, v, sinks, q_pos, k_pos, *, window: int | None) -> jax.Array:
@@ -223,9 +227,18 @@ class AttentionBlock(nn.Module):
                 q.shape, table.shape[1] * pool_k.shape[1], q.dtype):  # decode-sized, on one device
             before = mosaic_attention.cache_attention(q, pool_k, pool_v, lengths, table=table,
                                                       interpret=self.kernels.interpret)
+        elif window is None and impl == "tokamax" and self.mesh is None and (
+                q.shape[0] * table.shape[1] * pool_k.shape[1] <= GATHER_FOR_FLASH):
+            # A prompt chunk after its cached prefix, the tables short enough to gather whole: the
+            # flash kernel over the gathered keys (one NVIDIA H200, 256 prompts of 1k in chunks of
+            # 512, with the sliding layers' decode kernel below: first tokens at 2.6 s p50, not 3.2).
+            before = gpu.prefix(q, paged.gather(pool_k, table), paged.gather(pool_v, table), lengths)
         elif window is None:
             before = paged.prefix(q, pool_k, pool_v, table, lengths, block=self.kernels.attention_block,
                                   dense_max=q.shape[1] if impl == "reference" else 16)
+        elif impl == "mosaic" and self.mesh is None and mosaic_attention.fits(
+                q.shape, window_pages(self.config, pool_k.shape[1]) * pool_k.shape[1], q.dtype):
+            before = self._window_kernel(q, pool_k, pool_v, table, lengths, window)
         else:
             before = paged.window(q, pool_k, pool_v, table, lengths, positions, window=window,
                                   pages=window_pages(self.config, pool_k.shape[1]))
@@ -233,6 +246,18 @@ class AttentionBlock(nn.Module):
         pool_k = paged.write(pool_k, table, positions, valid, k)
         pool_v = paged.write(pool_v, table, positions, valid, v)
         return o, {name: constrain(a, POOL_AXES, self.mesh) for name, a in (("k", pool_k), ("v", pool_v))}
+
+    def _window_kernel(self, q, pool_k, pool_v, table, lengths, window):
+        """A sliding layer's decode by the Mosaic GPU cache attention over the pages of its window
+        (as `paged.window`): the table's columns from the page holding the window's first position,
+        positions counted from that page."""
+        P, W = pool_k.shape[1], table.shape[1]
+        n = window_pages(self.config, P)
+        first = jnp.maximum(lengths - window + 1, 0) // P  # [B]
+        ids = jnp.take_along_axis(table, jnp.minimum(first[:, None] + jnp.arange(n), W - 1), axis=1)  # [B, n]
+        return mosaic_attention.cache_attention(q, pool_k, pool_v, lengths - first * P, table=ids,
+                                                start=lengths - window + 1 - first * P, block_k=max(64, P),
+                                                interpret=self.kernels.interpret)
 
     @staticmethod
     def _ring(q, ring_k, ring_v, ring_pos, positions, window):

@@ -10,7 +10,7 @@ from noise import Exact
 
 import gptoss_jax as gj
 from gptoss_jax.attention import AttentionBlock
-from gptoss_jax.kernels import mosaic_attention, xla
+from gptoss_jax.kernels import mosaic_attention, paged, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.testing import random_params
 
@@ -77,6 +77,45 @@ def test_cache_attention_reads_a_paged_cache_through_its_table(page):
         exact_o.check(o[1:], f"o, pages of {page}, blocks of {block_k}")
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_cache_attention_over_a_sliding_window_of_pages(T):
+    """A sliding layer's decode through the pages of its window (the table's columns from the page
+    holding position len - window + 1, positions counted from that page): query t sees keys
+    [len + t - window + 1, len) only; keys before the window are huge and would show. Sequences of
+    1, 70, 127, 128, 129 and 250 keys, a window of 128 over pages of 64 (3 pages)."""
+    kq, kk, kv, kp = jax.random.split(jax.random.key(11), 4)
+    window, P, S, K, G, H = 128, 64, 256, 2, 4, 64
+    lengths = jnp.array([1, 70, 127, 128, 129, 250], jnp.int32)
+    B, W, n = lengths.shape[0], S // P, -(-(window - 1) // P) + 1
+    pos = jnp.arange(S)[None]
+    q_pos = lengths[:, None] + jnp.arange(T)  # [B, T]
+    before = pos < lengths[:, None] - window + 1  # out of every query's window
+    k = jnp.where(before[..., None, None], 3e4, jax.random.normal(kk, (B, S, K, H))).astype(jnp.bfloat16)
+    v = jnp.where(before[..., None, None], -3e4, jax.random.normal(kv, (B, S, K, H))).astype(jnp.bfloat16)
+    q = jax.random.normal(kq, (B, T, K, G, H), jnp.bfloat16)
+    order = np.asarray(jax.random.permutation(kp, B * W))
+    table = jnp.asarray(order.reshape(B, W), jnp.int32)
+    pool_k = jnp.zeros((B * W, P, K, H), jnp.bfloat16).at[table].set(k.reshape(B, W, P, K, H))
+    pool_v = jnp.zeros((B * W, P, K, H), jnp.bfloat16).at[table].set(v.reshape(B, W, P, K, H))
+    first = jnp.maximum(lengths - window + 1, 0) // P
+    ids = jnp.take_along_axis(table, jnp.minimum(first[:, None] + jnp.arange(n), W - 1), axis=1)
+    o, lse = mosaic_attention.cache_attention(q, pool_k, pool_v, lengths - first * P, table=ids,
+                                              start=lengths - window + 1 - first * P, block_k=64, interpret=True)
+    # float64: every query's keys in its window; bfloat16 jnp (the same window through the pages) for the noise
+    qq, kk64, vv = (np.asarray(a, np.float64) for a in (q, k, v))
+    s = np.einsum("btkgh,bskh->btkgs", qq, kk64) / np.sqrt(H)
+    seen = (np.asarray(pos)[:, None] < np.asarray(lengths)[:, None, None]) & (
+        np.asarray(pos)[:, None] > np.asarray(q_pos)[..., None] - window)  # [B, T, S]
+    s = np.where(seen[:, :, None, None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p_ = np.exp(s - m)
+    exact_lse = (m + np.log(p_.sum(axis=-1, keepdims=True)))[..., 0]
+    exact_o = np.einsum("btkgs,bskh->btkgh", p_ / p_.sum(axis=-1, keepdims=True), vv)
+    low_o, low_lse = paged.window(q, pool_k, pool_v, table, lengths, q_pos, window=window, pages=n)
+    Exact.measure(np.asarray(low_lse, np.float64), exact_lse, precision="bfloat16").check(lse, f"lse, T={T}")
+    Exact.measure(np.asarray(low_o, np.float64), exact_o, precision="bfloat16").check(o, f"o, T={T}")
+
+
 def _attention64(q, k, v, kv_len):
     """Sink-free attention of every query to keys [0, kv_len[b]) in float64 numpy: (o [B, T, K, G, H],
     lse [B, T, K, G])."""
@@ -130,3 +169,33 @@ def test_the_kernels_switch_runs_it_for_decode():
     cache = {**pages, "table": table}
     exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), "mosaic, paged")
     exact.check(run(gj.Kernels(), jnp.bfloat16), "jnp, paged")
+
+
+@pytest.mark.parametrize("page", [8, 64])
+def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page):
+    """Kernels(attention="mosaic") in a sliding layer's decode step over the paged cache (the serving
+    engine's): the jnp path's output within the noise of a bfloat16 run (measured against float32);
+    sequences shorter than the window, at it and past it."""
+    config = gj.ModelConfig.tiny().replace(head_dim=64)
+    layer = next(n for n in range(config.num_hidden_layers) if config.is_sliding(n))
+    params = random_params(config, seed=4, dtype=jnp.bfloat16)[f"block_{layer}"]["attn"]
+    B, S, K, H = 3, 128, config.num_key_value_heads, config.head_dim
+    lengths = jnp.array([5, config.sliding_window, 100], jnp.int32)
+    kk, kv, kx = jax.random.split(jax.random.key(1), 3)
+    W = S // page
+    table = jnp.arange(B * W, dtype=jnp.int32).reshape(W, B).T  # [B, W]: sequences' pages interleaved
+    cache = {name: jnp.zeros((B * W, page, K, H)).at[table].set(jax.random.normal(key, (B, W, page, K, H)))
+             for name, key in (("k", kk), ("v", kv))}
+    cache["table"] = table
+    x = jax.random.normal(kx, (B, 1, config.hidden_size))
+    valid = jnp.ones((B, 1), bool)
+
+    def run(kernels, dtype):
+        cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
+        block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
+        out, _ = block.apply({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
+                             jax.tree.map(cast, cache), lengths, valid)
+        return np.asarray(out, np.float64)
+
+    exact = Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32), precision="bfloat16")
+    exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), f"mosaic, pages of {page}")

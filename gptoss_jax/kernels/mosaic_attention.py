@@ -12,7 +12,8 @@ the ranges' partial results by their log-sum-exp.
 
 Over a paged cache (paged_cache.py: pools of pages [N, P, K, H] and a page table [B, W]), a block of
 keys is `block_k / P` whole pages, each brought in by a TMA copy of its own: the program reads the
-page ids from the table as it goes.
+page ids from the table as it goes. A sliding-window layer passes the table's columns of its window
+and where the window starts (`start`): keys before it are masked, row by row.
 
 Only 8 of the 64 rows are real at gpt-oss's decode (one token, 8 query heads per KV head): the
 tensor cores do 8x the useful work, which is still far below what reading the cache costs.
@@ -57,12 +58,14 @@ def default_block(programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "splits", "interpret"))
-def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, splits: int | None = None,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | None = None,
+                    splits: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """q [B, T, K, G, H], k and v [B, S, K, H] (16-bit), every query seeing keys [0, kv_len[b]) ->
     (o [B, T, K, G, H] float32, lse [B, T, K, G] float32, -inf for a row that saw no key), sink-free.
     With `table` [B, W]: k and v are pools of pages [N, P, K, H], sequence b's key j in page
     table[b, j // P] (P a multiple of 8 that divides block_k, or block_k's multiple).
+    With `start` [B] (a sliding window): query t of sequence b sees keys [start[b] + t, kv_len[b]) only,
+    and every query must see at least one key of a sequence that has any.
 
     `block_k`: keys per block (a multiple of 64; by default `default_block`, at least a page); `splits`:
     key ranges per (sequence, KV head), by default enough programs for about four per SM of a large GPU."""
@@ -92,7 +95,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
 
     per_block = bk // P if table is not None else 1  # pages a block of keys spans (paged)
 
-    def body(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem,
+    def body(len_ref, start_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem,
              m_smem, l_smem, q_bar, k_bar, v_bar):
         b, kh, part = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
         n = len_ref[b]
@@ -152,7 +155,11 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
 
             s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))  # [R, bk]
             key = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(key < n - (first + i) * bk, s * c, MASKED)
+            seen = key < n - (first + i) * bk
+            if start is not None:  # row t * G + g sees keys from start + t: row < (key - start + 1) G
+                row = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=plgpu.Layout.WGMMA)
+                seen &= row < (key + ((first + i) * bk - start_ref[b] + 1)) * G
+            s = jnp.where(seen, s * c, MASKED)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -194,6 +201,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, block_k: int | None = None, 
                            q_bar=plgpu.Barrier(), k_bar=plgpu.Barrier(num_barriers=2 * per_block),
                            v_bar=plgpu.Barrier(num_barriers=2 * per_block)))
     pages = jnp.zeros((1, 1), jnp.int32) if table is None else table.astype(jnp.int32)
-    o, m, l = kernel(kv_len.astype(jnp.int32), pages, rows, k, v)
+    starts = jnp.zeros((1,), jnp.int32) if start is None else start.astype(jnp.int32)
+    o, m, l = kernel(kv_len.astype(jnp.int32), starts, pages, rows, k, v)
     lse = lse_of(m / LOG2E, l)  # the row max in the natural base
     return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)
