@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -290,19 +291,26 @@ def test_gptoss_serve_command(tmp_path):
             process.kill()
 
 
-def test_two_processes_serve_as_one(client, tmp_path):
+# A KV cache of 36 pages of 16 positions (the float32 demo model's page: 8,192 bytes): one request of
+# the whole context needs 33 at most, so four running at once run out and the latest is preempted.
+SMALL_POOL = ["--page-size", "16", "--kv-memory-gb", str(36 * 8192 / 2**30)]
+
+
+@pytest.mark.parametrize("kv_flags", [[], SMALL_POOL], ids=["pool by default", "pool of 36 pages"])
+def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
     """`gptoss-serve` over two processes (2 CPU devices each, joined by --coordinator, slots split over
     data=2 and heads over tensor=2): process 0 serves, process 1 follows its steps. Concurrent
     requests (one of them dropped mid-stream) give the one-process server's greedy text, and SIGTERM
     to process 0 ends both with exit 0. The test fails if process 1 misses a step (its collectives
-    would hang, then the requests time out)."""
+    would hang, then the requests time out). With a pool too small for everything running, the
+    requests are preempted and resumed on both processes alike (counted: more than none)."""
     from conftest import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
     common = [sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "4", "--max-context", str(MAX_LEN),
               "--compile-cache", "none", "--mesh", "data=2,tensor=2", "--coordinator", f"127.0.0.1:{free_port()}",
-              "--num-processes", "2", "--process-id"]
+              "--num-processes", "2", *kv_flags, "--process-id"]
     procs = [subprocess.Popen(common + [str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
     try:
@@ -310,7 +318,8 @@ def test_two_processes_serve_as_one(client, tmp_path):
         assert line.startswith("gptoss-serve: ready at http://127.0.0.1:"), (line, procs[0].stderr.read())
         two = openai.OpenAI(base_url=line.split()[3], api_key="unused", max_retries=0, timeout=60)
         kws = [dict(model=MODEL, messages=[{"role": "user", "content": "Tell me more. " * (1 + 7 * i)}], temperature=0,
-                    max_tokens=4 + 3 * i) for i in range(7)]  # prompts of 20 to ~300 tokens, past the window
+                    max_tokens=60 - 6 * i if kv_flags else 4 + 3 * i)  # longer replies outgrow the small pool
+               for i in range(7)]  # prompts of 20 to ~230 tokens, past the window
 
         def ask(kw):
             return two.chat.completions.create(**kw).choices[0].message.content
@@ -324,7 +333,10 @@ def test_two_processes_serve_as_one(client, tmp_path):
         assert got == want
         assert ask(kws[3]) == want[3]  # and after the dropped stream's slot was freed on both processes
         metrics = urllib.request.urlopen(line.split()[3].removesuffix("/v1") + "/metrics", timeout=10).read().decode()
-        assert 'gptoss_finished_requests_total{reason="cancelled"} 1.0' in metrics
+        if not kv_flags:  # (with the small pool the dropped stream may finish its 150 tokens before it is dropped)
+            assert 'gptoss_finished_requests_total{reason="cancelled"} 1.0' in metrics
+        preemptions = float(re.search(r"^gptoss_preemptions_total (\S+)$", metrics, re.M).group(1))
+        assert (preemptions > 0) == bool(kv_flags), (kv_flags, preemptions)
         procs[0].send_signal(signal.SIGTERM)
         codes = [p.wait(60) for p in procs]
         assert codes == [0, 0], [p.stderr.read() for p in procs]
