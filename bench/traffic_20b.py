@@ -4,6 +4,7 @@ long and mixed contexts at the model's full context, and 1k/1k at high concurren
 
     python bench/traffic_20b.py [--experts bf16] [--parts agents,long,uniform] [--uniform 256,512,1024]
         [--long 64,256] [--conversations 64] [--turns 8] [--system 2000] [--page-size 64] [--json FILE]
+    python bench/traffic_20b.py --peer [--conversations 64] ...   # the agents on transformers, alone
 
 - agents: `--conversations` conversations arriving as a Poisson process over `--window` seconds, all
   starting with the same `--system`-token system prompt (an agent's instructions and tool
@@ -16,6 +17,8 @@ long and mixed contexts at the model's full context, and 1k/1k at high concurren
   once (sampled every 50 ms), against the same engine allowed only the sequences a static cache of
   [slots, 131,072] would hold in the same memory (the pool's positions / 131,072).
 - uniform: c requests of 1,024 random prompt tokens and 1,024 new tokens each, all at once.
+- `--peer`: the agents workload (the same requests) on transformers' continuous batching with its
+  paged cache and prefix block sharing, in a process of its own (bench/peer.py's model).
 
 Token ids are random (the same for every run, by seed); every figure comes from the engine's own
 request timings (Request.token_times). One process, one GPU; each engine is warmed up first.
@@ -30,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -81,6 +85,70 @@ def run_agents(engine, config, args, Settings, greedy) -> dict:
     return s
 
 
+def run_agents_peer(args) -> dict:
+    """The agents workload on the peer: transformers' continuous batching (its paged cache shares
+    blocks of a common prefix between requests, `allow_block_sharing`), in a process of its own."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    from peer import build
+
+    model, cfg, dev, sync = build(args.preset)
+    model.eval()
+    system, arrivals, turns = agents_workload(cfg.vocab_size, args)
+    longest = args.system + args.turns * (300 + 400)
+    gen_config = GenerationConfig(max_new_tokens=400, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_blocks_per_request=-(-longest // 256), max_batch_tokens=args.peer_batch_tokens,
+                                  max_memory_percent=args.peer_memory)
+    done, lock, futures = [], threading.Lock(), {}
+    out = {"framework": f"transformers {transformers.__version__} continuous batching, torch {torch.__version__}",
+           "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "runs": {}}
+    with torch.no_grad(), model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb, block=True, timeout=30) as manager:
+        stop = threading.Event()
+
+        def collect():  # every finished result to the conversation that waits for it
+            while not stop.is_set():
+                r = manager.get_result(timeout=1)
+                if r is not None and r.is_finished():
+                    futures[r.request_id].set_result(r)
+
+        def conversation(i):
+            time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            history = list(system)
+            for turn, (user, reply) in enumerate(turns[i]):
+                history += user
+                key = f"{i}-{turn}"
+                with lock:
+                    futures[key] = Future()
+                submitted = time.perf_counter()
+                manager.add_request(list(history), request_id=key, max_new_tokens=reply, record_timestamps=True)
+                r = futures[key].result(timeout=1800)
+                if r.error:
+                    raise RuntimeError(r.error)
+                assert len(r.generated_tokens) == reply, (len(r.generated_tokens), reply)
+                with lock:
+                    done.append((len(history), submitted, r.timestamps))
+                history += list(r.generated_tokens)
+
+        collector = threading.Thread(target=collect)
+        collector.start()
+        futures["warm"] = Future()  # the first steps' paths, untimed
+        manager.add_request(list(range(16)), request_id="warm", max_new_tokens=4)
+        futures["warm"].result(timeout=600)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(turns)) as pool:
+            list(pool.map(conversation, range(len(turns))))
+        stop.set()
+        collector.join()
+    s = summary([d[0] for d in done], [d[1] for d in done], [d[2] for d in done])
+    s.update(prompt_tokens=sum(d[0] for d in done))
+    out["runs"]["agents, transformers continuous batching"] = s
+    return out
+
+
 def long_workload(vocab: int, c: int, context: int):
     rng = np.random.default_rng(100 + c)
     replies = rng.integers(200, 1001, c)
@@ -130,11 +198,20 @@ def main() -> None:
     parser.add_argument("--one-decode-size", action="store_true",
                         help="compile the decode step for all the slots only (a shorter warm-up; fewer slots in "
                              "use then decode in a step of every slot)")
+    parser.add_argument("--peer", action="store_true",
+                        help="run the agents workload on the peer (transformers' continuous batching) instead, "
+                             "alone in this process (run it after the engine's, not beside it: each takes the GPU)")
+    parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")
+    parser.add_argument("--peer-memory", type=float, default=0.6, help="transformers' max_memory_percent (its cache)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     rows, chunk = (int(x) for x in args.prefill.split("x"))
     parts = args.parts.split(",")
 
+    if args.peer:
+        out = run_agents_peer(args)
+        print_results(out, args)
+        return
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
     import jax
 
@@ -199,6 +276,10 @@ def main() -> None:
                                                                                      greedy))
             close(engine)
     out["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+    print_results(out, args)
+
+
+def print_results(out: dict, args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
