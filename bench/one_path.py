@@ -67,8 +67,9 @@ def main() -> None:
 
     def by_engine(prompts, new):
         B = len(prompts)
-        engine = Engine(config, params, slots=B, max_len=max_len, prefill_chunk=min(4096, max(args.prompt, args.prefill)),
-                        prefill_rows=B, max_waiting=B, page_size=args.page_size, decode_sizes=(B,))
+        chunk = min(4096, max(args.prompt, args.prefill))
+        engine = Engine(config, params, slots=B, max_len=max_len, prefill_chunk=chunk, prefill_rows=B, max_waiting=B,
+                        page_size=args.page_size, decode_sizes=(B,))
         engine.warm_up()
         engine.start()
         runs = []
@@ -80,7 +81,8 @@ def main() -> None:
                     r.result()
                 rate = sum((len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0])
                            for r in requests if len(r.token_times) > 1)
-                runs.append(([r.output_ids for r in requests], rate, min(r.token_times[0] for r in requests) - submitted))
+                first = min(r.token_times[0] for r in requests)
+                runs.append(([r.output_ids for r in requests], rate, first - submitted))
         finally:
             engine.stop()
         return runs[1:]
@@ -106,13 +108,14 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     print(f"{out['device']}, {args.preset}, {args.experts} experts, jax {out['jax']}")
-    print("| case | Generator decode tok/s | engine decode tok/s | Generator TTFT ms | engine TTFT ms | greedy tokens agreeing |")
+    print("| case | Generator decode tok/s | engine decode tok/s | Generator TTFT ms | engine TTFT ms | "
+          "greedy tokens agreeing |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in out["rows"]:
         g, e = r["generator"], r["engine"]
         rate = lambda x: f"{x:,.1f}" if r["tokens"] > 1 else "-"  # noqa: E731  (a prefill row decodes nothing)
-        print(f"| {r['case']} | {rate(g['decode_tokens_per_s'])} | {rate(e['decode_tokens_per_s'])} | {g['ttft_ms']:,.1f} | "
-              f"{e['ttft_ms']:,.1f} | {r['tokens_agreeing']} of {r['tokens']} |")
+        print(f"| {r['case']} | {rate(g['decode_tokens_per_s'])} | {rate(e['decode_tokens_per_s'])} | "
+              f"{g['ttft_ms']:,.1f} | {e['ttft_ms']:,.1f} | {r['tokens_agreeing']} of {r['tokens']} |")
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
 
     per_block = bk // P if table is not None else 1  # pages a block of keys spans (paged)
 
-    def body(len_ref, start_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem,
-             m_smem, l_smem, q_bar, k_bar, v_bar):
+    def body(len_ref, start_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, q_smem, k_smem, v_smem,
+             p_smem, o_smem, m_smem, l_smem, q_bar, k_bar, v_bar):
         b, kh, part = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
         n = len_ref[b]
         blocks = (n + bk - 1) // bk  # filled key blocks of this sequence

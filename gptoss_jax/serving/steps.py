@@ -43,7 +43,7 @@ from ..sharding import everywhere
 # parameter and the updated pool it writes in place), so once the pool passes about half of the
 # memory free after the weights it decides the step cannot fit and recomputes parts of it, Pallas
 # kernels included: on one NVIDIA H200, gpt-oss-20b's decode step of 256 sequences over a pool of
-# 65.9 GiB ran 11 of its kernels twice (20.14 against 18.35 ms a token for the static cache), and from
+# 78.6 GiB ran 11 of its kernels twice and took 21.00 ms against 18.38 over a pool of 12 GiB; from
 # 45.4 GiB on it recomputed some (2026-11-26, docs/benchmarks.md). The steps need no recomputation:
 # their temporaries are under 1.1 GiB beside the pool, which the allocator updates in place.
 _STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
