@@ -67,9 +67,9 @@ def main() -> None:
 
     def by_engine(prompts, new):
         B = len(prompts)
-        chunk = min(4096, max(args.prompt, args.prefill))
-        engine = Engine(config, params, slots=B, max_len=max_len, prefill_chunk=chunk, prefill_rows=B, max_waiting=B,
-                        page_size=args.page_size, decode_sizes=(B,))
+        chunk = min(4096, len(prompts[0]))  # the case's prompts in one chunk each, as Generator takes them
+        engine = Engine(config, params, slots=B, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(B, 8),
+                        max_waiting=B, page_size=args.page_size, decode_sizes=(B,))
         engine.warm_up()
         engine.start()
         runs = []

@@ -133,16 +133,18 @@ def run_agents_peer(args) -> dict:
                     done.append((len(history), submitted, r.timestamps))
                 history += list(r.generated_tokens)
 
-        collector = threading.Thread(target=collect)
+        collector = threading.Thread(target=collect, daemon=True)
         collector.start()
-        futures["warm"] = Future()  # the first steps' paths, untimed
-        manager.add_request(list(range(16)), request_id="warm", max_new_tokens=4)
-        futures["warm"].result(timeout=600)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(turns)) as pool:
-            list(pool.map(conversation, range(len(turns))))
-        stop.set()
-        collector.join()
+        try:
+            futures["warm"] = Future()  # the first steps' paths, untimed
+            manager.add_request(list(range(16)), request_id="warm", max_new_tokens=4)
+            futures["warm"].result(timeout=600)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(turns)) as pool:
+                list(pool.map(conversation, range(len(turns))))
+        finally:
+            stop.set()
+            collector.join()
     s = summary([d[0] for d in done], [d[1] for d in done], [d[2] for d in done])
     s.update(prompt_tokens=sum(d[0] for d in done))
     out["runs"]["agents, transformers continuous batching"] = s

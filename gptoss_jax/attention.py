@@ -223,7 +223,8 @@ class AttentionBlock(nn.Module):
         pool_k, pool_v, table = layer_cache["k"], layer_cache["v"], layer_cache["table"]
         k, v = k.astype(pool_k.dtype), v.astype(pool_v.dtype)
         own = self._causal(impl, q, k, v, window)
-        if window is None and impl == "mosaic" and self.mesh is None and mosaic_attention.fits(
+        mosaic = impl == "mosaic" and self.mesh is None and mosaic_attention.takes_pages(pool_k.shape[1])
+        if window is None and mosaic and mosaic_attention.fits(
                 q.shape, table.shape[1] * pool_k.shape[1], q.dtype):  # decode-sized, on one device
             before = mosaic_attention.cache_attention(q, pool_k, pool_v, lengths, table=table,
                                                       interpret=self.kernels.interpret)
@@ -236,7 +237,7 @@ class AttentionBlock(nn.Module):
         elif window is None:
             before = paged.prefix(q, pool_k, pool_v, table, lengths, block=self.kernels.attention_block,
                                   dense_max=q.shape[1] if impl == "reference" else 16)
-        elif impl == "mosaic" and self.mesh is None and mosaic_attention.fits(
+        elif mosaic and mosaic_attention.fits(
                 q.shape, window_pages(self.config, pool_k.shape[1]) * pool_k.shape[1], q.dtype):
             before = self._window_kernel(q, pool_k, pool_v, table, lengths, window)
         else:

@@ -81,17 +81,21 @@ def test_cache_attention_reads_a_paged_cache_through_its_table(page):
 def test_cache_attention_over_a_sliding_window_of_pages(T):
     """A sliding layer's decode through the pages of its window (the table's columns from the page
     holding position len - window + 1, positions counted from that page): query t sees keys
-    [len + t - window + 1, len) only; keys before the window are huge and would show. Sequences of
-    1, 70, 127, 128, 129 and 250 keys, a window of 128 over pages of 64 (3 pages)."""
+    [len + t - window + 1, len) only; keys before the window are huge and would show, and so would the
+    large values of the keys that only the earlier queries see. Sequences of 1, 70, 127, 128, 129,
+    190 (a key block that the later queries see none of) and 250 keys, a window of 128 over pages of
+    64 (3 pages)."""
     kq, kk, kv, kp = jax.random.split(jax.random.key(11), 4)
     window, P, S, K, G, H = 128, 64, 256, 2, 4, 64
-    lengths = jnp.array([1, 70, 127, 128, 129, 250], jnp.int32)
+    lengths = jnp.array([1, 70, 127, 128, 129, 190, 250], jnp.int32)
     B, W, n = lengths.shape[0], S // P, -(-(window - 1) // P) + 1
     pos = jnp.arange(S)[None]
     q_pos = lengths[:, None] + jnp.arange(T)  # [B, T]
     before = pos < lengths[:, None] - window + 1  # out of every query's window
     k = jnp.where(before[..., None, None], 3e4, jax.random.normal(kk, (B, S, K, H))).astype(jnp.bfloat16)
-    v = jnp.where(before[..., None, None], -3e4, jax.random.normal(kv, (B, S, K, H))).astype(jnp.bfloat16)
+    edge = (pos >= lengths[:, None] - window + 1) & (pos < lengths[:, None] - window + T)  # seen by t < T-1 only
+    v = jnp.where(before[..., None, None], -3e4, jax.random.normal(kv, (B, S, K, H)))
+    v = jnp.where(edge[..., None, None], 50.0, v).astype(jnp.bfloat16)
     q = jax.random.normal(kq, (B, T, K, G, H), jnp.bfloat16)
     order = np.asarray(jax.random.permutation(kp, B * W))
     table = jnp.asarray(order.reshape(B, W), jnp.int32)
@@ -172,7 +176,7 @@ def test_the_kernels_switch_runs_it_for_decode():
 
 
 @pytest.mark.parametrize("page", [8, 64])
-def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page):
+def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monkeypatch):
     """Kernels(attention="mosaic") in a sliding layer's decode step over the paged cache (the serving
     engine's): the jnp path's output within the noise of a bfloat16 run (measured against float32);
     sequences shorter than the window, at it and past it."""
@@ -198,4 +202,9 @@ def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page):
         return np.asarray(out, np.float64)
 
     exact = Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32), precision="bfloat16")
+    windows = []
+    kernel = mosaic_attention.cache_attention
+    monkeypatch.setattr(mosaic_attention, "cache_attention",
+                        lambda *a, **kw: windows.append(kw.get("start") is not None) or kernel(*a, **kw))
     exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), f"mosaic, pages of {page}")
+    assert windows == [True]  # the sliding layer's window ran on the kernel

@@ -39,7 +39,7 @@ from .mosaic import interpret_params, supported, tiles
 
 ROWS = 64  # query rows of one program: one wgmma's M
 LOG2E = math.log2(math.e)
-__all__ = ["cache_attention", "default_block", "fits", "supported"]
+__all__ = ["cache_attention", "default_block", "fits", "supported", "takes_pages"]
 
 
 def fits(q_shape, slots: int, dtype) -> bool:
@@ -48,6 +48,12 @@ def fits(q_shape, slots: int, dtype) -> bool:
     _, T, _, G, H = q_shape
     return (T * G <= ROWS and H % 64 == 0 and H <= 256 and slots % 8 == 0
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def takes_pages(page_size: int) -> bool:
+    """Whether the paged cache's pages of this many positions fit the kernel's key blocks (multiples
+    of 64): a page a multiple of 64, or a multiple of 8 that divides 64."""
+    return page_size % 64 == 0 or (page_size % 8 == 0 and 64 % page_size == 0)
 
 
 def default_block(programs: int) -> int:
@@ -178,6 +184,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
             return m_new, l, acc + pv, pages
 
         m, l, acc, _ = lax.fori_loop(0, count, visit, (m, l, acc, page_ids(1)))
+        l = jnp.where(m > MASKED / 2, l, 0.0)  # a row that saw only masked keys saw none: lse -inf
         o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
         m_smem[...] = m
         l_smem[...] = l
