@@ -351,3 +351,24 @@ def test_interactive_chat_says_when_the_conversation_no_longer_fits(monkeypatch,
     err = capsys.readouterr().err
     assert "plus --max-new-tokens 4 exceeds the max context of 256 (--max-context): /reset to start a new " \
            "conversation" in err
+
+
+def test_a_signal_reported_as_another_error_is_the_interruption(capsys):
+    """A Ctrl-C whose KeyboardInterrupt lands inside code that re-raises it as another error (JAX,
+    comparing pytree metadata while the default mesh is checked, raises a ValueError from it) ends
+    the command as interrupted (130), not as that error; an error with no signal stays the error."""
+    from gptoss_jax.cli.command import run_command
+
+    def wrapped(args, signals):
+        try:
+            signals._handle(signal.SIGINT, None)  # what Ctrl-C calls
+        except KeyboardInterrupt as e:
+            raise ValueError("Exception raised while checking equality of metadata fields of pytree") from e
+
+    def failing(args, signals):
+        raise ValueError("a bad file")
+
+    assert run_command(lambda: None, wrapped, raising=True) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted"
+    assert run_command(lambda: None, failing, raising=True) == 1
+    assert capsys.readouterr().err.strip() == "error: a bad file"

@@ -39,18 +39,22 @@ def run_command(parse: Callable[[], object], run: Callable[[object, Signals], in
     """
     limit_allocator_arenas()  # before JAX starts its threads: loading keeps near one layer
     signals = Signals(raising=raising)
-    try:
-        return run(parse(), signals)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    def interrupted() -> int:
         sys.stdout.flush()
         print(f"{before_error()}error: {signals.what}", file=sys.stderr)
         return signals.exit_code
+
+    try:
+        return run(parse(), signals)
+    except (ValueError, OSError) as e:
+        # A signal's KeyboardInterrupt raised inside code that reports it as another error (JAX
+        # wraps one raised while it compares pytree metadata in a ValueError) is the interruption.
+        if signals():
+            return interrupted()
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+    except KeyboardInterrupt:
+        return interrupted()
     finally:
         if program:
             signals.raising = False  # the exit code is decided: a signal from now on changes nothing
