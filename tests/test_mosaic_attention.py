@@ -139,6 +139,16 @@ def _with_sinks64(o, lse, sinks):
     return o / (1 + np.exp(sink - lse))[..., None]
 
 
+def _decode_step(config, layer, params, x, cache, lengths, kernels, dtype):
+    """One layer's attention block in a cached decode step (x [B, 1, D], every sequence one token)
+    with its parameters and cache cast to dtype -> its output in float64."""
+    cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
+    block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
+    out, _ = block.apply({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
+                         jax.tree.map(cast, cache), lengths, jnp.ones((x.shape[0], 1), bool))
+    return np.asarray(out, np.float64)
+
+
 def test_the_kernels_switch_runs_it_for_decode():
     """Kernels(attention="mosaic") in a full-attention layer's cached decode step: the output of the
     jnp path within the noise of a bfloat16 run (measured against the same layer in float32)."""
@@ -151,14 +161,9 @@ def test_the_kernels_switch_runs_it_for_decode():
     cache = {"k": jax.random.normal(kk, (B, S, config.num_key_value_heads, config.head_dim)),
              "v": jax.random.normal(kv, (B, S, config.num_key_value_heads, config.head_dim))}
     x = jax.random.normal(kx, (B, 1, config.hidden_size))
-    valid = jnp.ones((B, 1), bool)
 
     def run(kernels, dtype):
-        cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
-        block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
-        out, _ = block.apply({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
-                             jax.tree.map(cast, cache), lengths, valid)
-        return np.asarray(out, np.float64)
+        return _decode_step(config, layer, params, x, cache, lengths, kernels, dtype)
 
     assert gj.Kernels(attention="mosaic", interpret=True).attention_for(1) == "mosaic"
     got = run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16)
@@ -192,14 +197,9 @@ def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monk
              for name, key in (("k", kk), ("v", kv))}
     cache["table"] = table
     x = jax.random.normal(kx, (B, 1, config.hidden_size))
-    valid = jnp.ones((B, 1), bool)
 
     def run(kernels, dtype):
-        cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
-        block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
-        out, _ = block.apply({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
-                             jax.tree.map(cast, cache), lengths, valid)
-        return np.asarray(out, np.float64)
+        return _decode_step(config, layer, params, x, cache, lengths, kernels, dtype)
 
     exact = Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32), precision="bfloat16")
     windows = []
