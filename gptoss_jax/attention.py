@@ -252,10 +252,9 @@ class AttentionBlock(nn.Module):
         """A sliding layer's decode by the Mosaic GPU cache attention over the pages of its window
         (as `paged.window`): the table's columns from the page holding the window's first position,
         positions counted from that page."""
-        P, W = pool_k.shape[1], table.shape[1]
-        n = window_pages(self.config, P)
-        first = jnp.maximum(lengths - window + 1, 0) // P  # [B]
-        ids = jnp.take_along_axis(table, jnp.minimum(first[:, None] + jnp.arange(n), W - 1), axis=1)  # [B, n]
+        P = pool_k.shape[1]
+        first, ids = paged.window_table(table, lengths, window=window, pages=window_pages(self.config, P),
+                                        page_size=P)
         return mosaic_attention.cache_attention(q, pool_k, pool_v, lengths - first * P, table=ids,
                                                 start=lengths - window + 1 - first * P, block_k=max(64, P),
                                                 interpret=self.kernels.interpret)

@@ -6,6 +6,7 @@ does; the caller folds in the sinks and the new tokens' own part (combine.py).
   table (whole for decode over short tables, else a block of pages at a time: blockwise.py's loop).
 - `window`: sliding layers: the queries see the cached keys inside their window, read from the
   `window_pages` pages that can hold them, whatever the context's length.
+- `window_table`: the table columns of a sliding layer's window (also what the Mosaic GPU kernel reads).
 - `write`: the new tokens' keys (or values) into their pages, at their positions.
 
 Legend: B = sequences, T = query positions, N = pages, P = positions a page, W = table width,
@@ -38,6 +39,14 @@ def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16
                          kv_block=block, table=table)
 
 
+def window_table(table, lengths, *, window: int, pages: int, page_size: int):
+    """The `pages` table columns a sliding layer's window can lie in, from the page holding position
+    lengths - window + 1 -> (that first column [B], the page ids [B, n]; columns past W clamped)."""
+    first = jnp.maximum(lengths - window + 1, 0) // page_size  # [B]
+    cols = jnp.minimum(first[:, None] + jnp.arange(pages), table.shape[1] - 1)
+    return first, jnp.take_along_axis(table, cols, axis=1)
+
+
 def window(q, pool_k, pool_v, table, lengths, q_pos, *, window: int, pages: int):
     """Sliding layers: q [B, T, K, G, H] at positions q_pos [B, T] (lengths + 0..T-1) sees the cached
     keys p < lengths with p > q_pos - window, which lie in the `pages` pages from the one holding
@@ -46,10 +55,9 @@ def window(q, pool_k, pool_v, table, lengths, q_pos, *, window: int, pages: int)
     Only the first `window` queries can see any cached key: the rest get lse -inf without scoring.
     """
     B, T = q.shape[:2]
-    P, W = pool_k.shape[1], table.shape[1]
-    first = jnp.maximum(lengths - window + 1, 0) // P  # [B]
+    P = pool_k.shape[1]
+    first, ids = window_table(table, lengths, window=window, pages=pages, page_size=P)
     cols = first[:, None] + jnp.arange(pages)  # [B, n]
-    ids = jnp.take_along_axis(table, jnp.minimum(cols, W - 1), axis=1)
     k_pos = (cols[:, :, None] * P + jnp.arange(P)).reshape(B, pages * P)  # [B, n P]
     seeing = min(T, window)
     qp = q_pos[:, :seeing]
