@@ -35,8 +35,8 @@ from .weight import Weight, declare, low_rank
 # Tokens per call from which the q, k and v products are kept apart (prompts; see __call__).
 SEPARATE_PROJECTIONS_FROM = 256
 # Positions (sequences x table width x page) up to which a prompt chunk's cached prefix is gathered
-# out of the paged cache for the flash kernel (about 0.5 GiB of keys and values at gpt-oss's 8 KV
-# heads); longer tables are read a block of pages at a time in jnp (kernels/paged.py).
+# out of the paged cache for the flash kernel at once (about 0.5 GiB of keys and values at gpt-oss's
+# 8 KV heads); longer tables are gathered a piece of columns at a time (kernels/paged.in_pieces).
 GATHER_FOR_FLASH = 262_144
 
 
@@ -228,12 +228,12 @@ class AttentionBlock(nn.Module):
                 q.shape, table.shape[1] * pool_k.shape[1], q.dtype):  # decode-sized, on one device
             before = mosaic_attention.cache_attention(q, pool_k, pool_v, lengths, table=table,
                                                       interpret=self.kernels.interpret)
-        elif window is None and impl == "tokamax" and self.mesh is None and (
-                q.shape[0] * table.shape[1] * pool_k.shape[1] <= GATHER_FOR_FLASH):
-            # A prompt chunk after its cached prefix, the tables short enough to gather whole: the
-            # flash kernel over the gathered keys (one NVIDIA H200, 256 prompts of 1k in chunks of
-            # 512, with the sliding layers' decode kernel below: first tokens at 2.6 s p50, not 3.2).
-            before = gpu.prefix(q, paged.gather(pool_k, table), paged.gather(pool_v, table), lengths)
+        elif window is None and impl == "tokamax" and self.mesh is None:
+            # A prompt chunk after its cached prefix: the flash kernel over the prefix's keys gathered
+            # out of the pages, the whole table where it is short (one NVIDIA H200, 256 prompts of 1k
+            # in chunks of 512, with the sliding layers' decode kernel below: first tokens at 2.6 s
+            # p50, not 3.2 in jnp blocks), else a piece of columns at a time.
+            before = self._flash_prefix(q, pool_k, pool_v, table, lengths)
         elif window is None:
             before = paged.prefix(q, pool_k, pool_v, table, lengths, block=self.kernels.attention_block,
                                   dense_max=q.shape[1] if impl == "reference" else 16)
@@ -247,6 +247,16 @@ class AttentionBlock(nn.Module):
         pool_k = paged.write(pool_k, table, positions, valid, k)
         pool_v = paged.write(pool_v, table, positions, valid, v)
         return o, {name: constrain(a, POOL_AXES, self.mesh) for name, a in (("k", pool_k), ("v", pool_v))}
+
+    @staticmethod
+    def _flash_prefix(q, pool_k, pool_v, table, lengths):
+        """Full layers' cached prefix by the flash kernel: the table gathered whole when sequences x
+        width x page <= GATHER_FOR_FLASH, else pieces of a power of two columns under that bound."""
+        B, W, P = q.shape[0], table.shape[1], pool_k.shape[1]
+        if B * W * P <= GATHER_FOR_FLASH:
+            return gpu.prefix(q, paged.gather(pool_k, table), paged.gather(pool_v, table), lengths)
+        pages = 1 << max(0, (GATHER_FOR_FLASH // (B * P)).bit_length() - 1)
+        return paged.in_pieces(q, pool_k, pool_v, table, lengths, gpu.prefix, pages=pages)
 
     def _window_kernel(self, q, pool_k, pool_v, table, lengths, window):
         """A sliding layer's decode by the Mosaic GPU cache attention over the pages of its window

@@ -18,7 +18,7 @@ import torch
 import gptoss_jax as gj
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.generate import Generator
-from gptoss_jax.kernels import gpu, mosaic_attention, mosaic_mxfp4, triton, xla
+from gptoss_jax.kernels import gpu, mosaic_attention, mosaic_mxfp4, paged, triton, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.moe import MLPBlock, SwiGLU
 from gptoss_jax.sampling import Sampling
@@ -98,6 +98,20 @@ def test_flash_attention_over_a_cache_prefix():
     kv_len = jnp.array([0, 250], jnp.int32)  # an empty prefix gives lse = -inf and no contribution
     _check_prefix(q, k, v, sinks, kv_len, {"flash": gpu.prefix(q, k, v, kv_len),
                                            "jnp": xla.prefix(q, k, v, kv_len, block=64)}, "bfloat16")
+
+
+def test_flash_attention_over_a_paged_prefix_a_piece_at_a_time():
+    """kernels/paged.in_pieces with the flash kernel (a prompt chunk after a long cached prefix): pages
+    of 16 in shuffled order, pieces of 5 pages (the last one past the table), merged by their lse."""
+    q, k, v, sinks = _qkv(40, 384, jnp.bfloat16, seed=1)
+    kv_len = jnp.array([0, 250], jnp.int32)
+    B, S, P = k.shape[0], k.shape[1], 16
+    table = jax.random.permutation(jax.random.key(7), B * S // P).reshape(B, S // P).astype(jnp.int32)
+    pool_k, pool_v = (jnp.zeros((B * S // P, P) + a.shape[2:], a.dtype).at[table].set(
+        a.reshape(B, S // P, P, *a.shape[2:])) for a in (k, v))
+    o, lse = paged.in_pieces(q, pool_k, pool_v, table, kv_len, gpu.prefix, pages=5)
+    _check_prefix(q, k, v, sinks, kv_len, {"flash in pieces": (o, lse), "flash": gpu.prefix(q, k, v, kv_len)},
+                  "bfloat16")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

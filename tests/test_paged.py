@@ -124,6 +124,48 @@ def test_attention_through_page_tables_is_the_contiguous_caches(model):
             o, lse = paged.prefix(q, pool_k, pool_v, table, lengths, block=16, dense_keys=dense_keys)
             exact.check(o[1:], f"T={T}, dense_keys={dense_keys}")
             assert bool(jnp.all(lse[0] <= -1e30))  # the empty sequence saw no key
+        # A piece of columns at a time for a kernel of contiguous keys (here the jnp one): pieces that
+        # do not divide the table (3 pages: the last piece past W), and the whole table in one piece.
+        attend = lambda q, k, v, n: xla.prefix(q, k, v, n, block=16)  # noqa: E731
+        for pages in (3, 16):
+            o, lse = paged.in_pieces(q, pool_k, pool_v, table, lengths, attend, pages=pages)
+            exact.check(o[1:], f"T={T}, in pieces of {pages} pages")
+            assert bool(jnp.all(lse[0] <= -1e30))  # nothing seen (the jnp code's MASKED: -1e30, not -inf)
+
+
+def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_time(monkeypatch):
+    """attention.py: the flash kernel's path over a paged prefix gathers the whole table where
+    sequences x width x page <= GATHER_FOR_FLASH, else pieces of a power of two columns under that
+    bound; either way the jnp path's output (the kernel stood in for by the jnp attention, which it
+    matches on GPUs: tests/test_gpu.py)."""
+    from gptoss_jax import attention
+    from gptoss_jax.attention import AttentionBlock
+    from gptoss_jax.kernels import gpu, paged, xla
+    from noise import Exact
+
+    B, T, W, P, K, G, H = 2, 20, 16, 8, 2, 4, 16
+    keys = jax.random.split(jax.random.key(5), 4)
+    pool_k, pool_v = (jax.random.normal(k, (B * W, P, K, H)) for k in keys[:2])
+    table = jax.random.permutation(keys[2], B * W).reshape(B, W).astype(jnp.int32)
+    q = jax.random.normal(keys[3], (B, T, K, G, H))
+    lengths = jnp.array([3, 101], jnp.int32)
+    k, v = (np.asarray(paged.gather(pool, table), np.float64) for pool in (pool_k, pool_v))  # [B, W P, K, H]
+    s = np.einsum("btkgh,bskh->btkgs", np.asarray(q, np.float64), k) / np.sqrt(H)
+    s = np.where((np.arange(W * P)[None] < np.asarray(lengths)[:, None])[:, None, None, None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    exact_lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    exact_o = np.einsum("btkgs,bskh->btkgh", np.exp(s - exact_lse[..., None]), v)
+    low = paged.prefix(q, pool_k, pool_v, table, lengths, block=16, dense_keys=0)
+    exact = Exact.measure(low[0], exact_o), Exact.measure(low[1], exact_lse)
+    spans = []
+    monkeypatch.setattr(gpu, "prefix", lambda q, k, v, n: spans.append(k.shape[1]) or xla.prefix(q, k, v, n, block=16))
+    for bound, span in ((B * W * P, W * P), (B * W * P - 1, 8 * P), (5 * B * P, 4 * P)):
+        monkeypatch.setattr(attention, "GATHER_FOR_FLASH", bound)
+        spans.clear()
+        o, lse = AttentionBlock._flash_prefix(q, pool_k, pool_v, table, lengths)
+        assert spans == [span], (bound, spans)  # whole, then pieces of 8 and 4 pages
+        exact[0].check(o, f"o, bound {bound}")
+        exact[1].check(lse, f"lse, bound {bound}")
 
 
 # Prefix reuse ------------------------------------------------------------------------------------------

@@ -38,6 +38,19 @@ def combine(parts: Sequence[tuple[jax.Array, jax.Array]], sinks: jax.Array, dtyp
     return (out / denom[..., None]).astype(dtype)
 
 
+def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Two sink-free parts over disjoint keys, (o, lse) each -> (o float32, lse) over the keys of both:
+    each part's output weighted by its share of the joint denominator (a part whose rows saw no key,
+    lse -inf, adds nothing, whatever its o holds)."""
+    (o1, l1), (o2, l2) = a, b
+    lse = jnp.maximum(l1, l2)
+    lse = jnp.where(jnp.isfinite(lse), lse + jnp.log(jnp.exp(l1 - lse) + jnp.exp(l2 - lse)), lse)
+    base = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w1, w2 = jnp.exp(l1 - base)[..., None], jnp.exp(l2 - base)[..., None]  # 0 for a part that saw nothing
+    o = (jnp.where(w1 > 0, o1.astype(jnp.float32) * w1, 0.0) + jnp.where(w2 > 0, o2.astype(jnp.float32) * w2, 0.0))
+    return o, lse
+
+
 def lse_of(m: jax.Array, l: jax.Array) -> jax.Array:
     """A kernel's row max and sum (natural base) -> log-sum-exp, -inf where the sum is 0."""
     return jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)

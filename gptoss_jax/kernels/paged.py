@@ -4,6 +4,8 @@ Each returns (o, lse) of sink-free attention over one set of keys, as every atte
 does; the caller folds in the sinks and the new tokens' own part (combine.py).
 - `prefix`: full layers: every query sees keys [0, lengths[b]) of its sequence, gathered through the
   table (whole for decode over short tables, else a block of pages at a time: blockwise.py's loop).
+- `in_pieces`: full layers, for a kernel that wants contiguous keys (the flash kernel on GPUs): a
+  piece of the table's columns gathered at a time, as many pieces as the longest length needs.
 - `window`: sliding layers: the queries see the cached keys inside their window, read from the
   `window_pages` pages that can hold them, whatever the context's length.
 - `window_table`: the table columns of a sliding layer's window (also what the Mosaic GPU kernel reads).
@@ -15,10 +17,14 @@ K = KV heads, G = query heads per KV head, H = head dim, n = pages read.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from . import xla
+from .combine import merge
 
 
 def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
@@ -37,6 +43,27 @@ def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16
     after_all = jnp.full((B, T), table.shape[1] * pool_k.shape[1], jnp.int32)  # queries past every key
     return xla.blockwise(q, pool_k, pool_v, window=None, q_pos=after_all, kv_len=lengths, q_block=block,
                          kv_block=block, table=table)
+
+
+def in_pieces(q, pool_k, pool_v, table, lengths, attend: Callable, *, pages: int):
+    """q [B, T, K, G, H] after every key of its sequence, keys [0, lengths) through table [B, W]
+    -> (o float32, lse), by `attend(q, k, v, kv_len)` (-> (o, lse), keys [0, kv_len[b]) of contiguous
+    k, v [B, pages P, K, H]) over `pages` table columns at a time, merged by their lse. A loop runs
+    as many pieces as the longest length fills, so memory holds one piece and short batches read
+    little of a wide table."""
+    B, T, K, G, H = q.shape
+    P, W = pool_k.shape[1], table.shape[1]
+    span = pages * P
+    table = jnp.pad(table, ((0, 0), (0, -W % pages)))  # columns past W: masked by kv_len
+    count = (jnp.max(lengths) + span - 1) // span
+
+    def piece(i, acc):
+        cols = lax.dynamic_slice_in_dim(table, i * pages, pages, axis=1)  # [B, pages]
+        kv_len = jnp.clip(lengths - i * span, 0, span)
+        return merge(acc, attend(q, gather(pool_k, cols), gather(pool_v, cols), kv_len))
+
+    none = (jnp.zeros((B, T, K, G, H), jnp.float32), jnp.full((B, T, K, G), -jnp.inf, jnp.float32))
+    return lax.fori_loop(0, count, piece, none)
 
 
 def window_table(table, lengths, *, window: int, pages: int, page_size: int):
