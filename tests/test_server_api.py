@@ -296,3 +296,68 @@ def test_key_queue_and_warm_up(url, client, engine, server):
     with urllib.request.urlopen(url[:-len("/v1")] + "/health", timeout=10) as r:
         assert json.loads(r.read()) == {"status": "ok"}
     assert chat(client).choices[0].message.content == "Hello there!"
+
+
+RESPONSE = {"model": MODEL, "input": "Hi"}
+COMPLETION = {"model": MODEL, "prompt": "Hi"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("path, body, param, code", [
+    ("/chat/completions", {**CHAT, "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "logit_bias": {"1": 100}}, "logit_bias", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "frequency_penalty": -1.0}, "frequency_penalty", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "functions": [WEATHER["function"]]}, "functions", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "function_call": "auto"}, "function_call", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "store": True}, "store", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "n": 2}, "n", None),
+    ("/chat/completions", {**CHAT, "repetition_penalty": 1.1}, "repetition_penalty", "unknown_parameter"),
+    ("/completions", {**COMPLETION, "echo": True}, "echo", "unsupported_parameter"),
+    ("/completions", {**COMPLETION, "best_of": 2}, "best_of", "unsupported_parameter"),
+    ("/completions", {**COMPLETION, "suffix": "!"}, "suffix", "unsupported_parameter"),
+    ("/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "text": {"format": {"type": "json_object"}}}, "text", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "background": True}, "background", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "store": True}, "store", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "truncation": "auto"}, "truncation", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "messages": []}, "messages", "unknown_parameter"),
+])
+def test_a_parameter_the_server_does_not_honour_is_refused_by_name(url, client, path, body, param, code):
+    """Each of these would change the reply (or is not a parameter at all): a 400 naming it, never a
+    200 that ignores it."""
+    r = raw_post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == code and error["type"] == "invalid_request_error", error
+    assert param in error["message"]
+
+
+def test_what_asks_for_nothing_is_accepted(url, client, engine, monkeypatch):
+    """The no-op values of the parameters the server does not implement, and the fields that change no
+    reply, are a 200 with the same reply; vLLM's top_k and min_p reach the sampling."""
+    plain = chat(client).choices[0].message.content
+    r = raw_post(url, "/chat/completions", {
+        **CHAT, "logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "response_format": {"type": "text"}, "n": 1, "store": False, "user": "u1", "metadata": {"k": "v"},
+        "parallel_tool_calls": True, "service_tier": "auto", "modalities": ["text"]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == plain == "Hello there!"
+    assert raw_post(url, "/completions", {**COMPLETION, "echo": False, "best_of": 1, "suffix": None}).status_code == 200
+    r = raw_post(url, "/responses", {**RESPONSE, "text": {"format": {"type": "text"}, "verbosity": "medium"},
+                                     "store": False, "include": [], "background": False, "truncation": "disabled"})
+    assert r.status_code == 200, r.text
+    submitted, submit = [], engine.submit
+    monkeypatch.setattr(engine, "submit", lambda ids, settings, *a, **kw: submitted.append(settings.sampling)
+                        or submit(ids, settings, *a, **kw))
+    chat(client, extra_body={"top_k": 5, "min_p": 0.25})
+    assert (submitted[-1].top_k, submitted[-1].min_p) == (5, 0.25)
+    client.responses.create(model=MODEL, input="Hi", extra_body={"top_k": -1})
+    assert submitted[-1].top_k == 0  # -1 is off, as in vLLM
+    assert raw_post(url, "/chat/completions", {**CHAT, "min_p": 1.0}).status_code == 400

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from . import protocol
 from .errors import bad_request, read_timeout, too_large, unsupported_media_type
 
 MAX_SCHEMA_DEPTH = 32  # JSON schemas of real tools nest a handful of levels
@@ -125,6 +126,11 @@ def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
         if where is not None:
             raise bad_request("Strings must be valid Unicode: this one holds a lone UTF-16 surrogate "
                               f"('\\ud800' to '\\udfff' written alone){f' ({where})' if where else ''}", where or None)
+    refused = protocol.refused_field(data, model)
+    if refused is not None:
+        name, reason = refused
+        code = "unknown_parameter" if reason.startswith("Unknown") else "unsupported_parameter"
+        raise bad_request(reason, name, code)
     try:
         return model.model_validate(data)
     except RecursionError:

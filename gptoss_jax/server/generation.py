@@ -203,7 +203,8 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
                           f"the completion). Please reduce the prompt or the completion length.",
                           "messages", "context_length_exceeded")
     temperature = 1.0 if body.temperature is None else body.temperature
-    sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p)
+    sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                        top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0)
     seed = secrets.randbits(31) if body.seed is None else body.seed
     stops = [stops] if isinstance(stops, str) else list(stops or [])
     if any(not s for s in stops):

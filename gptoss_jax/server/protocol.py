@@ -1,13 +1,18 @@
 """The request bodies of the endpoints, checked with pydantic (what the openai client itself uses).
 
-Fields the server does not use are ignored, as OpenAI's API ignores what it does not know; a field
-of the wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that).
-Types are strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
+A top-level field is either one the server acts on (declared below), one that changes nothing in
+the reply (ACCEPTED: `user`, `metadata`, ...), or refused with a 400 naming it (`refused_field`):
+a parameter of OpenAI's API that the server does not implement, unless it holds its no-op value
+(`logprobs: false`, `n: 1`, `presence_penalty: 0`, ...; NO_OP), and any name it does not know, as
+OpenAI's API refuses them. Inside a message or an item, unknown fields are ignored. A field of the
+wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that). Types are
+strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
+docs/serving.md lists every parameter and what the server does with it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
                       field_validator)
@@ -15,6 +20,57 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+# Top-level fields that change nothing in the reply: accepted on every endpoint, and not used.
+ACCEPTED = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                      "safety_identifier"})
+
+
+def _none_or(*values) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+def _text_format(v) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"}
+                         and set(v) <= {"format", "verbosity"})
+
+
+# Parameters of OpenAI's API that this server does not implement, each with the values that ask
+# for nothing (accepted): any other value is refused.
+NO_OP: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _none_or(False), "top_logprobs": _none_or(0), "logit_bias": lambda v: v is None or v == {},
+    "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
+    "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
+    "functions": lambda v: v is None or v == [], "function_call": _none_or("none"),
+    "echo": _none_or(False), "best_of": _none_or(1), "suffix": _none_or(""),
+    "store": _none_or(False), "background": _none_or(False), "include": lambda v: v is None or v == [],
+    "truncation": _none_or("disabled"), "modalities": lambda v: v is None or v == ["text"],
+    "audio": _none_or(), "prediction": _none_or(), "web_search_options": _none_or(), "max_tool_calls": _none_or(),
+    "prompt": _none_or(), "conversation": _none_or(), "stream_options": _none_or(),
+}
+
+
+def refused_field(data: dict, model: type[BaseModel]) -> tuple[str, str] | None:
+    """The first top-level field of a request body that `model` refuses -> (its name, the reason), or
+    None: a parameter it does not implement holding a value that asks for something, or a name it does
+    not know (see the module docstring)."""
+    declared = model.model_fields
+    for name, value in data.items():
+        if name in declared or name in ACCEPTED:
+            continue
+        if name in NO_OP:
+            if not NO_OP[name](value):
+                return name, (f"{name} is not supported by this server (the value {_short(value)} would change "
+                              "the reply); leave it out")
+            continue
+        return name, f"Unknown parameter: {name!r}"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class TextPart(_Body):
@@ -88,6 +144,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
     ignore_eos: StrictBool = False  # an extension, as vLLM's: generate past the stop tokens (benchmarks)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's extension; 0 and -1 are off
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)  # vLLM's extension; 0 is off
 
 
 class ChatCompletionRequest(_Sampling):
@@ -182,5 +240,7 @@ class ResponsesRequest(_Body):
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None
