@@ -361,3 +361,39 @@ def test_what_asks_for_nothing_is_accepted(url, client, engine, monkeypatch):
     client.responses.create(model=MODEL, input="Hi", extra_body={"top_k": -1})
     assert submitted[-1].top_k == 0  # -1 is off, as in vLLM
     assert raw_post(url, "/chat/completions", {**CHAT, "min_p": 1.0}).status_code == 400
+
+
+def test_the_model_is_retrieved_by_its_name(client, url):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("openai/gpt-oss-120b")  # a name with "/" reaches the endpoint too
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.retrieve(MODEL)
+
+
+@pytest.mark.parametrize("reply, cut, types", [
+    (ANSWER, len(ANSWER) - 2, ["reasoning", "message"]),  # inside the answer
+    (ANSWER, 5, ["reasoning", "message"]),  # inside the reasoning (an empty answer follows it)
+    (CALL, len(CALL) - 3, ["reasoning", "function_call"]),  # inside the call's arguments
+])
+def test_the_item_that_max_output_tokens_cuts_is_incomplete(client, engine, reply, cut, types):
+    """The response cut by max_output_tokens is "incomplete", and so is the item it cut, streamed and
+    not; the items written whole before it are "completed"."""
+    engine.reply = reply
+    kw = dict(model=MODEL, input="Hi", max_output_tokens=cut, tools=[{"type": "function", **WEATHER["function"]}])
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    assert events[-1].type == "response.incomplete"
+    streamed = events[-1].response
+    cut_type = "reasoning" if cut == 5 else types[1]
+    for r in (whole, streamed):
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        got = [(item.type, item.status) for item in r.output]
+        assert (cut_type, "incomplete") in got, got
+        assert all(status == "completed" for kind, status in got if kind != cut_type), got
+    assert [item.type for item in whole.output] == types
+    assert {e.item.status for e in events if e.type == "response.output_item.done" and e.item.type == cut_type} \
+        == {"incomplete"}
+    engine.reply = ANSWER
+    assert client.responses.create(model=MODEL, input="Hi").output[-1].status == "completed"

@@ -4,6 +4,7 @@
     GET  /metrics              the engine's metrics, Prometheus text
     GET  /openapi.json         the API's schema, request bodies included (openapi.py)
     GET  /v1/models            the one model served
+    GET  /v1/models/{id}       that model (404 for another name)
     POST /v1/chat/completions  harmony chat: reasoning_content, content, tool_calls; SSE with stream
     POST /v1/completions       a raw prompt (text or token ids)
     POST /v1/responses         the Responses API subset OpenAI's gpt-oss reference serves
@@ -165,11 +166,20 @@ def create_app(server: Server) -> FastAPI:
     async def metrics():
         return Response(prometheus_text(server.engine.stats()), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "gptoss-jax"}
+
     @app.get("/v1/models")
     async def models(http: HTTPRequest):
         check(http)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "gptoss-jax"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")  # a name may hold "/" (openai/gpt-oss-20b)
+    async def model(http: HTTPRequest, name: str):
+        check(http)
+        if name != server.model_name:
+            raise model_not_found(name, server.model_name)
+        return model_card()
 
     def gone() -> Response:
         return Response(status_code=499)  # nobody reads it: the client has left

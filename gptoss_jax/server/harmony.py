@@ -266,6 +266,19 @@ class ReplyStream:
         """Whether the reply turned out not to be harmony."""
         return self._reader.raw
 
+    @property
+    def unfinished(self) -> str | None:
+        """The kind of piece the reply stopped in the middle of ("reasoning", "content" or "tool_call"),
+        as a reply cut short does; None when its last message was closed (or was a built-in tool's)."""
+        if self.raw:
+            return "content"
+        if self._open is None:
+            return None
+        channel, recipient = self._open
+        if recipient:
+            return "tool_call" if recipient.startswith("functions.") else None
+        return "reasoning" if channel == "analysis" else "content"
+
     def feed(self, token: int) -> list[Delta]:
         out, self._pending = self._pending, []
         return out + self._read(token)

@@ -1,6 +1,8 @@
 """The Responses API's objects and streaming events, built from a reply as it streams
 (harmony.ReplyStream's deltas): a `reasoning` item, a `message` item with the answer, and a
-`function_call` item per tool call, in the order the model wrote them."""
+`function_call` item per tool call, in the order the model wrote them. When `max_output_tokens`
+cuts the reply, the response is "incomplete", and so is the item it cut (a tool call's arguments
+cut short included); the items written whole before it are "completed"."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from .harmony import Delta, ReplyStream
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
+
+
+_ITEM_OF = {"reasoning": "reasoning", "content": "message", "tool_call": "function_call"}  # a piece's item
 
 
 class ResponseBuilder:
@@ -34,7 +39,7 @@ class ResponseBuilder:
 
     def delta(self, d: Delta) -> list[tuple[str, dict]]:
         out = []
-        kind = {"reasoning": "reasoning", "content": "message", "tool_call": "function_call"}[d.kind]
+        kind = _ITEM_OF[d.kind]
         if self._item is None or self._item["type"] != kind or (d.kind == "tool_call" and d.id is not None):
             out += self._close()
             out += self._open(kind, d)
@@ -71,11 +76,11 @@ class ResponseBuilder:
                 self._ev("response.content_part.added", item_id=self._item["id"], output_index=index, content_index=0,
                          part=part)]
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self, status: str = "completed") -> list[tuple[str, dict]]:
         item, index, out = self._item, len(self.items), []
         if item is None:
             return out
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "function_call":
             out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 arguments=item["arguments"]))
@@ -91,8 +96,9 @@ class ResponseBuilder:
         return out
 
     def end(self, reply: ReplyStream) -> list[tuple[str, dict]]:
-        out = self._close()
         status = self._status()
+        cut = self._item is not None and self._item["type"] == self._cut_item(status, reply)
+        out = self._close("incomplete" if cut else "completed")
         final = self._response(status, self.items, reply)
         return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",
                                response=final)]
@@ -119,11 +125,21 @@ class ResponseBuilder:
         for call in reply.tool_calls:
             items.append({"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
                           "arguments": call.arguments, "status": "completed"})
-        return self._response(self._status(), items, reply)
+        status = self._status()
+        cut = self._cut_item(status, reply)
+        last = max((i for i, item in enumerate(items) if item["type"] == cut), default=None)
+        if last is not None:
+            items[last]["status"] = "incomplete"
+        return self._response(status, items, reply)
 
     def _status(self) -> str:
         cut = self.generation.was_cut or self.generation.request.finish_reason == "length"
         return "incomplete" if cut else "completed"
+
+    @staticmethod
+    def _cut_item(status: str, reply: ReplyStream) -> str | None:
+        """The type of the item the reply was cut in, if it was cut inside one."""
+        return _ITEM_OF.get(reply.unfinished) if status == "incomplete" else None
 
     def _response(self, status: str, output: list[dict], reply: ReplyStream | None) -> dict:
         r = self.request
