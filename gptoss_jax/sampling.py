@@ -4,6 +4,9 @@ Filters apply in that order to temperature-scaled logits; top-p keeps the smalle
 likely tokens whose probability reaches p (always at least one); min-p drops tokens whose
 probability is below min_p times the most likely one's. Seeded through an explicit PRNG key.
 
+`token_logprobs`: a chosen token's log-probability and the most likely alternatives', from the
+distribution after temperature and before the filters (a greedy row: the model's own, temperature 1).
+
 Legend: B = batch, V = vocab.
 """
 
@@ -14,6 +17,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import jax
+
+
+TOP_LOGPROBS = 20  # the most alternatives a token's log-probability comes with (OpenAI's limit too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +120,19 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperatu
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
     drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def token_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Array,
+                   k: int = TOP_LOGPROBS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [B, V], temperature [B] (0: greedy), the tokens chosen [B] -> (their log-probabilities
+    [B] float32, the k most likely token ids [B, k] int32, their log-probabilities [B, k] float32), all
+    of log_softmax(logits / temperature) (temperature 1 for a greedy row): the distribution a sampled
+    token is drawn from before top-k, top-p and min-p cut it."""
+    import jax
+    import jax.numpy as jnp
+
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logprobs, k)
+    return chosen, ids.astype(jnp.int32), top

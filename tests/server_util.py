@@ -10,7 +10,7 @@ import time
 import uvicorn
 
 from gptoss_jax.server.transport import protocol_class
-from gptoss_jax.serving import QueueFull, Request, Settings
+from gptoss_jax.serving import QueueFull, Request, Settings, TokenLogprob
 
 
 @contextlib.contextmanager
@@ -39,7 +39,7 @@ class ScriptedEngine:
     `delay` seconds; `prompts` records what was submitted; `full` makes submit refuse (QueueFull);
     `fail_after` N: each request fails (finish reason "error", with `FAILURE` as the engine's
     message) after N tokens; `cached` N: each request finds N prompt tokens in the KV cache (at most
-    all but its last)."""
+    all but its last); a request that asks for log-probabilities gets `logprob`'s."""
 
     FAILURE = "XlaRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS in /opt/secret/site-packages/jaxlib"
 
@@ -64,6 +64,13 @@ class ScriptedEngine:
         threading.Thread(target=self._run, args=(request,), daemon=True).start()
         return request
 
+    @staticmethod
+    def logprob(i: int, token: int, alternatives: int | None) -> TokenLogprob | None:
+        """Token i's stand-in log-probability: -(i + 1) / 8, after `alternatives` tokens of its own."""
+        if alternatives is None:
+            return None
+        return TokenLogprob(-(i + 1) / 8, tuple((token + 1 + j, -j / 16) for j in range(alternatives)))
+
     def _run(self, request: Request) -> None:
         reason, error = "length", None
         for i, token in enumerate(self.reply[:request.settings.max_new_tokens]):
@@ -74,7 +81,7 @@ class ScriptedEngine:
                 reason = "cancelled"
                 break
             time.sleep(self.delay)
-            request._add(token, time.perf_counter())
+            request._add(token, time.perf_counter(), self.logprob(i, token, request.settings.logprobs))
             if token in request.settings.stop_ids:
                 reason = "stop"
                 break

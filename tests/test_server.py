@@ -17,6 +17,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 from conftest import VOCAB, needs_vocab
@@ -26,7 +27,8 @@ import gptoss_jax as gj
 import run_inference
 from gptoss_jax import tokenizer as tk
 from gptoss_jax.server.app import Server, create_app
-from gptoss_jax.serving import Engine
+from gptoss_jax.sampling import Sampling
+from gptoss_jax.serving import Engine, Settings
 from gptoss_jax.testing import random_params
 
 pytestmark = needs_vocab
@@ -345,3 +347,79 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def test_logprobs_are_the_models_through_every_api(client, engine):
+    """completions (logprobs=3), chat (logprobs, top_logprobs=2) and Responses (include
+    message.output_text.logprobs, top_logprobs=2), streamed and not, on the demo model (its random
+    replies are raw text: every token is the answer's): each token's log-probability is transformers'
+    float64 log-softmax of the model's logits / temperature, within NOISE_FACTOR x its float32 run's
+    own error, and the alternatives are the most likely tokens, in order."""
+    from noise import Exact
+    from refs import hf_logits
+
+    from gptoss_jax.server import protocol
+    from gptoss_jax.server.harmony import chat_prompt, responses_prompt
+
+    tokenizer = tk.load_tokenizer(VOCAB)
+
+    def check(prompt: list[int], entries: list[dict], temperature: float, top: int | None, what: str):
+        """entries: [{"token_bytes", "logprob", "top": [(bytes, logprob)]}] of the reply's tokens."""
+        ids = [tokenizer.encode_single_token(bytes(e["token_bytes"])) for e in entries]
+        seq = [prompt + ids[:-1]]
+        rows = slice(len(prompt) - 1, None)
+        exact = Exact.measure(_log_softmax(hf_logits(engine.config, engine.params, seq, "float32")[0, rows] / temperature),
+                              _log_softmax(hf_logits(engine.config, engine.params, seq, "float64")[0, rows] / temperature))
+        steps = np.arange(len(ids))
+        exact[steps, ids].check([e["logprob"] for e in entries], f"{what}: chosen")
+        if top is None:
+            return ids
+        alternatives = np.array([[tokenizer.encode_single_token(bytes(b)) for b, _ in e["top"]] for e in entries])
+        assert alternatives.shape == (len(ids), top), what
+        exact[steps[:, None], alternatives].check([[v for _, v in e["top"]] for e in entries], f"{what}: top")
+        assert (alternatives == np.argsort(-exact.value, axis=-1)[:, :top]).all(), what
+        return ids
+
+    prompt = tokenizer.encode("The capital of France is")
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.8, seed=5, logprobs=3)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    direct = engine.submit(prompt, Settings(max_new_tokens=6, sampling=Sampling(temperature=0.8), seed=5,
+                                            stop_ids=tk.STOP_TOKENS))
+    ids = direct.result(timeout=60)  # seeded: the tokens the server drew
+    check(prompt, [{"token_bytes": tokenizer.decode_single_token_bytes(i), "logprob": v, "top": None}
+                   for i, v in zip(ids, lp.token_logprobs)], 0.8, None, "completions")
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6 and lp.text_offset[0] == 0
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)  # 3 tokens (two may read as the same text)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)] or "\ufffd" in "".join(lp.tokens)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices[0].logprobs]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = chat_prompt(protocol.ChatCompletionRequest(model=MODEL, messages=messages), VOCAB, MAX_LEN).tokens
+    kw = dict(model=MODEL, messages=messages, temperature=0, max_tokens=7, logprobs=True, top_logprobs=2)
+    got = client.chat.completions.create(**kw).choices[0].logprobs.content
+    as_entries = lambda content: [{"token_bytes": e.bytes, "logprob": e.logprob,  # noqa: E731
+                                   "top": [(t.bytes, t.logprob) for t in e.top_logprobs]} for e in content]
+    ids = check(chat_ids, as_entries(got), 1.0, 2, "chat")
+    assert len(ids) == 7
+    chunks = client.chat.completions.create(**kw, stream=True)
+    assert [e.logprob for c in chunks for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])] \
+        == [e.logprob for e in got]
+
+    input_ids = responses_prompt(protocol.ResponsesRequest(model=MODEL, input="Hi"), VOCAB, MAX_LEN).tokens
+    kw = dict(model=MODEL, input="Hi", temperature=0.5, extra_body={"seed": 2}, max_output_tokens=5, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    content = r.output[-1].content[0].logprobs
+    check(input_ids, as_entries(content), 0.5, 2, "responses")
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.logprob for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs] \
+        == [e.logprob for e in content]
+    plain = client.responses.create(model=MODEL, input="Hi", temperature=0.5, extra_body={"seed": 2}, max_output_tokens=5)
+    assert plain.output_text == r.output_text and plain.output[-1].content[0].logprobs == []
+
+
+def _log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))

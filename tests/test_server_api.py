@@ -304,8 +304,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 
 
 @pytest.mark.parametrize("path, body, param, code", [
-    ("/chat/completions", {**CHAT, "logprobs": True}, "logprobs", "unsupported_parameter"),
-    ("/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", None),  # needs logprobs: true
+    ("/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
     ("/chat/completions", {**CHAT, "logit_bias": {"1": 100}}, "logit_bias", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "frequency_penalty": -1.0}, "frequency_penalty", "unsupported_parameter"),
@@ -320,12 +320,11 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/completions", {**COMPLETION, "echo": True}, "echo", "unsupported_parameter"),
     ("/completions", {**COMPLETION, "best_of": 2}, "best_of", "unsupported_parameter"),
     ("/completions", {**COMPLETION, "suffix": "!"}, "suffix", "unsupported_parameter"),
-    ("/completions", {**COMPLETION, "logprobs": 0}, "logprobs", "unsupported_parameter"),
+    ("/completions", {**COMPLETION, "logprobs": 21}, "logprobs", None),
     ("/responses", {**RESPONSE, "text": {"format": {"type": "json_object"}}}, "text", "unsupported_parameter"),
-    ("/responses", {**RESPONSE, "include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "include": ["reasoning.encrypted_content"]}, "include[0]", None),
     ("/responses", {**RESPONSE, "background": True}, "background", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "store": True}, "store", "unsupported_parameter"),
-    ("/responses", {**RESPONSE, "top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "truncation": "auto"}, "truncation", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "messages": []}, "messages", "unknown_parameter"),
 ])
@@ -344,7 +343,7 @@ def test_what_asks_for_nothing_is_accepted(url, client, engine, monkeypatch):
     reply, are a 200 with the same reply; vLLM's top_k and min_p reach the sampling."""
     plain = chat(client).choices[0].message.content
     r = raw_post(url, "/chat/completions", {
-        **CHAT, "logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
+        **CHAT, "logprobs": False, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
         "response_format": {"type": "text"}, "n": 1, "store": False, "user": "u1", "metadata": {"k": "v"},
         "parallel_tool_calls": True, "service_tier": "auto", "modalities": ["text"]})
     assert r.status_code == 200, r.text
@@ -397,3 +396,40 @@ def test_the_item_that_max_output_tokens_cuts_is_incomplete(client, engine, repl
         == {"incomplete"}
     engine.reply = ANSWER
     assert client.responses.create(model=MODEL, input="Hi").output[-1].status == "completed"
+
+
+def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
+    """chat, Responses and completions, streamed and not, over the stand-in engine (which gives token i
+    the log-probability -(i + 1) / 8): chat and Responses give the answer's tokens only (not the
+    reasoning's, nor a tool call's), completions every token but the stop token."""
+    tokenizer = tk.load_tokenizer(VOCAB)
+    final = ANSWER.index(tk.load_tokenizer(VOCAB).encode("<|message|>", allowed_special="all")[0], 6) + 1
+    want = [-(i + 1) / 8 for i in range(final, len(ANSWER) - 1)]  # "Hello there!", not <|return|>
+    words = [tokenizer.decode([t]) for t in ANSWER[final:-1]]
+    assert "".join(words) == "Hello there!"
+
+    r = chat(client, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert [e.logprob for e in r] == want and [e.token for e in r] == words
+    assert [[t.logprob for t in e.top_logprobs] for e in r] == [[0.0, -1 / 16]] * len(want)
+    assert bytes(r[0].bytes).decode() == words[0]
+    streamed = chat(client, logprobs=True, stream=True)
+    assert [e.logprob for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content] \
+        == want
+    assert chat(client).choices[0].logprobs is None
+
+    kw = dict(model=MODEL, input="Hi", include=["message.output_text.logprobs"], top_logprobs=1)
+    message = client.responses.create(**kw).output[-1]
+    assert [e.logprob for e in message.content[0].logprobs] == want
+    assert [len(e.top_logprobs) for e in message.content[0].logprobs] == [1] * len(want)
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.logprob for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs] == want
+    done = [ev for ev in events if ev.type == "response.output_item.done"][-1].item
+    assert [e.logprob for e in done.content[0].logprobs] == want
+
+    lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=50, logprobs=0).choices[0].logprobs
+    assert lp.token_logprobs == [-(i + 1) / 8 for i in range(len(ANSWER) - 1)] and lp.top_logprobs[0] == {}
+    assert lp.text_offset[-1] == len("".join(lp.tokens[:-1]))
+
+    engine.reply = CALL
+    r = chat(client, logprobs=True, tools=[WEATHER]).choices[0]
+    assert r.finish_reason == "tool_calls" and r.logprobs.content == []

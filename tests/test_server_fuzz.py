@@ -170,7 +170,7 @@ def test_the_description_is_served_and_covers_every_route(app, wire):
     description = app.openapi()
     status, _, data = wire.send("GET", "/openapi.json", None, AUTH)
     assert status == 200 and json.loads(data) == description
-    routes = {(route.path, method.lower()) for route in app.routes
+    routes = {(route.path_format, method.lower()) for route in app.routes
               if isinstance(route, Route) and route.include_in_schema for method in route.methods - {"HEAD"}}
     assert {(path, method) for path, operations in description["paths"].items() for method in operations} == routes
     for path in POSTS:

@@ -143,9 +143,53 @@ def test_a_full_queue_refuses_at_once(model):
         engine.submit([config.vocab_size], Settings(max_new_tokens=1))
 
 
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model):
+    """Settings(logprobs=5): each token's log-probability and its 5 most likely alternatives', for a
+    greedy request and a sampled one (temperature 0.7, top-k 20: the distribution after temperature,
+    before top-k), against transformers' float64 log-softmax of the whole sequence's logits, within
+    NOISE_FACTOR x its float32 run's own error; the same tokens as without log-probabilities, also
+    when a request without them shares the steps."""
+    from noise import Exact
+    from refs import hf_logits
+
+    config, params = model
+    prompt = np.random.default_rng(21).integers(0, config.vocab_size, 40).tolist()  # past the 16-token window
+    for sampling, seed in ((GREEDY, 0), (Sampling(temperature=0.7, top_k=20), 3)):
+        plain = Settings(max_new_tokens=6, sampling=sampling, seed=seed)
+        asked = Settings(max_new_tokens=6, sampling=sampling, seed=seed, logprobs=5)
+        alone = engine.submit(prompt, asked)
+        engine.run_until_idle()
+        beside, other = engine.submit(prompt, asked), engine.submit(prompt[::-1], plain)  # in the same steps
+        engine.run_until_idle()
+        reference = engine.submit(prompt[::-1], plain)
+        engine.run_until_idle()
+        assert other.logprobs is None and other.output_ids == reference.output_ids
+        out = alone.output_ids
+        assert beside.output_ids == out and len(out) == 6 and len(alone.logprobs) == 6
+        T = sampling.temperature or 1.0
+        seq = [prompt + out[:-1]]
+        rows = slice(len(prompt) - 1, None)  # the logits each new token was drawn from
+        exact = Exact.measure(_log_softmax(hf_logits(config, params, seq, "float32")[0, rows] / T),
+                              _log_softmax(hf_logits(config, params, seq, "float64")[0, rows] / T))
+        steps = np.arange(len(out))
+        for request in (alone, beside):
+            exact[steps, out].check([lp.logprob for lp in request.logprobs], f"chosen, T={T}")
+            ids = np.array([[i for i, _ in lp.top] for lp in request.logprobs])
+            exact[steps[:, None], ids].check([[v for _, v in lp.top] for lp in request.logprobs], f"top 5, T={T}")
+            assert (ids == np.argsort(-exact.value, axis=-1)[:, :5]).all()  # the 5 most likely, in order
+        if sampling.temperature == 0:
+            assert (ids[:, 0] == out).all()
+
+
 def test_nothing_compiles_after_warm_up(engine, model):
-    """200 requests of random lengths and sampling settings, half of them starting with one of three
-    shared prefixes (found in the cache, or not yet), counted by JAX's own compile events."""
+    """200 requests of random lengths and sampling settings, a third with log-probabilities, half of them
+    starting with one of three shared prefixes (found in the cache, or not yet), counted by JAX's own
+    compile events."""
     config, _ = model
     compiles, listening = [], [True]
 
@@ -165,7 +209,7 @@ def test_nothing_compiles_after_warm_up(engine, model):
             if rng.random() < 0.5:
                 prompt = shared[int(rng.integers(0, 3))] + prompt
             engine.submit(prompt, Settings(max_new_tokens=int(rng.integers(1, 4)), sampling=sampling,
-                                           seed=int(rng.integers(0, 2**31))))
+                                           seed=int(rng.integers(0, 2**31)), logprobs=[None, 0, 3][_ % 3]))
         engine.run_until_idle()
     finally:
         listening[0] = False

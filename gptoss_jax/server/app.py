@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import tokenizer as tk
 from ..version import __version__
-from . import body, openapi, protocol
+from . import body, logprobs, openapi, protocol
 from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, server_error, unauthorized,
                      unavailable)
 from .generation import Generation, Server, settings_of
@@ -187,9 +187,12 @@ def create_app(server: Server) -> FastAPI:
     # Chat completions --------------------------------------------------------------------------------
 
     def chat_prepare(req):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         prompt = chat_prompt(req, server.vocab, server.engine.max_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop)
+        return prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop,
+                                   (req.top_logprobs or 0) if req.logprobs else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
@@ -198,10 +201,33 @@ def create_app(server: Server) -> FastAPI:
         generation = Generation(server, http, prompt.tokens, settings, rid)
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         trim = StopTrimmer(settings.stop_strings)
+        answer = None if settings.logprobs is None else logprobs.Answer(server.tokenizer, generation.request, reply,
+                                                                        tk.STOP_TOKENS)
 
-        def chunk(delta: dict, finish: str | None = None) -> str:
+        def chunk(delta: dict, finish: str | None = None, entries=None) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+                         "choices": [{"index": 0, "delta": delta,
+                                      "logprobs": None if entries is None else {"content": entries, "refusal": None},
+                                      "finish_reason": finish}]})
+
+        def pieces(token: int) -> list:
+            """The token's pieces, and its log-probability entry kept for the next content chunk."""
+            out = reply.feed(token)
+            if answer is not None:
+                due.extend(answer.feed(token, out))
+            return out
+
+        due: list[dict] = []  # log-probability entries not sent yet
+
+        def chunks_of(deltas: list) -> str:
+            """Chat chunks for these deltas, the entries due on the first chunk with content."""
+            out = []
+            for d in _merge(deltas):
+                entries = None
+                if answer is not None and "content" in d and due:
+                    entries, due[:] = list(due), []
+                out.append(chunk(d, entries=entries))
+            return "".join(out)
 
         def as_delta(d) -> dict | None:
             if d.kind == "tool_call":
@@ -218,15 +244,18 @@ def create_app(server: Server) -> FastAPI:
             async def chunks():
                 yield chunk({"role": "assistant", "content": ""})
                 async for batch in generation.batches():
-                    deltas = [as_delta(d) for token in batch for d in reply.feed(token)]
-                    if text := "".join(chunk(d) for d in _merge(deltas)):
+                    deltas = [as_delta(d) for token in batch for d in pieces(token)]
+                    if text := chunks_of(deltas):
                         yield text
                 if generation.failed:
                     raise _Failed()
-                if text := "".join(chunk(d) for d in _merge([as_delta(d) for d in reply.finish()])):
+                finished = [as_delta(d) for d in reply.finish()]
+                if answer is not None:
+                    due.extend(answer.finish())
+                if text := chunks_of(finished):
                     yield text
-                if rest := trim.finish():
-                    yield chunk({"content": rest})
+                if (rest := trim.finish()) or due:
+                    yield chunk({"content": rest}, entries=None if answer is None else list(due))
                 yield chunk({}, _finish_reason(generation, bool(reply.tool_calls), trim.hit))
                 if req.stream_options and req.stream_options.include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -236,12 +265,14 @@ def create_app(server: Server) -> FastAPI:
             return StreamingResponse(_stream(chunks(), generation, _error_sse), media_type="text/event-stream")
 
         async for token in generation.tokens():
-            reply.feed(token)
+            pieces(token)
         if generation.gone:
             return gone()
         if generation.failed:
             raise server_error(rid)
         reply.finish()
+        if answer is not None:
+            due.extend(answer.finish())
         content = trim.add("".join(reply.content)) + trim.finish()
         message = {"role": "assistant", "content": content or (None if reply.tool_calls else ""),
                    "reasoning_content": "".join(reply.reasoning) or None}
@@ -249,7 +280,8 @@ def create_app(server: Server) -> FastAPI:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in reply.tool_calls]
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": None if answer is None else {"content": due, "refusal": None},
                              "finish_reason": _finish_reason(generation, bool(reply.tool_calls), trim.hit)}],
                 "usage": generation.usage()}
 
@@ -271,7 +303,7 @@ def create_app(server: Server) -> FastAPI:
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
         prompt = list(prompt)
-        return prompt, settings_of(server, prompt, req.max_tokens, req, req.stop)
+        return prompt, settings_of(server, prompt, req.max_tokens, req, req.stop, req.logprobs)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
@@ -279,13 +311,22 @@ def create_app(server: Server) -> FastAPI:
         rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
         generation = Generation(server, http, prompt, settings, rid)
         decoder, trim = tk.StreamDecoder(server.tokenizer), StopTrimmer(settings.stop_strings)
+        scores = None if settings.logprobs is None else logprobs.Completion(server.tokenizer)
+        count = [0]  # tokens read
 
         def text_of(token: int) -> str:  # a stop token ends the text, unwritten
-            return "" if token in tk.STOP_TOKENS else trim.add(decoder.add(token))
+            i, count[0] = count[0], count[0] + 1
+            if token in tk.STOP_TOKENS:
+                return ""
+            text = trim.add(decoder.add(token))
+            if scores is not None:
+                scores.add(token, generation.request.logprobs[i], text)
+            return text
 
         def chunk(text: str, finish: str | None = None) -> str:
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+                         "choices": [{"index": 0, "text": text, "logprobs": None if scores is None or finish
+                                      else scores.take(), "finish_reason": finish}]})
 
         if req.stream:
             async def chunks():
@@ -294,8 +335,8 @@ def create_app(server: Server) -> FastAPI:
                         yield chunk(text)
                 if generation.failed:
                     raise _Failed()
-                if rest := trim.add(decoder.flush()) + trim.finish():
-                    yield chunk(rest)
+                if (rest := trim.add(decoder.flush()) + trim.finish()) or (scores is not None and scores.tokens):
+                    yield chunk(rest)  # with the log-probabilities not sent yet
                 yield chunk("", _finish_reason(generation, False, trim.hit))
                 if req.stream_options and req.stream_options.include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": created,
@@ -311,7 +352,7 @@ def create_app(server: Server) -> FastAPI:
             raise server_error(rid)
         text = "".join(pieces) + trim.add(decoder.flush()) + trim.finish()
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": 0, "text": text, "logprobs": None if scores is None else scores.take(),
                              "finish_reason": _finish_reason(generation, False, trim.hit)}],
                 "usage": generation.usage()}
 
@@ -322,7 +363,9 @@ def create_app(server: Server) -> FastAPI:
             raise bad_request("previous_response_id is not supported: this server keeps no responses; send the "
                               "whole conversation as input items", "previous_response_id")
         prompt = responses_prompt(req, server.vocab, server.engine.max_len)
-        return prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None)
+        wanted = "message.output_text.logprobs" in (req.include or [])
+        return prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None,
+                                   (req.top_logprobs or 0) if wanted else None)
 
     @app.post("/v1/responses")
     async def responses(http: HTTPRequest):
@@ -331,6 +374,18 @@ def create_app(server: Server) -> FastAPI:
         generation = Generation(server, http, prompt.tokens, settings, rid)
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         builder = ResponseBuilder(req, server.model_name, generation, rid)
+        answer = None if settings.logprobs is None else logprobs.Answer(server.tokenizer, generation.request, reply,
+                                                                        tk.STOP_TOKENS)
+
+        def events_of(token: int | None) -> list[tuple[str, dict]]:
+            """A token's events (None: the reply's end), its log-probability entries on its text's delta."""
+            pieces = reply.feed(token) if token is not None else reply.finish()
+            entries = [] if answer is None else answer.feed(token, pieces) if token is not None else answer.finish()
+            out = []
+            for d in pieces:  # the entries go with the token's first text piece
+                given, entries = (entries, []) if d.kind == "content" else ([], entries)
+                out += builder.delta(d, given)
+            return out
         # A response object echoes the request's tools and instructions, which a client can make
         # megabytes long: the objects that carry it are written on a worker thread.
         async def written(make) -> str:
@@ -340,14 +395,12 @@ def create_app(server: Server) -> FastAPI:
             async def events():
                 yield await written(builder.start)
                 async for batch in generation.batches():
-                    if text := "".join(_event(kind, data) for token in batch for d in reply.feed(token)
-                                       for kind, data in builder.delta(d)):
+                    if text := "".join(_event(kind, data) for token in batch for kind, data in events_of(token)):
                         yield text
                 if generation.failed:
                     raise _Failed()
-                for d in reply.finish():
-                    for kind, data in builder.delta(d):
-                        yield _event(kind, data)
+                for kind, data in events_of(None):
+                    yield _event(kind, data)
                 yield await written(lambda: builder.end(reply))
 
             def failure(message: str) -> list[str]:
@@ -355,14 +408,19 @@ def create_app(server: Server) -> FastAPI:
 
             return StreamingResponse(_stream(events(), generation, failure), media_type="text/event-stream")
 
+        entries = []
         async for token in generation.tokens():
-            reply.feed(token)
+            pieces = reply.feed(token)
+            if answer is not None:
+                entries += answer.feed(token, pieces)
         if generation.gone:
             return gone()
         if generation.failed:
             raise server_error(rid)
         reply.finish()
-        return Response(await server.prepare(lambda: json.dumps(builder.response(reply))),
+        if answer is not None:
+            entries += answer.finish()
+        return Response(await server.prepare(lambda: json.dumps(builder.response(reply, entries))),
                         media_type="application/json")
 
     return app

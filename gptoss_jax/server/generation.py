@@ -193,8 +193,10 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": self.request.cached_tokens or 0}}
 
 
-def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body, stops) -> Settings:
-    """The engine settings of a request; 400 when the prompt and its budget exceed the context."""
+def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body, stops,
+                logprobs: int | None = None) -> Settings:
+    """The engine settings of a request; 400 when the prompt and its budget exceed the context.
+    logprobs: each token's log-probability with that many alternatives' (None: none)."""
     max_len = server.engine.max_len
     budget = max_tokens if max_tokens is not None else max_len - len(prompt)
     if len(prompt) + max(budget, 1) > max_len:
@@ -215,4 +217,5 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
         raise bad_request(f"a stop sequence may have at most {server.limits.max_stop_chars} characters, got "
                           f"{max(map(len, stops))}", "stop")
     return Settings(max_new_tokens=budget, sampling=sampling, seed=seed,
-                    stop_ids=() if getattr(body, "ignore_eos", False) else tk.STOP_TOKENS, stop_strings=tuple(stops))
+                    stop_ids=() if getattr(body, "ignore_eos", False) else tk.STOP_TOKENS, stop_strings=tuple(stops),
+                    logprobs=logprobs)

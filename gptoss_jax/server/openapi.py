@@ -28,6 +28,7 @@ _SUMMARIES = {
     "/health": "Whether the server is ready: 200 once the model is warmed up, 503 before and while stopping",
     "/metrics": "The engine's metrics, in Prometheus text",
     "/v1/models": "The model served",
+    "/v1/models/{name:path}": "The model of that name (404 for another)",
     "/v1/chat/completions": "A chat reply (harmony: reasoning_content, content, tool_calls)",
     "/v1/completions": "A completion of a raw prompt (text or token ids)",
     "/v1/responses": "A reply through the Responses API",
@@ -80,7 +81,7 @@ def describe(app: FastAPI) -> dict:
         methods = sorted(set(route.methods or ()) - {"HEAD"})  # HEAD is answered as GET
         for method in methods:
             body = _BODIES.get(route.path) if method == "POST" else None
-            paths.setdefault(route.path, {})[method.lower()] = _operation(
+            paths.setdefault(route.path_format, {})[method.lower()] = _operation(
                 route, method, len(methods) > 1, names[(body, "validation")]["$ref"] if body else None)
     return {
         "openapi": "3.1.0",
@@ -114,4 +115,7 @@ def _operation(route: Route, method: str, shared: bool, body_ref: str | None) ->
     if body_ref:
         operation["requestBody"] = {"required": True,
                                     "content": {"application/json": {"schema": {"$ref": body_ref}}}}
+    if route.param_convertors:  # /v1/models/{name}: a model's name, "/" included
+        operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                   for name in route.param_convertors]
     return operation

@@ -3,7 +3,7 @@
 A top-level field is either one the server acts on (declared below), one that changes nothing in
 the reply (ACCEPTED: `user`, `metadata`, ...), or refused with a 400 naming it (`refused_field`):
 a parameter of OpenAI's API that the server does not implement, unless it holds its no-op value
-(`logprobs: false`, `n: 1`, `presence_penalty: 0`, ...; NO_OP), and any name it does not know, as
+(`echo: false`, `presence_penalty: 0`, `logit_bias: {}`, ...; NO_OP), and any name it does not know, as
 OpenAI's API refuses them. Inside a message or an item, unknown fields are ignored. A field of the
 wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that). Types are
 strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
@@ -12,10 +12,12 @@ docs/serving.md lists every parameter and what the server does with it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, ClassVar, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
                       field_validator)
+
+from ..sampling import TOP_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -39,12 +41,12 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's API that this server does not implement, each with the values that ask
 # for nothing (accepted): any other value is refused.
 NO_OP: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _none_or(False), "top_logprobs": _none_or(0), "logit_bias": lambda v: v is None or v == {},
+    "logit_bias": lambda v: v is None or v == {},
     "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
     "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
     "functions": lambda v: v is None or v == [], "function_call": _none_or("none"),
     "echo": _none_or(False), "best_of": _none_or(1), "suffix": _none_or(""),
-    "store": _none_or(False), "background": _none_or(False), "include": lambda v: v is None or v == [],
+    "store": _none_or(False), "background": _none_or(False),
     "truncation": _none_or("disabled"), "modalities": lambda v: v is None or v == ["text"],
     "audio": _none_or(), "prediction": _none_or(), "web_search_options": _none_or(), "max_tool_calls": _none_or(),
     "prompt": _none_or(), "conversation": _none_or(), "stream_options": _none_or(),
@@ -148,8 +150,13 @@ class _Sampling(_Body):
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)  # vLLM's extension; 0 is off
 
 
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS)]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[ToolChoiceMode, ChatToolChoice, None] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
@@ -160,6 +167,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: TopLogprobs | None = None  # the sampled tokens' log-probabilities, with this many alternatives
     max_tokens: StrictInt = Field(default=16, ge=1)  # OpenAI's default, also for an explicit null
     stop: StrictStr | list[StrictStr] | None = None
 
@@ -244,3 +252,5 @@ class ResponsesRequest(_Body):
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: TopLogprobs | None = None

@@ -37,7 +37,8 @@ class ResponseBuilder:
         snapshot = self._response("in_progress", [], None)
         return [self._ev("response.created", response=snapshot), self._ev("response.in_progress", response=snapshot)]
 
-    def delta(self, d: Delta) -> list[tuple[str, dict]]:
+    def delta(self, d: Delta, logprobs: list[dict] = ()) -> list[tuple[str, dict]]:
+        """A piece's events; `logprobs`: the entries of the tokens that gave a text piece (server/logprobs.py)."""
         out = []
         kind = _ITEM_OF[d.kind]
         if self._item is None or self._item["type"] != kind or (d.kind == "tool_call" and d.id is not None):
@@ -50,8 +51,9 @@ class ResponseBuilder:
                                 content_index=0, delta=d.text))
         elif kind == "message":
             item["content"][0]["text"] += d.text
+            item["content"][0]["logprobs"] += logprobs
             out.append(self._ev("response.output_text.delta", item_id=item["id"], output_index=index,
-                                content_index=0, delta=d.text, logprobs=[]))
+                                content_index=0, delta=d.text, logprobs=list(logprobs)))
         elif d.text:
             item["arguments"] += d.text
             out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
@@ -113,7 +115,8 @@ class ResponseBuilder:
 
     # Whole -------------------------------------------------------------------------------------------------
 
-    def response(self, reply: ReplyStream) -> dict:
+    def response(self, reply: ReplyStream, logprobs: list[dict] = ()) -> dict:
+        """The whole response; `logprobs`: the answer's tokens' entries (server/logprobs.py)."""
         items = []
         if reply.reasoning:
             items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
@@ -121,7 +124,7 @@ class ResponseBuilder:
         if reply.content or not reply.tool_calls:
             items.append({"type": "message", "id": _id("msg"), "role": "assistant", "status": "completed",
                           "content": [{"type": "output_text", "text": "".join(reply.content), "annotations": [],
-                                       "logprobs": []}]})
+                                       "logprobs": list(logprobs)}]})
         for call in reply.tool_calls:
             items.append({"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
                           "arguments": call.arguments, "status": "completed"})

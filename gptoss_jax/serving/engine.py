@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from ..config import ModelConfig
@@ -58,7 +59,7 @@ from . import steps
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
-from .request import QueueFull, Request, Settings
+from .request import QueueFull, Request, Settings, TokenLogprob
 from .stops import StopMatcher
 
 TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
@@ -105,7 +106,7 @@ class Engine:
         self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
         self._tables = self._put(np.zeros((2, slots, self.width), np.int32))
         self._last = self._put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
-        self._in_flight: list = []  # the step before's (tokens on the devices, [(row in them, Seq)])
+        self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -230,21 +231,23 @@ class Engine:
         C = self.prefill_chunk
         outputs = []
         for P in self.prefill_shapes:
-            for mode in MODES:
+            for mode, logprobs in itertools.product(MODES, (False, True)):
                 outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P,
-                                                  [False] * P, [0] * P, mode))
+                                                  [False] * P, [0] * P, mode, logprobs))
         for B in self.decode_sizes:
-            for mode in MODES:
-                self._row_settings = (self.scheduler.changes, *self._sampling_arrays([None] * self.slots), mode)
+            for mode, logprobs in itertools.product(MODES, (False, True)):
+                self._row_settings = (self.scheduler.changes, *self._sampling_arrays([None] * self.slots), mode,
+                                      logprobs)
                 outputs.append(self._decode_call([None] * B, [0] * B, [-1] * B))
         self._row_settings = None
         self.scheduler.table_writes = [(0, self.slots, 0, 0)]  # padding: dropped
         self._send_table_writes()
-        for x in outputs:
+        for x in jax.tree.leaves(outputs):
             np.asarray(x)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
-            f"token picks ({', '.join(MODES)}) [{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]",
+            f"token picks ({', '.join(MODES)}; with and without log-probabilities) "
+            f"[{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]",
             f"KV cache {self.scheduler.pages.count} pages of {self.page_size} ({self.pool_tokens} positions), "
             f"tables [2, {self.slots}, {self.width}]"]
         return self.compiled
@@ -264,18 +267,8 @@ class Engine:
         return on_every_device(x, self.mesh)
 
     def _sampling_arrays(self, requests: Sequence[Request | None]):
-        """(seeds, temperature, top_k, top_p, min_p) on the devices, a row per request (None: an idle
-        row, greedy)."""
-        n = len(requests)
-        out = {"seed": np.zeros(n, np.int32), "temperature": np.zeros(n, np.float32), "top_k": np.zeros(n, np.int32),
-               "top_p": np.ones(n, np.float32), "min_p": np.zeros(n, np.float32)}
-        for i, r in enumerate(requests):
-            if r is None:
-                continue
-            s = r.settings.sampling
-            out["seed"][i], out["temperature"][i], out["top_k"][i] = r.settings.seed, s.temperature, s.top_k
-            out["top_p"][i], out["min_p"][i] = s.top_p, s.min_p
-        return tuple(self._put(out[k]) for k in ("seed", "temperature", "top_k", "top_p", "min_p"))
+        """steps.sampling_arrays on the devices."""
+        return tuple(self._put(x) for x in steps.sampling_arrays(requests))
 
     def step(self) -> bool:
         """One engine step (see the module's docstring); False when there was nothing to do."""
@@ -305,8 +298,8 @@ class Engine:
         for seq in prefilling + decoding:
             self.scheduler.after_step(seq)
         before, self._in_flight = self._in_flight, queued
-        for tokens, rows in before:  # read while the device runs this step's work
-            self._read(tokens, rows)
+        for tokens, rows, logprobs in before:  # read while the device runs this step's work
+            self._read(tokens, rows, logprobs)
         return bool(queued or before or self._waiting or self.scheduler.preempted)
 
     # Admission, pages and preemption ----------------------------------------------------------------
@@ -367,15 +360,16 @@ class Engine:
     # Prefill and decode ---------------------------------------------------------------------------------
 
     def _prefill_call(self, seqs: list[Seq | None], tokens: np.ndarray, counts: list[int], starts: list[int],
-                      finishing: list[bool], sample_steps: list[int], mode: str):
-        """prefill_rows and pick_first for these rows (None: a padding row) -> their first tokens [P]
-        on the devices."""
+                      finishing: list[bool], sample_steps: list[int], mode: str, logprobs: bool):
+        """prefill_rows and pick_first for these rows (None: a padding row) -> (their first tokens [P],
+        with logprobs their log-probabilities (sampling.token_logprobs), else None), on the devices."""
         rows = [self.slots if s is None else s.row for s in seqs]
         plan = self._put(np.array([rows, counts, starts, finishing, sample_steps], np.int32))
         logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables,
                                                 self._put(tokens), plan)
-        first, self._last = steps.pick_first(self.mesh, mode, logits, self._last, plan, *self._settings()[:-1])
-        return first
+        first, self._last, *lp = steps.pick_first(self.mesh, mode, logits, self._last, plan, *self._settings()[:-2],
+                                                  logprobs=logprobs)
+        return first, (lp[0] if lp else None)
 
     def _prefill(self, prefilling: list[Seq]):
         """Queue one chunk of each of these sequences -> (first tokens on the devices, the rows whose
@@ -390,32 +384,37 @@ class Engine:
             tokens[i, :len(chunk)], counts[i], starts[i] = chunk, len(chunk), seq.length
             finishing[i] = seq.length + len(chunk) == len(seq.tokens)
             sample_steps[i] = seq.queued
-        mode = rows_mode([s.request.settings.sampling for i, s in enumerate(prefilling) if finishing[i]])
-        first = self._prefill_call(seqs, tokens, counts, starts, finishing, sample_steps, mode)
+        ending = [s.request.settings for i, s in enumerate(prefilling) if finishing[i]]
+        first, logprobs = self._prefill_call(seqs, tokens, counts, starts, finishing, sample_steps,
+                                             rows_mode([s.sampling for s in ending]),
+                                             any(s.logprobs is not None for s in ending))
         done = []
         for i, seq in enumerate(prefilling):
             seq.length += counts[i]
             if finishing[i]:
                 seq.queued += 1
                 done.append((i, seq))
-        return to_host_soon(first), done
+        return to_host_soon(first), done, to_host_soon(logprobs)
 
     def _decode_call(self, seqs: list[Seq | None], lengths: list[int], sample_steps: list[int]):
-        """decode_rows and pick_next with each row's sampling step (-1: padding) -> the latest tokens [R]
-        on the devices."""
-        *settings, mode = self._settings()
+        """decode_rows and pick_next with each row's sampling step (-1: padding) -> (the latest tokens
+        [R], with log-probabilities by row when any row wants them, else None), on the devices."""
+        *settings, mode, logprobs = self._settings()
         plan = self._put(np.array([[self.slots if s is None else s.row for s in seqs], lengths, sample_steps], np.int32))
         logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, plan)
-        self._last = steps.pick_next(self.mesh, mode, logits, self._last, plan, *settings)
-        return self._last
+        picked = steps.pick_next(self.mesh, mode, logits, self._last, plan, *settings, logprobs=logprobs)
+        self._last, lp = picked if logprobs else (picked, None)
+        return self._last, lp
 
     def _settings(self):
-        """Every row's sampling settings on the devices [R] (sent again only when a row has changed hands)
-        and the decode step's sampling mode for them."""
+        """Every row's sampling settings on the devices [R] (sent again only when a row has changed hands),
+        the decode step's sampling mode for them, and whether any wants log-probabilities."""
         if self._row_settings is None or self._row_settings[0] != self.scheduler.changes:
-            requests = [s and s.request for s in self.scheduler.rows]
-            mode = rows_mode([r.settings.sampling for r in requests if r is not None])
-            self._row_settings = (self.scheduler.changes, *self._sampling_arrays(requests), mode)
+            by_row = [s and s.request for s in self.scheduler.rows]
+            requests = [r for r in by_row if r is not None]
+            mode = rows_mode([r.settings.sampling for r in requests])
+            logprobs = any(r.settings.logprobs is not None for r in requests)
+            self._row_settings = (self.scheduler.changes, *self._sampling_arrays(by_row), mode, logprobs)
         return self._row_settings[1:]
 
     def _decode(self, decoding: list[Seq]):
@@ -429,21 +428,23 @@ class Engine:
             seq.length += 1
             seq.queued += 1
             rows.append((seq.row, seq))
-        last = self._decode_call(decoding + [None] * pad, lengths + [0] * pad, sample_steps + [-1] * pad)
-        return to_host_soon(last), rows
+        last, logprobs = self._decode_call(decoding + [None] * pad, lengths + [0] * pad, sample_steps + [-1] * pad)
+        return to_host_soon(last), rows, to_host_soon(logprobs)
 
-    def _read(self, tokens, rows) -> None:
-        """Hand a queued step's tokens to their requests (those of sequences ended or preempted since are
-        dropped)."""
+    def _read(self, tokens, rows, logprobs) -> None:
+        """Hand a queued step's tokens (and log-probabilities, where asked for) to their requests (those
+        of sequences ended or preempted since are dropped)."""
         tokens = np.asarray(tokens)
+        picked = None if logprobs is None else [np.asarray(x) for x in logprobs]
         for i, seq in rows:
             if self.scheduler.rows[seq.row] is seq:
-                self._emit(seq, int(tokens[i]))
+                n = seq.request.settings.logprobs
+                self._emit(seq, int(tokens[i]), None if n is None else TokenLogprob.of_row(picked, i, n))
 
-    def _emit(self, seq: Seq, token: int) -> None:
+    def _emit(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a sequence's new token to its request; free the sequence if that ends it."""
         request, settings = seq.request, seq.request.settings
-        request._add(token, time.perf_counter())
+        request._add(token, time.perf_counter(), logprob)
         self.metrics.token(request)
         if token in settings.stop_ids:
             return self._free(seq, "stop")

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from ..sampling import Sampling
+from ..sampling import TOP_LOGPROBS, Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -34,14 +34,34 @@ class Settings:
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # need the engine's tokenizer
+    # each token's log-probability and those of this many most likely tokens (Request.logprobs); None: none
+    logprobs: int | None = None
 
     def __post_init__(self):
+        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS}] (alternatives a token), got {self.logprobs}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
         if not -2**31 <= self.seed < 2**31:
             raise ValueError(f"the seed must be a 32-bit signed integer, got {self.seed}")
         if any(not s for s in self.stop_strings):
             raise ValueError("a stop string must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely tokens' (id, log-probability), most
+    likely first (sampling.token_logprobs says of which distribution)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of_row(cls, picked, i: int, n: int) -> TokenLogprob:
+        """Row i of a step's (log-probabilities [B], top ids [B, k], top log-probabilities [B, k]), with
+        its n most likely tokens."""
+        chosen, ids, top = picked
+        return cls(float(chosen[i]), tuple(zip(ids[i, :n].tolist(), top[i, :n].tolist())))
 
 
 _DONE = object()
@@ -57,6 +77,8 @@ class Request:
         self.settings = settings
         self.output_ids: list[int] = []
         self.token_times: list[float] = []  # when each token reached the request (time.perf_counter)
+        # each token's TokenLogprob, when the settings ask for them (set before the listener hears of it)
+        self.logprobs: list[TokenLogprob] | None = None if settings.logprobs is None else []
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.submitted_at = time.perf_counter()
@@ -106,9 +128,11 @@ class Request:
 
     # Written by the engine's thread only ------------------------------------------------------------
 
-    def _add(self, token: int, now: float) -> None:
+    def _add(self, token: int, now: float, logprob: TokenLogprob | None = None) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         self.output_ids.append(token)
         self.token_times.append(now)
         self._events.put(token)

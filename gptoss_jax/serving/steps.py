@@ -4,25 +4,28 @@ step the rows it runs and where their sequences stand. The latest tokens are nev
 may still be reading them): a decode step's input is the step before's output, so the host queues
 steps without reading their tokens first.
 
+- `sampling_arrays`: the rows' sampling settings as arrays (the host's side of the picks).
 - `write_tables`: set table entries (group, row, column) -> page, U at a time (padding: row R, dropped).
 - `prefill_rows`: a chunk of each of P sequences' prompts (tokens [P, C], row p's first `counts[p]`
   real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
   logits at each row's last real token; the pool is donated and written in place.
 - `pick_first`: the first tokens of the rows whose chunk ended their prompt (`finishing`), each by its
-  row's settings at its own sampling step, written into those rows' latest tokens.
+  row's settings at its own sampling step, written into those rows' latest tokens; with `logprobs`,
+  also their log-probabilities and the top alternatives' (sampling.token_logprobs).
 - `decode_rows`: one step of B rows (a bucket of the running ones; sampling step -1: padding, whose
   cache is neither read for a result nor written) from the rows' latest tokens -> logits [B, V].
 - `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
-  rows' replaced.
+  rows' replaced; with `logprobs`, also the log-probabilities, by row [R].
 
 What changes from step to step comes as one int32 array (a `plan`), so that the host sends one
 small copy a step: for a prefill [5, P] (rows, counts, starts, finishing, sampling steps), for a
 decode [3, B] (rows, lengths, sampling steps). The sampling settings are held per row [R] on the
 devices, sent again only when a row changes hands, and gathered by the picks.
 
-The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`) is
-chosen on the host for the rows at hand, without compiling the model step three times or branching
-on the device. Shapes depend only on (R, W, pool, P, C, B), so nothing compiles with the traffic.
+The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`), and
+whether any row wants log-probabilities, are chosen on the host for the rows at hand, without
+compiling the model step six times or branching on the device. Shapes depend only on (R, W, pool,
+P, C, B), so nothing compiles with the traffic.
 
 Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
 decoded together, V = vocab, U = table entries set together.
@@ -34,9 +37,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..model import Transformer
-from ..sampling import sample_rows
+from ..sampling import sample_rows, token_logprobs
 from ..sharding import everywhere
 
 # XLA's rematerialization pass never runs on the model steps. It counts a donated pool twice (the
@@ -47,6 +51,19 @@ from ..sharding import everywhere
 # 45.4 GiB on it recomputed some (2026-11-26, docs/benchmarks.md). The steps need no recomputation:
 # their temporaries are under 1.1 GiB beside the pool, which the allocator updates in place.
 _STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
+
+
+def sampling_arrays(requests) -> tuple[np.ndarray, ...]:
+    """(seeds, temperature, top_k, top_p, min_p) [n], a row per request (None: an idle row, greedy)."""
+    n = len(requests)
+    seed, temperature, top_k = np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32)
+    top_p, min_p = np.ones(n, np.float32), np.zeros(n, np.float32)
+    for i, r in enumerate(requests):
+        if r is not None:
+            s = r.settings.sampling
+            seed[i], temperature[i], top_k[i] = r.settings.seed, s.temperature, s.top_k
+            top_p[i], min_p[i] = s.top_p, s.min_p
+    return seed, temperature, top_k, top_p, min_p
 
 
 @functools.partial(jax.jit, donate_argnames=("tables",))
@@ -71,15 +88,19 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     return everywhere(logits, mesh), {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p):
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs"))
+def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, logprobs=False):
     """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row [R]
-    -> (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them)."""
+    -> (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
+    with logprobs, (the tokens' log-probabilities [P], top ids [P, k], top log-probabilities [P, k]))."""
     rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     first = sample_rows(logits, settings[0], steps, *settings[1:], mode=mode)
     last = last.at[jnp.where(finishing, rows, last.shape[0])].set(first, mode="drop")
-    return everywhere(first, mesh), everywhere(last, mesh)
+    out = (everywhere(first, mesh), everywhere(last, mesh))
+    if logprobs:
+        out += (tuple(everywhere(x, mesh) for x in token_logprobs(logits, settings[1], first)),)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
@@ -94,11 +115,19 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     return logits[:, 0], {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p):
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs"))
+def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, logprobs=False):
     """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row [R]
-    -> last [R]."""
+    -> last [R]; with logprobs, (last, (log-probabilities [R], top ids [R, k], top log-probabilities
+    [R, k]): this step's rows set, the others zero))."""
     rows, steps = plan[0], plan[2]
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     next_tokens = sample_rows(logits, settings[0], jnp.maximum(steps, 0), *settings[1:], mode=mode)
-    return everywhere(last.at[jnp.where(steps >= 0, rows, last.shape[0])].set(next_tokens, mode="drop"), mesh)
+    at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
+    last = everywhere(last.at[at].set(next_tokens, mode="drop"), mesh)
+    if not logprobs:
+        return last
+    R = last.shape[0]
+    by_row = tuple(jnp.zeros((R,) + x.shape[1:], x.dtype).at[at].set(x, mode="drop")
+                   for x in token_logprobs(logits, settings[1], next_tokens))
+    return last, tuple(everywhere(x, mesh) for x in by_row)

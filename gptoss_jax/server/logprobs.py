@@ -1,0 +1,85 @@
+"""Log-probabilities in OpenAI's shapes, from the engine's (serving.TokenLogprob: a token's
+log-probability after temperature and before top-k, top-p and min-p, and the most likely tokens').
+
+- chat completions and the Responses API: a list of `{"token", "logprob", "bytes", "top_logprobs":
+  [{"token", "logprob", "bytes"}]}`, one entry per token of the answer (the `final` channel: the
+  reasoning's and a tool call's tokens are not the content);
+- completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+
+A token's text is its bytes read as UTF-8 (a token that holds part of a character shows U+FFFD in
+"token"; "bytes" has them exactly, as OpenAI's does).
+"""
+
+from __future__ import annotations
+
+from ..serving import TokenLogprob
+
+
+def _text(tokenizer, token: int) -> tuple[str, list[int]]:
+    raw = tokenizer.decode_single_token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def entry(tokenizer, token: int, logprob: TokenLogprob) -> dict:
+    """One token's entry of a chat or Responses `logprobs` list."""
+    text, raw = _text(tokenizer, token)
+    top = []
+    for other, value in logprob.top:
+        other_text, other_raw = _text(tokenizer, other)
+        top.append({"token": other_text, "logprob": value, "bytes": other_raw})
+    return {"token": text, "logprob": logprob.logprob, "bytes": raw, "top_logprobs": top}
+
+
+class Completion:
+    """A completion's `logprobs` object, built token by token (`add`) as its text is written."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.offset = 0  # characters of text before the next token's
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+
+    def add(self, token: int, logprob: TokenLogprob, text: str) -> None:
+        """A token and `text`, what it added to the completion's text."""
+        self.tokens.append(_text(self.tokenizer, token)[0])
+        self.token_logprobs.append(logprob.logprob)
+        self.top_logprobs.append({_text(self.tokenizer, other)[0]: value for other, value in logprob.top})
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+
+    def take(self) -> dict:
+        """The object for the tokens added since the last take (a stream's chunk), or for all of them."""
+        out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+               "text_offset": self.text_offset}
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return out
+
+
+class Answer:
+    """Which tokens a chat or Responses reply's log-probabilities cover: those whose pieces are the
+    answer's text (content deltas), or every token but the stop tokens once the reply turns out not
+    to be harmony (its raw text is the answer). `feed` each token with the pieces it gave, in order."""
+
+    def __init__(self, tokenizer, request, reply, stop_tokens):
+        self.tokenizer, self.request, self.reply, self.stop_tokens = tokenizer, request, reply, stop_tokens
+        self.count = 0  # tokens fed
+        self.sent = 0 if reply.raw else None  # raw: tokens before this one have their entries out
+
+    def feed(self, token: int, pieces) -> list[dict]:
+        """token's pieces (harmony.Delta) -> the entries to send now."""
+        i, self.count = self.count, self.count + 1
+        if self.reply.raw:
+            return self._due()
+        if any(p.kind == "content" for p in pieces):
+            return [entry(self.tokenizer, token, self.request.logprobs[i])]
+        return []
+
+    def finish(self) -> list[dict]:
+        """After the reply's end (ReplyStream.finish): the entries still due (a reply found raw at its end)."""
+        return self._due() if self.reply.raw else []
+
+    def _due(self) -> list[dict]:
+        """A raw reply: every token fed whose entry is not out yet (all of them, when it just turned raw)."""
+        start, self.sent = self.sent or 0, self.count
+        ids = self.request.output_ids
+        return [entry(self.tokenizer, ids[j], self.request.logprobs[j]) for j in range(start, self.count)
+                if ids[j] not in self.stop_tokens]
