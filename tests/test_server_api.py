@@ -324,7 +324,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/responses", {**RESPONSE, "text": {"format": {"type": "json_object"}}}, "text", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "include": ["reasoning.encrypted_content"]}, "include[0]", None),
     ("/responses", {**RESPONSE, "background": True}, "background", "unsupported_parameter"),
-    ("/responses", {**RESPONSE, "store": True}, "store", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "truncation": "auto"}, "truncation", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "messages": []}, "messages", "unknown_parameter"),
 ])
@@ -433,3 +432,53 @@ def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
     engine.reply = CALL
     r = chat(client, logprobs=True, tools=[WEATHER]).choices[0]
     assert r.finish_reason == "tool_calls" and r.logprobs.content == []
+
+
+def test_a_stored_response_is_retrieved_continued_and_deleted(client, engine):
+    """store (the default): GET /v1/responses/{id} gives the response back; previous_response_id
+    continues its conversation (the prompt holds the earlier input and reply, then the new input);
+    DELETE forgets it, after which both are refused; store=False keeps nothing; streamed responses
+    are stored too."""
+    first = client.responses.create(model=MODEL, input="What is JAX?")
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text == "Hello there!"
+    second = client.responses.create(model=MODEL, input="And XLA?", previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    prompt = tk.harmony_encoding(VOCAB).decode(engine.prompts[-1])
+    assert prompt.index("What is JAX?") < prompt.index("Hello there!") < prompt.index("And XLA?")
+    third = client.responses.create(model=MODEL, input="And Pallas?", previous_response_id=second.id)
+    prompt = tk.harmony_encoding(VOCAB).decode(engine.prompts[-1])
+    assert prompt.index("What is JAX?") < prompt.index("And XLA?") < prompt.index("And Pallas?")
+    assert third.output_text == "Hello there!"
+
+    deleted = client.responses.delete(first.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Again", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    assert client.responses.retrieve(second.id).id == second.id  # the others stay
+
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+
+
+def test_the_store_keeps_the_latest_responses_for_their_time(monkeypatch):
+    """server/store.py: at most `count` responses (the oldest goes first), each for at most `seconds`."""
+    from gptoss_jax.server import store as store_module
+
+    now = [100.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    kept = store_module.ResponseStore(count=2, seconds=60)
+    for i in range(3):
+        kept.put({"id": f"r{i}", "output": []}, [{"type": "message", "role": "user", "content": str(i)}])
+        now[0] += 10
+    assert kept.get("r0") is None and kept.get("r1").conversation[0]["content"] == "1" and len(kept) == 2
+    now[0] = 100 + 10 + 60 + 1  # r1 was stored at 110: past its 60 s
+    assert kept.get("r1") is None and kept.get("r2") is not None
+    assert kept.delete("r2") and not kept.delete("r2") and len(kept) == 0

@@ -7,7 +7,8 @@
     GET  /v1/models/{id}       that model (404 for another name)
     POST /v1/chat/completions  harmony chat: reasoning_content, content, tool_calls; SSE with stream
     POST /v1/completions       a raw prompt (text or token ids)
-    POST /v1/responses         the Responses API subset OpenAI's gpt-oss reference serves
+    POST /v1/responses         the Responses API (previous_response_id: continue a stored response)
+    GET, DELETE /v1/responses/{id}  a stored response (store.py)
 
 A request's body is read with a size cap and a deadline, then parsed, checked, rendered and
 tokenized on a worker thread (body.py), so that no client's request holds up the others. It is
@@ -359,17 +360,51 @@ def create_app(server: Server) -> FastAPI:
     # Responses -----------------------------------------------------------------------------------------
 
     def responses_prepare(req):
+        """-> (the request, its input continuing a stored response's; the prompt; the settings; the input
+        items as dicts, stored with the response)."""
+        items = ([{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str)
+                 else [item.model_dump() for item in req.input])
         if req.previous_response_id is not None:
-            raise bad_request("previous_response_id is not supported: this server keeps no responses; send the "
-                              "whole conversation as input items", "previous_response_id")
+            earlier = server.responses.get(req.previous_response_id)
+            if earlier is None:
+                raise bad_request(f"Previous response with id {req.previous_response_id!r} not found (responses are "
+                                  f"kept for {server.limits.stored_seconds:g} s, the latest "
+                                  f"{server.limits.stored_responses} of them).", "previous_response_id",
+                                  "previous_response_not_found")
+            items = earlier.continued() + items
+            req = protocol.ResponsesRequest.model_validate({**req.model_dump(exclude={"input"}), "input": items})
         prompt = responses_prompt(req, server.vocab, server.engine.max_len)
         wanted = "message.output_text.logprobs" in (req.include or [])
-        return prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None,
-                                   (req.top_logprobs or 0) if wanted else None)
+        return req, prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None,
+                                        (req.top_logprobs or 0) if wanted else None), items
+
+    def keep(req, builder, items) -> None:
+        if req.store and builder.final is not None and builder.final["status"] != "failed":
+            server.responses.put(builder.final, items)
+
+    def stored(name: str):
+        found = server.responses.get(name)
+        if found is None:
+            raise APIError(404, f"No response with id {name!r} (responses are kept for "
+                                f"{server.limits.stored_seconds:g} s, the latest {server.limits.stored_responses}).",
+                           "invalid_request_error", "response_id", "not_found")
+        return found
+
+    @app.get("/v1/responses/{name}")
+    async def get_response(http: HTTPRequest, name: str):
+        check(http)
+        return stored(name).response
+
+    @app.delete("/v1/responses/{name}")
+    async def delete_response(http: HTTPRequest, name: str):
+        check(http)
+        stored(name)
+        server.responses.delete(name)
+        return {"id": name, "object": "response", "deleted": True}
 
     @app.post("/v1/responses")
     async def responses(http: HTTPRequest):
-        req, (prompt, settings) = await prepared(http, protocol.ResponsesRequest, responses_prepare)
+        _, (req, prompt, settings, items) = await prepared(http, protocol.ResponsesRequest, responses_prepare)
         rid = "resp_" + secrets.token_hex(12)
         generation = Generation(server, http, prompt.tokens, settings, rid)
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
@@ -402,6 +437,7 @@ def create_app(server: Server) -> FastAPI:
                 for kind, data in events_of(None):
                     yield _event(kind, data)
                 yield await written(lambda: builder.end(reply))
+                keep(req, builder, items)
 
             def failure(message: str) -> list[str]:
                 return [_event(kind, data) for kind, data in builder.fail(message)]
@@ -420,7 +456,8 @@ def create_app(server: Server) -> FastAPI:
         reply.finish()
         if answer is not None:
             entries += answer.finish()
-        return Response(await server.prepare(lambda: json.dumps(builder.response(reply, entries))),
-                        media_type="application/json")
+        text = await server.prepare(lambda: json.dumps(builder.response(reply, entries)))
+        keep(req, builder, items)
+        return Response(text, media_type="application/json")
 
     return app

@@ -116,6 +116,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="the Host header names accepted, comma-separated (* for any); requests naming another get "
                         "400. Default: while --host is a loopback address, only localhost, 127.0.0.1 and ::1 (a web "
                         "page a browser visits then cannot reach the server by DNS rebinding), else any")
+    p.add_argument("--stored-responses", type=int, default=1024, metavar="N",
+                   help="Responses API replies kept in memory for previous_response_id and GET /v1/responses/{id} "
+                        "(store: true, the default), the oldest forgotten first; 0 keeps none (default: %(default)s)")
+    p.add_argument("--stored-seconds", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a stored response is kept (default: %(default)g)")
     p.add_argument("--quiet", action="store_true", help="no loading progress bar")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     devices.add_flags(p)
@@ -126,7 +131,8 @@ def check_flags(args) -> None:
     for flag, value, least in (("--slots", args.slots, 1), ("--page-size", args.page_size, 1),
                                ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
-                               ("--max-connections", args.max_connections, 1)):
+                               ("--max-connections", args.max_connections, 1),
+                               ("--stored-responses", args.stored_responses, 0)):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= args.port < 65536:
@@ -136,7 +142,7 @@ def check_flags(args) -> None:
     if args.page_size % 8:
         raise UsageError(f"--page-size must be a multiple of 8, got {args.page_size}")
     for flag, value in (("--read-timeout", args.read_timeout), ("--max-body-mb", args.max_body_mb),
-                        ("--kv-memory-gb", args.kv_memory_gb)):
+                        ("--kv-memory-gb", args.kv_memory_gb), ("--stored-seconds", args.stored_seconds)):
         if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
@@ -332,7 +338,8 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     if not main_process:
         return _follow(engine, LockstepError)
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), read_timeout=args.read_timeout,
-                    allowed_hosts=allowed_hosts(args, LOOPBACK_HOSTS))
+                    allowed_hosts=allowed_hosts(args, LOOPBACK_HOSTS), stored_responses=args.stored_responses,
+                    stored_seconds=args.stored_seconds)
     server = Server(engine, tokenizer, vocab, model_name=name, api_key=api_key, limits=limits)
     app = create_app(server)
     host = "[" + args.host + "]" if ":" in args.host else args.host

@@ -19,6 +19,7 @@ from ..sampling import Sampling
 from ..serving import Engine, QueueFull, Settings
 from .errors import bad_request, queue_full, unavailable
 from .guard import log
+from .store import ResponseStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Limits:
     read_timeout: float = 30.0  # seconds for a request's body once its headers came (408 after)
     max_stop_chars: int = 1000  # the longest stop string taken (400 beyond)
     allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted; None: any
+    stored_responses: int = 1024  # Responses API objects kept for previous_response_id and GET (oldest out)
+    stored_seconds: float = 3600.0  # and for at most this long
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -47,6 +50,7 @@ class Server:
         self.created = int(time.time())
         self.handoff: Handoff | None = None  # made on the event loop's first request
         self.running: set[Generation] = set()
+        self.responses = ResponseStore(limits.stored_responses, limits.stored_seconds)
         self.cut_done = False  # cut_all has run: the server is ending
         self._lock = threading.Lock()
         # Requests are parsed, rendered and tokenized here, off the event loop.

@@ -32,6 +32,7 @@ _SUMMARIES = {
     "/v1/chat/completions": "A chat reply (harmony: reasoning_content, content, tool_calls)",
     "/v1/completions": "A completion of a raw prompt (text or token ids)",
     "/v1/responses": "A reply through the Responses API",
+    "/v1/responses/{name}": "A stored response (GET), or forget it (DELETE)",
 }
 # /health and /metrics are open to probes; the rest need the key when the server has one.
 _OPEN = ("/health", "/metrics")

@@ -252,5 +252,6 @@ class ResponsesRequest(_Body):
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None
+    store: StrictBool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default)
     include: list[Literal["message.output_text.logprobs"]] | None = None
     top_logprobs: TopLogprobs | None = None

@@ -26,6 +26,7 @@ class ResponseBuilder:
         self.items: list[dict] = []  # finished output items
         self._item: dict | None = None  # the item being streamed
         self._seq = 0
+        self.final: dict | None = None  # the finished response object (`end` or `response`)
 
     # Streaming ---------------------------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class ResponseBuilder:
         status = self._status()
         cut = self._item is not None and self._item["type"] == self._cut_item(status, reply)
         out = self._close("incomplete" if cut else "completed")
-        final = self._response(status, self.items, reply)
+        final = self.final = self._response(status, self.items, reply)
         return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",
                                response=final)]
 
@@ -133,7 +134,8 @@ class ResponseBuilder:
         last = max((i for i, item in enumerate(items) if item["type"] == cut), default=None)
         if last is not None:
             items[last]["status"] = "incomplete"
-        return self._response(status, items, reply)
+        self.final = self._response(status, items, reply)
+        return self.final
 
     def _status(self) -> str:
         cut = self.generation.was_cut or self.generation.request.finish_reason == "length"
@@ -164,4 +166,5 @@ class ResponseBuilder:
                 "tool_choice": r.tool_choice if isinstance(r.tool_choice, str) else "auto",
                 "parallel_tool_calls": False, "reasoning": {"effort": (r.reasoning.effort if r.reasoning else None)
                                                             or "medium", "summary": None},
-                "text": {"format": {"type": "text"}}, "metadata": {}, "previous_response_id": None, "store": False}
+                "text": {"format": {"type": "text"}}, "metadata": {}, "previous_response_id": r.previous_response_id,
+                "store": r.store}
