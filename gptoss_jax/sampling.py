@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 
 TOP_LOGPROBS = 20  # the most alternatives a token's log-probability comes with (OpenAI's limit too)
+LOGIT_BIAS_MOST = 300  # tokens a request may bias (OpenAI's limit too)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -423,3 +423,16 @@ def test_logprobs_are_the_models_through_every_api(client, engine):
 def _log_softmax(x):
     x = x - x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_logit_bias_forces_a_token_through_the_api(client):
+    """logit_bias of +100 on one token: every token of the reply is it (completions and chat)."""
+    tokenizer = tk.load_tokenizer(VOCAB)
+    word = tokenizer.encode(" banana")
+    assert len(word) == 1
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=1.0,
+                                  logit_bias={str(word[0]): 100})
+    assert r.choices[0].text == " banana" * 4
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       logit_bias={str(word[0]): 100})
+    assert r.choices[0].message.content == " banana" * 3  # a random model: its raw text

@@ -306,7 +306,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 @pytest.mark.parametrize("path, body, param, code", [
     ("/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", None),  # needs logprobs: true
     ("/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
-    ("/chat/completions", {**CHAT, "logit_bias": {"1": 100}}, "logit_bias", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "logit_bias": {"hello": 1}}, "logit_bias", None),
+    ("/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, "logit_bias", None),
+    ("/chat/completions", {**CHAT, "logit_bias": {"201088": 1}}, "logit_bias", None),
+    ("/completions", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
     ("/chat/completions", {**CHAT, "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "frequency_penalty": -1.0}, "frequency_penalty", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format",

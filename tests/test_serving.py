@@ -186,6 +186,34 @@ def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model)
             assert (ids[:, 0] == out).all()
 
 
+def test_logit_bias_forces_or_forbids_tokens_and_leaves_the_others(engine, model):
+    """Settings(logit_bias): +100 on a token makes it every token, greedy or sampled (its log-probability
+    then about 0); -100 on the token greedy decoding picks first makes it never appear; a request
+    without a bias sharing the steps gets its tokens alone."""
+    config, _ = model
+    prompt = np.random.default_rng(8).integers(0, config.vocab_size, 30).tolist()
+    other = prompt[::-1]
+    alone = engine.submit(prompt, Settings(max_new_tokens=5, sampling=GREEDY))
+    beside_alone = engine.submit(other, Settings(max_new_tokens=5, sampling=GREEDY))
+    engine.run_until_idle()
+    forced = 7 if alone.output_ids[0] != 7 else 8
+    for sampling in (GREEDY, Sampling(temperature=1.0)):
+        r = engine.submit(prompt, Settings(max_new_tokens=5, sampling=sampling, seed=1, logit_bias=((forced, 100.0),),
+                                           logprobs=0))
+        beside = engine.submit(other, Settings(max_new_tokens=5, sampling=GREEDY))
+        engine.run_until_idle()
+        assert r.output_ids == [forced] * 5 and all(lp.logprob > -1e-3 for lp in r.logprobs)
+        assert beside.output_ids == beside_alone.output_ids
+    first = alone.output_ids[0]
+    banned = engine.submit(prompt, Settings(max_new_tokens=5, sampling=GREEDY, logit_bias=((first, -100.0),)))
+    engine.run_until_idle()
+    assert first not in banned.output_ids
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.submit(prompt, Settings(logit_bias=((config.vocab_size, 1.0),)))
+    with pytest.raises(ValueError, match="-100, 100"):
+        Settings(logit_bias=((1, 101.0),))
+
+
 def test_nothing_compiles_after_warm_up(engine, model):
     """200 requests of random lengths and sampling settings, a third with log-probabilities, half of them
     starting with one of three shared prefixes (found in the cache, or not yet), counted by JAX's own
@@ -209,7 +237,8 @@ def test_nothing_compiles_after_warm_up(engine, model):
             if rng.random() < 0.5:
                 prompt = shared[int(rng.integers(0, 3))] + prompt
             engine.submit(prompt, Settings(max_new_tokens=int(rng.integers(1, 4)), sampling=sampling,
-                                           seed=int(rng.integers(0, 2**31)), logprobs=[None, 0, 3][_ % 3]))
+                                           seed=int(rng.integers(0, 2**31)), logprobs=[None, 0, 3][_ % 3],
+                                           logit_bias=((int(rng.integers(0, config.vocab_size)), 5.0),) * (_ % 2)))
         engine.run_until_idle()
     finally:
         listening[0] = False

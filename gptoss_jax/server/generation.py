@@ -220,6 +220,13 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
     if any(len(s) > server.limits.max_stop_chars for s in stops):
         raise bad_request(f"a stop sequence may have at most {server.limits.max_stop_chars} characters, got "
                           f"{max(map(len, stops))}", "stop")
-    return Settings(max_new_tokens=budget, sampling=sampling, seed=seed,
+    bias, vocab = [], server.tokenizer.n_vocab
+    for key, value in (getattr(body, "logit_bias", None) or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise bad_request(f"logit_bias keys are token ids in [0, {vocab}), got {key!r}", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must lie in [-100, 100], got {value} for token {key}", "logit_bias")
+        bias.append((int(key), float(value)))
+    return Settings(max_new_tokens=budget, sampling=sampling, seed=seed, logit_bias=tuple(bias),
                     stop_ids=() if getattr(body, "ignore_eos", False) else tk.STOP_TOKENS, stop_strings=tuple(stops),
                     logprobs=logprobs)

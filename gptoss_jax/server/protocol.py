@@ -3,7 +3,7 @@
 A top-level field is either one the server acts on (declared below), one that changes nothing in
 the reply (ACCEPTED: `user`, `metadata`, ...), or refused with a 400 naming it (`refused_field`):
 a parameter of OpenAI's API that the server does not implement, unless it holds its no-op value
-(`echo: false`, `presence_penalty: 0`, `logit_bias: {}`, ...; NO_OP), and any name it does not know, as
+(`echo: false`, `presence_penalty: 0`, ...; NO_OP), and any name it does not know, as
 OpenAI's API refuses them. Inside a message or an item, unknown fields are ignored. A field of the
 wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that). Types are
 strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, StrictStr, Tag,
                       field_validator)
 
-from ..sampling import TOP_LOGPROBS
+from ..sampling import LOGIT_BIAS_MOST, TOP_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -41,7 +41,6 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's API that this server does not implement, each with the values that ask
 # for nothing (accepted): any other value is refused.
 NO_OP: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda v: v is None or v == {},
     "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
     "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
     "functions": lambda v: v is None or v == [], "function_call": _none_or("none"),
@@ -139,6 +138,8 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: StrictStr
+    # token id (as a string, as JSON keys are) -> a bias in [-100, 100] added to its logit
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = Field(default=None, max_length=LOGIT_BIAS_MOST)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)

@@ -136,8 +136,8 @@ class Engine:
         if not prompt:
             raise ValueError("the prompt needs at least one token")
         vocab = self.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if min(prompt) < 0 or max(prompt) >= vocab or any(not 0 <= t < vocab for t, _ in settings.logit_bias):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), and those of logit_bias too")
         total = len(prompt) + settings.max_new_tokens
         if total > self.max_len:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens exceeds the "

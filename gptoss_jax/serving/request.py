@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from ..sampling import TOP_LOGPROBS, Sampling
+from ..sampling import LOGIT_BIAS_MOST, TOP_LOGPROBS, Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -36,8 +36,14 @@ class Settings:
     stop_strings: tuple[str, ...] = ()  # need the engine's tokenizer
     # each token's log-probability and those of this many most likely tokens (Request.logprobs); None: none
     logprobs: int | None = None
+    # (token id, bias in [-100, 100]) added to those tokens' logits before anything else, at most 300
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        if len(self.logit_bias) > LOGIT_BIAS_MOST:
+            raise ValueError(f"logit_bias takes at most {LOGIT_BIAS_MOST} tokens, got {len(self.logit_bias)}")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("a logit bias must lie in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS}] (alternatives a token), got {self.logprobs}")
         if self.max_new_tokens < 1:

@@ -10,8 +10,9 @@ steps without reading their tokens first.
   real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
   logits at each row's last real token; the pool is donated and written in place.
 - `pick_first`: the first tokens of the rows whose chunk ended their prompt (`finishing`), each by its
-  row's settings at its own sampling step, written into those rows' latest tokens; with `logprobs`,
-  also their log-probabilities and the top alternatives' (sampling.token_logprobs).
+  row's settings (its logit bias added first) at its own sampling step, written into those rows'
+  latest tokens; with `logprobs`, also their log-probabilities and the top alternatives'
+  (sampling.token_logprobs).
 - `decode_rows`: one step of B rows (a bucket of the running ones; sampling step -1: padding, whose
   cache is neither read for a result nor written) from the rows' latest tokens -> logits [B, V].
 - `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model import Transformer
-from ..sampling import sample_rows, token_logprobs
+from ..sampling import LOGIT_BIAS_MOST, sample_rows, token_logprobs
 from ..sharding import everywhere
 
 # XLA's rematerialization pass never runs on the model steps. It counts a donated pool twice (the
@@ -54,16 +55,27 @@ _STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def sampling_arrays(requests) -> tuple[np.ndarray, ...]:
-    """(seeds, temperature, top_k, top_p, min_p) [n], a row per request (None: an idle row, greedy)."""
+    """(seeds, temperature, top_k, top_p, min_p [n], logit bias ids, biases [n, LOGIT_BIAS_MOST]), a row
+    per request (None: an idle row, greedy); unused bias entries name no token (dropped)."""
     n = len(requests)
     seed, temperature, top_k = np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32)
     top_p, min_p = np.ones(n, np.float32), np.zeros(n, np.float32)
+    bias_ids = np.full((n, LOGIT_BIAS_MOST), np.iinfo(np.int32).max, np.int32)
+    bias = np.zeros((n, LOGIT_BIAS_MOST), np.float32)
     for i, r in enumerate(requests):
         if r is not None:
             s = r.settings.sampling
             seed[i], temperature[i], top_k[i] = r.settings.seed, s.temperature, s.top_k
             top_p[i], min_p[i] = s.top_p, s.min_p
-    return seed, temperature, top_k, top_p, min_p
+            for j, (token, value) in enumerate(r.settings.logit_bias):
+                bias_ids[i, j], bias[i, j] = token, value
+    return seed, temperature, top_k, top_p, min_p, bias_ids, bias
+
+
+def _biased(logits, rows, bias_ids, bias):
+    """logits [B, V] with each row's logit bias added (its request's, gathered by rows [B])."""
+    ids, values = jnp.take(bias_ids, rows, axis=0, mode="clip"), jnp.take(bias, rows, axis=0, mode="clip")
+    return logits.astype(jnp.float32).at[jnp.arange(logits.shape[0])[:, None], ids].add(values, mode="drop")
 
 
 @functools.partial(jax.jit, donate_argnames=("tables",))
@@ -89,11 +101,13 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs"))
-def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, logprobs=False):
+def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, bias_ids, bias,
+               logprobs=False):
     """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row [R]
     -> (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
     with logprobs, (the tokens' log-probabilities [P], top ids [P, k], top log-probabilities [P, k]))."""
     rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
+    logits = _biased(logits, rows, bias_ids, bias)
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     first = sample_rows(logits, settings[0], steps, *settings[1:], mode=mode)
     last = last.at[jnp.where(finishing, rows, last.shape[0])].set(first, mode="drop")
@@ -116,11 +130,13 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs"))
-def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, logprobs=False):
+def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, bias_ids, bias,
+              logprobs=False):
     """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row [R]
     -> last [R]; with logprobs, (last, (log-probabilities [R], top ids [R, k], top log-probabilities
     [R, k]): this step's rows set, the others zero))."""
     rows, steps = plan[0], plan[2]
+    logits = _biased(logits, rows, bias_ids, bias)
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     next_tokens = sample_rows(logits, settings[0], jnp.maximum(steps, 0), *settings[1:], mode=mode)
     at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
