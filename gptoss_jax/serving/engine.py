@@ -231,13 +231,13 @@ class Engine:
         C = self.prefill_chunk
         outputs = []
         for P in self.prefill_shapes:
-            for mode, logprobs in itertools.product(MODES, (False, True)):
+            for mode, wants in itertools.product(MODES, steps.WANTS):
                 outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P,
-                                                  [False] * P, [0] * P, mode, logprobs))
+                                                  [False] * P, [0] * P, mode, wants))
         for B in self.decode_sizes:
-            for mode, logprobs in itertools.product(MODES, (False, True)):
+            for mode, wants in itertools.product(MODES, steps.WANTS):
                 self._row_settings = (self.scheduler.changes, *self._sampling_arrays([None] * self.slots), mode,
-                                      logprobs)
+                                      wants)
                 outputs.append(self._decode_call([None] * B, [0] * B, [-1] * B))
         self._row_settings = None
         self.scheduler.table_writes = [(0, self.slots, 0, 0)]  # padding: dropped
@@ -246,7 +246,7 @@ class Engine:
             np.asarray(x)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
-            f"token picks ({', '.join(MODES)}; with and without log-probabilities) "
+            f"token picks ({', '.join(MODES)}; with and without log-probabilities, logit bias) "
             f"[{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]",
             f"KV cache {self.scheduler.pages.count} pages of {self.page_size} ({self.pool_tokens} positions), "
             f"tables [2, {self.slots}, {self.width}]"]
@@ -360,7 +360,7 @@ class Engine:
     # Prefill and decode ---------------------------------------------------------------------------------
 
     def _prefill_call(self, seqs: list[Seq | None], tokens: np.ndarray, counts: list[int], starts: list[int],
-                      finishing: list[bool], sample_steps: list[int], mode: str, logprobs: bool):
+                      finishing: list[bool], sample_steps: list[int], mode: str, wants: tuple[bool, bool]):
         """prefill_rows and pick_first for these rows (None: a padding row) -> (their first tokens [P],
         with logprobs their log-probabilities (sampling.token_logprobs), else None), on the devices."""
         rows = [self.slots if s is None else s.row for s in seqs]
@@ -368,7 +368,7 @@ class Engine:
         logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables,
                                                 self._put(tokens), plan)
         first, self._last, *lp = steps.pick_first(self.mesh, mode, logits, self._last, plan, *self._settings()[:-2],
-                                                  logprobs=logprobs)
+                                                  logprobs=wants[0], biased=wants[1])
         return first, (lp[0] if lp else None)
 
     def _prefill(self, prefilling: list[Seq]):
@@ -387,7 +387,7 @@ class Engine:
         ending = [s.request.settings for i, s in enumerate(prefilling) if finishing[i]]
         first, logprobs = self._prefill_call(seqs, tokens, counts, starts, finishing, sample_steps,
                                              rows_mode([s.sampling for s in ending]),
-                                             any(s.logprobs is not None for s in ending))
+                                             steps.wants(ending))
         done = []
         for i, seq in enumerate(prefilling):
             seq.length += counts[i]
@@ -399,22 +399,23 @@ class Engine:
     def _decode_call(self, seqs: list[Seq | None], lengths: list[int], sample_steps: list[int]):
         """decode_rows and pick_next with each row's sampling step (-1: padding) -> (the latest tokens
         [R], with log-probabilities by row when any row wants them, else None), on the devices."""
-        *settings, mode, logprobs = self._settings()
+        *settings, mode, wants = self._settings()
         plan = self._put(np.array([[self.slots if s is None else s.row for s in seqs], lengths, sample_steps], np.int32))
         logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, plan)
-        picked = steps.pick_next(self.mesh, mode, logits, self._last, plan, *settings, logprobs=logprobs)
-        self._last, lp = picked if logprobs else (picked, None)
+        picked = steps.pick_next(self.mesh, mode, logits, self._last, plan, *settings, logprobs=wants[0],
+                                 biased=wants[1])
+        self._last, lp = picked if wants[0] else (picked, None)
         return self._last, lp
 
     def _settings(self):
         """Every row's sampling settings on the devices [R] (sent again only when a row has changed hands),
-        the decode step's sampling mode for them, and whether any wants log-probabilities."""
+        the decode step's sampling mode for them, and what else its picks do (steps.wants)."""
         if self._row_settings is None or self._row_settings[0] != self.scheduler.changes:
             by_row = [s and s.request for s in self.scheduler.rows]
             requests = [r for r in by_row if r is not None]
             mode = rows_mode([r.settings.sampling for r in requests])
-            logprobs = any(r.settings.logprobs is not None for r in requests)
-            self._row_settings = (self.scheduler.changes, *self._sampling_arrays(by_row), mode, logprobs)
+            self._row_settings = (self.scheduler.changes, *self._sampling_arrays(by_row), mode,
+                                  steps.wants([r.settings for r in requests]))
         return self._row_settings[1:]
 
     def _decode(self, decoding: list[Seq]):

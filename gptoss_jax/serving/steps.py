@@ -24,8 +24,8 @@ decode [3, B] (rows, lengths, sampling steps). The sampling settings are held pe
 devices, sent again only when a row changes hands, and gathered by the picks.
 
 The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`), and
-whether any row wants log-probabilities, are chosen on the host for the rows at hand, without
-compiling the model step six times or branching on the device. Shapes depend only on (R, W, pool,
+whether any row wants log-probabilities or a logit bias (`wants`), are chosen on the host for the
+rows at hand, without compiling the model step twelve times or branching on the device. Shapes depend only on (R, W, pool,
 P, C, B), so nothing compiles with the traffic.
 
 Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
@@ -72,6 +72,16 @@ def sampling_arrays(requests) -> tuple[np.ndarray, ...]:
     return seed, temperature, top_k, top_p, min_p, bias_ids, bias
 
 
+# What the picks do beyond sampling, static (each compiled apart, so that the steps that need
+# neither pay for neither): (log-probabilities, logit bias).
+WANTS = ((False, False), (False, True), (True, False), (True, True))
+
+
+def wants(settings) -> tuple[bool, bool]:
+    """(whether any of these requests' Settings asks for log-probabilities, any for a logit bias)."""
+    return any(s.logprobs is not None for s in settings), any(s.logit_bias for s in settings)
+
+
 def _biased(logits, rows, bias_ids, bias):
     """logits [B, V] with each row's logit bias added (its request's, gathered by rows [B])."""
     ids, values = jnp.take(bias_ids, rows, axis=0, mode="clip"), jnp.take(bias, rows, axis=0, mode="clip")
@@ -100,14 +110,14 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     return everywhere(logits, mesh), {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs"))
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "biased"))
 def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, bias_ids, bias,
-               logprobs=False):
+               logprobs=False, biased=False):
     """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row [R]
     -> (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
     with logprobs, (the tokens' log-probabilities [P], top ids [P, k], top log-probabilities [P, k]))."""
     rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
-    logits = _biased(logits, rows, bias_ids, bias)
+    logits = _biased(logits, rows, bias_ids, bias) if biased else logits
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     first = sample_rows(logits, settings[0], steps, *settings[1:], mode=mode)
     last = last.at[jnp.where(finishing, rows, last.shape[0])].set(first, mode="drop")
@@ -129,14 +139,14 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     return logits[:, 0], {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs"))
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "biased"))
 def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, bias_ids, bias,
-              logprobs=False):
+              logprobs=False, biased=False):
     """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row [R]
     -> last [R]; with logprobs, (last, (log-probabilities [R], top ids [R, k], top log-probabilities
     [R, k]): this step's rows set, the others zero))."""
     rows, steps = plan[0], plan[2]
-    logits = _biased(logits, rows, bias_ids, bias)
+    logits = _biased(logits, rows, bias_ids, bias) if biased else logits
     settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
     next_tokens = sample_rows(logits, settings[0], jnp.maximum(steps, 0), *settings[1:], mode=mode)
     at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
