@@ -16,7 +16,8 @@ long and mixed contexts at the model's full context, and 1k/1k at high concurren
   capped at 100,000) and replies of 200-1,000 tokens: output tokens/s and the sequences running at
   once (sampled every 50 ms), against the same engine allowed only the sequences a static cache of
   [slots, 131,072] would hold in the same memory (the pool's positions / 131,072).
-- uniform: c requests of 1,024 random prompt tokens and 1,024 new tokens each, all at once.
+- uniform: c requests of 1,024 random prompt tokens and 1,024 new tokens each, all at once (and, with
+  `--logprobs-share`, again with that share of them asking for log-probabilities).
 - `--peer`: the agents workload (the same requests) on transformers' continuous batching with its
   paged cache and prefix block sharing, in a process of its own (bench/peer.py's model).
 
@@ -158,8 +159,9 @@ def long_workload(vocab: int, c: int, context: int):
     return [rng.integers(0, vocab, n).tolist() for n in lengths], [int(r) for r in replies]
 
 
-def run_batch(engine, prompts, replies, Settings, greedy) -> dict:
-    """Every request at once; the sequences running at once sampled every 50 ms."""
+def run_batch(engine, prompts, replies, Settings, greedy, logprobs_share: float = 0.0) -> dict:
+    """Every request at once; the sequences running at once sampled every 50 ms. `logprobs_share`: that
+    share of the requests (evenly spread) ask for log-probabilities with 5 alternatives."""
     running, stop = [], threading.Event()
 
     def sample():
@@ -169,9 +171,10 @@ def run_batch(engine, prompts, replies, Settings, greedy) -> dict:
     sampler = threading.Thread(target=sample)
     sampler.start()
     submitted, requests = [], []
-    for p, n in zip(prompts, replies):
+    for i, (p, n) in enumerate(zip(prompts, replies)):
+        asks = int((i + 1) * logprobs_share) > int(i * logprobs_share)
         submitted.append(time.perf_counter())
-        requests.append(engine.submit(p, Settings(max_new_tokens=n, sampling=greedy)))
+        requests.append(engine.submit(p, Settings(max_new_tokens=n, sampling=greedy, logprobs=5 if asks else None)))
     for r in requests:
         r.result()
     stop.set()
@@ -196,6 +199,9 @@ def main() -> None:
     parser.add_argument("--long", default="64,256", help="long: concurrencies")
     parser.add_argument("--uniform", default="256,512,1024", help="uniform 1k/1k: concurrencies")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--logprobs-share", type=float, default=0.0,
+                        help="uniform: also run each concurrency with this share of the requests asking for "
+                             "log-probabilities (5 alternatives), on the same engine")
     parser.add_argument("--prefill", default="8x512", help="ROWSxCHUNK: prompts prefilled together x tokens each")
     parser.add_argument("--one-decode-size", action="store_true",
                         help="compile the decode step for all the slots only (a shorter warm-up; fewer slots in "
@@ -264,6 +270,9 @@ def main() -> None:
             engine = engine_for(c, 2048)
             prompts = workload(config.vocab_size, c, "all", argparse.Namespace(prompt=1024))[0]  # serve_20b.py's
             record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
+            if args.logprobs_share:
+                record(f"uniform 1k/1k, c={c}, {args.logprobs_share:.0%} with logprobs",
+                       run_batch(engine, prompts, [1024] * c, Settings, greedy, args.logprobs_share))
             close(engine)
     context = config.max_context_length  # 131,072 for gpt-oss
     if "long" in parts:
