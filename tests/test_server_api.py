@@ -437,7 +437,7 @@ def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
     assert r.finish_reason == "tool_calls" and r.logprobs.content == []
 
 
-def test_a_stored_response_is_retrieved_continued_and_deleted(client, engine):
+def test_a_stored_response_is_retrieved_continued_and_deleted(client, engine, url):
     """store (the default): GET /v1/responses/{id} gives the response back; previous_response_id
     continues its conversation (the prompt holds the earlier input and reply, then the new input);
     DELETE forgets it, after which both are refused; store=False keeps nothing; streamed responses
@@ -453,14 +453,20 @@ def test_a_stored_response_is_retrieved_continued_and_deleted(client, engine):
     assert prompt.index("What is JAX?") < prompt.index("And XLA?") < prompt.index("And Pallas?")
     assert third.output_text == "Hello there!"
 
-    deleted = client.responses.delete(first.id)
-    assert deleted is None or getattr(deleted, "deleted", True)
+    client.responses.delete(first.id)  # the openai client returns None: the body is checked below
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)  # gone already
+    request = urllib.request.Request(f"{url}/responses/{second.id}", method="DELETE",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert json.loads(r.read()) == {"id": second.id, "object": "response", "deleted": True}
+    second = client.responses.create(model=MODEL, input="And XLA?", previous_response_id=third.id)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="Again", previous_response_id=first.id)
     assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
-    assert client.responses.retrieve(second.id).id == second.id  # the others stay
+    assert client.responses.retrieve(third.id).id == third.id  # the others stay
 
     unstored = client.responses.create(model=MODEL, input="Hi", store=False)
     assert not unstored.store

@@ -382,24 +382,23 @@ def create_app(server: Server) -> FastAPI:
         if req.store and builder.final is not None and builder.final["status"] != "failed":
             server.responses.put(builder.final, items)
 
-    def stored(name: str):
-        found = server.responses.get(name)
-        if found is None:
-            raise APIError(404, f"No response with id {name!r} (responses are kept for "
-                                f"{server.limits.stored_seconds:g} s, the latest {server.limits.stored_responses}).",
-                           "invalid_request_error", "response_id", "not_found")
-        return found
+    def unknown_response(name: str) -> APIError:
+        return APIError(404, f"No response with id {name!r} (responses are kept for {server.limits.stored_seconds:g} "
+                             f"s, the latest {server.limits.stored_responses}).", "invalid_request_error",
+                        "response_id", "not_found")
 
     @app.get("/v1/responses/{name}")
     async def get_response(http: HTTPRequest, name: str):
         check(http)
-        return stored(name).response
+        if (found := server.responses.get(name)) is None:
+            raise unknown_response(name)
+        return found.response
 
     @app.delete("/v1/responses/{name}")
     async def delete_response(http: HTTPRequest, name: str):
         check(http)
-        stored(name)
-        server.responses.delete(name)
+        if not server.responses.delete(name):
+            raise unknown_response(name)
         return {"id": name, "object": "response", "deleted": True}
 
     @app.post("/v1/responses")

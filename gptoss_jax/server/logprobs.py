@@ -62,7 +62,7 @@ class Answer:
     def __init__(self, tokenizer, request, reply, stop_tokens):
         self.tokenizer, self.request, self.reply, self.stop_tokens = tokenizer, request, reply, stop_tokens
         self.count = 0  # tokens fed
-        self.sent = 0 if reply.raw else None  # raw: tokens before this one have their entries out
+        self.sent = 0  # a raw reply: the tokens before this one have their entries out
 
     def feed(self, token: int, pieces) -> list[dict]:
         """token's pieces (harmony.Delta) -> the entries to send now."""
@@ -79,7 +79,7 @@ class Answer:
 
     def _due(self) -> list[dict]:
         """A raw reply: every token fed whose entry is not out yet (all of them, when it just turned raw)."""
-        start, self.sent = self.sent or 0, self.count
+        start, self.sent = self.sent, self.count
         ids = self.request.output_ids
         return [entry(self.tokenizer, ids[j], self.request.logprobs[j]) for j in range(start, self.count)
                 if ids[j] not in self.stop_tokens]
