@@ -316,6 +316,27 @@ def test_a_pool_too_small_for_everything_running_preempts_and_every_request_comp
     assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
 
 
+@pytest.mark.parametrize("read", [0, 3])
+def test_a_request_preempted_when_its_tokens_fill_whole_pages_computes_its_last_token_again(model, alone, read):
+    """Pages of 8; a request preempted when its prompt and the tokens it has read fill whole pages
+    exactly (read 0: right after its prompt of 40; read 3: a prompt of 37 and three tokens), all of
+    them named: it comes back finding every page but the last token's in the cache (the last token is
+    computed again, for the logits of the next), and its tokens are its own alone."""
+    config, params = model
+    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    prompt = _tokens(config, 560 + read, 40 - read)
+    request = engine.submit(prompt, Settings(max_new_tokens=12, sampling=GREEDY))
+    while not engine.scheduler.admitted or engine.scheduler.admitted[0].prefilling or len(request.output_ids) < read:
+        engine.step()
+    seq = engine.scheduler.admitted[0]
+    assert seq.length == len(seq.request.prompt_ids) + len(request.output_ids) == 40  # whole pages, all known
+    engine.scheduler.preempt(seq)
+    prefix, _ = engine.scheduler.cached_prefix(request)
+    assert len(prefix) == 4  # of the 5 pages named, the last holds the last token
+    engine.run_until_idle()
+    assert request.output_ids == alone(prompt, 12)
+
+
 def test_a_request_that_cannot_fit_alone_is_refused_at_once(model):
     config, params = model
     engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=12)

@@ -8,6 +8,7 @@ every request's cache holds a wrapped ring and slots are reused many times over.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -317,13 +318,15 @@ def test_stop_strings_end_a_request_where_its_text_first_holds_one(model):
 
 
 def test_a_lockstep_message_carries_admissions_exactly():
-    """What process 0 sends the others each step: the admitted prompts and settings (floats, stop
-    strings with any characters), the cancelled slots, the stop flag, back as they were."""
+    """What process 0 sends the others each step: the admitted prompts and settings (every field set:
+    floats, stop strings with any characters, log-probabilities, a logit bias), the cancelled slots,
+    the stop flag, back as they were."""
     from gptoss_jax.serving.lockstep import Message, decode, encode
     from gptoss_jax.serving.request import Request
 
     settings = Settings(max_new_tokens=7, sampling=Sampling(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05), seed=-5,
-                        stop_ids=(1, 2), stop_strings=("\n\n", "é\"}"))
+                        stop_ids=(1, 2), stop_strings=("\n\n", "é\"}"), logprobs=3, logit_bias=((7, -100.0), (9, 2.5)))
+    assert all(getattr(settings, f.name) != f.default for f in dataclasses.fields(Settings))  # a field left out fails
     sent = Message(cancel=[3, 0], admit=[(1, Request(10, [5, 200_000, 0], settings)), (2, Request(11, [9], Settings()))])
     got = decode(encode(sent))
     assert got.cancel == [3, 0] and not got.stop

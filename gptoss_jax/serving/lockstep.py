@@ -72,8 +72,13 @@ def _settings_json(s: Settings) -> dict:
 
 
 def _settings(d: dict) -> Settings:
-    return Settings(max_new_tokens=d["max_new_tokens"], sampling=Sampling(**d["sampling"]), seed=d["seed"],
-                    stop_ids=tuple(d["stop_ids"]), stop_strings=tuple(d["stop_strings"]))
+    """Settings from their JSON (every field: JSON's lists back to the tuples Settings holds)."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    if set(d) != fields:
+        raise LockstepError(f"process 0 sent settings with fields {sorted(d)}, this process has {sorted(fields)}")
+    return Settings(**{**d, "sampling": Sampling(**d["sampling"]), "stop_ids": tuple(d["stop_ids"]),
+                       "stop_strings": tuple(d["stop_strings"]),
+                       "logit_bias": tuple((int(t), float(b)) for t, b in d["logit_bias"])})
 
 
 class Lockstep:

@@ -92,7 +92,8 @@ class Scheduler:
         if not self.reuse:
             return [], {}
         tokens, P = self._tokens_of(request), self.page_size
-        names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P)
+        # (a preempted request may have named every page of its tokens: the last one's is left out)
+        names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P)[:(len(tokens) - 1) // P]
         full = []
         for name in names:
             page = self.pages.find(FULL, name)
