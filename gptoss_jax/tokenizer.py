@@ -308,7 +308,10 @@ class ReplyReader:
 
     @property
     def recipient(self) -> str | None:
-        return self._parser.current_recipient
+        """The message's recipient (None: none; openai-harmony reads a content type written after the
+        channel, as in `<|channel|>final <|constrain|>json`, as a recipient: it is none)."""
+        recipient = self._parser.current_recipient
+        return None if recipient is not None and recipient.startswith("<|constrain|>") else recipient
 
     @property
     def delta(self) -> str:

@@ -9,8 +9,12 @@ import time
 
 import uvicorn
 
+from conftest import VOCAB
+
+from gptoss_jax import tokenizer as tk
 from gptoss_jax.server.transport import protocol_class
 from gptoss_jax.serving import QueueFull, Request, Settings, TokenLogprob
+from gptoss_jax.serving.constrain import Grammars
 
 
 @contextlib.contextmanager
@@ -51,6 +55,8 @@ class ScriptedEngine:
         self.cached = 0
         self.alive = True  # Engine.alive: the engine's thread runs
         self.running: list[Request] = []
+        self.grammars = Grammars(tk.load_tokenizer(VOCAB), 201088)  # the grammars are checked, not followed
+        self.grammars.load()  # as Engine.warm_up does
 
     def submit(self, prompt_ids, settings: Settings = Settings(), listener=None) -> Request:
         if self.full:

@@ -356,3 +356,31 @@ def test_without_prefix_reuse_every_prompt_is_computed_whole(model, alone):
     assert [r.cached_tokens for r in requests] == [0, 0]
     assert all(r.output_ids == alone(r.prompt_ids, 6) for r in requests)
     assert engine.stats()["pages_cached"] == 0
+
+
+def test_penalized_requests_keep_their_tokens_beside_others_and_across_preemption(model):
+    """Presence and frequency penalties count each row's own generated tokens on the device: four
+    penalized requests (and one with a grammar-free logit bias beside them) in a pool too small for
+    all, preempted and resumed (their counts rebuilt from the tokens they have), give the tokens each
+    gives alone; and the penalties change them (a test that could not see them would pass anyway)."""
+    config, params = model
+    prompts = [_tokens(config, 700 + i, 40 + 10 * i) for i in range(4)]
+    kinds = [dict(frequency_penalty=2.0), dict(presence_penalty=-2.0), dict(frequency_penalty=-1.5, presence_penalty=1.0),
+             dict(logit_bias=((3, 4.0),))]
+
+    def settings(i):
+        return Settings(max_new_tokens=40, sampling=GREEDY, **kinds[i])
+
+    one = Engine(config, params, slots=1, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    alone = []
+    for i, prompt in enumerate(prompts):
+        alone.append(one.submit(prompt, settings(i)))
+        one.run_until_idle()
+    plain = [one.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]
+    one.run_until_idle()
+    assert all(a.output_ids != p.output_ids for a, p in zip(alone, plain))
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30)
+    together = [engine.submit(p, settings(i)) for i, p in enumerate(prompts)]
+    engine.run_until_idle()
+    assert engine.stats()["preemptions"] > 0
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]

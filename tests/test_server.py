@@ -436,3 +436,104 @@ def test_logit_bias_forces_a_token_through_the_api(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                        logit_bias={str(word[0]): 100})
     assert r.choices[0].message.content == " banana" * 3  # a random model: its raw text
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 120},
+                         "member": {"type": "boolean"}, "tags": {"type": "array", "maxItems": 2,
+                                                                 "items": {"enum": ["a", "b"]}}}}
+
+
+def test_structured_outputs_follow_their_schema_where_the_model_alone_writes_no_json(client):
+    """response_format json_schema (chat, whole and streamed) and json_object, and the Responses API's
+    text.format: the demo model's random weights write no JSON alone, and with the format every
+    answer parses and validates against its schema (the reasoning before it is left free)."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Who are you?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100, temperature=0)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain.choices[0].message.content)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100, temperature=1.0,
+                                           seed=seed, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100, temperature=0,
+                                            response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    done = 0
+    for seed in range(4):  # any object: the model may write a string until the budget runs out
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100, temperature=1.0,
+                                           seed=seed, response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+            done += 1
+        else:
+            assert r.choices[0].message.content.startswith("{")
+    assert done >= 2
+    r = client.responses.create(model=MODEL, input="Who are you?", max_output_tokens=100, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
+def test_a_strict_tools_arguments_follow_its_parameters(client):
+    """Strict function tools: the call's arguments validate against the tool's parameters (a named
+    call, and a required one whose tool the model names); without strict, the same call's arguments
+    are the model's own (random text)."""
+    import jsonschema
+
+    city = {"type": "object", "properties": {"city": {"enum": ["Rome", "Paris", "Oslo"]},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False}
+
+    def tool(name, strict):
+        return {"type": "function", "function": {"name": name, "parameters": city, "strict": strict}}
+
+    messages = [{"role": "user", "content": "Weather?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "forecast"}}):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                           tools=[tool("forecast", True), tool("history", True)], tool_choice=choice)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("forecast", "history")
+        jsonschema.validate(json.loads(call.function.arguments), city)
+    loose = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                           tools=[tool("forecast", False)], tool_choice="required")
+    assert loose.choices[0].message.tool_calls is None or not _valid(loose.choices[0].message.tool_calls[0], city)
+
+
+def _valid(call, schema) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def test_penalties_change_greedy_output_in_their_direction(client):
+    """A logit bias of +3 on " banana" makes the greedy reply repeat it: a frequency or presence penalty
+    of 2 makes it repeat it less; one of -2 makes the reply repeat its own tokens more (counted over
+    its tokens); chat's reply changes with them too."""
+    word = str(tk.load_tokenizer(VOCAB).encode(" banana")[0])
+
+    def reply(**kw):
+        r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=0, logprobs=0,
+                                      logit_bias={word: 3}, **kw)
+        tokens = r.choices[0].logprobs.tokens
+        return r.choices[0].text.count(" banana"), len(tokens) - len(set(tokens))
+
+    (base, repeats) = reply()
+    assert 2 < base < 38
+    assert reply(frequency_penalty=2.0)[0] < base and reply(presence_penalty=2.0)[0] < base
+    assert reply(frequency_penalty=-2.0)[1] > repeats and reply(presence_penalty=-2.0)[1] > repeats
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+                                       temperature=0, frequency_penalty=-2.0)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+                                           temperature=0)
+    assert r.choices[0].message.content != plain.choices[0].message.content  # chat honours them too

@@ -216,8 +216,8 @@ def test_logit_bias_forces_or_forbids_tokens_and_leaves_the_others(engine, model
 
 
 def test_nothing_compiles_after_warm_up(engine, model):
-    """200 requests of random lengths and sampling settings, a third with log-probabilities, half of them
-    starting with one of three shared prefixes (found in the cache, or not yet), counted by JAX's own
+    """200 requests of random lengths and sampling settings, a third with log-probabilities, some with a
+    logit bias or penalties, half of them starting with one of three shared prefixes (found in the cache, or not yet), counted by JAX's own
     compile events."""
     config, _ = model
     compiles, listening = [], [True]
@@ -239,7 +239,8 @@ def test_nothing_compiles_after_warm_up(engine, model):
                 prompt = shared[int(rng.integers(0, 3))] + prompt
             engine.submit(prompt, Settings(max_new_tokens=int(rng.integers(1, 4)), sampling=sampling,
                                            seed=int(rng.integers(0, 2**31)), logprobs=[None, 0, 3][_ % 3],
-                                           logit_bias=((int(rng.integers(0, config.vocab_size)), 5.0),) * (_ % 2)))
+                                           logit_bias=((int(rng.integers(0, config.vocab_size)), 5.0),) * (_ % 2),
+                                           presence_penalty=0.5 * (_ % 5 == 0), frequency_penalty=-0.5 * (_ % 7 == 0)))
         engine.run_until_idle()
     finally:
         listening[0] = False
@@ -325,7 +326,8 @@ def test_a_lockstep_message_carries_admissions_exactly():
     from gptoss_jax.serving.request import Request
 
     settings = Settings(max_new_tokens=7, sampling=Sampling(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05), seed=-5,
-                        stop_ids=(1, 2), stop_strings=("\n\n", "é\"}"), logprobs=3, logit_bias=((7, -100.0), (9, 2.5)))
+                        stop_ids=(1, 2), stop_strings=("\n\n", "é\"}"), logprobs=3, logit_bias=((7, -100.0), (9, 2.5)),
+                        presence_penalty=0.5, frequency_penalty=-1.25, grammar='start: "a" | "b"')
     assert all(getattr(settings, f.name) != f.default for f in dataclasses.fields(Settings))  # a field left out fails
     sent = Message(cancel=[3, 0], admit=[(1, Request(10, [5, 200_000, 0], settings)), (2, Request(11, [9], Settings()))])
     got = decode(encode(sent))
@@ -333,3 +335,38 @@ def test_a_lockstep_message_carries_admissions_exactly():
     assert [(s, r.id, r.prompt_ids, r.settings) for s, r in got.admit] == [
         (1, 10, [5, 200_000, 0], settings), (2, 11, [9], Settings())]
     assert decode(encode(Message(stop=True))).stop
+
+
+def test_the_picks_adjust_logits_by_bias_penalties_and_grammar_mask_as_float64_does():
+    """steps.adjust against numpy in float64: each row's logit bias added, frequency penalty times the
+    count and presence penalty once for every token generated subtracted, and the tokens its mask
+    leaves out at -inf (bit t % 32 of word t // 32, the tail past the vocabulary ignored); rows are
+    gathered by `rows`. The float32 result is within a few roundings of the values it adds."""
+    from gptoss_jax.serving import steps
+
+    rng = np.random.default_rng(0)
+    R, B, V, K = 5, 3, 70, 4
+    logits = rng.normal(0, 3, (B, V)).astype(np.float32)
+    rows = np.array([4, 0, 2], np.int32)
+    bias_ids = rng.integers(0, V, (R, K)).astype(np.int32)
+    bias_ids[:, -1] = np.iinfo(np.int32).max  # an unused entry: names no token
+    bias = rng.uniform(-100, 100, (R, K)).astype(np.float32)
+    presence, frequency = rng.uniform(-2, 2, R).astype(np.float32), rng.uniform(-2, 2, R).astype(np.float32)
+    counts = rng.integers(0, 3, (R, V)).astype(np.int16)
+    allowed = rng.random((B, V)) < 0.7
+    words = np.zeros((B, steps.mask_words(V) * 32), bool)
+    words[:, :V] = allowed
+    words[:, V:] = True  # the tail past the vocabulary: whatever it holds, no token
+    mask = np.packbits(words.reshape(B, -1, 32), axis=-1, bitorder="little").view(np.int32)[..., 0]
+    got = np.asarray(jax.jit(steps.adjust)(logits, rows, bias_ids, bias, presence, frequency, counts, mask))
+
+    want = logits.astype(np.float64)
+    for b, r in enumerate(rows):
+        for j in range(K):
+            if bias_ids[r, j] < V:
+                want[b, bias_ids[r, j]] += bias[r, j]
+        want[b] -= frequency[r] * counts[r] + presence[r] * (counts[r] > 0)
+    want[~allowed] = -np.inf
+    assert np.array_equal(np.isinf(got), ~allowed)
+    scale = np.abs(logits).max() + 2 * np.abs(bias).max() + 2 * 3 + 2  # the largest value a sum holds
+    np.testing.assert_allclose(got[allowed], want[allowed], rtol=0, atol=8 * np.finfo(np.float32).eps * scale)

@@ -42,6 +42,7 @@ from . import body, logprobs, openapi, protocol
 from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, server_error, unauthorized,
                      unavailable)
 from .generation import Generation, Server, settings_of
+from .structured import grammar_for
 from .guard import Guard, log
 from .harmony import ReplyStream, StopTrimmer, chat_prompt, context_exceeded, responses_prompt
 from .metrics import prometheus_text
@@ -192,8 +193,11 @@ def create_app(server: Server) -> FastAPI:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         prompt = chat_prompt(req, server.vocab, server.engine.max_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools or []]
+        grammar = (lambda budget: grammar_for(req.response_format, "response_format", tools, req.tool_choice,
+                                              bool(prompt.reply_start), budget), "response_format")
         return prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop,
-                                   (req.top_logprobs or 0) if req.logprobs else None)
+                                   (req.top_logprobs or 0) if req.logprobs else None, grammar)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
@@ -375,8 +379,12 @@ def create_app(server: Server) -> FastAPI:
             req = protocol.ResponsesRequest.model_validate({**req.model_dump(exclude={"input"}), "input": items})
         prompt = responses_prompt(req, server.vocab, server.engine.max_len)
         wanted = "message.output_text.logprobs" in (req.include or [])
+        tools = [(t.name, t.parameters, t.strict) for t in req.tools or []]
+        fmt = req.text.format if req.text is not None else None
+        grammar = (lambda budget: grammar_for(fmt, "text.format", tools, req.tool_choice, bool(prompt.reply_start),
+                                              budget), "text.format")
         return req, prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None,
-                                        (req.top_logprobs or 0) if wanted else None), items
+                                        (req.top_logprobs or 0) if wanted else None, grammar), items
 
     def keep(req, builder, items) -> None:
         if req.store and builder.final is not None and builder.final["status"] != "failed":

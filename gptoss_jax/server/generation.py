@@ -198,9 +198,11 @@ class Generation:
 
 
 def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body, stops,
-                logprobs: int | None = None) -> Settings:
+                logprobs: int | None = None, grammar=None) -> Settings:
     """The engine settings of a request; 400 when the prompt and its budget exceed the context.
-    logprobs: each token's log-probability with that many alternatives' (None: none)."""
+    logprobs: each token's log-probability with that many alternatives' (None: none); grammar: (a
+    function of the reply's token budget -> the grammar it follows or None (structured.py), the
+    parameter that asks for it)."""
     max_len = server.engine.max_len
     budget = max_tokens if max_tokens is not None else max_len - len(prompt)
     if len(prompt) + max(budget, 1) > max_len:
@@ -227,6 +229,14 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias values must lie in [-100, 100], got {value} for token {key}", "logit_bias")
         bias.append((int(key), float(value)))
+    text = None if grammar is None else grammar[0](budget)
+    if text is not None:
+        try:  # compiled here, off the event loop (and kept for the requests with the same grammar)
+            server.engine.grammars.check(text)
+        except ValueError as e:
+            raise bad_request(f"{grammar[1]}: {e}", grammar[1]) from None
     return Settings(max_new_tokens=budget, sampling=sampling, seed=seed, logit_bias=tuple(bias),
                     stop_ids=() if getattr(body, "ignore_eos", False) else tk.STOP_TOKENS, stop_strings=tuple(stops),
-                    logprobs=logprobs)
+                    logprobs=logprobs, presence_penalty=float(getattr(body, "presence_penalty", None) or 0.0),
+                    frequency_penalty=float(getattr(body, "frequency_penalty", None) or 0.0),
+                    grammar=text)

@@ -33,6 +33,7 @@ from .. import tokenizer as tk
 from ..serving.stops import StopMatcher
 from .body import check_schema
 from .errors import bad_request
+from .structured import format_instructions
 
 
 
@@ -184,6 +185,7 @@ def chat_prompt(request, vocab, max_len: int | None = None) -> Prompt:
             messages.append(_tool_result(name, _text(m.content, f"{param}.content")))
     tools = [(t.function.name, t.function.description, t.function.parameters) for t in request.tools or []]
     with_tools, start = _tool_choice(request.tool_choice, [name for name, _, _ in tools], vocab)
+    instructions.append(format_instructions(request.response_format, "response_format"))
     return Prompt(_render(messages, reasoning_effort=request.reasoning_effort or "medium", instructions=instructions,
                           tools=tools if with_tools else None, vocab=vocab, max_len=max_len), start)
 
@@ -221,6 +223,7 @@ def responses_prompt(request, vocab, max_len: int | None = None) -> Prompt:
     tools = [(t.name, t.description, t.parameters) for t in request.tools or []]
     with_tools, start = _tool_choice(request.tool_choice, [name for name, _, _ in tools], vocab)
     effort = (request.reasoning.effort if request.reasoning else None) or "medium"
+    instructions.append(format_instructions(request.text.format if request.text else None, "text.format"))
     return Prompt(_render(messages, reasoning_effort=effort, instructions=instructions,
                           tools=tools if with_tools else None, vocab=vocab, max_len=max_len), start)
 

@@ -3,7 +3,7 @@
 A top-level field is either one the server acts on (declared below), one that changes nothing in
 the reply (ACCEPTED: `user`, `metadata`, ...), or refused with a 400 naming it (`refused_field`):
 a parameter of OpenAI's API that the server does not implement, unless it holds its no-op value
-(`echo: false`, `presence_penalty: 0`, ...; NO_OP), and any name it does not know, as
+(`echo: false`, `best_of: 1`, ...; NO_OP), and any name it does not know, as
 OpenAI's API refuses them. Inside a message or an item, unknown fields are ignored. A field of the
 wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that). Types are
 strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
@@ -33,16 +33,9 @@ def _none_or(*values) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
 
 
-def _text_format(v) -> bool:
-    return v is None or (isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"}
-                         and set(v) <= {"format", "verbosity"})
-
-
 # Parameters of OpenAI's API that this server does not implement, each with the values that ask
 # for nothing (accepted): any other value is refused.
 NO_OP: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
     "functions": lambda v: v is None or v == [], "function_call": _none_or("none"),
     "echo": _none_or(False), "best_of": _none_or(1), "suffix": _none_or(""),
     "store": _none_or(False), "background": _none_or(False),
@@ -104,6 +97,7 @@ class FunctionDef(_Body):
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # the call's arguments follow `parameters` (structured.py); chat: off by default
 
 
 class Tool(_Body):
@@ -149,6 +143,8 @@ class _Sampling(_Body):
     ignore_eos: StrictBool = False  # an extension, as vLLM's: generate past the stop tokens (benchmarks)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's extension; 0 and -1 are off
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)  # vLLM's extension; 0 is off
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
 
 
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=TOP_LOGPROBS)]
@@ -164,6 +160,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     stop: StrictStr | list[StrictStr] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (structured.py)
 
 
 class CompletionRequest(_Sampling):
@@ -187,6 +184,12 @@ class ResponseTool(_Body):
     name: StrictStr = Field(min_length=1)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
+    strict: StrictBool = True  # as OpenAI's Responses API: the arguments follow `parameters` unless false
+
+
+class TextOptions(_Body):
+    format: dict[str, Any] | None = None  # text, json_object or json_schema (structured.py)
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; gpt-oss has no such control
 
 
 class ContentPart(_Body):
@@ -256,3 +259,4 @@ class ResponsesRequest(_Body):
     store: StrictBool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default)
     include: list[Literal["message.output_text.logprobs"]] | None = None
     top_logprobs: TopLogprobs | None = None
+    text: TextOptions | None = None

@@ -53,14 +53,14 @@ from ..kernels import Kernels
 from ..paged_cache import init_pool, pool_pages, table_width
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, on_every_device, to_host_soon
-from ..tokenizer import StreamDecoder
 from ..weight import Params
-from . import steps
+from . import steps, stops
+from .constrain import Grammars
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
+from .picks import Picks
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
 from .request import QueueFull, Request, Settings, TokenLogprob
-from .stops import StopMatcher
 
 TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
 
@@ -106,6 +106,8 @@ class Engine:
         self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
         self._tables = self._put(np.zeros((2, slots, self.width), np.int32))
         self._last = self._put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
+        self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
+        self._picks = Picks(slots, config.vocab_size, self.mesh, self._put, self.grammars)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -114,8 +116,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.compiled: list[str] = []
-        # every row's sampling settings on the devices, kept until a row changes hands: (scheduler.changes, ...)
-        self._row_settings = None
         self._lockstep = Lockstep.of_this_process()  # None: one process
         self._lost: str | None = None  # why the other processes were lost (then nothing more is taken)
 
@@ -146,8 +146,9 @@ class Engine:
         if need > count:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens needs "
                              f"{need} pages of the KV cache, more than its {count} ({self.pool_tokens} positions)")
-        if settings.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need the engine's tokenizer (Engine(..., tokenizer=...))")
+        if (settings.stop_strings or settings.grammar is not None) and self.tokenizer is None:
+            raise ValueError("stop strings and grammars need the engine's tokenizer (Engine(..., tokenizer=...))")
+        matcher = None if settings.grammar is None else self.grammars.matcher(settings.grammar)
         if self._following:
             raise RuntimeError(f"process {self._lockstep.process_index} follows process 0: submit requests there")
         if self._lost is not None:
@@ -161,6 +162,7 @@ class Engine:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues "
                                 f"({self.max_waiting} beyond the {free} slots free)")
             request = Request(next(self._ids), prompt, settings, listener)
+            request._matcher = matcher
             self._waiting.append(request)
             self._wake.notify()
         return request
@@ -230,23 +232,26 @@ class Engine:
         """Compile the steps (nothing is generated, no page or row changes) and say what was compiled."""
         C = self.prefill_chunk
         outputs = []
+        idle = self._picks.rows([None] * self.slots, self.scheduler.changes)[0]
         for P in self.prefill_shapes:
             for mode, wants in itertools.product(MODES, steps.WANTS):
                 outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P,
-                                                  [False] * P, [0] * P, mode, wants))
+                                                  [False] * P, [0] * P, mode, wants, [None] * P))
         for B in self.decode_sizes:
+            decoded = self._decode_call([None] * B, [0] * B)
             for mode, wants in itertools.product(MODES, steps.WANTS):
-                self._row_settings = (self.scheduler.changes, *self._sampling_arrays([None] * self.slots), mode,
-                                      wants)
-                outputs.append(self._decode_call([None] * B, [0] * B, [-1] * B))
-        self._row_settings = None
+                outputs.append(self._pick(decoded, (idle, mode, wants), [None] * B))
+        self._picks.forget()
+        self._picks.warm_up()
+        if self.grammars is not None:
+            self.grammars.load()
         self.scheduler.table_writes = [(0, self.slots, 0, 0)]  # padding: dropped
         self._send_table_writes()
         for x in jax.tree.leaves(outputs):
             np.asarray(x)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
-            f"token picks ({', '.join(MODES)}; with and without log-probabilities, logit bias) "
+            f"token picks ({', '.join(MODES)}; with and without log-probabilities, adjusted logits) "
             f"[{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]",
             f"KV cache {self.scheduler.pages.count} pages of {self.page_size} ({self.pool_tokens} positions), "
             f"tables [2, {self.slots}, {self.width}]"]
@@ -265,10 +270,6 @@ class Engine:
 
     def _put(self, x):
         return on_every_device(x, self.mesh)
-
-    def _sampling_arrays(self, requests: Sequence[Request | None]):
-        """steps.sampling_arrays on the devices."""
-        return tuple(self._put(x) for x in steps.sampling_arrays(requests))
 
     def step(self) -> bool:
         """One engine step (see the module's docstring); False when there was nothing to do."""
@@ -290,16 +291,20 @@ class Engine:
                     if not s.prefilling and s.queued < s.request.settings.max_new_tokens]
         prefilling, decoding = self.scheduler.make_room(prefilling, decoding)
         self._send_table_writes()
+        for seq in self.scheduler.taken():  # a penalized request's counts of its reply
+            self._picks.taken(seq.request, seq.row)
         queued = []
         if prefilling:
             queued.append(self._prefill(prefilling))
         if decoding:
-            queued.append(self._decode(decoding))
+            decoded = self._decode(decoding)
         for seq in prefilling + decoding:
             self.scheduler.after_step(seq)
         before, self._in_flight = self._in_flight, queued
-        for tokens, rows, logprobs in before:  # read while the device runs this step's work
+        for tokens, rows, logprobs in before:  # read while the device runs this step's model
             self._read(tokens, rows, logprobs)
+        if decoding:  # picked once the step before's tokens are read: the grammars' masks follow them
+            queued.append(self._pick(*decoded))
         return bool(queued or before or self._waiting or self.scheduler.preempted)
 
     # Admission, pages and preemption ----------------------------------------------------------------
@@ -344,11 +349,13 @@ class Engine:
             if self.scheduler.rows[row] is not None:
                 raise LockstepError(f"process {self._lockstep.process_index} differs from process 0: row {row} is "
                                     f"still taken here")
+            if request.settings.grammar is not None:
+                request._matcher = self.grammars.matcher(request.settings.grammar)
             self.scheduler.take(row, request)
 
-    def _free(self, seq: Seq, reason: str) -> None:
+    def _free(self, seq: Seq, reason: str, error: str | None = None) -> None:
         self.scheduler.release(seq)
-        self._end(seq.request, reason)
+        self._end(seq.request, reason, error)
 
     def _send_table_writes(self) -> None:
         writes, self.scheduler.table_writes = self.scheduler.table_writes, []
@@ -360,16 +367,18 @@ class Engine:
     # Prefill and decode ---------------------------------------------------------------------------------
 
     def _prefill_call(self, seqs: list[Seq | None], tokens: np.ndarray, counts: list[int], starts: list[int],
-                      finishing: list[bool], sample_steps: list[int], mode: str, wants: tuple[bool, bool]):
-        """prefill_rows and pick_first for these rows (None: a padding row) -> (their first tokens [P],
-        with logprobs their log-probabilities (sampling.token_logprobs), else None), on the devices."""
+                      finishing: list[bool], sample_steps: list[int], mode: str, wants: tuple[bool, bool],
+                      ending: list[Request | None]):
+        """prefill_rows and pick_first for these rows (None: a padding row; ending: the request of each
+        row whose prompt ends) -> (their first tokens [P], with logprobs their log-probabilities
+        (sampling.token_logprobs), else None), on the devices."""
         rows = [self.slots if s is None else s.row for s in seqs]
         plan = self._put(np.array([rows, counts, starts, finishing, sample_steps], np.int32))
         logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables,
                                                 self._put(tokens), plan)
-        first, self._last, *lp = steps.pick_first(self.mesh, mode, logits, self._last, plan, *self._settings()[:-2],
-                                                  logprobs=wants[0], biased=wants[1])
-        return first, (lp[0] if lp else None)
+        settings = self._picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)[0]
+        first, self._last, logprobs = self._picks.first(logits, self._last, plan, settings, mode, wants, ending)
+        return first, logprobs
 
     def _prefill(self, prefilling: list[Seq]):
         """Queue one chunk of each of these sequences -> (first tokens on the devices, the rows whose
@@ -384,10 +393,11 @@ class Engine:
             tokens[i, :len(chunk)], counts[i], starts[i] = chunk, len(chunk), seq.length
             finishing[i] = seq.length + len(chunk) == len(seq.tokens)
             sample_steps[i] = seq.queued
-        ending = [s.request.settings for i, s in enumerate(prefilling) if finishing[i]]
+        ending = [s.request if i < len(prefilling) and finishing[i] else None for i, s in enumerate(seqs)]
+        settings = [r.settings for r in ending if r is not None]
         first, logprobs = self._prefill_call(seqs, tokens, counts, starts, finishing, sample_steps,
-                                             rows_mode([s.sampling for s in ending]),
-                                             steps.wants(ending))
+                                             rows_mode([s.sampling for s in settings]), steps.wants(settings),
+                                             ending)
         done = []
         for i, seq in enumerate(prefilling):
             seq.length += counts[i]
@@ -396,41 +406,33 @@ class Engine:
                 done.append((i, seq))
         return to_host_soon(first), done, to_host_soon(logprobs)
 
-    def _decode_call(self, seqs: list[Seq | None], lengths: list[int], sample_steps: list[int]):
-        """decode_rows and pick_next with each row's sampling step (-1: padding) -> (the latest tokens
-        [R], with log-probabilities by row when any row wants them, else None), on the devices."""
-        *settings, mode, wants = self._settings()
-        plan = self._put(np.array([[self.slots if s is None else s.row for s in seqs], lengths, sample_steps], np.int32))
+    def _decode_call(self, seqs: list[Seq | None], lengths: list[int]):
+        """decode_rows for these rows (None: padding) -> (logits [B, V], the plan), on the devices."""
+        plan = self._put(np.array([[self.slots if s is None else s.row for s in seqs], lengths,
+                                   [-1 if s is None else s.queued for s in seqs]], np.int32))
         logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, plan)
-        picked = steps.pick_next(self.mesh, mode, logits, self._last, plan, *settings, logprobs=wants[0],
-                                 biased=wants[1])
-        self._last, lp = picked if wants[0] else (picked, None)
-        return self._last, lp
-
-    def _settings(self):
-        """Every row's sampling settings on the devices [R] (sent again only when a row has changed hands),
-        the decode step's sampling mode for them, and what else its picks do (steps.wants)."""
-        if self._row_settings is None or self._row_settings[0] != self.scheduler.changes:
-            by_row = [s and s.request for s in self.scheduler.rows]
-            requests = [r for r in by_row if r is not None]
-            mode = rows_mode([r.settings.sampling for r in requests])
-            self._row_settings = (self.scheduler.changes, *self._sampling_arrays(by_row), mode,
-                                  steps.wants([r.settings for r in requests]))
-        return self._row_settings[1:]
+        return logits, plan
 
     def _decode(self, decoding: list[Seq]):
-        """Queue one decode step of these sequences -> (their tokens on the devices, the rows)."""
+        """Queue the model step of one decode step of these sequences -> what `_pick` needs to pick
+        their tokens."""
         B = next(b for b in self.decode_sizes if b >= len(decoding))
-        pad = B - len(decoding)
-        lengths, sample_steps, rows = [], [], []
+        seqs = decoding + [None] * (B - len(decoding))
+        lengths = [s.length for s in decoding] + [0] * (B - len(decoding))
+        settings = self._picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)
+        decoded = self._decode_call(seqs, lengths)
         for seq in decoding:
-            lengths.append(seq.length)
-            sample_steps.append(seq.queued)
             seq.length += 1
             seq.queued += 1
-            rows.append((seq.row, seq))
-        last, logprobs = self._decode_call(decoding + [None] * pad, lengths + [0] * pad, sample_steps + [-1] * pad)
-        return to_host_soon(last), rows, to_host_soon(logprobs)
+        return decoded, settings, seqs
+
+    def _pick(self, decoded, settings, seqs: list[Seq | None]):
+        """Queue the picks of a decode step (decoded: its logits and plan; settings: the rows', their
+        mode and wants) -> (their tokens [R], the rows, log-probabilities by row or None)."""
+        (logits, plan), (arrays, mode, wants) = decoded, settings
+        self._last, logprobs = self._picks.next(logits, self._last, plan, arrays, mode, wants,
+                                                [s and s.request for s in seqs])
+        return to_host_soon(self._last), [(s.row, s) for s in seqs if s is not None], to_host_soon(logprobs)
 
     def _read(self, tokens, rows, logprobs) -> None:
         """Hand a queued step's tokens (and log-probabilities, where asked for) to their requests (those
@@ -447,13 +449,10 @@ class Engine:
         request, settings = seq.request, seq.request.settings
         request._add(token, time.perf_counter(), logprob)
         self.metrics.token(request)
-        if token in settings.stop_ids:
+        if request._matcher is not None and not Grammars.consume(request._matcher, token):
+            return self._free(seq, "error", f"the reply left its grammar: {Grammars.error(request._matcher)}")
+        if stops.ends(request, token, self.tokenizer):
             return self._free(seq, "stop")
-        if settings.stop_strings:  # the reply's new text, in time linear in it (stops.py)
-            if request._stops is None:
-                request._decoder, request._stops = StreamDecoder(self.tokenizer), StopMatcher(settings.stop_strings)
-            if request._stops.feed(request._decoder.add(token)) is not None:
-                return self._free(seq, "stop")
         if len(request.output_ids) >= settings.max_new_tokens:
             self._free(seq, "length")
 

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 from ..sampling import LOGIT_BIAS_MOST, TOP_LOGPROBS, Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+LOGPROB_FLOOR = -9999.0  # the least log-probability reported (OpenAI's, for a token that cannot come)
 
 
 class QueueFull(Exception):
@@ -38,6 +39,13 @@ class Settings:
     logprobs: int | None = None
     # (token id, bias in [-100, 100]) added to those tokens' logits before anything else, at most 300
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # in [-2, 2], subtracted from the logit of each token the reply holds: once (presence), and once for
+    # every time it occurs (frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # an llguidance grammar (Lark syntax, with %json for JSON schemas) that the reply must follow; needs
+    # the engine's tokenizer (constrain.py)
+    grammar: str | None = None
 
     def __post_init__(self):
         if len(self.logit_bias) > LOGIT_BIAS_MOST:
@@ -46,6 +54,8 @@ class Settings:
             raise ValueError("a logit bias must lie in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {TOP_LOGPROBS}] (alternatives a token), got {self.logprobs}")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence and frequency penalties must lie in [-2, 2]")
         if self.max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {self.max_new_tokens}")
         if not -2**31 <= self.seed < 2**31:
@@ -67,7 +77,9 @@ class TokenLogprob:
         """Row i of a step's (log-probabilities [B], top ids [B, k], top log-probabilities [B, k]), with
         its n most likely tokens."""
         chosen, ids, top = picked
-        return cls(float(chosen[i]), tuple(zip(ids[i, :n].tolist(), top[i, :n].tolist())))
+        floor = LOGPROB_FLOOR  # a token a grammar forbids has -inf, which JSON cannot carry
+        return cls(max(float(chosen[i]), floor), tuple((t, max(v, floor)) for t, v in zip(ids[i, :n].tolist(),
+                                                                                          top[i, :n].tolist())))
 
 
 _DONE = object()
@@ -95,10 +107,11 @@ class Request:
         self._cancelled = False
         self._listener = listener
         self.cached_tokens: int | None = None  # prompt tokens found in the KV cache at admission
-        # The engine's, kept across a preemption: the names of its pages (pages.py), its reply as text
-        # and its stop strings' matcher.
+        # The engine's, kept across a preemption: the names of its pages (pages.py), its reply as text,
+        # its stop strings' matcher and its grammar's.
         self._page_names: list[bytes] = []
         self._decoder = self._stops = None
+        self._matcher = None  # its grammar's state (constrain.py), each token it has read consumed
 
     # Read by any thread ------------------------------------------------------------------------------
 

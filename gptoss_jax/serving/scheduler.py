@@ -65,11 +65,12 @@ class Scheduler:
         self.preempted: collections.deque[Request] = collections.deque()  # back to waiting, first in line
         self.table_writes: list[tuple[int, int, int, int]] = []  # (group, row, column, page) not yet sent
         self.changes = 0  # counts rows changing hands (the engine keeps the rows' settings until then)
+        self._taken: list[Seq] = []  # sequences that took a row since `taken` was last asked
 
     def reset(self) -> None:
         """Nothing held or cached any more (the pool on the devices is new); preempted requests wait on."""
         self.pages = Pages(self.pages.count)
-        self.rows, self.admitted, self.table_writes = [None] * self.slots, [], []
+        self.rows, self.admitted, self.table_writes, self._taken = [None] * self.slots, [], [], []
         self.changes += 1
 
     def pages_alone(self, tokens: int) -> int:
@@ -128,11 +129,17 @@ class Scheduler:
         self.table_writes += [(SLIDING, row, i, page) for i, page in sliding.items()]
         self.rows[row] = seq
         self.admitted.append(seq)
+        self._taken.append(seq)
         self.changes += 1
         if request.cached_tokens is None:  # the first admission: a preempted request's return is no prompt
             request.cached_tokens = seq.length
             self.metrics.prompt(len(request.prompt_ids), seq.length)
         return seq
+
+    def taken(self) -> list[Seq]:
+        """The sequences that took a row since the last call and still hold it."""
+        taken, self._taken = self._taken, []
+        return [s for s in taken if self.rows[s.row] is s]
 
     def admit_preempted(self) -> None:
         """Preempted requests back into free rows, first in line, while they fit."""

@@ -10,13 +10,18 @@ steps without reading their tokens first.
   real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
   logits at each row's last real token; the pool is donated and written in place.
 - `pick_first`: the first tokens of the rows whose chunk ended their prompt (`finishing`), each by its
-  row's settings (its logit bias added first) at its own sampling step, written into those rows'
-  latest tokens; with `logprobs`, also their log-probabilities and the top alternatives'
-  (sampling.token_logprobs).
+  row's settings at its own sampling step, written into those rows' latest tokens; `adjusted`: the
+  logits adjusted first (`adjust`); with `logprobs`, also their log-probabilities and the top
+  alternatives' (sampling.token_logprobs).
 - `decode_rows`: one step of B rows (a bucket of the running ones; sampling step -1: padding, whose
   cache is neither read for a result nor written) from the rows' latest tokens -> logits [B, V].
 - `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
-  rows' replaced; with `logprobs`, also the log-probabilities, by row [R].
+  rows' replaced; `adjusted` and `logprobs` as for the first tokens, by row [R].
+- `adjust`: what a request adds to its logits before sampling, in this order: its logit bias, its
+  presence and frequency penalties (from the counts of each row's generated tokens, kept on the
+  devices [R, V] and added to by every adjusted pick; `set_counts` sets a row's when a request takes
+  it), and its grammar's mask of allowed tokens (one bit a token, [B, ceil(V / 32)] int32, made on
+  the host: constrain.py).
 
 What changes from step to step comes as one int32 array (a `plan`), so that the host sends one
 small copy a step: for a prefill [5, P] (rows, counts, starts, finishing, sampling steps), for a
@@ -24,12 +29,12 @@ decode [3, B] (rows, lengths, sampling steps). The sampling settings are held pe
 devices, sent again only when a row changes hands, and gathered by the picks.
 
 The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`), and
-whether any row wants log-probabilities or a logit bias (`wants`), are chosen on the host for the
-rows at hand, without compiling the model step twelve times or branching on the device. Shapes depend only on (R, W, pool,
+whether any row wants log-probabilities or adjusted logits (`wants`), are chosen on the host for
+the rows at hand, without compiling the model step twelve times or branching on the device. Shapes depend only on (R, W, pool,
 P, C, B), so nothing compiles with the traffic.
 
 Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
-decoded together, V = vocab, U = table entries set together.
+decoded together, V = vocab, U = table entries set together, K = logit bias entries (300).
 """
 
 from __future__ import annotations
@@ -55,37 +60,75 @@ _STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def sampling_arrays(requests) -> tuple[np.ndarray, ...]:
-    """(seeds, temperature, top_k, top_p, min_p [n], logit bias ids, biases [n, LOGIT_BIAS_MOST]), a row
-    per request (None: an idle row, greedy); unused bias entries name no token (dropped)."""
+    """(seeds, temperature, top_k, top_p, min_p [n], logit bias ids, biases [n, K], presence and
+    frequency penalties [n]), a row per request (None: an idle row, greedy); unused bias entries name
+    no token (dropped)."""
     n = len(requests)
     seed, temperature, top_k = np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32)
     top_p, min_p = np.ones(n, np.float32), np.zeros(n, np.float32)
     bias_ids = np.full((n, LOGIT_BIAS_MOST), np.iinfo(np.int32).max, np.int32)
     bias = np.zeros((n, LOGIT_BIAS_MOST), np.float32)
+    presence, frequency = np.zeros(n, np.float32), np.zeros(n, np.float32)
     for i, r in enumerate(requests):
         if r is not None:
             s = r.settings.sampling
             seed[i], temperature[i], top_k[i] = r.settings.seed, s.temperature, s.top_k
             top_p[i], min_p[i] = s.top_p, s.min_p
+            presence[i], frequency[i] = r.settings.presence_penalty, r.settings.frequency_penalty
             for j, (token, value) in enumerate(r.settings.logit_bias):
                 bias_ids[i, j], bias[i, j] = token, value
-    return seed, temperature, top_k, top_p, min_p, bias_ids, bias
+    return seed, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency
 
 
 # What the picks do beyond sampling, static (each compiled apart, so that the steps that need
-# neither pay for neither): (log-probabilities, logit bias).
+# neither pay for neither): (log-probabilities, adjusted logits: bias, penalties, grammar).
 WANTS = ((False, False), (False, True), (True, False), (True, True))
+COUNT_MOST = np.iinfo(np.int16).max  # a token's count saturates here (a penalty of 32,767 times)
+
+
+def penalized(settings) -> bool:
+    return bool(settings.presence_penalty or settings.frequency_penalty)
+
+
+def adjusted(settings) -> bool:
+    """Whether a request's logits are adjusted before sampling (`adjust`)."""
+    return bool(settings.logit_bias) or penalized(settings) or settings.grammar is not None
 
 
 def wants(settings) -> tuple[bool, bool]:
-    """(whether any of these requests' Settings asks for log-probabilities, any for a logit bias)."""
-    return any(s.logprobs is not None for s in settings), any(s.logit_bias for s in settings)
+    """(whether any of these requests' Settings asks for log-probabilities, any for adjusted logits)."""
+    return any(s.logprobs is not None for s in settings), any(adjusted(s) for s in settings)
 
 
-def _biased(logits, rows, bias_ids, bias):
-    """logits [B, V] with each row's logit bias added (its request's, gathered by rows [B])."""
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's mask of allowed tokens (token t: bit t % 32 of word t // 32)."""
+    return -(-vocab // 32)
+
+
+def adjust(logits, rows, bias_ids, bias, presence, frequency, counts, mask):
+    """logits [B, V] of rows [B] -> float32 [B, V]: each row's logit bias added (bias_ids, bias [R, K]),
+    presence and frequency penalties [R] subtracted (once for a token generated at all, and once for
+    every time: counts [R, V]), and the tokens its mask [B, words] leaves out at -inf."""
+    B, V = logits.shape
     ids, values = jnp.take(bias_ids, rows, axis=0, mode="clip"), jnp.take(bias, rows, axis=0, mode="clip")
-    return logits.astype(jnp.float32).at[jnp.arange(logits.shape[0])[:, None], ids].add(values, mode="drop")
+    logits = logits.astype(jnp.float32).at[jnp.arange(B)[:, None], ids].add(values, mode="drop")
+    seen = jnp.take(counts, rows, axis=0, mode="clip").astype(jnp.float32)  # [B, V]
+    logits = (logits - jnp.take(frequency, rows, mode="clip")[:, None] * seen
+              - jnp.take(presence, rows, mode="clip")[:, None] * (seen > 0))
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, words, 32]
+    return jnp.where(bits.reshape(B, -1)[:, :V] > 0, logits, -jnp.inf)
+
+
+def _count(counts, rows, tokens):
+    """counts [R, V] with one more of each token [B] in its row [B] (row R: dropped), saturating."""
+    now = counts.at[rows, tokens].get(mode="fill", fill_value=0)
+    return counts.at[rows, tokens].set(jnp.minimum(now + 1, COUNT_MOST).astype(counts.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def set_counts(counts, row, values):
+    """counts [R, V] with row `row` set to values [V] (a request taking the row: its reply's counts)."""
+    return counts.at[row].set(values)
 
 
 @functools.partial(jax.jit, donate_argnames=("tables",))
@@ -110,20 +153,25 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     return everywhere(logits, mesh), {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "biased"))
-def pick_first(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, bias_ids, bias,
-               logprobs=False, biased=False):
-    """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row [R]
-    -> (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
-    with logprobs, (the tokens' log-probabilities [P], top ids [P, k], top log-probabilities [P, k]))."""
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted"), donate_argnames=("counts",))
+def pick_first(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False):
+    """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row
+    (sampling_arrays, on the devices), with `adjusted` the counts [R, V] and masks [P, words] ->
+    (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
+    with adjusted, the counts; with logprobs, (the tokens' log-probabilities [P], top ids [P, k], top
+    log-probabilities [P, k]))."""
     rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
-    logits = _biased(logits, rows, bias_ids, bias) if biased else logits
-    settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
-    first = sample_rows(logits, settings[0], steps, *settings[1:], mode=mode)
-    last = last.at[jnp.where(finishing, rows, last.shape[0])].set(first, mode="drop")
-    out = (everywhere(first, mesh), everywhere(last, mesh))
+    seeds, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency = settings
+    if adjusted:
+        logits = adjust(logits, rows, bias_ids, bias, presence, frequency, counts, mask)
+    picks = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
+    first = sample_rows(logits, picks[0], steps, *picks[1:], mode=mode)
+    at = jnp.where(finishing, rows, last.shape[0])  # rows not finishing: dropped
+    out = (everywhere(first, mesh), everywhere(last.at[at].set(first, mode="drop"), mesh))
+    if adjusted:
+        out += (everywhere(_count(counts, at, first), mesh),)
     if logprobs:
-        out += (tuple(everywhere(x, mesh) for x in token_logprobs(logits, settings[1], first)),)
+        out += (tuple(everywhere(x, mesh) for x in token_logprobs(logits, picks[1], first)),)
     return out
 
 
@@ -139,21 +187,25 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     return logits[:, 0], {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "biased"))
-def pick_next(mesh, mode, logits, last, plan, seeds, temperature, top_k, top_p, min_p, bias_ids, bias,
-              logprobs=False, biased=False):
-    """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row [R]
-    -> last [R]; with logprobs, (last, (log-probabilities [R], top ids [R, k], top log-probabilities
-    [R, k]): this step's rows set, the others zero))."""
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted"), donate_argnames=("counts",))
+def pick_next(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False):
+    """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row, with
+    `adjusted` the counts [R, V] and masks [B, words] -> (last [R]; with adjusted, the counts; with
+    logprobs, (log-probabilities [R], top ids [R, k], top log-probabilities [R, k]): this step's rows
+    set, the others zero)."""
     rows, steps = plan[0], plan[2]
-    logits = _biased(logits, rows, bias_ids, bias) if biased else logits
-    settings = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
-    next_tokens = sample_rows(logits, settings[0], jnp.maximum(steps, 0), *settings[1:], mode=mode)
+    seeds, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency = settings
+    if adjusted:
+        logits = adjust(logits, rows, bias_ids, bias, presence, frequency, counts, mask)
+    picks = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
+    next_tokens = sample_rows(logits, picks[0], jnp.maximum(steps, 0), *picks[1:], mode=mode)
     at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
-    last = everywhere(last.at[at].set(next_tokens, mode="drop"), mesh)
-    if not logprobs:
-        return last
-    R = last.shape[0]
-    by_row = tuple(jnp.zeros((R,) + x.shape[1:], x.dtype).at[at].set(x, mode="drop")
-                   for x in token_logprobs(logits, settings[1], next_tokens))
-    return last, tuple(everywhere(x, mesh) for x in by_row)
+    out = (everywhere(last.at[at].set(next_tokens, mode="drop"), mesh),)
+    if adjusted:
+        out += (everywhere(_count(counts, at, next_tokens), mesh),)
+    if logprobs:
+        R = last.shape[0]
+        by_row = tuple(jnp.zeros((R,) + x.shape[1:], x.dtype).at[at].set(x, mode="drop")
+                       for x in token_logprobs(logits, picks[1], next_tokens))
+        out += (tuple(everywhere(x, mesh) for x in by_row),)
+    return out

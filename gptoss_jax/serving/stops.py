@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..tokenizer import StreamDecoder
+
 
 def _failure(s: str) -> list[int]:
     """fail[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
@@ -63,3 +65,17 @@ class StopMatcher:
     def partial(self) -> int:
         """How many of the last characters fed may begin a stop string (text a trimmer holds back)."""
         return max(self._state, default=0)
+
+
+def ends(request, token: int, tokenizer) -> bool:
+    """Whether a request's newest token stops it: one of its stop tokens, or the end of one of its stop
+    strings in the reply's text (the request keeps the reply's decoder and matcher, so that each token
+    costs time linear in its text)."""
+    settings = request.settings
+    if token in settings.stop_ids:
+        return True
+    if not settings.stop_strings:
+        return False
+    if request._stops is None:
+        request._decoder, request._stops = StreamDecoder(tokenizer), StopMatcher(settings.stop_strings)
+    return request._stops.feed(request._decoder.add(token)) is not None

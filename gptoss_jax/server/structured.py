@@ -1,0 +1,127 @@
+"""Structured outputs: a request's `response_format` (chat), `text.format` (Responses) and its strict
+function tools, as the grammar (serving/constrain.py: llguidance's Lark syntax) that its harmony
+reply must follow.
+
+The reasoning stays free: the reply may start with an `analysis` message of any text (at most half
+the reply's token budget, so that the answer always has room), then comes either the final answer
+(JSON that follows the schema, with `response_format`; else any text) or a call of one of the tools
+(its arguments JSON that follows the tool's parameters when the tool is strict; else any text).
+JSON is written compactly (no whitespace between its tokens): the grammar leaves a model no loop of
+spaces and newlines. `json_object` is a JSON object of any content. A reply whose start the server
+wrote (a forced tool call, harmony.py) is constrained from there on: the arguments of that call.
+
+    grammar = reply_grammar(answer=schema_or_None, tools=[(name, parameters, strict)], budget=256,
+                            forced=None | name | "")
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from .body import check_schema
+from .errors import bad_request
+
+OBJECT = {"type": "object"}
+
+
+def _compact(schema: dict) -> dict:
+    schema = copy.deepcopy(schema)
+    schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+    return schema
+
+
+def _json(schema: dict | None) -> str:
+    return "%json " + json.dumps(_compact(schema if schema is not None else {}))
+
+
+def answer_schema(fmt, param: str) -> dict | None:
+    """The JSON schema a `response_format` / `text.format` asks the answer to follow (None: free text);
+    400 naming `param` for a format this server does not know or a schema that is not one."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or "type" not in fmt:
+        raise bad_request(f"{param} must be an object with a 'type'", param)
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OBJECT
+    if kind != "json_schema":
+        raise bad_request(f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{param}.type")
+    nested = "json_schema" in fmt  # chat nests the schema under "json_schema"; Responses puts it beside "type"
+    spec, where = (fmt["json_schema"], f"{param}.json_schema.schema") if nested else (fmt, f"{param}.schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise bad_request(f"{where} must be a JSON schema (an object)", where)
+    check_schema(spec["schema"], where)
+    return spec["schema"] or OBJECT
+
+
+def format_instructions(fmt, param: str) -> str:
+    """What the developer message tells the model of a response format ("" for none): a `# Response
+    Formats` section with the schema's name, description and JSON, as gpt-oss was trained to read it."""
+    schema = answer_schema(fmt, param)
+    if schema is None:
+        return ""
+    spec = fmt.get("json_schema", fmt) if fmt.get("type") == "json_schema" else {}
+    name = spec.get("name") or ("json_object" if schema is OBJECT else "response")
+    about = f"// {spec['description']}\n" if spec.get("description") else ""
+    return f"# Response Formats\n\n## {name}\n\n{about}{json.dumps(schema, separators=(',', ':'))}"
+
+
+def reply_grammar(*, answer: dict | None, tools: list[tuple[str, dict | None, bool]], budget: int,
+                  forced: str | None = None) -> str:
+    """The Lark grammar of a harmony reply (see the module). answer: the final answer's JSON schema
+    (None: any text); tools: (name, parameters, strict) of the tools in the prompt; budget: the reply's
+    most tokens; forced: the tool whose call the server started ("" : a call of one of the tools,
+    whose name the model writes), None: the reply is the model's from its start."""
+    lines = []
+    calls = []
+    for i, (name, parameters, strict) in enumerate(tools):
+        lines.append(f"args{i}: " + (_json(parameters) if strict else "TEXT"))
+        calls.append((name, f"args{i}"))
+    if forced:
+        i = next(i for i, (name, _) in enumerate(calls) if name == forced)
+        return "\n".join([f"start: {calls[i][1]} <|call|>", *lines, "TEXT: /(?s:.*)/"])
+    header = '(" " <|constrain|> "json")?'
+    if forced == "":  # after " to=functions": ".NAME", then the rest of the header
+        names = " | ".join(f'"." {json.dumps(name)} <|channel|> "commentary" {header} <|message|> {args} <|call|>'
+                           for name, args in calls)
+        return "\n".join([f"start: {names}", *lines, "TEXT: /(?s:.*)/"])
+    choices = [f'<|channel|> "final" {header} <|message|> answer <|return|>']
+    for name, args in calls:  # the recipient after the channel, or before it (harmony allows both)
+        to = f'" to=functions." {json.dumps(name)}'
+        choices.append(f'<|channel|> "commentary" {to} {header} <|message|> {args} <|call|>')
+        choices.append(f'{to} <|channel|> "commentary" {header} <|message|> {args} <|call|>')
+    return "\n".join([
+        "start: analysis? reply",
+        'analysis: <|channel|> "analysis" <|message|> reasoning <|end|> <|start|> "assistant"',
+        f"reasoning[max_tokens={max(budget // 2, 1)}]: /(?s:.*)/",
+        "reply: " + " | ".join(choices),
+        "answer: " + (_json(answer) if answer is not None else "TEXT"),
+        *lines,
+        "TEXT: /(?s:.*)/",
+    ])
+
+
+def grammar_for(fmt, param: str, tools: list[tuple[str, dict | None, bool]], tool_choice, started: bool,
+                budget: int) -> str | None:
+    """A request's grammar (reply_grammar), or None when nothing in it asks for one. fmt: its
+    response_format / text.format, named `param`; tools: (name, parameters, strict) of its function
+    tools; tool_choice: as the request gives it; started: whether the server wrote the reply's start
+    (a forced call)."""
+    answer = answer_schema(fmt, param)
+    if tool_choice == "none":
+        tools = []
+    tools = [(name, parameters or OBJECT, strict) for name, parameters, strict in tools]
+    forced = None
+    if started:
+        if tool_choice == "required":
+            forced = tools[0][0] if len(tools) == 1 else ""
+        else:
+            function = getattr(tool_choice, "function", None)
+            forced = function.name if function is not None else tool_choice.name
+    strict = [name for name, _, s in tools if s and (not forced or name == forced)]
+    if not strict and (answer is None or forced is not None):
+        return None
+    return reply_grammar(answer=answer, tools=tools, budget=budget, forced=forced)

@@ -1,0 +1,80 @@
+"""The serving engine's token picks (steps.pick_first, steps.pick_next) and what they need beside the
+logits: every row's sampling settings on the devices (sent again only when a row changes hands), the
+counts of each row's generated tokens for the penalties (on the devices, set for a row when a
+penalized request takes it), and the grammar masks of the rows that have a grammar (made on the host
+from their matchers: constrain.py; every other row's mask allows every token and stays on the devices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling import rows_mode
+from . import steps
+from .request import Request
+
+
+class Picks:
+    """One engine's picks over `slots` rows (see the module). put: a host array onto the devices."""
+
+    def __init__(self, slots: int, vocab: int, mesh, put, grammars=None):
+        self.slots, self.vocab, self.mesh, self._put, self.grammars = slots, vocab, mesh, put, grammars
+        self.counts = put(np.zeros((slots, vocab), np.int16))
+        self._rows = None  # (the scheduler's changes when made, settings on the devices, mode, wants)
+        self._all = {}  # n -> a mask [n, words] that allows every token, on the devices
+
+    def rows(self, requests: list[Request | None], changes: int):
+        """Every row's settings on the devices (requests [R]: the row's, None where idle), the decode's
+        sampling mode and what its picks do beyond sampling (steps.wants), remade when `changes` moves."""
+        if self._rows is None or self._rows[0] != changes:
+            running = [r for r in requests if r is not None]
+            self._rows = (changes, tuple(self._put(x) for x in steps.sampling_arrays(requests)),
+                          rows_mode([r.settings.sampling for r in running]),
+                          steps.wants([r.settings for r in running]))
+        return self._rows[1:]
+
+    def forget(self) -> None:
+        """The rows' settings are sent again at the next pick (warm-up left others in their place)."""
+        self._rows = None
+
+    def taken(self, request: Request, row: int) -> None:
+        """A request took a row: a penalized one's counts are its reply's so far (none, or those it had
+        when it was preempted)."""
+        if steps.penalized(request.settings):
+            values = np.bincount(np.asarray(request.output_ids, np.int64), minlength=self.vocab)[:self.vocab]
+            self.counts = steps.set_counts(self.counts, self._put(np.int32(row)),
+                                           self._put(np.minimum(values, steps.COUNT_MOST).astype(np.int16)))
+
+    def warm_up(self) -> None:
+        """Compile set_counts (row 0 set to zeros: nothing holds a row during a warm-up)."""
+        self.counts = steps.set_counts(self.counts, self._put(np.int32(0)), self._put(np.zeros(self.vocab, np.int16)))
+
+    def mask(self, requests: list[Request | None]):
+        """The masks [n, words] of these picks' rows (a request without a grammar, or None: every token)."""
+        matchers = [r._matcher if r is not None and not r.finished else None for r in requests]
+        if not any(m is not None for m in matchers):
+            n = len(requests)
+            if n not in self._all:
+                self._all[n] = self._put(np.full((n, steps.mask_words(self.vocab)), -1, np.int32))
+            return self._all[n]
+        out = np.empty((len(requests), steps.mask_words(self.vocab)), np.int32)
+        return self._put(self.grammars.masks(matchers, out))
+
+    def first(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], finishing: list):
+        """steps.pick_first for a prefill (finishing: the request of each row whose prompt ends, else
+        None) -> (first tokens [P], last [R], log-probabilities or None)."""
+        return self._pick(steps.pick_first, 2, logits, last, plan, settings, mode, wants, finishing)
+
+    def next(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], picked: list):
+        """steps.pick_next for a decode (picked: each row's request, None for padding) -> (last [R],
+        log-probabilities by row or None)."""
+        return self._pick(steps.pick_next, 1, logits, last, plan, settings, mode, wants, picked)
+
+    def _pick(self, pick, n: int, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], requests):
+        """pick's first n outputs, then its log-probabilities or None (the counts kept when adjusted)."""
+        logprobs, adjusted = wants
+        out = pick(self.mesh, mode, logits, last, plan, settings, self.counts if adjusted else None,
+                   self.mask(requests) if adjusted else None, logprobs=logprobs, adjusted=adjusted)
+        if adjusted:
+            self.counts = out[n]
+        return (*out[:n], out[-1] if logprobs else None)
