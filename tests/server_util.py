@@ -58,7 +58,7 @@ class ScriptedEngine:
         self.grammars = Grammars(tk.load_tokenizer(VOCAB), 201088)  # the grammars are checked, not followed
         self.grammars.load()  # as Engine.warm_up does
 
-    def submit(self, prompt_ids, settings: Settings = Settings(), listener=None) -> Request:
+    def submit(self, prompt_ids, settings: Settings = Settings(), listener=None, after=None) -> Request:
         if self.full:
             raise QueueFull("full")
         if len(prompt_ids) + settings.max_new_tokens > self.max_len:

@@ -384,3 +384,21 @@ def test_penalized_requests_keep_their_tokens_beside_others_and_across_preemptio
     engine.run_until_idle()
     assert engine.stats()["preemptions"] > 0
     assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+
+
+def test_a_request_after_another_with_its_prompt_waits_for_it_and_finds_the_prompt_cached(model, alone):
+    """Choices of one API request: the second is admitted once the first has its first token, and then
+    finds every whole page of the prompt in the cache (computed once); each gets its tokens alone."""
+    config, params = model
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    prompt = _tokens(config, 800, 45)
+    first = engine.submit(prompt, Settings(max_new_tokens=5, sampling=GREEDY))
+    second = engine.submit(prompt, Settings(max_new_tokens=5, sampling=GREEDY), after=first)
+    other = engine.submit(_tokens(config, 801, 20), Settings(max_new_tokens=5, sampling=GREEDY))
+    while not first.output_ids:
+        engine.step()
+        assert second.cached_tokens is None or first.output_ids  # not admitted before the first's token
+    assert other.cached_tokens == 0  # the one behind it was not held up
+    engine.run_until_idle()
+    assert second.cached_tokens == 40  # every whole page of the 45 tokens
+    assert first.output_ids == second.output_ids == alone(prompt, 5)

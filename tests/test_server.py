@@ -537,3 +537,39 @@ def test_penalties_change_greedy_output_in_their_direction(client):
     plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
                                            temperature=0)
     assert r.choices[0].message.content != plain.choices[0].message.content  # chat honours them too
+
+
+def test_n_choices_are_the_request_with_each_seed_alone(client):
+    """n=3 with a seed: three different choices, numbered 0 to 2, choice i the same request alone with
+    seed + i (chat, whole and streamed; completions); usage counts the prompt once and every choice's
+    tokens."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=12, temperature=1.0)
+    r = client.chat.completions.create(n=3, seed=41, **kw)
+    got = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(got)) == 3
+    alone = [client.chat.completions.create(seed=41 + i, **kw) for i in range(3)]
+    assert got == [a.choices[0].message.content for a in alone]
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    streamed = ["", "", ""]
+    for c in client.chat.completions.create(n=3, seed=41, stream=True, **kw):
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == got
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0)
+    r = client.completions.create(n=2, seed=-2**31, **kw)  # seed + 1 stays a 32-bit seed
+    assert [c.text for c in r.choices] == [client.completions.create(seed=-2**31 + i, **kw).choices[0].text
+                                          for i in range(2)]
+
+
+def test_best_of_returns_the_candidates_of_highest_mean_log_probability(client):
+    """best_of=4, n=2: the two of the four candidates (seeds seed to seed + 3) whose tokens have the
+    highest mean log-probability, best first, without log-probabilities unless asked for."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0)
+    candidates = [client.completions.create(seed=7 + i, logprobs=0, **kw).choices[0] for i in range(4)]
+    means = [np.mean(c.logprobs.token_logprobs) for c in candidates]
+    r = client.completions.create(seed=7, n=2, best_of=4, **kw)
+    assert [c.text for c in r.choices] == [candidates[i].text for i in np.argsort(means)[::-1][:2]]
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
+    assert len(set(c.text for c in candidates)) == 4

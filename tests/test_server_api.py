@@ -322,10 +322,11 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/chat/completions", {**CHAT, "function_call": "auto"}, "function_call", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "store": True}, "store", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
-    ("/chat/completions", {**CHAT, "n": 2}, "n", None),
+    ("/chat/completions", {**CHAT, "n": 129}, "n", None),
     ("/chat/completions", {**CHAT, "repetition_penalty": 1.1}, "repetition_penalty", "unknown_parameter"),
     ("/completions", {**COMPLETION, "echo": True}, "echo", "unsupported_parameter"),
-    ("/completions", {**COMPLETION, "best_of": 2}, "best_of", "unsupported_parameter"),
+    ("/completions", {**COMPLETION, "n": 2, "best_of": 1}, "best_of", None),
+    ("/completions", {**COMPLETION, "best_of": 2, "stream": True}, "best_of", None),
     ("/completions", {**COMPLETION, "suffix": "!"}, "suffix", "unsupported_parameter"),
     ("/completions", {**COMPLETION, "logprobs": 21}, "logprobs", None),
     ("/responses", {**RESPONSE, "text": {"format": {"type": "json_schema"}}}, "text.format.schema", None),
@@ -354,7 +355,7 @@ def test_what_asks_for_nothing_is_accepted(url, client, engine, monkeypatch):
         "parallel_tool_calls": True, "service_tier": "auto", "modalities": ["text"]})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == plain == "Hello there!"
-    assert raw_post(url, "/completions", {**COMPLETION, "echo": False, "best_of": 1, "suffix": None}).status_code == 200
+    assert raw_post(url, "/completions", {**COMPLETION, "echo": False, "suffix": None}).status_code == 200
     r = raw_post(url, "/responses", {**RESPONSE, "text": {"format": {"type": "text"}, "verbosity": "medium"},
                                      "store": False, "include": [], "background": False, "truncation": "disabled"})
     assert r.status_code == 200, r.text

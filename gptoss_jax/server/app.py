@@ -26,6 +26,8 @@ the server's grace period ends are ended with finish_reason "length" (`Server.cu
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -41,67 +43,41 @@ from ..version import __version__
 from . import body, logprobs, openapi, protocol
 from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, server_error, unauthorized,
                      unavailable)
+from . import choices
+from .choices import Failed, sse
 from .generation import Generation, Server, settings_of
 from .structured import grammar_for
 from .guard import Guard, log
-from .harmony import ReplyStream, StopTrimmer, chat_prompt, context_exceeded, responses_prompt
+from .harmony import ReplyStream, chat_prompt, context_exceeded, responses_prompt
 from .metrics import prometheus_text
 from .responses import ResponseBuilder
-
-
-def _finish_reason(generation: Generation, tool_calls: bool, trimmed: bool) -> str:
-    reason = generation.request.finish_reason
-    if generation.was_cut or (reason == "length" and not trimmed):
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
-
-
-def _merge(deltas: list[dict | None]) -> list[dict]:
-    """Chat deltas with the text of neighbours of one kind (content, reasoning) joined, Nones dropped."""
-    out = []
-    for d in deltas:
-        if d is None:
-            continue
-        key = next(iter(d)) if len(d) == 1 and next(iter(d)) in ("content", "reasoning_content") else None
-        if key and out and list(out[-1]) == [key]:
-            out[-1] = {key: out[-1][key] + d[key]}
-        else:
-            out.append(d)
-    return out
-
-
-def _sse(data) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
 
 
-class _Failed(Exception):
-    """The engine failed on this request (logged); the stream says so and ends."""
-
-
-async def _stream(chunks: AsyncIterator[str], generation: Generation, on_error) -> AsyncIterator[str]:
+async def _stream(chunks: AsyncIterator[str], generations: list[Generation], on_error) -> AsyncIterator[str]:
     """A stream's chunks, ended properly whatever happens: a failure (the engine's, or the server's
     own) is logged with the request's id and told to the client by `on_error(message)`'s chunks. A
-    client gone mid-stream closes it; its request is cancelled here, at once."""
+    client gone mid-stream closes it; its requests are cancelled here, at once."""
     try:
         async for chunk in chunks:
             yield chunk
     except Exception as e:  # noqa: BLE001 -- told to the client without internals, logged with them
-        if not isinstance(e, _Failed):
-            log.exception("request %s failed mid-stream", generation.id)
-        for chunk in on_error(server_error(generation.id).message):
+        if not isinstance(e, Failed):
+            log.exception("request %s failed mid-stream", generations[0].id)
+        for chunk in on_error(server_error(generations[0].id).message):
             yield chunk
     finally:
-        generation.close()
+        for g in generations:
+            g.close()
 
 
 def _error_sse(message: str) -> list[str]:
     """How chat and completion streams end on a failure: an error object (the openai client raises it)
     and [DONE]."""
-    return [_sse({"error": {"message": message, "type": "server_error", "param": None, "code": "server_error"}}),
+    return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": "server_error"}}),
             "data: [DONE]\n\n"]
 
 
@@ -203,96 +179,38 @@ def create_app(server: Server) -> FastAPI:
     async def chat_completions(http: HTTPRequest):
         req, (prompt, settings) = await prepared(http, protocol.ChatCompletionRequest, chat_prepare)
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
-        generation = Generation(server, http, prompt.tokens, settings, rid)
-        reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
-        trim = StopTrimmer(settings.stop_strings)
-        answer = None if settings.logprobs is None else logprobs.Answer(server.tokenizer, generation.request, reply,
-                                                                        tk.STOP_TOKENS)
+        generations = choices.start(server, http, prompt.tokens, [choices.seeded(settings, i) for i in range(req.n)],
+                                    rid)
 
-        def chunk(delta: dict, finish: str | None = None, entries=None) -> str:
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
-                         "choices": [{"index": 0, "delta": delta,
-                                      "logprobs": None if entries is None else {"content": entries, "refusal": None},
-                                      "finish_reason": finish}]})
+        def chunk(choice: dict) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+                        "choices": [choice]})
 
-        def pieces(token: int) -> list:
-            """The token's pieces, and its log-probability entry kept for the next content chunk."""
-            out = reply.feed(token)
-            if answer is not None:
-                due.extend(answer.feed(token, out))
-            return out
-
-        due: list[dict] = []  # log-probability entries not sent yet
-
-        def chunks_of(deltas: list) -> str:
-            """Chat chunks for these deltas, the entries due on the first chunk with content."""
-            out = []
-            for d in _merge(deltas):
-                entries = None
-                if answer is not None and "content" in d and due:
-                    entries, due[:] = list(due), []
-                out.append(chunk(d, entries=entries))
-            return "".join(out)
-
-        def as_delta(d) -> dict | None:
-            if d.kind == "tool_call":
-                call = {"index": d.index, "function": {"arguments": d.text}}
-                if d.id is not None:
-                    call.update(id=d.id, type="function", function={"name": d.name, "arguments": d.text})
-                return {"tool_calls": [call]}
-            if d.kind == "reasoning":
-                return {"reasoning_content": d.text}
-            text = trim.add(d.text)
-            return {"content": text} if text else None
-
+        answers = [choices.ChatChoice(server, g, prompt, i, chunk) for i, g in enumerate(generations)]
         if req.stream:
             async def chunks():
-                yield chunk({"role": "assistant", "content": ""})
-                async for batch in generation.batches():
-                    deltas = [as_delta(d) for token in batch for d in pieces(token)]
-                    if text := chunks_of(deltas):
-                        yield text
-                if generation.failed:
-                    raise _Failed()
-                finished = [as_delta(d) for d in reply.finish()]
-                if answer is not None:
-                    due.extend(answer.finish())
-                if text := chunks_of(finished):
+                async for text in choices.merged([a.stream() for a in answers]):
                     yield text
-                if (rest := trim.finish()) or due:
-                    yield chunk({"content": rest}, entries=None if answer is None else list(due))
-                yield chunk({}, _finish_reason(generation, bool(reply.tool_calls), trim.hit))
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": server.model_name, "choices": [], "usage": generation.usage()})
+                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                               "model": server.model_name, "choices": [], "usage": choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_stream(chunks(), generation, _error_sse), media_type="text/event-stream")
+            return StreamingResponse(_stream(chunks(), generations, _error_sse), media_type="text/event-stream")
 
-        async for token in generation.tokens():
-            pieces(token)
-        if generation.gone:
+        whole = await asyncio.gather(*(a.whole() for a in answers))
+        if not choices.check(generations, rid):
             return gone()
-        if generation.failed:
-            raise server_error(rid)
-        reply.finish()
-        if answer is not None:
-            due.extend(answer.finish())
-        content = trim.add("".join(reply.content)) + trim.finish()
-        message = {"role": "assistant", "content": content or (None if reply.tool_calls else ""),
-                   "reasoning_content": "".join(reply.reasoning) or None}
-        if reply.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in reply.tool_calls]
         return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": None if answer is None else {"content": due, "refusal": None},
-                             "finish_reason": _finish_reason(generation, bool(reply.tool_calls), trim.hit)}],
-                "usage": generation.usage()}
+                "choices": whole, "usage": choices.usage_of(generations)}
 
     # Completions ---------------------------------------------------------------------------------------
 
     def completion_prepare(req):
+        if req.best_of is not None and req.best_of < req.n:
+            raise bad_request(f"best_of ({req.best_of}) must be at least n ({req.n})", "best_of")
+        if req.best_of is not None and req.best_of > req.n and req.stream:
+            raise bad_request("best_of greater than n cannot be streamed (the best are known at the end)", "best_of")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -314,52 +232,36 @@ def create_app(server: Server) -> FastAPI:
     async def completions(http: HTTPRequest):
         req, (prompt, settings) = await prepared(http, protocol.CompletionRequest, completion_prepare)
         rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
-        generation = Generation(server, http, prompt, settings, rid)
-        decoder, trim = tk.StreamDecoder(server.tokenizer), StopTrimmer(settings.stop_strings)
-        scores = None if settings.logprobs is None else logprobs.Completion(server.tokenizer)
-        count = [0]  # tokens read
+        best_of = req.best_of or req.n
+        scored = settings.logprobs is not None
+        if best_of > req.n and not scored:  # the candidates are ranked by their tokens' log-probabilities
+            settings = dataclasses.replace(settings, logprobs=0)
+        generations = choices.start(server, http, prompt, [choices.seeded(settings, i) for i in range(best_of)], rid)
 
-        def text_of(token: int) -> str:  # a stop token ends the text, unwritten
-            i, count[0] = count[0], count[0] + 1
-            if token in tk.STOP_TOKENS:
-                return ""
-            text = trim.add(decoder.add(token))
-            if scores is not None:
-                scores.add(token, generation.request.logprobs[i], text)
-            return text
+        def chunk(choice: dict) -> str:
+            return sse({"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                        "choices": [choice]})
 
-        def chunk(text: str, finish: str | None = None) -> str:
-            return _sse({"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                         "choices": [{"index": 0, "text": text, "logprobs": None if scores is None or finish
-                                      else scores.take(), "finish_reason": finish}]})
-
+        texts = [choices.CompletionChoice(server, g, i, chunk, scored) for i, g in enumerate(generations)]
         if req.stream:
             async def chunks():
-                async for batch in generation.batches():
-                    if text := "".join(text_of(token) for token in batch):
-                        yield chunk(text)
-                if generation.failed:
-                    raise _Failed()
-                if (rest := trim.add(decoder.flush()) + trim.finish()) or (scores is not None and scores.tokens):
-                    yield chunk(rest)  # with the log-probabilities not sent yet
-                yield chunk("", _finish_reason(generation, False, trim.hit))
+                async for text in choices.merged([t.stream() for t in texts]):
+                    yield text
                 if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                "model": server.model_name, "choices": [], "usage": generation.usage()})
+                    yield sse({"id": rid, "object": "text_completion", "created": created,
+                               "model": server.model_name, "choices": [], "usage": choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_stream(chunks(), generation, _error_sse), media_type="text/event-stream")
+            return StreamingResponse(_stream(chunks(), generations, _error_sse), media_type="text/event-stream")
 
-        pieces = [text_of(token) async for token in generation.tokens()]
-        if generation.gone:
+        whole = await asyncio.gather(*(t.whole() for t in texts))
+        if not choices.check(generations, rid):
             return gone()
-        if generation.failed:
-            raise server_error(rid)
-        text = "".join(pieces) + trim.add(decoder.flush()) + trim.finish()
+        if best_of > req.n:  # the n of highest mean log-probability, best first, numbered again
+            best = sorted(range(best_of), key=lambda i: -texts[i].mean_logprob())[:req.n]
+            whole = [{**whole[i], "index": k} for k, i in enumerate(best)]
         return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None if scores is None else scores.take(),
-                             "finish_reason": _finish_reason(generation, False, trim.hit)}],
-                "usage": generation.usage()}
+                "choices": whole, "usage": choices.usage_of(generations)}
 
     # Responses -----------------------------------------------------------------------------------------
 
@@ -440,7 +342,7 @@ def create_app(server: Server) -> FastAPI:
                     if text := "".join(_event(kind, data) for token in batch for kind, data in events_of(token)):
                         yield text
                 if generation.failed:
-                    raise _Failed()
+                    raise Failed()
                 for kind, data in events_of(None):
                     yield _event(kind, data)
                 yield await written(lambda: builder.end(reply))
@@ -449,7 +351,7 @@ def create_app(server: Server) -> FastAPI:
             def failure(message: str) -> list[str]:
                 return [_event(kind, data) for kind, data in builder.fail(message)]
 
-            return StreamingResponse(_stream(events(), generation, failure), media_type="text/event-stream")
+            return StreamingResponse(_stream(events(), [generation], failure), media_type="text/event-stream")
 
         entries = []
         async for token in generation.tokens():

@@ -103,9 +103,12 @@ class Handoff:
 class Generation:
     """One request in the engine, its tokens read on the event loop. From its submission on, a task
     watches the client's connection (independently of the tokens): a client that goes away cancels
-    the request at once, so its slot is freed at the engine's next step."""
+    the request at once, so its slot is freed at the engine's next step. `after`: the generation of
+    the first choice of the same API request (n > 1): this one shares its prompt (computed once:
+    Engine.submit) and its watch, which cancels every choice."""
 
-    def __init__(self, server: Server, http: HTTPRequest, prompt: list[int], settings: Settings, rid: str):
+    def __init__(self, server: Server, http: HTTPRequest, prompt: list[int], settings: Settings, rid: str,
+                 after: Generation | None = None):
         loop = asyncio.get_running_loop()
         if server.handoff is None or server.handoff.loop is not loop:
             server.handoff = Handoff(loop)
@@ -115,7 +118,8 @@ class Generation:
         if server.cut_done:  # prepared while the grace ran out: nothing may start now
             raise unavailable("The server is shutting down.")
         try:
-            self.request = server.engine.submit(prompt, settings, lambda token: handoff.put(queue, token))
+            self.request = server.engine.submit(prompt, settings, lambda token: handoff.put(queue, token),
+                                                **({} if after is None else {"after": after.request}))
         except QueueFull:
             raise queue_full(server.engine.stats()["waiting"]) from None
         except ValueError as e:
@@ -125,7 +129,13 @@ class Generation:
             raise unavailable("The server cannot generate now; retry later.") from None
         with server._lock:
             server.running.add(self)
-        self._watch = asyncio.create_task(self._watch_client(http))
+        self.closed = False
+        if after is None:
+            self.siblings = [self]
+            self._watch = asyncio.create_task(self._watch_client(http))
+        else:
+            self.siblings, self._watch = after.siblings, after._watch
+            self.siblings.append(self)
 
     async def _watch_client(self, http: HTTPRequest) -> None:
         try:
@@ -133,11 +143,12 @@ class Generation:
                 pass
         except Exception:  # noqa: BLE001 -- a receive that fails means the client is gone too
             pass
-        if not self.request.finished:  # gone before the reply was complete (a complete reply: also "disconnect")
-            self.gone = True
-            self._end()
+        for g in self.siblings:
+            if not g.request.finished:  # gone before the reply was complete (a complete reply: also "disconnect")
+                g.gone = True
+                g._end()
         with self.server._lock:  # also where the reply's reader never started (a stream the client left at once)
-            self.server.running.discard(self)
+            self.server.running.difference_update(self.siblings)
 
     def cut(self) -> None:
         self.was_cut = True
@@ -148,10 +159,13 @@ class Generation:
         self.server.handoff.put(self.queue, None)  # the reader stops now, not at the engine's next step
 
     def close(self) -> None:
-        """The reply is over (given, or abandoned): stop watching, cancel what still runs."""
+        """The reply is over (given, or abandoned): stop watching (once every choice is over), cancel what
+        still runs."""
         with self.server._lock:
             self.server.running.discard(self)
-        self._watch.cancel()
+        self.closed = True
+        if all(g.closed for g in self.siblings):
+            self._watch.cancel()
         if not self.request.finished:
             self.request.cancel()
 

@@ -3,7 +3,7 @@
 A top-level field is either one the server acts on (declared below), one that changes nothing in
 the reply (ACCEPTED: `user`, `metadata`, ...), or refused with a 400 naming it (`refused_field`):
 a parameter of OpenAI's API that the server does not implement, unless it holds its no-op value
-(`echo: false`, `best_of: 1`, ...; NO_OP), and any name it does not know, as
+(`echo: false`, `suffix: ""`, ...; NO_OP), and any name it does not know, as
 OpenAI's API refuses them. Inside a message or an item, unknown fields are ignored. A field of the
 wrong type or out of range is a 400 naming it (body.py turns pydantic's errors into that). Types are
 strict, as OpenAI's are: a number sent as a string ("0.5") or a boolean is refused.
@@ -37,7 +37,7 @@ def _none_or(*values) -> Callable[[Any], bool]:
 # for nothing (accepted): any other value is refused.
 NO_OP: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v is None or v == [], "function_call": _none_or("none"),
-    "echo": _none_or(False), "best_of": _none_or(1), "suffix": _none_or(""),
+    "echo": _none_or(False), "suffix": _none_or(""),
     "store": _none_or(False), "background": _none_or(False),
     "truncation": _none_or("disabled"), "modalities": lambda v: v is None or v == ["text"],
     "audio": _none_or(), "prediction": _none_or(), "web_search_options": _none_or(), "max_tool_calls": _none_or(),
@@ -139,7 +139,7 @@ class _Sampling(_Body):
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=128)  # choices, each with seed + index (server/choices.py)
     ignore_eos: StrictBool = False  # an extension, as vLLM's: generate past the stop tokens (benchmarks)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's extension; 0 and -1 are off
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)  # vLLM's extension; 0 is off
@@ -165,6 +165,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    best_of: StrictInt | None = Field(default=None, ge=1, le=128)  # candidates, the best n returned
     logprobs: TopLogprobs | None = None  # the sampled tokens' log-probabilities, with this many alternatives
     max_tokens: StrictInt = Field(default=16, ge=1)  # OpenAI's default, also for an explicit null
     stop: StrictStr | list[StrictStr] | None = None

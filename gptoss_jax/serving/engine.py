@@ -60,7 +60,7 @@ from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .picks import Picks
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
-from .request import QueueFull, Request, Settings, TokenLogprob
+from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 
 TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
 
@@ -127,22 +127,16 @@ class Engine:
         return self.scheduler.pages.count * self.page_size
 
     def submit(self, prompt_ids: Sequence[int], settings: Settings = Settings(),
-               listener: Callable[[int | None], None] | None = None) -> Request:
+               listener: Callable[[int | None], None] | None = None, after: Request | None = None) -> Request:
         """Queue a request; QueueFull at once when `max_waiting` requests already wait beyond those the
         free rows take at the next step, ValueError for a prompt the engine cannot take (empty, ids
         outside the vocabulary, too long for the context or for the pool alone). `listener`: called
-        on the engine's thread with each token, then None when the request finishes (request.py)."""
+        on the engine's thread with each token, then None when the request finishes (request.py).
+        `after`: a request with the same prompt (choices of one API request): this one is admitted
+        once that one's prompt is computed, and finds it in the cache."""
         prompt = list(prompt_ids)
-        if not prompt:
-            raise ValueError("the prompt needs at least one token")
-        vocab = self.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab or any(not 0 <= t < vocab for t, _ in settings.logit_bias):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}), and those of logit_bias too")
-        total = len(prompt) + settings.max_new_tokens
-        if total > self.max_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens exceeds the "
-                             f"max context of {self.max_len}")
-        need, count = self.scheduler.pages_alone(total), self.scheduler.pages.count
+        check_prompt(prompt, settings, self.config.vocab_size, self.max_len)
+        need, count = self.scheduler.pages_alone(len(prompt) + settings.max_new_tokens), self.scheduler.pages.count
         if need > count:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens needs "
                              f"{need} pages of the KV cache, more than its {count} ({self.pool_tokens} positions)")
@@ -162,7 +156,7 @@ class Engine:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues "
                                 f"({self.max_waiting} beyond the {free} slots free)")
             request = Request(next(self._ids), prompt, settings, listener)
-            request._matcher = matcher
+            request._matcher, request._after = matcher, after
             self._waiting.append(request)
             self._wake.notify()
         return request
@@ -331,11 +325,18 @@ class Engine:
         self.metrics.finish(request)
 
     def _admit(self) -> list[Seq]:
-        """Waiting requests into free rows while the pool has room for them -> the sequences admitted."""
-        admitted = []
-        while (self._waiting and not self.scheduler.preempted and (row := self.scheduler.free_row()) is not None
-               and (prefix := self.scheduler.fits(self._waiting[0])) is not None):
-            admitted.append(self.scheduler.take(row, self._waiting.popleft(), prefix))
+        """Waiting requests into free rows while the pool has room for them -> the sequences admitted
+        (those whose `after` has not its first token yet wait on, in their place)."""
+        admitted, later = [], []
+        while self._waiting and not self.scheduler.preempted and (row := self.scheduler.free_row()) is not None:
+            after = self._waiting[0]._after
+            if after is not None and after.first_token_at is None and not after.finished:
+                later.append(self._waiting.popleft())
+            elif (prefix := self.scheduler.fits(self._waiting[0])) is not None:
+                admitted.append(self.scheduler.take(row, self._waiting.popleft(), prefix))
+            else:
+                break
+        self._waiting.extendleft(reversed(later))
         return admitted
 
     def _apply(self, message: Message) -> None:

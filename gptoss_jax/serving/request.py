@@ -64,6 +64,17 @@ class Settings:
             raise ValueError("a stop string must not be empty")
 
 
+def check_prompt(prompt: list[int], settings: Settings, vocab: int, max_len: int) -> None:
+    """ValueError for a prompt an engine of this vocabulary and context cannot take."""
+    if not prompt:
+        raise ValueError("the prompt needs at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab or any(not 0 <= t < vocab for t, _ in settings.logit_bias):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), and those of logit_bias too")
+    if len(prompt) + settings.max_new_tokens > max_len:
+        raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens exceeds the "
+                         f"max context of {max_len}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability, and the most likely tokens' (id, log-probability), most
@@ -112,6 +123,7 @@ class Request:
         self._page_names: list[bytes] = []
         self._decoder = self._stops = None
         self._matcher = None  # its grammar's state (constrain.py), each token it has read consumed
+        self._after: Request | None = None  # admitted once this one has its first token (Engine.submit)
 
     # Read by any thread ------------------------------------------------------------------------------
 
