@@ -74,6 +74,32 @@ def test_reasoning_and_answer_fields(client):
     assert chunks[-1].usage.completion_tokens == len(ANSWER) and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 
+def test_legacy_functions_are_tools_answered_as_a_function_call(url, client, engine):
+    """`functions` and `function_call` (before tools): the same prompt as the tools, and the call
+    answered as `message.function_call` with finish reason "function_call", whole and streamed."""
+    engine.reply = CALL
+    r = raw_post(url, "/chat/completions", {**CHAT, "functions": [WEATHER["function"]]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    call = choice["message"]["function_call"]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Rome"})
+    assert engine.prompts[-1] == (chat(client, tools=[WEATHER]) and engine.prompts[-1])  # as with tools
+    forced = raw_post(url, "/chat/completions", {**CHAT, "functions": [WEATHER["function"]],
+                                                 "function_call": {"name": "get_weather"}})
+    assert forced.status_code == 200
+    assert engine.prompts[-1] == (chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {
+        "name": "get_weather"}}) and engine.prompts[-1])
+    streamed = {"name": "", "arguments": ""}
+    for c in chat(client, stream=True, extra_body={"functions": [WEATHER["function"]]}):
+        delta = c.choices[0].delta if c.choices else None
+        if delta is not None and delta.function_call is not None:
+            streamed["name"] += delta.function_call.name or ""
+            streamed["arguments"] += delta.function_call.arguments or ""
+        if c.choices and c.choices[0].finish_reason:
+            assert c.choices[0].finish_reason == "function_call"
+    assert streamed == call
+
+
 def test_tool_call_fields_and_round_trip(client, engine):
     engine.reply = CALL
     r = chat(client, tools=[WEATHER])
@@ -318,8 +344,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
      "response_format", None),  # a schema the grammar engine refuses
     ("/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema", None),
-    ("/chat/completions", {**CHAT, "functions": [WEATHER["function"]]}, "functions", "unsupported_parameter"),
-    ("/chat/completions", {**CHAT, "function_call": "auto"}, "function_call", "unsupported_parameter"),
+    ("/chat/completions", {**CHAT, "functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions", None),
+    ("/chat/completions", {**CHAT, "function_call": "auto"}, "function_call", None),
     ("/chat/completions", {**CHAT, "store": True}, "store", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
     ("/chat/completions", {**CHAT, "n": 129}, "n", None),

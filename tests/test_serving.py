@@ -12,6 +12,7 @@ import dataclasses
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -370,3 +371,20 @@ def test_the_picks_adjust_logits_by_bias_penalties_and_grammar_mask_as_float64_d
     assert np.array_equal(np.isinf(got), ~allowed)
     scale = np.abs(logits).max() + 2 * np.abs(bias).max() + 2 * 3 + 2  # the largest value a sum holds
     np.testing.assert_allclose(got[allowed], want[allowed], rtol=0, atol=8 * np.finfo(np.float32).eps * scale)
+
+
+def test_a_tokens_count_stops_at_32767_and_special_tokens_are_not_counted():
+    """steps._count: one more of each drawn token in its row, never past int16's largest (a count that
+    wrapped would turn a penalty's sign), tokens from `counted` on (harmony's special tokens) and the
+    padding row R left alone."""
+    from gptoss_jax.serving import steps
+
+    counts = jnp.zeros((2, 10), jnp.int16).at[0, 3].set(32766)
+    count = jax.jit(steps._count, static_argnums=3)
+    for _ in range(3):
+        counts = count(counts, jnp.array([0, 1, 2], jnp.int32), jnp.array([3, 9, 4], jnp.int32), 8)
+    want = np.zeros((2, 10), np.int16)
+    want[0, 3] = 32767
+    np.testing.assert_array_equal(np.asarray(counts), want)
+    counts = count(counts, jnp.array([1], jnp.int32), jnp.array([7], jnp.int32), 8)
+    assert int(counts[1, 7]) == 1

@@ -165,19 +165,28 @@ def create_app(server: Server) -> FastAPI:
     # Chat completions --------------------------------------------------------------------------------
 
     def chat_prepare(req):
+        """-> (the request, legacy functions read as tools; the prompt; the settings; whether the answer
+        names the call as the legacy function_call)."""
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        legacy = bool(req.functions)  # (an empty list asks for nothing)
+        if legacy and req.tools is not None:
+            raise bad_request("functions is the legacy form of tools: send one of them", "functions")
+        if req.function_call not in (None, "none") and not legacy:
+            raise bad_request("function_call needs functions", "function_call")
+        req = req.as_tools() if legacy else req
         prompt = chat_prompt(req, server.vocab, server.engine.max_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools or []]
         grammar = (lambda budget: grammar_for(req.response_format, "response_format", tools, req.tool_choice,
-                                              bool(prompt.reply_start), budget), "response_format")
-        return prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop,
-                                   (req.top_logprobs or 0) if req.logprobs else None, grammar)
+                                              bool(prompt.reply_start), budget),
+                   "response_format" if req.response_format is not None else "tools")
+        return req, prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop,
+                                        (req.top_logprobs or 0) if req.logprobs else None, grammar), legacy
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
-        req, (prompt, settings) = await prepared(http, protocol.ChatCompletionRequest, chat_prepare)
+        _, (req, prompt, settings, legacy) = await prepared(http, protocol.ChatCompletionRequest, chat_prepare)
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         generations = choices.start(server, http, prompt.tokens, [choices.seeded(settings, i) for i in range(req.n)],
                                     rid)
@@ -186,7 +195,7 @@ def create_app(server: Server) -> FastAPI:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
                         "choices": [choice]})
 
-        answers = [choices.ChatChoice(server, g, prompt, i, chunk) for i, g in enumerate(generations)]
+        answers = [choices.ChatChoice(server, g, prompt, i, chunk, legacy) for i, g in enumerate(generations)]
         if req.stream:
             async def chunks():
                 async for text in choices.merged([a.stream() for a in answers]):
@@ -284,7 +293,7 @@ def create_app(server: Server) -> FastAPI:
         tools = [(t.name, t.parameters, t.strict) for t in req.tools or []]
         fmt = req.text.format if req.text is not None else None
         grammar = (lambda budget: grammar_for(fmt, "text.format", tools, req.tool_choice, bool(prompt.reply_start),
-                                              budget), "text.format")
+                                              budget), "text.format" if fmt is not None else "tools")
         return req, prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None,
                                         (req.top_logprobs or 0) if wanted else None, grammar), items
 

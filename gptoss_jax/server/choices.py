@@ -116,12 +116,13 @@ def _merge(deltas: list[dict | None]) -> list[dict]:
 
 class ChatChoice:
     """One choice of a chat completion: harmony pieces to deltas and to the message. chunk(choice): the
-    SSE text of a chunk holding this choice's part."""
+    SSE text of a chunk holding this choice's part; legacy: the request sent `functions`, so a call
+    is answered as `function_call` (its first call; finish reason "function_call"), not `tool_calls`."""
 
     def __init__(self, server: Server, generation: Generation, prompt: Prompt, index: int,
-                 chunk: Callable[[dict], str]):
+                 chunk: Callable[[dict], str], legacy: bool = False):
         settings = generation.request.settings
-        self.generation, self.index, self._chunk = generation, index, chunk
+        self.generation, self.index, self._chunk, self.legacy = generation, index, chunk, legacy
         self.reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         self.trim = StopTrimmer(settings.stop_strings)
         self.answer = None if settings.logprobs is None else logprobs.Answer(
@@ -151,6 +152,10 @@ class ChatChoice:
         return "".join(out)
 
     def as_delta(self, d) -> dict | None:
+        if d.kind == "tool_call" and self.legacy:
+            if d.index > 0:  # a legacy answer holds one call
+                return None
+            return {"function_call": {"arguments": d.text} if d.id is None else {"name": d.name, "arguments": d.text}}
         if d.kind == "tool_call":
             call = {"index": d.index, "function": {"arguments": d.text}}
             if d.id is not None:
@@ -162,7 +167,8 @@ class ChatChoice:
         return {"content": text} if text else None
 
     def finish_reason(self) -> str:
-        return finish_reason(self.generation, bool(self.reply.tool_calls), self.trim.hit)
+        reason = finish_reason(self.generation, bool(self.reply.tool_calls), self.trim.hit)
+        return "function_call" if reason == "tool_calls" and self.legacy else reason
 
     async def stream(self) -> AsyncIterator[str]:
         """This choice's chunks, from its role to its finish reason."""
@@ -192,7 +198,10 @@ class ChatChoice:
         content = self.trim.add("".join(self.reply.content)) + self.trim.finish()
         message = {"role": "assistant", "content": content or (None if self.reply.tool_calls else ""),
                    "reasoning_content": "".join(self.reply.reasoning) or None}
-        if self.reply.tool_calls:
+        if self.reply.tool_calls and self.legacy:
+            call = self.reply.tool_calls[0]
+            message["function_call"] = {"name": call.name, "arguments": call.arguments}
+        elif self.reply.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
                                                                                    "arguments": c.arguments}}
                                      for c in self.reply.tool_calls]

@@ -33,10 +33,17 @@ def _none_or(*values) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
 
 
+def _text_format(v) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"}
+                         and set(v) <= {"format", "verbosity"})
+
+
 # Parameters of OpenAI's API that this server does not implement, each with the values that ask
 # for nothing (accepted): any other value is refused.
 NO_OP: dict[str, Callable[[Any], bool]] = {
-    "functions": lambda v: v is None or v == [], "function_call": _none_or("none"),
+    # (declared where the server uses them; on the other endpoints their no-op values are accepted)
+    "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
+    "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
     "echo": _none_or(False), "suffix": _none_or(""),
     "store": _none_or(False), "background": _none_or(False),
     "truncation": _none_or("disabled"), "modalities": lambda v: v is None or v == ["text"],
@@ -161,6 +168,17 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     stop: StrictStr | list[StrictStr] | None = None
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (structured.py)
+    # The legacy function calling (before tools): read as tools, answered as function_call (choices.py)
+    functions: list[FunctionDef] | None = Field(default=None, max_length=128)
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
+
+    def as_tools(self) -> ChatCompletionRequest:
+        """The request with its legacy `functions` and `function_call` as `tools` and `tool_choice`."""
+        choice = self.function_call
+        if isinstance(choice, NamedFunction):
+            choice = ChatToolChoice(type="function", function=choice)
+        return self.model_copy(update={"tools": [Tool(type="function", function=f) for f in self.functions],
+                                       "tool_choice": choice, "functions": None, "function_call": None})
 
 
 class CompletionRequest(_Sampling):

@@ -2,8 +2,10 @@
 function tools, as the grammar (serving/constrain.py: llguidance's Lark syntax) that its harmony
 reply must follow.
 
-The reasoning stays free: the reply may start with an `analysis` message of any text (at most half
-the reply's token budget, so that the answer always has room), then comes either the final answer
+The reasoning stays free: the reply may start with an `analysis` message of any text, and a tool call
+with a `commentary` preamble (each at most a quarter of the reply's token budget, rounded down to a
+power of two, so that the answer always has room and few grammars are compiled); then comes either
+the final answer
 (JSON that follows the schema, with `response_format`; else any text) or a call of one of the tools
 (its arguments JSON that follows the tool's parameters when the tool is strict; else any text).
 JSON is written compactly (no whitespace between its tokens): the grammar leaves a model no loop of
@@ -89,14 +91,16 @@ def reply_grammar(*, answer: dict | None, tools: list[tuple[str, dict | None, bo
                            for name, args in calls)
         return "\n".join([f"start: {names}", *lines, "TEXT: /(?s:.*)/"])
     choices = [f'<|channel|> "final" {header} <|message|> answer <|return|>']
+    cap = 1 << (max(budget // 4, 1).bit_length() - 1)  # a power of two: few grammars, each compiled once
     for name, args in calls:  # the recipient after the channel, or before it (harmony allows both)
         to = f'" to=functions." {json.dumps(name)}'
-        choices.append(f'<|channel|> "commentary" {to} {header} <|message|> {args} <|call|>')
-        choices.append(f'{to} <|channel|> "commentary" {header} <|message|> {args} <|call|>')
+        choices.append(f'preamble? <|channel|> "commentary" {to} {header} <|message|> {args} <|call|>')
+        choices.append(f'preamble? {to} <|channel|> "commentary" {header} <|message|> {args} <|call|>')
     return "\n".join([
         "start: analysis? reply",
         'analysis: <|channel|> "analysis" <|message|> reasoning <|end|> <|start|> "assistant"',
-        f"reasoning[max_tokens={max(budget // 2, 1)}]: /(?s:.*)/",
+        'preamble: <|channel|> "commentary" <|message|> reasoning <|end|> <|start|> "assistant"',
+        f"reasoning[max_tokens={cap}]: /(?s:.*)/",
         "reply: " + " | ".join(choices),
         "answer: " + (_json(answer) if answer is not None else "TEXT"),
         *lines,

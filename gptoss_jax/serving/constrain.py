@@ -72,8 +72,12 @@ class Grammars:
 
     def load(self) -> None:
         """Make llguidance's view of the vocabulary now (about a second, holding Python's lock: a server
-        does it while it warms up, not at its first constrained request)."""
-        self._llguidance()
+        does it while it warms up, not at its first constrained request); nothing without llguidance,
+        until a request asks for a grammar."""
+        try:
+            self._llguidance()
+        except ValueError:
+            pass
 
     def check(self, grammar: str) -> None:
         """Compile the grammar (kept for the requests that follow) -> ValueError if it is wrong."""

@@ -107,7 +107,7 @@ class Engine:
         self._tables = self._put(np.zeros((2, slots, self.width), np.int32))
         self._last = self._put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
-        self._picks = Picks(slots, config.vocab_size, self.mesh, self._put, self.grammars)
+        self._picks = Picks(slots, config.vocab_size, self.mesh, self._put, self.grammars, tokenizer)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -163,9 +163,8 @@ class Engine:
 
     def stats(self) -> dict:
         with self._lock:
-            used = len(self.scheduler.admitted)
-            prefilling = sum(s.prefilling for s in self.scheduler.admitted)
-            pages = self.scheduler.pages
+            used, pages, prefilling = len(self.scheduler.admitted), self.scheduler.pages, sum(
+                s.prefilling for s in self.scheduler.admitted)
             waiting = len(self._waiting) + len(self.scheduler.preempted)
             state = {"running": used, "prefilling": prefilling, "waiting": waiting,
                      "slots_in_use": used, "slots": self.slots, "pages": pages.count, "pages_in_use": pages.held,
@@ -490,6 +489,7 @@ class Engine:
         self._pool = init_pool(self.config, self.scheduler.pages.count, self.page_size, self.dtype, mesh=self.mesh)
         self._tables = self._put(np.zeros((2, self.slots, self.width), np.int32))
         self._last = self._put(np.zeros(self.slots, np.int32))
+        self._picks.reset()
 
     def _fail_running(self, message: str) -> None:
         """A failed step: the running requests end with the error; preempted ones wait on (they start

@@ -17,9 +17,16 @@ from .request import Request
 class Picks:
     """One engine's picks over `slots` rows (see the module). put: a host array onto the devices."""
 
-    def __init__(self, slots: int, vocab: int, mesh, put, grammars=None):
+    def __init__(self, slots: int, vocab: int, mesh, put, grammars=None, tokenizer=None):
         self.slots, self.vocab, self.mesh, self._put, self.grammars = slots, vocab, mesh, put, grammars
-        self.counts = put(np.zeros((slots, vocab), np.int16))
+        # Tokens below it count for the penalties: not the tokenizer's special tokens (harmony's frame).
+        self.counted = vocab if tokenizer is None else min(map(tokenizer.encode_single_token,
+                                                               tokenizer.special_tokens_set))
+        self.reset()
+
+    def reset(self) -> None:
+        """No row's counts (a failed step may have consumed them), the rows' settings sent again."""
+        self.counts = self._put(np.zeros((self.slots, self.vocab), np.int16))
         self._rows = None  # (the scheduler's changes when made, settings on the devices, mode, wants)
         self._all = {}  # n -> a mask [n, words] that allows every token, on the devices
 
@@ -41,7 +48,8 @@ class Picks:
         """A request took a row: a penalized one's counts are its reply's so far (none, or those it had
         when it was preempted)."""
         if steps.penalized(request.settings):
-            values = np.bincount(np.asarray(request.output_ids, np.int64), minlength=self.vocab)[:self.vocab]
+            ids = np.asarray(request.output_ids, np.int64)
+            values = np.bincount(ids[ids < self.counted], minlength=self.vocab)[:self.vocab]
             self.counts = steps.set_counts(self.counts, self._put(np.int32(row)),
                                            self._put(np.minimum(values, steps.COUNT_MOST).astype(np.int16)))
 
@@ -74,7 +82,8 @@ class Picks:
         """pick's first n outputs, then its log-probabilities or None (the counts kept when adjusted)."""
         logprobs, adjusted = wants
         out = pick(self.mesh, mode, logits, last, plan, settings, self.counts if adjusted else None,
-                   self.mask(requests) if adjusted else None, logprobs=logprobs, adjusted=adjusted)
+                   self.mask(requests) if adjusted else None, logprobs=logprobs, adjusted=adjusted,
+                   counted=self.counted)
         if adjusted:
             self.counts = out[n]
         return (*out[:n], out[-1] if logprobs else None)

@@ -18,8 +18,9 @@ steps without reading their tokens first.
 - `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
   rows' replaced; `adjusted` and `logprobs` as for the first tokens, by row [R].
 - `adjust`: what a request adds to its logits before sampling, in this order: its logit bias, its
-  presence and frequency penalties (from the counts of each row's generated tokens, kept on the
-  devices [R, V] and added to by every adjusted pick; `set_counts` sets a row's when a request takes
+  presence and frequency penalties (from the counts of each row's generated tokens below `counted`:
+  harmony's special tokens, which frame the reply's messages, are not counted; kept on the devices
+  [R, V] and added to by every adjusted pick; `set_counts` sets a row's when a request takes
   it), and its grammar's mask of allowed tokens (one bit a token, [B, ceil(V / 32)] int32, made on
   the host: constrain.py).
 
@@ -119,9 +120,11 @@ def adjust(logits, rows, bias_ids, bias, presence, frequency, counts, mask):
     return jnp.where(bits.reshape(B, -1)[:, :V] > 0, logits, -jnp.inf)
 
 
-def _count(counts, rows, tokens):
-    """counts [R, V] with one more of each token [B] in its row [B] (row R: dropped), saturating."""
-    now = counts.at[rows, tokens].get(mode="fill", fill_value=0)
+def _count(counts, rows, tokens, counted: int):
+    """counts [R, V] with one more of each token [B] below `counted` in its row [B] (row R: dropped),
+    saturating."""
+    rows = jnp.where(tokens < counted, rows, counts.shape[0])
+    now = counts.at[rows, tokens].get(mode="fill", fill_value=0).astype(jnp.int32)
     return counts.at[rows, tokens].set(jnp.minimum(now + 1, COUNT_MOST).astype(counts.dtype), mode="drop")
 
 
@@ -153,8 +156,10 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     return everywhere(logits, mesh), {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted"), donate_argnames=("counts",))
-def pick_first(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False):
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted", "counted"),
+                   donate_argnames=("counts",))
+def pick_first(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False,
+               counted=0):
     """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row
     (sampling_arrays, on the devices), with `adjusted` the counts [R, V] and masks [P, words] ->
     (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
@@ -169,7 +174,7 @@ def pick_first(mesh, mode, logits, last, plan, settings, counts=None, mask=None,
     at = jnp.where(finishing, rows, last.shape[0])  # rows not finishing: dropped
     out = (everywhere(first, mesh), everywhere(last.at[at].set(first, mode="drop"), mesh))
     if adjusted:
-        out += (everywhere(_count(counts, at, first), mesh),)
+        out += (everywhere(_count(counts, at, first, counted), mesh),)
     if logprobs:
         out += (tuple(everywhere(x, mesh) for x in token_logprobs(logits, picks[1], first)),)
     return out
@@ -187,8 +192,10 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     return logits[:, 0], {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted"), donate_argnames=("counts",))
-def pick_next(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False):
+@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted", "counted"),
+                   donate_argnames=("counts",))
+def pick_next(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False,
+              counted=0):
     """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row, with
     `adjusted` the counts [R, V] and masks [B, words] -> (last [R]; with adjusted, the counts; with
     logprobs, (log-probabilities [R], top ids [R, k], top log-probabilities [R, k]): this step's rows
@@ -202,7 +209,7 @@ def pick_next(mesh, mode, logits, last, plan, settings, counts=None, mask=None, 
     at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
     out = (everywhere(last.at[at].set(next_tokens, mode="drop"), mesh),)
     if adjusted:
-        out += (everywhere(_count(counts, at, next_tokens), mesh),)
+        out += (everywhere(_count(counts, at, next_tokens, counted), mesh),)
     if logprobs:
         R = last.shape[0]
         by_row = tuple(jnp.zeros((R,) + x.shape[1:], x.dtype).at[at].set(x, mode="drop")
