@@ -357,7 +357,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/completions", {**COMPLETION, "logprobs": 21}, "logprobs", None),
     ("/responses", {**RESPONSE, "text": {"format": {"type": "json_schema"}}}, "text.format.schema", None),
     ("/responses", {**RESPONSE, "include": ["reasoning.encrypted_content"]}, "include[0]", None),
-    ("/responses", {**RESPONSE, "background": True}, "background", "unsupported_parameter"),
+    ("/responses", {**RESPONSE, "background": True, "stream": True}, "background", None),
+    ("/responses", {**RESPONSE, "background": True, "store": False}, "background", None),
     ("/responses", {**RESPONSE, "truncation": "auto"}, "truncation", "unsupported_parameter"),
     ("/responses", {**RESPONSE, "messages": []}, "messages", "unknown_parameter"),
 ])
@@ -522,3 +523,30 @@ def test_the_store_keeps_the_latest_responses_for_their_time(monkeypatch):
     now[0] = 100 + 10 + 60 + 1  # r1 was stored at 110: past its 60 s
     assert kept.get("r1") is None and kept.get("r2") is not None
     assert kept.delete("r2") and not kept.delete("r2") and len(kept) == 0
+
+
+def test_a_background_response_is_polled_and_cancelled(client, engine):
+    """background: true answers at once (queued, no output); GET shows it until it ends, then the
+    whole response; cancel ends one still running (stored as cancelled, with what it had made)."""
+    import time
+
+    r = client.responses.create(model=MODEL, input="Hi", background=True)
+    assert (r.status, r.output, r.background) == ("queued", [], True)
+    deadline = time.monotonic() + 30
+    while (got := client.responses.retrieve(r.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert got.status == "completed" and got.output_text == "Hello there!"
+    assert client.responses.cancel(r.id).status == "completed"  # ended already: as it is
+    engine.reply, engine.delay = ANSWER * 50, 0.02
+    try:
+        r = client.responses.create(model=MODEL, input="Hi", background=True)
+        time.sleep(0.2)
+        cancelled = client.responses.cancel(r.id)
+        assert cancelled.status == "cancelled"
+        assert client.responses.retrieve(r.id).status == "cancelled"
+        assert 0 < cancelled.usage.output_tokens < len(ANSWER) * 50
+    finally:
+        engine.delay = 0.0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nonesuch")

@@ -9,6 +9,7 @@
     POST /v1/completions       a raw prompt (text or token ids)
     POST /v1/responses         the Responses API (previous_response_id: continue a stored response)
     GET, DELETE /v1/responses/{id}  a stored response (store.py)
+    POST /v1/responses/{id}/cancel  a background response ended
 
 A request's body is read with a size cap and a deadline, then parsed, checked, rendered and
 tokenized on a worker thread (body.py), so that no client's request holds up the others. It is
@@ -277,6 +278,9 @@ def create_app(server: Server) -> FastAPI:
     def responses_prepare(req):
         """-> (the request, its input continuing a stored response's; the prompt; the settings; the input
         items as dicts, stored with the response)."""
+        if req.background and (req.stream or not req.store):
+            raise bad_request("a background response is polled (GET /v1/responses/{id}): it needs store, and is "
+                              "not streamed", "background")
         items = ([{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str)
                  else [item.model_dump() for item in req.input])
         if req.previous_response_id is not None:
@@ -313,6 +317,20 @@ def create_app(server: Server) -> FastAPI:
             raise unknown_response(name)
         return found.response
 
+    @app.post("/v1/responses/{name}/cancel")
+    async def cancel_response(http: HTTPRequest, name: str):
+        """A background response ended now (stored as cancelled, with what it had made); one that has
+        ended already is returned as it is."""
+        check(http)
+        running = server.background.get(name)
+        if running is not None:
+            running[0].cancel()
+            await running[1]
+        found = server.responses.get(name)
+        if found is None:
+            raise unknown_response(name)
+        return found.response
+
     @app.delete("/v1/responses/{name}")
     async def delete_response(http: HTTPRequest, name: str):
         check(http)
@@ -324,7 +342,7 @@ def create_app(server: Server) -> FastAPI:
     async def responses(http: HTTPRequest):
         _, (req, prompt, settings, items) = await prepared(http, protocol.ResponsesRequest, responses_prepare)
         rid = "resp_" + secrets.token_hex(12)
-        generation = Generation(server, http, prompt.tokens, settings, rid)
+        generation = Generation(server, http, prompt.tokens, settings, rid, watch=not req.background)
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         builder = ResponseBuilder(req, server.model_name, generation, rid)
         answer = None if settings.logprobs is None else logprobs.Answer(server.tokenizer, generation.request, reply,
@@ -362,18 +380,38 @@ def create_app(server: Server) -> FastAPI:
 
             return StreamingResponse(_stream(events(), [generation], failure), media_type="text/event-stream")
 
-        entries = []
-        async for token in generation.tokens():
-            pieces = reply.feed(token)
-            if answer is not None:
-                entries += answer.feed(token, pieces)
+        async def whole() -> list[dict]:
+            entries = []
+            async for token in generation.tokens():
+                pieces = reply.feed(token)
+                if answer is not None:
+                    entries += answer.feed(token, pieces)
+            reply.finish()
+            return entries + (answer.finish() if answer is not None else [])
+
+        if req.background:  # answered now; the response is stored as it is, then as it ends
+            async def finish():
+                try:
+                    entries = await whole()
+                    if generation.failed:
+                        final = builder.fail(server_error(rid).message)[-1][1]["response"]
+                    else:
+                        final = await server.prepare(builder.response, reply, entries)
+                    server.responses.put(final, items)
+                finally:
+                    server.background.pop(rid, None)
+                    generation.close()
+
+            queued = builder.queued()
+            server.responses.put(queued, items)
+            server.background[rid] = (generation, asyncio.create_task(finish()))
+            return queued
+
+        entries = await whole()
         if generation.gone:
             return gone()
         if generation.failed:
             raise server_error(rid)
-        reply.finish()
-        if answer is not None:
-            entries += answer.finish()
         text = await server.prepare(lambda: json.dumps(builder.response(reply, entries)))
         keep(req, builder, items)
         return Response(text, media_type="application/json")

@@ -51,6 +51,7 @@ class Server:
         self.handoff: Handoff | None = None  # made on the event loop's first request
         self.running: set[Generation] = set()
         self.responses = ResponseStore(limits.stored_responses, limits.stored_seconds)
+        self.background: dict[str, tuple] = {}  # response id -> (its Generation, the task finishing it)
         self.cut_done = False  # cut_all has run: the server is ending
         self._lock = threading.Lock()
         # Requests are parsed, rendered and tokenized here, off the event loop.
@@ -108,13 +109,13 @@ class Generation:
     Engine.submit) and its watch, which cancels every choice."""
 
     def __init__(self, server: Server, http: HTTPRequest, prompt: list[int], settings: Settings, rid: str,
-                 after: Generation | None = None):
+                 after: Generation | None = None, watch: bool = True):
         loop = asyncio.get_running_loop()
         if server.handoff is None or server.handoff.loop is not loop:
             server.handoff = Handoff(loop)
         handoff, queue = server.handoff, asyncio.Queue()
         self.server, self.queue, self.id, self.prompt_tokens = server, queue, rid, len(prompt)
-        self.gone = self.was_cut = False
+        self.gone = self.was_cut = self.cancelled = False  # cancelled: by the API (a background response)
         if server.cut_done:  # prepared while the grace ran out: nothing may start now
             raise unavailable("The server is shutting down.")
         try:
@@ -130,9 +131,9 @@ class Generation:
         with server._lock:
             server.running.add(self)
         self.closed = False
-        if after is None:
+        if after is None:  # watch=False: a background response, whose client may leave
             self.siblings = [self]
-            self._watch = asyncio.create_task(self._watch_client(http))
+            self._watch = asyncio.create_task(self._watch_client(http)) if watch else None
         else:
             self.siblings, self._watch = after.siblings, after._watch
             self.siblings.append(self)
@@ -154,6 +155,11 @@ class Generation:
         self.was_cut = True
         self._end()
 
+    def cancel(self) -> None:
+        """Ended by the client through the API (POST /v1/responses/{id}/cancel)."""
+        self.cancelled = True
+        self._end()
+
     def _end(self) -> None:
         self.request.cancel()
         self.server.handoff.put(self.queue, None)  # the reader stops now, not at the engine's next step
@@ -164,7 +170,7 @@ class Generation:
         with self.server._lock:
             self.server.running.discard(self)
         self.closed = True
-        if all(g.closed for g in self.siblings):
+        if all(g.closed for g in self.siblings) and self._watch is not None:
             self._watch.cancel()
         if not self.request.finished:
             self.request.cancel()

@@ -45,7 +45,7 @@ NO_OP: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
     "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
     "echo": _none_or(False), "suffix": _none_or(""),
-    "store": _none_or(False), "background": _none_or(False),
+    "store": _none_or(False), "background": _none_or(False),  # (chat: no stored completions)
     "truncation": _none_or("disabled"), "modalities": lambda v: v is None or v == ["text"],
     "audio": _none_or(), "prediction": _none_or(), "web_search_options": _none_or(), "max_tool_calls": _none_or(),
     "prompt": _none_or(), "conversation": _none_or(), "stream_options": _none_or(),
@@ -276,6 +276,7 @@ class ResponsesRequest(_Body):
     stream: StrictBool = False
     previous_response_id: StrictStr | None = None
     store: StrictBool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default)
+    background: StrictBool = False  # answered at once; GET /v1/responses/{id} polls it, .../cancel ends it
     include: list[Literal["message.output_text.logprobs"]] | None = None
     top_logprobs: TopLogprobs | None = None
     text: TextOptions | None = None

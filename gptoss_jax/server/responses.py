@@ -137,7 +137,13 @@ class ResponseBuilder:
         self.final = self._response(status, items, reply)
         return self.final
 
+    def queued(self) -> dict:
+        """A background response as it is answered at once: queued, no output yet."""
+        return self._response("queued", [], None)
+
     def _status(self) -> str:
+        if self.generation.cancelled:
+            return "cancelled"
         cut = self.generation.was_cut or self.generation.request.finish_reason == "length"
         return "incomplete" if cut else "completed"
 
@@ -156,7 +162,7 @@ class ResponseBuilder:
                      "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens},
                      "total_tokens": u["total_tokens"]}
         tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                  "strict": False} for t in r.tools or []]
+                  "strict": t.strict} for t in r.tools or []]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
                 "output": output, "usage": usage, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -166,5 +172,6 @@ class ResponseBuilder:
                 "tool_choice": r.tool_choice if isinstance(r.tool_choice, str) else "auto",
                 "parallel_tool_calls": False, "reasoning": {"effort": (r.reasoning.effort if r.reasoning else None)
                                                             or "medium", "summary": None},
-                "text": {"format": {"type": "text"}}, "metadata": {}, "previous_response_id": r.previous_response_id,
-                "store": r.store}
+                "text": {"format": (r.text.format if r.text and r.text.format else None) or {"type": "text"}},
+                "metadata": {}, "previous_response_id": r.previous_response_id, "store": r.store,
+                "background": r.background}
