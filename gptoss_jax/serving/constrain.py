@@ -24,7 +24,6 @@ import threading
 
 import numpy as np
 
-from .steps import mask_words
 
 GRAMMARS_KEPT = 256  # compiled grammars cached (a server's few schemas, each reused by many requests)
 
@@ -96,16 +95,12 @@ class Grammars:
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return out
-        self._llguidance()
         words = llguidance.numpy.get_bitmask_shape(len(matchers), self._tokenizer.vocab_size)[1]
         full = np.zeros((len(matchers), max(words, out.shape[1])), np.int32)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, full)
         for _, i in rows:  # tokens past the tokenizer's vocabulary (the model's padding) are never allowed
             out[i] = full[i, :out.shape[1]]
         return out
-
-    def empty(self, n: int) -> np.ndarray:
-        return np.full((n, mask_words(self.vocab_size)), -1, np.int32)
 
     @staticmethod
     def consume(matcher, token: int) -> bool:
@@ -114,4 +109,4 @@ class Grammars:
 
     @staticmethod
     def error(matcher) -> str:
-        return matcher.get_error() or "the reply left its grammar"
+        return matcher.get_error() or "a token the grammar does not allow"
