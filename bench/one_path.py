@@ -15,6 +15,7 @@ Random token ids, synthetic weights (gptoss_jax.testing), bf16 or MXFP4 experts.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ def main() -> None:
     from gptoss_jax.generate import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.serving.scheduler import sliding_most
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
@@ -68,8 +70,11 @@ def main() -> None:
     def by_engine(prompts, new):
         B = len(prompts)
         chunk = min(4096, len(prompts[0]))  # the case's prompts in one chunk each, as Generator takes them
+        # What the case needs (the default pool takes most of the free memory, and the next case's
+        # Generator would find none): each sequence's full-attention pages and its sliding ones.
+        pages = B * (-(-max_len // args.page_size) + sliding_most(config, args.page_size, chunk))
         engine = Engine(config, params, slots=B, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(B, 8),
-                        max_waiting=B, page_size=args.page_size, decode_sizes=(B,))
+                        max_waiting=B, page_size=args.page_size, decode_sizes=(B,), pages=pages)
         engine.warm_up()
         engine.start()
         runs = []
@@ -85,6 +90,8 @@ def main() -> None:
                 runs.append(([r.output_ids for r in requests], rate, first - submitted))
         finally:
             engine.stop()
+            engine._pool = None  # its memory back for the next case
+            gc.collect()
         return runs[1:]
 
     def agree(a, b):

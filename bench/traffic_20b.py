@@ -17,7 +17,10 @@ long and mixed contexts at the model's full context, and 1k/1k at high concurren
   once (sampled every 50 ms), against the same engine allowed only the sequences a static cache of
   [slots, 131,072] would hold in the same memory (the pool's positions / 131,072).
 - uniform: c requests of 1,024 random prompt tokens and 1,024 new tokens each, all at once (and, with
-  `--logprobs-share`, again with that share of them asking for log-probabilities).
+  `--logprobs-share`, again with that share of them asking for log-probabilities; with
+  `--constrained-share`, again with that share of them constrained to the server's grammar for a JSON
+  schema's answer, then one request alone without and with that grammar: the time per token at
+  concurrency 1). A constrained request ends where its grammar does (stopping at <|return|>).
 - `--peer`: the agents workload (the same requests) on transformers' continuous batching with its
   paged cache and prefix block sharing, in a process of its own (bench/peer.py's model).
 
@@ -115,6 +118,11 @@ def run_agents_peer(args) -> dict:
                 r = manager.get_result(timeout=1)
                 if r is not None and r.is_finished():
                     futures[r.request_id].set_result(r)
+                if not manager.is_running():  # its loop died (out of memory, ...): fail, don't wait
+                    for f in list(futures.values()):
+                        if not f.done():
+                            f.set_exception(RuntimeError("transformers' continuous batching stopped"))
+                    return
 
         def conversation(i):
             time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
@@ -159,9 +167,23 @@ def long_workload(vocab: int, c: int, context: int):
     return [rng.integers(0, vocab, n).tolist() for n in lengths], [int(r) for r in replies]
 
 
-def run_batch(engine, prompts, replies, Settings, greedy, logprobs_share: float = 0.0) -> dict:
+# The answer's schema of the constrained requests: the server's grammar for it (structured.py) leaves the
+# reasoning free (at most a quarter of the reply), then forces the final channel and compact JSON.
+SCHEMA = {"type": "object", "properties": {"notes": {"type": "string"}}, "required": ["notes"],
+          "additionalProperties": False}
+RETURN, CALL = 200002, 200012  # <|return|>, <|call|>: where the server stops a reply
+
+
+def every(share: float, i: int) -> bool:
+    """Whether request i is among `share` of them, evenly spread."""
+    return int((i + 1) * share) > int(i * share)
+
+
+def run_batch(engine, prompts, replies, Settings, greedy, logprobs_share: float = 0.0,
+              constrained_share: float = 0.0) -> dict:
     """Every request at once; the sequences running at once sampled every 50 ms. `logprobs_share`: that
-    share of the requests (evenly spread) ask for log-probabilities with 5 alternatives."""
+    share of the requests (evenly spread) ask for log-probabilities with 5 alternatives;
+    `constrained_share`: that share follow the server's grammar for SCHEMA's answer."""
     running, stop = [], threading.Event()
 
     def sample():
@@ -171,18 +193,32 @@ def run_batch(engine, prompts, replies, Settings, greedy, logprobs_share: float 
     sampler = threading.Thread(target=sample)
     sampler.start()
     submitted, requests = [], []
+    grammar = None
+    if constrained_share:
+        from gptoss_jax.server.structured import reply_grammar
+        grammar = reply_grammar(answer=SCHEMA, tools=[], budget=max(replies))
+    constrained = [every(constrained_share, i) for i in range(len(prompts))]
     for i, (p, n) in enumerate(zip(prompts, replies)):
-        asks = int((i + 1) * logprobs_share) > int(i * logprobs_share)
         submitted.append(time.perf_counter())
-        requests.append(engine.submit(p, Settings(max_new_tokens=n, sampling=greedy, logprobs=5 if asks else None)))
+        requests.append(engine.submit(p, Settings(
+            max_new_tokens=n, sampling=greedy, logprobs=5 if every(logprobs_share, i) else None,
+            **(dict(grammar=grammar, stop_ids=(RETURN, CALL)) if constrained[i] else {}))))
     for r in requests:
         r.result()
     stop.set()
     sampler.join()
-    assert all(len(r.output_ids) == n for r, n in zip(requests, replies))
+    assert all(len(r.output_ids) == n or c for r, n, c in zip(requests, replies, constrained))
+    assert all(r.finish_reason in ("length", "stop") for r in requests), {r.finish_reason for r in requests}
     s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
     s.update(running_max=max(running, default=0), running_mean=float(np.mean(running)) if running else 0.0,
              preemptions=engine.stats()["preemptions"])
+    if any(constrained):
+        mine = [i for i, c in enumerate(constrained) if c]
+        c = summary([len(prompts[i]) for i in mine], [submitted[i] for i in mine], [requests[i].token_times
+                                                                                      for i in mine])
+        s.update(constrained=len(mine), constrained_tokens=sum(len(requests[i].output_ids) for i in mine),
+                 constrained_itl_p50_ms=c["itl_p50_ms"], constrained_itl_p99_ms=c["itl_p99_ms"],
+                 constrained_finished={r: sum(requests[i].finish_reason == r for i in mine) for r in ("length", "stop")})
     return s
 
 
@@ -195,6 +231,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system", type=int, default=2000, help="shared system prompt tokens (agents)")
     parser.add_argument("--window", type=float, default=20.0, help="agents: conversations arrive over this many s")
+    parser.add_argument("--reuse", default="on,off", help="agents: prefix reuse on, off or both")
     parser.add_argument("--agent-slots", type=int, default=64, help="agents: the engine's slots")
     parser.add_argument("--long", default="64,256", help="long: concurrencies")
     parser.add_argument("--uniform", default="256,512,1024", help="uniform 1k/1k: concurrencies")
@@ -202,6 +239,10 @@ def main() -> None:
     parser.add_argument("--logprobs-share", type=float, default=0.0,
                         help="uniform: also run each concurrency with this share of the requests asking for "
                              "log-probabilities (5 alternatives), on the same engine")
+    parser.add_argument("--constrained-share", type=float, default=0.0,
+                        help="uniform: also run each concurrency with this share of the requests constrained to "
+                             "a JSON schema's grammar, and one request alone without and with it (the time per "
+                             "constrained token at concurrency 1); needs llguidance and the tokenizer")
     parser.add_argument("--prefill", default="8x512", help="ROWSxCHUNK: prompts prefilled together x tokens each")
     parser.add_argument("--one-decode-size", action="store_true",
                         help="compile the decode step for all the slots only (a shorter warm-up; fewer slots in "
@@ -237,12 +278,17 @@ def main() -> None:
            "device": jax.devices()[0].device_kind, "kernels": kernels.describe(packed=args.experts == "mxfp4"),
            "runs": {}}
 
-    def engine_for(slots, max_len, **kw):
+    tokenizer = None
+    if args.constrained_share:
+        from gptoss_jax.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer()
+
+    def engine_for(slots, max_len, sizes=(), **kw):
         t = time.perf_counter()
         engine = Engine(config, params, slots=slots, max_len=max_len, prefill_chunk=chunk,
-                        prefill_rows=min(rows, slots),
+                        prefill_rows=min(rows, slots), tokenizer=tokenizer,
                         max_waiting=100_000, kernels=kernels, page_size=args.page_size,
-                        decode_sizes=(slots,) if args.one_decode_size else None, **kw)
+                        decode_sizes=(*sizes, slots) if args.one_decode_size else None, **kw)
         engine.warm_up()
         engine.submit(list(range(16)), Settings(max_new_tokens=4))  # the first steps' host paths, untimed
         engine.run_until_idle()
@@ -261,18 +307,28 @@ def main() -> None:
         print(f"{name}: {json.dumps(s)}", file=sys.stderr, flush=True)
 
     if "agents" in parts:
-        for reuse in (True, False):
+        for reuse in (r == "on" for r in args.reuse.split(",")):
             engine = engine_for(args.agent_slots, min(32_768, config.max_context_length), prefix_reuse=reuse)
             record(f"agents, reuse {'on' if reuse else 'off'}", run_agents(engine, config, args, Settings, greedy))
             close(engine)
     if "uniform" in parts:
         for c in (int(x) for x in args.uniform.split(",")):
-            engine = engine_for(c, 2048)
+            engine = engine_for(c, 2048, sizes=(1,) if args.constrained_share else ())
             prompts = workload(config.vocab_size, c, "all", argparse.Namespace(prompt=1024))[0]  # serve_20b.py's
+
+            def fresh(k):  # the prompts of the engine's k-th run: none of them in its cache from the runs before
+                return [[(t + k) % config.vocab_size for t in p] for p in prompts]
+
             record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
             if args.logprobs_share:
                 record(f"uniform 1k/1k, c={c}, {args.logprobs_share:.0%} with logprobs",
-                       run_batch(engine, prompts, [1024] * c, Settings, greedy, args.logprobs_share))
+                       run_batch(engine, fresh(1), [1024] * c, Settings, greedy, args.logprobs_share))
+            if args.constrained_share:
+                record(f"uniform 1k/1k, c={c}, {args.constrained_share:.0%} constrained",
+                       run_batch(engine, fresh(2), [1024] * c, Settings, greedy, constrained_share=args.constrained_share))
+                for k, share in ((3, 0.0), (4, 1.0)):  # one request alone: time per token without and with the grammar
+                    record(f"1k/1k alone{', constrained' if share else ''}",
+                           run_batch(engine, fresh(k)[:1], [1024], Settings, greedy, constrained_share=share))
             close(engine)
     context = config.max_context_length  # 131,072 for gpt-oss
     if "long" in parts:
@@ -302,6 +358,11 @@ def print_results(out: dict, args) -> None:
         print(f"| {name} | {f(s['output_tokens_per_s'])} | {f(s['ttft_p50_ms'])} / {f(s['ttft_p99_ms'])} | "
               f"{f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s.get('cached_share'), 3)} | "
               f"{s.get('running_max', '-')} / {f(s.get('running_mean'), 1)} | {s.get('preemptions', 0)} |")
+    for name, s in out["runs"].items():
+        if s.get("constrained"):
+            print(f"{name}: {s['constrained']} constrained requests, {s['constrained_tokens']:,} tokens "
+                  f"(finished {s['constrained_finished']}), ITL p50 / p99 {f(s['constrained_itl_p50_ms'], 2)} / "
+                  f"{f(s['constrained_itl_p99_ms'], 2)} ms")
 
 
 if __name__ == "__main__":
