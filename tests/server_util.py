@@ -38,6 +38,18 @@ def serving(app, header_timeout: float = 30.0, max_connections: int = 1024):
         thread.join(30)
 
 
+@contextlib.contextmanager
+def serving_engine(engine, model: str):
+    """gptoss-serve's app over `engine` (the genuine vocabulary, ready at once) while the block runs ->
+    its base URL."""
+    from gptoss_jax.server.app import Server, create_app
+
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=model)
+    server.ready.set()
+    with serving(create_app(server)) as base:
+        yield base
+
+
 class ScriptedEngine:
     """Engine.submit's contract, replying to every request with `reply` (token ids), one token every
     `delay` seconds; `prompts` records what was submitted; `full` makes submit refuse (QueueFull);

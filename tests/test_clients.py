@@ -1,7 +1,7 @@
 """Clients nobody on this project wrote, end to end against `gptoss-serve`'s app on the demo model
 (random weights, the genuine vocabulary): LangChain's structured output by all three of its methods,
-and the OpenAI Agents SDK running an agent that calls a tool, then continuing with
-previous_response_id. The demo model writes no JSON and calls no tool of its own accord, so what
+the OpenAI Agents SDK running an agent that calls a tool, then continuing with
+previous_response_id, and lm-evaluation-harness scoring a multiple-choice task. The demo model writes no JSON and calls no tool of its own accord, so what
 parses here was made to by the server's constraints."""
 
 import asyncio
@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import pytest
 from conftest import VOCAB, needs_vocab
 from pydantic import BaseModel, Field
-from server_util import serving
+from server_util import serving_engine
 
 import gptoss_jax as gj
 from gptoss_jax import tokenizer as tk
-from gptoss_jax.server.app import Server, create_app
 from gptoss_jax.serving import Engine
 from gptoss_jax.testing import random_params
 
@@ -29,19 +28,22 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def url():
+def engine():
     config = gj.ModelConfig.demo()
     engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=4, max_len=1024,
                     prefill_chunk=256, prefill_rows=2, tokenizer=tk.load_tokenizer(VOCAB))
     engine.warm_up()
     engine.start()
-    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
-    server.ready.set()
     try:
-        with serving(create_app(server)) as base:
-            yield base
+        yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with serving_engine(engine, MODEL) as base:
+        yield base
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
@@ -83,3 +85,72 @@ def test_an_agents_sdk_run_calls_a_tool_and_the_next_continues_it_by_previous_re
     first, second = asyncio.run(run())
     assert first.final_output == "sunny" and len(calls) == 1 and calls[0] in ("Rome", "Paris")
     assert isinstance(second.final_output, Person)
+
+
+CHOICES = [  # a task written here (no download): a question, its choices, the right one's index
+    {"question": "The capital of France is", "choices": ["Paris", "Rome", "Berlin"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["three", "four", "five"], "answer": 1},
+    {"question": "Water freezes at", "choices": ["zero degrees", "fifty degrees"], "answer": 0},
+    {"question": "The largest planet is", "choices": ["Mars", "Venus", "Jupiter"], "answer": 2},
+]
+
+
+def test_lm_evaluation_harness_scores_a_multiple_choice_task_by_the_models_own_loglikelihoods(url, engine, tmp_path,
+                                                                                             monkeypatch):
+    """lm-evaluation-harness's local-completions on a task of 4 questions that this test writes (a
+    JSON file and a task YAML; no download), tokenizing through the server's /tokenize (its remote
+    tokenizer) and scoring each choice by completions with echo and logprobs: every choice's
+    loglikelihood equals transformers' float64 log-softmax of the model's logits summed over the
+    choice's tokens, within NOISE_FACTOR x the float32 run's own error; and accuracy is reported."""
+    import json
+
+    import numpy as np
+    from noise import Exact
+    from refs import hf_logits
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "choices.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in CHOICES))
+    (tmp_path / "gptoss_choices.yaml").write_text(f"""task: gptoss_choices
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+""")
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={url}/completions,model={MODEL},tokenizer_backend=remote,num_concurrent=1,max_retries=1",
+        tasks=["gptoss_choices"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+    assert 0.0 <= out["results"]["gptoss_choices"]["acc,none"] <= 1.0
+    samples = out["samples"]["gptoss_choices"]
+    assert len(samples) == len(CHOICES)
+
+    tokenizer = tk.load_tokenizer(VOCAB)
+    got, ref32, ref64 = [], [], []
+    for sample in samples:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"]):
+            got.append(resp[0][0])
+            spaces = len(context) - len(context.rstrip())  # as the harness splits a pair: spaces go with the choice
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole = tokenizer.encode(context + continuation)
+            n = len(tokenizer.encode(context))
+            for dtype, sums in (("float32", ref32), ("float64", ref64)):
+                logits = np.asarray(hf_logits(engine.config, engine.params, [whole], dtype)[0], np.float64)
+                logits = logits - logits.max(-1, keepdims=True)
+                logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+                sums.append(sum(logprobs[i - 1, whole[i]] for i in range(n, len(whole))))
+    assert len(got) == sum(len(doc["choices"]) for doc in CHOICES)
+    Exact.measure(ref32, ref64).check(got, "lm-evaluation-harness's loglikelihoods")

@@ -21,12 +21,11 @@ import numpy as np
 import openai
 import pytest
 from conftest import VOCAB, needs_vocab
-from server_util import serving
+from server_util import serving_engine
 
 import gptoss_jax as gj
 import run_inference
 from gptoss_jax import tokenizer as tk
-from gptoss_jax.server.app import Server, create_app
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, Settings
 from gptoss_jax.testing import random_params
@@ -50,9 +49,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def url(engine):
-    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
-    server.ready.set()
-    with serving(create_app(server)) as base:
+    with serving_engine(engine, MODEL) as base:
         yield base
 
 
@@ -423,6 +420,51 @@ def test_logprobs_are_the_models_through_every_api(client, engine):
 def _log_softmax(x):
     x = x - x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine):
+    """completions with echo: the text is the prompt's, then the completion's. With logprobs=2 the
+    prompt's tokens come first: the first with null (nothing predicts it), each other with transformers'
+    float64 log-softmax of the model's logits at the position before it, within NOISE_FACTOR x its
+    float32 run's own error, and its 2 most likely tokens'. max_tokens=0 scores the prompt alone;
+    with new tokens their entries follow, as without echo; streamed the same. A prompt longer than
+    the padded length's first class (64) and one shorter both."""
+    from noise import Exact
+    from refs import hf_logits
+
+    tokenizer = tk.load_tokenizer(VOCAB)
+    for prompt in (tokenizer.encode("The capital of France is Paris."),
+                   np.random.default_rng(4).integers(0, 200_000, 90).tolist()):
+        n = len(prompt)
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+        only = r.choices[0]
+        assert only.text == tokenizer.decode(prompt) and only.finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 0)
+        lp = only.logprobs
+        assert len(lp.tokens) == n and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        exact = Exact.measure(_log_softmax(hf_logits(engine.config, engine.params, [prompt], "float32")[0, :-1]),
+                              _log_softmax(hf_logits(engine.config, engine.params, [prompt], "float64")[0, :-1]))
+        steps = np.arange(n - 1)
+        exact[steps, prompt[1:]].check(lp.token_logprobs[1:], "echo: the prompt's tokens")
+        best = np.argsort(-exact.value, axis=-1)[:, :2]
+        distinct = [i for i, top in enumerate(lp.top_logprobs[1:]) if len(top) == 2]  # two may read the same
+        assert len(distinct) > n // 2
+        exact[steps[distinct, None], best[distinct]].check(
+            [sorted(lp.top_logprobs[1 + i].values(), reverse=True) for i in distinct], "echo: top 2")
+
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+        both = client.completions.create(**kw).choices[0]
+        plain = client.completions.create(**{**kw, "echo": False}).choices[0]
+        assert both.text == only.text + plain.text
+        assert both.logprobs.token_logprobs == lp.token_logprobs + plain.logprobs.token_logprobs
+        assert both.logprobs.text_offset == lp.text_offset + [len(only.text) + o for o in plain.logprobs.text_offset]
+        chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+        assert "".join(c.text for c in chunks) == both.text
+        assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == both.logprobs.token_logprobs
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, echo=True)
+    assert echoed.choices[0].text.startswith("Hello") and echoed.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=0)
 
 
 def test_logit_bias_forces_a_token_through_the_api(client):

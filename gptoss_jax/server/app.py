@@ -6,7 +6,8 @@
     GET  /v1/models            the one model served
     GET  /v1/models/{id}       that model (404 for another name)
     POST /v1/chat/completions  harmony chat: reasoning_content, content, tool_calls; SSE with stream
-    POST /v1/completions       a raw prompt (text or token ids)
+    POST /v1/completions       a raw prompt (text or token ids); echo: the prompt too, with its tokens' logprobs
+    POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints (evaluation harnesses)
     POST /v1/responses         the Responses API (previous_response_id: continue a stored response)
     GET, DELETE /v1/responses/{id}  a stored response (store.py)
     POST /v1/responses/{id}/cancel  a background response ended
@@ -46,6 +47,7 @@ from .errors import (APIError, bad_request, method_not_allowed, model_not_found,
                      unavailable)
 from . import choices
 from .choices import Failed, sse
+from ..serving.score import prompt_logprobs
 from .generation import Generation, Server, settings_of
 from .structured import grammar_for
 from .guard import Guard, log
@@ -160,6 +162,44 @@ def create_app(server: Server) -> FastAPI:
             raise model_not_found(name, server.model_name)
         return model_card()
 
+    # The tokenizer: vLLM's endpoints, at the root (lm-evaluation-harness's remote tokenizer) ----------
+
+    async def tokenizer_call(http: HTTPRequest, model: type[BaseModel], work):
+        check(http)
+        raw = await body.read(http, server.limits.max_body_bytes, server.limits.read_timeout)
+
+        def run():
+            req = body.parse(raw, model)
+            if req.model is not None and req.model != server.model_name:
+                raise model_not_found(req.model, server.model_name)
+            return work(req)
+
+        return await server.prepare(run)
+
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest):
+        def work(req):
+            tokens = server.tokenizer.encode(req.prompt, allowed_special="all")
+            return {"count": len(tokens), "max_model_len": server.engine.max_len, "tokens": tokens}
+
+        return await tokenizer_call(http, protocol.TokenizeRequest, work)
+
+    @app.post("/detokenize")
+    async def detokenize(http: HTTPRequest):
+        def work(req):
+            if any(not 0 <= t < server.tokenizer.n_vocab for t in req.tokens):
+                raise bad_request(f"token ids must lie in [0, {server.tokenizer.n_vocab})", "tokens")
+            return {"prompt": server.tokenizer.decode(req.tokens)}
+
+        return await tokenizer_call(http, protocol.DetokenizeRequest, work)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(http: HTTPRequest):
+        check(http)
+        return {"tokenizer_class": "o200k_harmony (tiktoken)", "vocab_size": server.tokenizer.n_vocab,
+                "model_max_length": server.engine.max_len, "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                "pad_token": "<|endoftext|>"}  # as gpt-oss's Hugging Face tokenizer names them
+
     def gone() -> Response:
         return Response(status_code=499)  # nobody reads it: the client has left
 
@@ -236,35 +276,57 @@ def create_app(server: Server) -> FastAPI:
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
         prompt = list(prompt)
-        return prompt, settings_of(server, prompt, req.max_tokens, req, req.stop, req.logprobs)
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone, scored)", "max_tokens")
+        settings = settings_of(server, prompt, max(req.max_tokens, 1), req, req.stop, req.logprobs)
+        echo = None
+        if req.echo:  # the prompt's own log-probabilities: one pass of the model over it, on this thread
+            try:
+                scores = prompt_logprobs(server.engine.config, server.engine.params, prompt, k=req.logprobs or 0,
+                                         kernels=server.engine.kernels) if req.logprobs is not None else None
+            except ValueError as e:
+                raise bad_request(f"echo with logprobs: {e}", "echo") from None
+            echo = [(t, None) for t in prompt] if scores is None else logprobs.echoed(server.tokenizer, prompt, scores)
+        return prompt, settings, echo
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        req, (prompt, settings) = await prepared(http, protocol.CompletionRequest, completion_prepare)
+        req, (prompt, settings, echo) = await prepared(http, protocol.CompletionRequest, completion_prepare)
         rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
         best_of = req.best_of or req.n
         scored = settings.logprobs is not None
         if best_of > req.n and not scored:  # the candidates are ranked by their tokens' log-probabilities
             settings = dataclasses.replace(settings, logprobs=0)
-        generations = choices.start(server, http, prompt, [choices.seeded(settings, i) for i in range(best_of)], rid)
+        if req.max_tokens == 0:  # echo alone: nothing generated
+            generations = [None] * best_of
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+        else:
+            generations = choices.start(server, http, prompt, [choices.seeded(settings, i) for i in range(best_of)],
+                                        rid)
 
         def chunk(choice: dict) -> str:
             return sse({"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
                         "choices": [choice]})
 
-        texts = [choices.CompletionChoice(server, g, i, chunk, scored) for i, g in enumerate(generations)]
+        texts = [choices.CompletionChoice(server, g, i, chunk, scored, echo, settings) for i, g in enumerate(generations)]
+        if req.max_tokens != 0:
+            usage = None  # known at the end
         if req.stream:
             async def chunks():
                 async for text in choices.merged([t.stream() for t in texts]):
                     yield text
                 if req.stream_options and req.stream_options.include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": server.model_name, "choices": [], "usage": choices.usage_of(generations)})
+                               "model": server.model_name, "choices": [], "usage": usage or choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_stream(chunks(), generations, _error_sse), media_type="text/event-stream")
+            return StreamingResponse(_stream(chunks(), [g for g in generations if g], _error_sse),
+                                     media_type="text/event-stream")
 
         whole = await asyncio.gather(*(t.whole() for t in texts))
+        if usage is not None:
+            return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+                    "choices": whole[:req.n], "usage": usage}
         if not choices.check(generations, rid):
             return gone()
         if best_of > req.n:  # the n of highest mean log-probability, best first, numbered again

@@ -15,7 +15,7 @@ import json
 from typing import AsyncIterator, Callable
 
 from .. import tokenizer as tk
-from ..serving import Settings
+from ..serving import Settings, TokenLogprob
 from . import logprobs
 from .errors import server_error
 from .generation import Generation, Server
@@ -215,13 +215,25 @@ class CompletionChoice:
     this choice's part; scored: its log-probabilities are reported (best_of computes them to rank the
     candidates either way)."""
 
-    def __init__(self, server: Server, generation: Generation, index: int, chunk: Callable[[dict], str],
-                 scored: bool = True):
-        settings = generation.request.settings
+    def __init__(self, server: Server, generation: Generation | None, index: int, chunk: Callable[[dict], str],
+                 scored: bool = True, echo: list[tuple[int, TokenLogprob | None]] | None = None,
+                 settings: Settings | None = None):
+        settings = settings or generation.request.settings
         self.generation, self.index, self._chunk = generation, index, chunk
         self.decoder, self.trim = tk.StreamDecoder(server.tokenizer), StopTrimmer(settings.stop_strings)
         self.scores = None if settings.logprobs is None or not scored else logprobs.Completion(server.tokenizer)
         self.count = 0  # tokens read
+        self.echo = ""  # echo: the prompt's text, written before the completion's (its tokens scored first)
+        if echo is not None:
+            decoder = tk.StreamDecoder(server.tokenizer)
+            for token, logprob in echo:
+                text = decoder.add(token)
+                if self.scores is not None:
+                    self.scores.add(token, logprob, text)
+                self.echo += text
+            self.echo += decoder.flush()
+            if self.scores is not None:
+                self.scores.offset = len(self.echo)
 
     def text_of(self, token: int) -> str:  # a stop token ends the text, unwritten
         i, self.count = self.count, self.count + 1
@@ -240,6 +252,11 @@ class CompletionChoice:
         return finish_reason(self.generation, False, self.trim.hit)
 
     async def stream(self) -> AsyncIterator[str]:
+        if self.echo or (self.scores is not None and self.scores.tokens):
+            yield self.chunk(self.echo)  # the echoed prompt first
+        if self.generation is None:  # max_tokens 0: the prompt alone
+            yield self.chunk("", "length")
+            return
         async for batch in self.generation.batches():
             if text := "".join(self.text_of(token) for token in batch):
                 yield self.chunk(text)
@@ -251,10 +268,13 @@ class CompletionChoice:
         yield self.chunk("", self.finish_reason())
 
     async def whole(self) -> dict:
+        if self.generation is None:  # max_tokens 0: the prompt alone
+            return {"index": self.index, "text": self.echo, "finish_reason": "length",
+                    "logprobs": None if self.scores is None else self.scores.take()}
         pieces = [self.text_of(token) async for token in self.generation.tokens()]
         text = "".join(pieces) + self.trim.add(self.decoder.flush()) + self.trim.finish()
-        return {"index": self.index, "text": text, "logprobs": None if self.scores is None else self.scores.take(),
-                "finish_reason": self.finish_reason()}
+        return {"index": self.index, "text": self.echo + text, "finish_reason": self.finish_reason(),
+                "logprobs": None if self.scores is None else self.scores.take()}
 
     def mean_logprob(self) -> float:
         """The mean log-probability of its tokens (best_of ranks by it, as OpenAI says: per token)."""

@@ -251,6 +251,9 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
         bias.append((int(key), float(value)))
     text = None if grammar is None else grammar[0](budget)
     if text is not None:
+        if getattr(body, "ignore_eos", False):  # the grammar ends the reply at its stop token
+            raise bad_request(f"ignore_eos cannot be combined with {grammar[1]} (a constrained reply ends where its "
+                              "grammar does)", "ignore_eos")
         try:  # compiled here, off the event loop (and kept for the requests with the same grammar)
             server.engine.grammars.check(text)
         except ValueError as e:

@@ -38,11 +38,13 @@ class Completion:
         self.offset = 0  # characters of text before the next token's
         self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
 
-    def add(self, token: int, logprob: TokenLogprob, text: str) -> None:
-        """A token and `text`, what it added to the completion's text."""
+    def add(self, token: int, logprob: TokenLogprob | None, text: str) -> None:
+        """A token and `text`, what it added to the completion's text; logprob None: an echoed prompt's
+        first token (nothing before it to predict it: null, as OpenAI's)."""
         self.tokens.append(_text(self.tokenizer, token)[0])
-        self.token_logprobs.append(logprob.logprob)
-        self.top_logprobs.append({_text(self.tokenizer, other)[0]: value for other, value in logprob.top})
+        self.token_logprobs.append(None if logprob is None else logprob.logprob)
+        self.top_logprobs.append(None if logprob is None else {_text(self.tokenizer, other)[0]: value
+                                                               for other, value in logprob.top})
         self.text_offset.append(self.offset)
         self.offset += len(text)
 
@@ -52,6 +54,14 @@ class Completion:
                "text_offset": self.text_offset}
         self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
         return out
+
+
+def echoed(tokenizer, prompt: list[int], scores) -> list[tuple[int, TokenLogprob | None]]:
+    """An echoed prompt's tokens with their log-probabilities (serving.score.prompt_logprobs's
+    (chosen, ids, top)): None for the first token."""
+    chosen, ids, top = scores
+    return [(prompt[0], None)] + [(token, TokenLogprob(float(chosen[i]), tuple(zip(ids[i].tolist(), top[i].tolist()))))
+                                  for i, token in enumerate(prompt[1:])]
 
 
 class Answer:

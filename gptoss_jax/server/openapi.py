@@ -23,6 +23,8 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": protocol.ChatCompletionRequest,
     "/v1/completions": protocol.CompletionRequest,
     "/v1/responses": protocol.ResponsesRequest,
+    "/tokenize": protocol.TokenizeRequest,
+    "/detokenize": protocol.DetokenizeRequest,
 }
 _SUMMARIES = {
     "/health": "Whether the server is ready: 200 once the model is warmed up, 503 before and while stopping",
@@ -33,6 +35,9 @@ _SUMMARIES = {
     "/v1/completions": "A completion of a raw prompt (text or token ids)",
     "/v1/responses": "A reply through the Responses API",
     "/v1/responses/{name}": "A stored response (GET), or forget it (DELETE)",
+    "/tokenize": "A text's token ids (vLLM's endpoint)",
+    "/detokenize": "Token ids' text (vLLM's endpoint)",
+    "/tokenizer_info": "The tokenizer's special tokens and the context length (vLLM's endpoint)",
 }
 # /health and /metrics are open to probes; the rest need the key when the server has one.
 _OPEN = ("/health", "/metrics")

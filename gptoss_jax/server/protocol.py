@@ -44,7 +44,7 @@ NO_OP: dict[str, Callable[[Any], bool]] = {
     # (declared where the server uses them; on the other endpoints their no-op values are accepted)
     "presence_penalty": _none_or(0, 0.0), "frequency_penalty": _none_or(0, 0.0),
     "response_format": lambda v: v is None or v == {"type": "text"}, "text": _text_format,
-    "echo": _none_or(False), "suffix": _none_or(""),
+    "echo": _none_or(False), "suffix": _none_or(""),  # (echo: completions)
     "store": _none_or(False), "background": _none_or(False),  # (chat: no stored completions)
     "truncation": _none_or("disabled"), "modalities": lambda v: v is None or v == ["text"],
     "audio": _none_or(), "prediction": _none_or(), "web_search_options": _none_or(), "max_tool_calls": _none_or(),
@@ -185,13 +185,28 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     best_of: StrictInt | None = Field(default=None, ge=1, le=128)  # candidates, the best n returned
     logprobs: TopLogprobs | None = None  # the sampled tokens' log-probabilities, with this many alternatives
-    max_tokens: StrictInt = Field(default=16, ge=1)  # OpenAI's default, also for an explicit null
+    max_tokens: StrictInt = Field(default=16, ge=0)  # OpenAI's default, also for an explicit null; 0: echo only
     stop: StrictStr | list[StrictStr] | None = None
+    echo: StrictBool = False  # the prompt's text before the completion's (and, with logprobs, its tokens')
 
     @field_validator("max_tokens", mode="before")
     @classmethod
     def _null_is_absent(cls, value):
         return 16 if value is None else value
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize, which evaluation harnesses tokenize through: a text's token ids (special
+    tokens written out, <|start|> and the like, read as such)."""
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True  # o200k_harmony adds none either way
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize: token ids' text."""
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 class Reasoning(_Body):

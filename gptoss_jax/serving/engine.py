@@ -19,10 +19,10 @@ Each step of the engine (`step`):
 2. prefills one chunk (at most `prefill_chunk` prompt tokens) of each of the earliest admitted
    sequences still prefilling, up to `prefill_rows` of them together; a chunk holding a prompt's last
    token also samples that request's first token;
-3. decodes one token for every sequence past its prompt, each sampled by its own settings, in the
-   smallest of the decode sizes that holds them all;
-4. reads the tokens of the step before (the device meanwhile runs this one), hands them to their
-   requests, and finishes the requests that reach a stop token, a stop string or their token budget.
+3. queues the decode model for every sequence past its prompt, in the smallest decode size that holds
+   them; reads the step before's tokens while the devices run it, hands them to their requests, ends
+   those at a stop token, stop string or budget, makes the masks of constrained rows (their grammars
+   have followed those tokens), then queues the picks: each row's token by its own settings.
 
 Pages are taken before a step is queued; when the pool runs out, the most recently admitted
 sequence is preempted: it waits at the head of the queue to be prefilled again from its prompt and
