@@ -422,15 +422,19 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine):
+def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, monkeypatch):
     """completions with echo: the text is the prompt's, then the completion's. With logprobs=2 the
     prompt's tokens come first: the first with null (nothing predicts it), each other with transformers'
     float64 log-softmax of the model's logits at the position before it, within NOISE_FACTOR x its
     float32 run's own error, and its 2 most likely tokens'. max_tokens=0 scores the prompt alone;
     with new tokens their entries follow, as without echo; streamed the same. A prompt longer than
-    the padded length's first class (64) and one shorter both."""
+    the padded length's first class (64) and one shorter both. A reply ended at once by its stop token
+    keeps that token's entry (text empty); n=2 echoes in each choice; a prompt past the longest that
+    echo scores is a 400 naming echo (its text alone is still echoed)."""
     from noise import Exact
     from refs import hf_logits
+
+    from gptoss_jax.server import app as app_module
 
     tokenizer = tk.load_tokenizer(VOCAB)
     for prompt in (tokenizer.encode("The capital of France is Paris."),
@@ -461,8 +465,23 @@ def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine):
         chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
         assert "".join(c.text for c in chunks) == both.text
         assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == both.logprobs.token_logprobs
-    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, echo=True)
-    assert echoed.choices[0].text.startswith("Hello") and echoed.choices[0].logprobs is None
+        assert lp.tokens == [tokenizer.decode([t]) for t in prompt] or "\ufffd" in "".join(lp.tokens)
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)] or "\ufffd" in "".join(lp.tokens)
+    # A reply that ends at once (its stop token forced by logit_bias): the stop token's entry is there,
+    # its text empty, so that the prompt's entries are all but the last (how harnesses slice them).
+    prompt = tokenizer.encode("Hello world")
+    stop = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                     logit_bias={str(tk.STOP_TOKENS[0]): 100}).choices[0]
+    assert stop.finish_reason == "stop" and stop.text == "Hello world"
+    assert len(stop.logprobs.tokens) == len(prompt) + 1 and stop.logprobs.tokens[-1] == tokenizer.decode([tk.STOP_TOKENS[0]])
+    assert stop.logprobs.text_offset[-1] == len(stop.text)
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, echo=True, n=2)
+    assert [c.text[:5] for c in echoed.choices] == ["Hello"] * 2 and echoed.choices[0].logprobs is None
+    monkeypatch.setattr(app_module, "SCORED_MOST", 8)  # the longest prompt echo scores
+    with pytest.raises(openai.BadRequestError, match="at most 8 tokens") as refused:
+        client.completions.create(model=MODEL, prompt=list(range(9)), max_tokens=1, echo=True, logprobs=1)
+    assert refused.value.body["param"] == "echo"
+    assert client.completions.create(model=MODEL, prompt=list(range(9)), max_tokens=1, echo=True).choices
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=0)
 

@@ -437,7 +437,7 @@ def test_the_item_that_max_output_tokens_cuts_is_incomplete(client, engine, repl
 def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
     """chat, Responses and completions, streamed and not, over the stand-in engine (which gives token i
     the log-probability -(i + 1) / 8): chat and Responses give the answer's tokens only (not the
-    reasoning's, nor a tool call's), completions every token but the stop token."""
+    reasoning's, nor a tool call's), completions every token, the stop token included."""
     tokenizer = tk.load_tokenizer(VOCAB)
     final = ANSWER.index(tk.load_tokenizer(VOCAB).encode("<|message|>", allowed_special="all")[0], 6) + 1
     want = [-(i + 1) / 8 for i in range(final, len(ANSWER) - 1)]  # "Hello there!", not <|return|>
@@ -463,8 +463,8 @@ def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
     assert [e.logprob for e in done.content[0].logprobs] == want
 
     lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=50, logprobs=0).choices[0].logprobs
-    assert lp.token_logprobs == [-(i + 1) / 8 for i in range(len(ANSWER) - 1)] and lp.top_logprobs[0] == {}
-    assert lp.text_offset[-1] == len("".join(lp.tokens[:-1]))
+    assert lp.token_logprobs == [-(i + 1) / 8 for i in range(len(ANSWER))] and lp.top_logprobs[0] == {}
+    assert lp.tokens[-1] == "<|return|>" and lp.text_offset[-1] == len("".join(lp.tokens[:-1]))  # empty text
 
     engine.reply = CALL
     r = chat(client, logprobs=True, tools=[WEATHER]).choices[0]
@@ -552,3 +552,26 @@ def test_a_background_response_is_polled_and_cancelled(client, engine):
         engine.delay = 0.0
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_nonesuch")
+
+
+def test_the_tokenizer_endpoints_answer_as_vllms(url):
+    """POST /tokenize, /detokenize and GET /tokenizer_info (at the root, as vLLM serves them): a text's
+    ids (special tokens written out read as such), with their texts on request; ids back to the text;
+    a model of another name is a 404, an id outside the vocabulary a 400 naming tokens."""
+    root = url.removesuffix("/v1")
+    tokenizer = tk.load_tokenizer(VOCAB)
+    text = "Hello<|end|> world"
+    r = raw_post(root, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tokenizer.encode(text, allowed_special="all")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 4096
+    assert "".join(body["token_strs"]) == text and "<|end|>" in body["token_strs"]
+    assert raw_post(root, "/tokenize", {"prompt": text}).json()["token_strs"] is None
+    assert raw_post(root, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": text}
+    assert raw_post(root, "/tokenize", {"model": "other", "prompt": text}).status_code == 404
+    bad = raw_post(root, "/detokenize", {"tokens": [tokenizer.n_vocab]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    request = urllib.request.Request(root + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as info:
+        info = json.loads(info.read())
+    assert info["eos_token"] == "<|return|>" and info["model_max_length"] == 4096

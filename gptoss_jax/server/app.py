@@ -60,7 +60,13 @@ def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
 
 
-async def _stream(chunks: AsyncIterator[str], generations: list[Generation], on_error) -> AsyncIterator[str]:
+# The longest prompt whose tokens `echo` scores (logprobs): its pass of the model holds every
+# position's activations beside the engine's memory (serving/score.py).
+SCORED_MOST = 32_768
+
+
+async def _stream(chunks: AsyncIterator[str], generations: list[Generation], on_error,
+                  rid: str | None = None) -> AsyncIterator[str]:
     """A stream's chunks, ended properly whatever happens: a failure (the engine's, or the server's
     own) is logged with the request's id and told to the client by `on_error(message)`'s chunks. A
     client gone mid-stream closes it; its requests are cancelled here, at once."""
@@ -68,9 +74,10 @@ async def _stream(chunks: AsyncIterator[str], generations: list[Generation], on_
         async for chunk in chunks:
             yield chunk
     except Exception as e:  # noqa: BLE001 -- told to the client without internals, logged with them
+        rid = rid or generations[0].id
         if not isinstance(e, Failed):
-            log.exception("request %s failed mid-stream", generations[0].id)
-        for chunk in on_error(server_error(generations[0].id).message):
+            log.exception("request %s failed mid-stream", rid)
+        for chunk in on_error(server_error(rid).message):
             yield chunk
     finally:
         for g in generations:
@@ -180,7 +187,10 @@ def create_app(server: Server) -> FastAPI:
     async def tokenize(http: HTTPRequest):
         def work(req):
             tokens = server.tokenizer.encode(req.prompt, allowed_special="all")
-            return {"count": len(tokens), "max_model_len": server.engine.max_len, "tokens": tokens}
+            strings = [server.tokenizer.decode_single_token_bytes(t).decode("utf-8", errors="replace")
+                       for t in tokens] if req.return_token_strs else None
+            return {"count": len(tokens), "max_model_len": server.engine.max_len, "tokens": tokens,
+                    "token_strs": strings}
 
         return await tokenizer_call(http, protocol.TokenizeRequest, work)
 
@@ -279,19 +289,27 @@ def create_app(server: Server) -> FastAPI:
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone, scored)", "max_tokens")
         settings = settings_of(server, prompt, max(req.max_tokens, 1), req, req.stop, req.logprobs)
-        echo = None
-        if req.echo:  # the prompt's own log-probabilities: one pass of the model over it, on this thread
+        if req.echo and req.logprobs is not None and len(prompt) > SCORED_MOST:
+            raise bad_request(f"echo with logprobs scores prompts of at most {SCORED_MOST} tokens, got {len(prompt)}",
+                              "echo")
+        return prompt, settings
+
+    def echo_of(prompt: list[int], top: int | None):
+        """An echoed prompt (logprobs.echoed), its tokens scored when `top` is not None: one pass of the
+        model over the prompt (serving/score.py), on the scoring thread."""
+        scores = None
+        if top is not None:
             try:
-                scores = prompt_logprobs(server.engine.config, server.engine.params, prompt, k=req.logprobs or 0,
-                                         kernels=server.engine.kernels) if req.logprobs is not None else None
+                scores = prompt_logprobs(server.engine.config, server.engine.params, prompt, k=top,
+                                         kernels=server.engine.kernels)
             except ValueError as e:
                 raise bad_request(f"echo with logprobs: {e}", "echo") from None
-            echo = [(t, None) for t in prompt] if scores is None else logprobs.echoed(server.tokenizer, prompt, scores)
-        return prompt, settings, echo
+        return logprobs.echoed(server.tokenizer, prompt, scores)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        req, (prompt, settings, echo) = await prepared(http, protocol.CompletionRequest, completion_prepare)
+        req, (prompt, settings) = await prepared(http, protocol.CompletionRequest, completion_prepare)
+        echo = await server.score(echo_of, prompt, req.logprobs) if req.echo else None
         rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
         best_of = req.best_of or req.n
         scored = settings.logprobs is not None
@@ -320,7 +338,7 @@ def create_app(server: Server) -> FastAPI:
                                "model": server.model_name, "choices": [], "usage": usage or choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_stream(chunks(), [g for g in generations if g], _error_sse),
+            return StreamingResponse(_stream(chunks(), [g for g in generations if g], _error_sse, rid),
                                      media_type="text/event-stream")
 
         whole = await asyncio.gather(*(t.whole() for t in texts))

@@ -15,7 +15,7 @@ import json
 from typing import AsyncIterator, Callable
 
 from .. import tokenizer as tk
-from ..serving import Settings, TokenLogprob
+from ..serving import Settings
 from . import logprobs
 from .errors import server_error
 from .generation import Generation, Server
@@ -216,7 +216,7 @@ class CompletionChoice:
     candidates either way)."""
 
     def __init__(self, server: Server, generation: Generation | None, index: int, chunk: Callable[[dict], str],
-                 scored: bool = True, echo: list[tuple[int, TokenLogprob | None]] | None = None,
+                 scored: bool = True, echo: tuple[str, logprobs.Completion | None] | None = None,
                  settings: Settings | None = None):
         settings = settings or generation.request.settings
         self.generation, self.index, self._chunk = generation, index, chunk
@@ -225,19 +225,15 @@ class CompletionChoice:
         self.count = 0  # tokens read
         self.echo = ""  # echo: the prompt's text, written before the completion's (its tokens scored first)
         if echo is not None:
-            decoder = tk.StreamDecoder(server.tokenizer)
-            for token, logprob in echo:
-                text = decoder.add(token)
-                if self.scores is not None:
-                    self.scores.add(token, logprob, text)
-                self.echo += text
-            self.echo += decoder.flush()
-            if self.scores is not None:
-                self.scores.offset = len(self.echo)
+            self.echo = echo[0]
+            if self.scores is not None and echo[1] is not None:
+                self.scores.extend(echo[1])
 
-    def text_of(self, token: int) -> str:  # a stop token ends the text, unwritten
+    def text_of(self, token: int) -> str:  # a stop token ends the text, unwritten (its entry kept, text empty)
         i, self.count = self.count, self.count + 1
         if token in tk.STOP_TOKENS:
+            if self.scores is not None:
+                self.scores.add(token, self.generation.request.logprobs[i], "")
             return ""
         text = self.trim.add(self.decoder.add(token))
         if self.scores is not None:

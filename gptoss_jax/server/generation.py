@@ -56,6 +56,9 @@ class Server:
         self._lock = threading.Lock()
         # Requests are parsed, rendered and tokenized here, off the event loop.
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gptoss-prepare")
+        # Echoed prompts' passes of the model (serving/score.py), one at a time: their memory beside the
+        # engine's stays one prompt's, and they never hold up the other requests' preparation.
+        self.scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptoss-score")
 
     def cut_all(self) -> None:
         """End every running request now (on any thread): streams get their last chunk with
@@ -70,6 +73,10 @@ class Server:
     async def prepare(self, fn, *args):
         """fn(*args) on a worker thread; its APIError reaches the caller as raised."""
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    async def score(self, fn, *args):
+        """fn(*args) on the scoring thread (see `scorer`)."""
+        return await asyncio.get_running_loop().run_in_executor(self.scorer, fn, *args)
 
 
 class Handoff:

@@ -13,6 +13,7 @@ A token's text is its bytes read as UTF-8 (a token that holds part of a characte
 from __future__ import annotations
 
 from ..serving import TokenLogprob
+from ..tokenizer import StreamDecoder
 
 
 def _text(tokenizer, token: int) -> tuple[str, list[int]]:
@@ -48,6 +49,14 @@ class Completion:
         self.text_offset.append(self.offset)
         self.offset += len(text)
 
+    def extend(self, other: Completion) -> None:
+        """Append another's entries (an echoed prompt's, before the completion's), offsets and all."""
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += [self.offset + o for o in other.text_offset]
+        self.offset += other.offset
+
     def take(self) -> dict:
         """The object for the tokens added since the last take (a stream's chunk), or for all of them."""
         out = {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
@@ -56,12 +65,21 @@ class Completion:
         return out
 
 
-def echoed(tokenizer, prompt: list[int], scores) -> list[tuple[int, TokenLogprob | None]]:
-    """An echoed prompt's tokens with their log-probabilities (serving.score.prompt_logprobs's
-    (chosen, ids, top)): None for the first token."""
-    chosen, ids, top = scores
-    return [(prompt[0], None)] + [(token, TokenLogprob(float(chosen[i]), tuple(zip(ids[i].tolist(), top[i].tolist()))))
-                                  for i, token in enumerate(prompt[1:])]
+def echoed(tokenizer, prompt: list[int], scores) -> tuple[str, Completion | None]:
+    """An echoed prompt: (its text, its tokens' `Completion` entries, or None without scores). scores:
+    serving.score.prompt_logprobs's (chosen, ids, top), None for the text alone; the first token's
+    entry is null (nothing predicts it, as OpenAI's)."""
+    decoder, text = StreamDecoder(tokenizer), ""
+    entries = None if scores is None else Completion(tokenizer)
+    for i, token in enumerate(prompt):
+        piece = decoder.add(token)
+        if entries is not None:
+            chosen, ids, top = scores
+            logprob = None if i == 0 else TokenLogprob(float(chosen[i - 1]), tuple(zip(ids[i - 1].tolist(),
+                                                                                         top[i - 1].tolist())))
+            entries.add(token, logprob, piece)
+        text += piece
+    return text + decoder.flush(), entries
 
 
 class Answer:

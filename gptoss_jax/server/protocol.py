@@ -201,6 +201,7 @@ class TokenizeRequest(_Body):
     model: StrictStr | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True  # o200k_harmony adds none either way
+    return_token_strs: StrictBool = False  # also each token's text ("token_strs"; else null)
 
 
 class DetokenizeRequest(_Body):
