@@ -4,6 +4,7 @@ stand-in engine that replies with given tokens (the tiny model's replies are ran
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -12,6 +13,7 @@ import uvicorn
 from conftest import VOCAB
 
 from gptoss_jax import tokenizer as tk
+from gptoss_jax.kernels import Kernels
 from gptoss_jax.server.transport import protocol_class
 from gptoss_jax.serving import QueueFull, Request, Settings, TokenLogprob
 from gptoss_jax.serving.constrain import Grammars
@@ -58,6 +60,21 @@ class ScriptedEngine:
     all but its last); a request that asks for log-probabilities gets `logprob`'s."""
 
     FAILURE = "XlaRuntimeError: INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS in /opt/secret/site-packages/jaxlib"
+
+    kernels = Kernels()
+
+    @functools.cached_property
+    def _model(self):  # the tiny model, for an echoed prompt's log-probabilities (made at first use)
+        import jax.numpy as jnp
+
+        import gptoss_jax as gj
+        from gptoss_jax.testing import random_params
+
+        config = gj.ModelConfig.tiny()
+        return config, random_params(config, seed=0, dtype=jnp.float32)
+
+    config = property(lambda self: self._model[0])
+    params = property(lambda self: self._model[1])
 
     def __init__(self, reply: list[int], *, max_len: int = 4096, delay: float = 0.0):
         self.reply, self.max_len, self.delay = reply, max_len, delay

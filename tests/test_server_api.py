@@ -351,6 +351,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/chat/completions", {**CHAT, "n": 129}, "n", None),
     ("/chat/completions", {**CHAT, "repetition_penalty": 1.1}, "repetition_penalty", "unknown_parameter"),
     ("/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", None),
+    ("/completions", {**COMPLETION, "prompt": [-1], "echo": True}, "prompt", None),
+    ("/completions", {**COMPLETION, "prompt": [201088], "echo": True, "logprobs": 1}, "prompt", None),
     ("/chat/completions", {**CHAT, "ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos", None),
     ("/completions", {**COMPLETION, "echo": 1}, "echo", None),
     ("/completions", {**COMPLETION, "n": 2, "best_of": 1}, "best_of", None),

@@ -60,9 +60,7 @@ def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
 
 
-# The longest prompt whose tokens `echo` scores (logprobs): its pass of the model holds every
-# position's activations beside the engine's memory (serving/score.py).
-SCORED_MOST = 32_768
+SCORED_MOST = 32_768  # the longest prompt echo scores: the pass holds every position's activations (score.py)
 
 
 async def _stream(chunks: AsyncIterator[str], generations: list[Generation], on_error,
@@ -286,6 +284,8 @@ def create_app(server: Server) -> FastAPI:
         if not prompt:
             raise bad_request("the prompt is empty", "prompt")
         prompt = list(prompt)
+        if not all(0 <= t < server.tokenizer.n_vocab for t in prompt):
+            raise bad_request(f"prompt token ids must lie in [0, {server.tokenizer.n_vocab})", "prompt")
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone, scored)", "max_tokens")
         settings = settings_of(server, prompt, max(req.max_tokens, 1), req, req.stop, req.logprobs)
