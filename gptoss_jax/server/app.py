@@ -315,8 +315,9 @@ def create_app(server: Server) -> FastAPI:
         scored = settings.logprobs is not None
         if best_of > req.n and not scored:  # the candidates are ranked by their tokens' log-probabilities
             settings = dataclasses.replace(settings, logprobs=0)
-        if req.max_tokens == 0:  # echo alone: nothing generated
-            generations = [None] * best_of
+        usage = None  # known at the end, except for an echo alone (nothing generated)
+        if req.max_tokens == 0:
+            generations = [None] * req.n
             usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
         else:
             generations = choices.start(server, http, prompt, [choices.seeded(settings, i) for i in range(best_of)],
@@ -327,8 +328,6 @@ def create_app(server: Server) -> FastAPI:
                         "choices": [choice]})
 
         texts = [choices.CompletionChoice(server, g, i, chunk, scored, echo, settings) for i, g in enumerate(generations)]
-        if req.max_tokens != 0:
-            usage = None  # known at the end
         if req.stream:
             async def chunks():
                 async for text in choices.merged([t.stream() for t in texts]):
@@ -344,7 +343,7 @@ def create_app(server: Server) -> FastAPI:
         whole = await asyncio.gather(*(t.whole() for t in texts))
         if usage is not None:
             return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                    "choices": whole[:req.n], "usage": usage}
+                    "choices": whole, "usage": usage}
         if not choices.check(generations, rid):
             return gone()
         if best_of > req.n:  # the n of highest mean log-probability, best first, numbered again

@@ -69,17 +69,16 @@ def echoed(tokenizer, prompt: list[int], scores) -> tuple[str, Completion | None
     """An echoed prompt: (its text, its tokens' `Completion` entries, or None without scores). scores:
     serving.score.prompt_logprobs's (chosen, ids, top), None for the text alone; the first token's
     entry is null (nothing predicts it, as OpenAI's)."""
-    decoder, text = StreamDecoder(tokenizer), ""
+    decoder, pieces = StreamDecoder(tokenizer), []
     entries = None if scores is None else Completion(tokenizer)
     for i, token in enumerate(prompt):
-        piece = decoder.add(token)
+        pieces.append(decoder.add(token))
         if entries is not None:
             chosen, ids, top = scores
             logprob = None if i == 0 else TokenLogprob(float(chosen[i - 1]), tuple(zip(ids[i - 1].tolist(),
                                                                                          top[i - 1].tolist())))
-            entries.add(token, logprob, piece)
-        text += piece
-    return text + decoder.flush(), entries
+            entries.add(token, logprob, pieces[-1])
+    return "".join(pieces) + decoder.flush(), entries
 
 
 class Answer:
