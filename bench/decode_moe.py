@@ -50,18 +50,19 @@ def main() -> None:
     config = gj.ModelConfig.preset(args.preset)
     params = random_params_on_device(config.replace(num_hidden_layers=args.layers), seed=0, experts="mxfp4")
     mlps = [params[f"block_{i}"]["mlp"] for i in range(args.layers)]
-    kernels = gj.Kernels(moe="triton", interpret=args.interpret)
     variants = [("per-pair path", None), ("fused, defaults", {})]
     variants += [(f"fused, {s}", json.loads(s)) for s in args.settings]
-    class PerPair(MLPBlock):  # the block with the fused decode path turned off
-        def _fused_decode(self, *args) -> bool:
-            return False
+    class PerPair(gj.Kernels):  # the Triton per-pair products, the fused block turned off
+        def fused_moe(self, *args, **kwargs):
+            return None
+
+    per_pair = PerPair(moe="triton", interpret=args.interpret)
 
     def chain(settings):
         def run(ps, x):  # x [1, N, D]
             for p in ps:
                 if settings is None:
-                    x = x + PerPair(config, kernels=kernels).apply({"params": p}, x)
+                    x = x + MLPBlock(config, kernels=per_pair).apply({"params": p}, x)
                 else:
                     y = decode_moe.moe(x[0], p["norm"]["scale"], p, k=config.experts_per_token,
                                        eps=config.rms_norm_eps, alpha=config.swiglu_alpha,

@@ -76,7 +76,7 @@ def run_jax(args) -> dict:
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
-    kernels = gj.Kernels(**dict(kv.split("=") for kv in args.kernels.split(",") if kv))
+    kernels = gj.Kernels(**{k: _field(v) for k, v in (kv.split("=") for kv in args.kernels.split(",") if kv)})
     t = time.perf_counter()
     params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=args.experts))
     init_s = time.perf_counter() - t
@@ -198,6 +198,11 @@ def run_startup(args) -> dict:
     return {"to_first_token_s": time.perf_counter() - t, "compile_s": r.timings["compile_s"]}
 
 
+def _field(value: str):
+    """A --kernels value: true/false, an integer, or a name."""
+    return {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt-oss-20b")
@@ -211,7 +216,7 @@ def main() -> None:
                         help="generations timed per decode case; the median is reported (default 3)")
     parser.add_argument("--long", default="", help="decode runs with long prompts, e.g. 64x4096 (batch x prompt)")
     parser.add_argument("--prefill-long", default="", help="further prefill lengths, e.g. 32768")
-    parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise")
+    parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise,moe_scales_by_step=true")
     parser.add_argument("--experts", default="bf16",
                         help="bf16, mxfp4 (gptoss-jax's experts kept packed on the GPU; the peer stays bf16) or "
                         "both, e.g. bf16,mxfp4: one gptoss-jax process each, in this run")

@@ -296,7 +296,7 @@ def decode_experts(rng):
     steps), its grouping of the pairs included."""
     from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4, mosaic_pair
     from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
-    from gptoss_jax.pairs import decode_block, to_blocks
+    from gptoss_jax.kernels.pairs import decode_block, to_blocks
     from gptoss_jax.mxfp4 import decode
 
     L = 8
@@ -373,7 +373,7 @@ def decode_experts_16bit(rng):
     (the previous defaults) against the Pallas Mosaic GPU decode kernel (products transposed, blocks
     of 8 to 16 rows), its grouping of the pairs included, with variants of its settings."""
     from gptoss_jax.kernels import mosaic_decode
-    from gptoss_jax.pairs import decode_block, pair_inputs, sort_by_expert, to_blocks, unsort
+    from gptoss_jax.kernels.pairs import decode_block, pair_inputs, sort_by_expert, to_blocks, unsort
 
     L = 8
     for F in (F2, D):
@@ -417,7 +417,7 @@ def decode_experts_16bit(rng):
 def _expert_blocks(x, idx, block):
     """The pairs' rows x [P, D] (one per (token, expert) pair of idx [N, A]) in expert blocks of
     `block` rows: (rows [blocks * block, D], dest (each sorted pair's row), block_expert, used)."""
-    from gptoss_jax.pairs import group_by_expert
+    from gptoss_jax.kernels.pairs import group_by_expert
 
     order, dest, block_expert, used = group_by_expert(idx, E, block)
     rows = jnp.zeros((block_expert.shape[0] * block, D), x.dtype).at[dest].set(x[order], mode="drop")
@@ -520,7 +520,7 @@ def layout(rng):
     """A 4096-token prompt's 16,384 pairs laid out in expert blocks of 128 rows (pairs.to_blocks,
     as the MXFP4 prompt kernel takes them), over 32 and 128 experts: the rows gathered from the
     inputs (the model's) against the sorted pairs' rows scattered into the blocks (before)."""
-    from gptoss_jax.pairs import group_by_expert, pair_inputs, to_blocks
+    from gptoss_jax.kernels.pairs import group_by_expert, pair_inputs, to_blocks
 
     N, A = 4096, 4
     x = jax.random.normal(jax.random.key(7), (N, D), jnp.bfloat16)

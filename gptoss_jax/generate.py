@@ -109,10 +109,10 @@ class Generator:
                  prefill_chunk: int | None = None, prefill_tokens: int = 8192):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
-        self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
+        self.config, self.params, self.max_len, self.kernels = config, kernels.prepare(params), max_len, kernels
         self.dtype = params["embedding"].dtype
         if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
-            prefill_chunk = 4096 if kernels.attention_for(4096, self.dtype) in ("tokamax", "splash") else 512
+            prefill_chunk = kernels.prompt_chunk(self.dtype)
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}

@@ -156,6 +156,46 @@ def test_a_planted_upward_import_and_circle_are_found(tmp_path):
     assert {"weight", "model"} <= set(circle), circle
 
 
+def direct_kernel_imports(root: str) -> list[str]:
+    """Every import of a kernel module (kernels.x) by a module outside the kernel layer."""
+    return [f"{a} imports {b}, line {line}" for a, b, line in imports(root)
+            if not (a == "kernels" or a.startswith("kernels.")) and b.startswith("kernels.")]
+
+
+KERNEL_CHOOSERS = ("model.py", "attention.py", "moe.py")
+
+
+def compared_kernel_names(root: str) -> list[str]:
+    """Every comparison with a kernel variant's name ("auto" too) in the model's modules."""
+    from gptoss_jax.kernels import ATTENTION, MOE
+
+    names, out = set(ATTENTION) | set(MOE), []
+    for f in KERNEL_CHOOSERS:
+        path = os.path.join(root, PACKAGE, f)
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Compare):
+                found = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names}
+                out += [f"{f}, line {node.lineno}: {name!r}" for name in sorted(found)]
+    return out
+
+
+def test_the_model_reaches_kernels_only_through_the_kernel_layers_front():
+    """Above the kernel layer, modules import `gptoss_jax.kernels` (Kernels and what it exports),
+    never a kernel module, and the model's modules compare no kernel's name: the kernel layer owns
+    its choices, so removing a variant is deleting its module and its registry entry."""
+    assert direct_kernel_imports(ROOT) == []
+    assert compared_kernel_names(ROOT) == []
+
+
+def test_a_planted_kernel_import_and_name_are_found(tmp_path):
+    shutil.copytree(os.path.join(ROOT, PACKAGE), tmp_path / PACKAGE)
+    with open(tmp_path / PACKAGE / "moe.py", "a") as f:
+        f.write("\n\ndef _planted(kernels):\n    from .kernels import gpu\n\n"
+                "    return gpu if kernels.moe == 'grouped' else None\n")
+    assert [x.split(",")[0] for x in direct_kernel_imports(str(tmp_path))] == ["moe imports kernels.gpu"]
+    assert [x.split(":")[1].strip() for x in compared_kernel_names(str(tmp_path))] == ["'grouped'"]
+
+
 def test_no_module_passes_500_lines():
     long = {name: n for name, path in modules(ROOT).items() if (n := len(open(path).readlines())) > MAX_LINES}
     assert long == {}

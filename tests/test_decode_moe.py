@@ -168,7 +168,7 @@ def test_fused_block_equals_the_gather_path(packed_mlp, tokens):
 
 def test_fused_path_only_where_it_applies(packed_mlp):
     """float32 activations, bf16 experts and prompt-sized calls keep the other paths (a mesh does too:
-    `MLPBlock._fused_decode`)."""
+    `kernels.experts.fused_block`)."""
     block = MLPBlock(CONFIG, kernels=gj.Kernels(moe="triton", interpret=True))
 
     def fused(params, dtype, tokens=1):

@@ -11,8 +11,9 @@ import torch
 
 from noise import Exact
 from gptoss_jax.kernels import Kernels
-from gptoss_jax.moe import MLPBlock, _experts_gather, _experts_grouped, route, swiglu
-from gptoss_jax.pairs import group_by_expert, pair_inputs, sort_by_expert, to_blocks, unsort
+from gptoss_jax.kernels.jnp_experts import gather, grouped
+from gptoss_jax.moe import MLPBlock, route, swiglu
+from gptoss_jax.kernels.pairs import group_by_expert, pair_inputs, sort_by_expert, to_blocks, unsort
 from refs import hf_model, openai_model, t
 
 
@@ -76,9 +77,9 @@ def test_expert_paths_match_hf_experts(tiny, tiny_params, path, n):
         return swiglu(h, alpha=tiny.swiglu_alpha, limit=tiny.swiglu_limit)
 
     if path == "gather":
-        y = _experts_gather(jnp.asarray(x), idx, m, act)
+        y = gather(jnp.asarray(x), idx, m, act)
     else:
-        y = _experts_grouped(jnp.asarray(x), idx, m, act, num_experts=tiny.num_experts, block=4)
+        y = grouped(jnp.asarray(x), idx, m, act, block=4)
     ours = jnp.einsum("nad,na->nd", y, weights)
     experts = model.model.layers[1].mlp.experts
     chosen = torch.from_numpy(np.array(idx)).long()

@@ -134,12 +134,10 @@ def test_attention_through_page_tables_is_the_contiguous_caches(model):
 
 
 def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_time(monkeypatch):
-    """attention.py: the flash kernel's path over a paged prefix gathers the whole table where
+    """kernels/gpu.py: the flash kernel's path over a paged prefix gathers the whole table where
     sequences x width x page <= GATHER_FOR_FLASH, else pieces of a power of two columns under that
     bound; either way the jnp path's output (the kernel stood in for by the jnp attention, which it
     matches on GPUs: tests/test_gpu.py)."""
-    from gptoss_jax import attention
-    from gptoss_jax.attention import AttentionBlock
     from gptoss_jax.kernels import gpu, paged, xla
     from noise import Exact
 
@@ -160,9 +158,9 @@ def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_
     spans = []
     monkeypatch.setattr(gpu, "prefix", lambda q, k, v, n: spans.append(k.shape[1]) or xla.prefix(q, k, v, n, block=16))
     for bound, span in ((B * W * P, W * P), (B * W * P - 1, 8 * P), (5 * B * P, 4 * P)):
-        monkeypatch.setattr(attention, "GATHER_FOR_FLASH", bound)
+        monkeypatch.setattr(gpu, "GATHER_FOR_FLASH", bound)
         spans.clear()
-        o, lse = AttentionBlock._flash_prefix(q, pool_k, pool_v, table, lengths)
+        o, lse = gpu.tokamax_paged_full(q, pool_k, pool_v, table, lengths, kernels=None, mesh=None)
         assert spans == [span], (bound, spans)  # whole, then pieces of 8 and 4 pages
         exact[0].check(o, f"o, bound {bound}")
         exact[1].check(lse, f"lse, bound {bound}")

@@ -14,7 +14,7 @@ import time
 
 from ..metadata import expand
 from ..version import __version__
-from . import devices
+from . import devices, loading
 from .command import leave, run_command
 from .inputs import UsageError, model_config
 from .signals import Signals
@@ -52,8 +52,10 @@ examples:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", metavar="DIR", type=expand,
-                   help="the converted gptoss-jax checkpoint to start from (default: the demo model)")
+    loading.add_flags(p, mxfp4=False, checkpoint_help="the converted gptoss-jax checkpoint to start from (default: the "
+                                                      "demo model)",
+                      dtype_help="the model's compute dtype (default: bfloat16; float32 for the demo model); "
+                                 "optimizer state, adapters and full fine-tuning's master weights are float32")
     p.add_argument("--data", metavar="JSONL", type=expand, required=True, help="training conversations")
     p.add_argument("--eval-data", metavar="JSONL", type=expand, help="held-out conversations: loss at each --eval-every")
     p.add_argument("--out", metavar="DIR", type=expand, required=True,
@@ -75,9 +77,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on matrices (default: 0)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping; 0 = off (default: 1)")
     p.add_argument("--label-smoothing", type=float, default=0.0, help="in [0, 1) (default: 0)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
-                   help="the model's compute dtype (default: bfloat16; float32 for the demo model); "
-                        "optimizer state, adapters and full fine-tuning's master weights are float32")
     p.add_argument("--seed", type=int, default=0, help="data order and adapter init (default: 0)")
     p.add_argument("--save-every", type=int, default=100, metavar="N", help="train state every N steps (default: 100)")
     p.add_argument("--eval-every", type=int, default=100, metavar="N", help="held-out loss every N steps (default: 100)")
@@ -161,7 +160,7 @@ def _run(args, signals: Signals) -> int:
     processes = devices.process_settings(args)
     mesh_sizes = devices.mesh_sizes(args)
     config, what = model_config(args)
-    args.dtype = args.dtype or ("bfloat16" if args.checkpoint else "float32")
+    args.dtype = loading.dtype_of(args)
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     args.lr = args.lr or (2e-4 if args.lora_rank else 2e-5)
     warmup = args.warmup if args.warmup is not None else max(args.steps * 3 // 100, 0)
@@ -183,10 +182,8 @@ def _run(args, signals: Signals) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from ..checkpoint import load_checkpoint, save_checkpoint
-    from ..params import param_shardings
+    from ..checkpoint import save_checkpoint
     from ..sharding import describe
-    from ..testing import random_params
     from ..training.lora import LoraConfig, init_adapters, merge
     from ..training.placement import place, put_batch
     from ..training.state import TrainCheckpoints, check_resumable
@@ -216,11 +213,7 @@ def _run(args, signals: Signals) -> int:
     say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     say(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
         + f"; sequences of {length} tokens")
-    if args.checkpoint:
-        params = load_checkpoint(args.checkpoint, dtype=args.dtype, mesh=mesh, progress=not args.quiet)[1]
-    else:
-        params = random_params(config, seed=0, dtype=jnp.dtype(args.dtype))
-        params = params if mesh is None else jax.device_put(params, param_shardings(config, mesh))
+    params = loading.load_params(args, config, mesh)
     lora = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets) if args.lora_rank else None
     setup = StepConfig(config, lora=lora, compute_dtype=args.dtype, label_smoothing=args.label_smoothing,
                        remat=not args.no_remat, mesh=mesh)

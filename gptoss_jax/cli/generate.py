@@ -12,7 +12,7 @@ import sys
 
 from ..metadata import expand
 from ..version import __version__
-from . import devices
+from . import devices, loading
 from .command import leave, run_command
 from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
 from .signals import Signals
@@ -53,8 +53,7 @@ def parse_ids(text: str) -> list[int]:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", metavar="DIR", type=expand,
-                   help="a converted gptoss-jax checkpoint (default: the demo model)")
+    loading.add_flags(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file (- for standard input)")
@@ -76,11 +75,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", type=parse_ids, default=[], metavar="IDS",
                    help="extra stop token ids (<|return|>, <|call|> and <|endoftext|> always stop)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
-                   help="parameter and activation dtype (default: bfloat16; float32 for the demo model); "
-                        "mxfp4: the experts stay packed in MXFP4 on the device as published (half the "
-                        "memory of bfloat16; the checkpoint must store them packed, the converter's "
-                        "default) and the rest is bfloat16")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")
@@ -171,7 +165,7 @@ def _run(args, signals: Signals) -> int:
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
     # Checked against the devices and the model: nothing read yet.
-    mesh = devices.choose_mesh(mesh_sizes, config, experts=_experts(args))
+    mesh = devices.choose_mesh(mesh_sizes, config, experts=loading.packed_experts(args))
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
     batch = 1 if prompts is None else len(prompts)
@@ -179,10 +173,10 @@ def _run(args, signals: Signals) -> int:
     if unsplit and main_process:
         _warn(unsplit)
     if main_process:
-        experts = "; experts packed in MXFP4" if _experts(args) else ""
+        experts = "; experts packed in MXFP4" if loading.packed_experts(args) else ""
         print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
         print(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
-    params = _load_params(args, config, mesh)
+    params = loading.load_params(args, config, mesh)
     if tokenizer is None and not args.json and main_process:
         print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
               file=sys.stderr)
@@ -194,28 +188,6 @@ def _run(args, signals: Signals) -> int:
         return chat_loop(args, generator, tokenizer, sampling, stops, signals)
     run_batch(args, generator, tokenizer, prompts, sampling, stops, signals)
     return 0
-
-
-def _load_params(args, config, mesh):
-    # Start-up: JAX and the loaders load once the flags and devices are checked.
-    import jax
-    import jax.numpy as jnp
-
-    from ..checkpoint import load_checkpoint
-    from ..params import param_shardings
-    from ..testing import random_params
-
-    if args.checkpoint:
-        return load_checkpoint(args.checkpoint, dtype=args.dtype or "bfloat16", mesh=mesh, progress=not args.quiet)[1]
-    experts = _experts(args)
-    dtype = "bfloat16" if experts else args.dtype or "float32"
-    params = random_params(config, seed=0, dtype=jnp.dtype(dtype), experts=experts)
-    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh, experts=experts))
-
-
-def _experts(args) -> str | None:
-    """"mxfp4" when the experts stay packed on the device (--dtype mxfp4), else None."""
-    return "mxfp4" if args.dtype == "mxfp4" else None
 
 
 if __name__ == "__main__":

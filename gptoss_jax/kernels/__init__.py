@@ -1,31 +1,28 @@
-"""The kernel layer: the model asks for attention and for expert matmuls; `Kernels` picks who computes them.
+"""The kernel layer: the model asks for attention and for the experts' products; it picks who computes them.
 
-| op | "auto" on an NVIDIA GPU | "auto" on a TPU | "auto" elsewhere (the readable reference) |
-|---|---|---|---|
-| attention, prompts | tokamax flash attention ("tokamax") | splash attention ("splash") | jnp, blockwise ("blockwise") |
-| attention, decode | Pallas Mosaic GPU over the filled cache ("mosaic": Hopper, 16-bit, JAX >= 0.11), else jnp ("blockwise") | jnp over the whole cache ("blockwise") | same as TPU |
-| experts, prompts | Mosaic GPU ragged dot ("mosaic_gpu", Hopper; else "tokamax"; both need tokamax); MXFP4 experts: Pallas Mosaic GPU grouped matmul ("mosaic_grouped", Hopper, JAX >= 0.11, from `moe_mosaic_min_pairs` pairs), before Hopper jnp ("grouped") | megablox grouped matmul ("megablox") | jnp, per expert block ("grouped") |
-| experts, decode | Pallas Mosaic GPU ("mosaic_decode", Hopper; MXFP4 experts at one token "mosaic_pair"; without tokamax also decode batches up to `moe_mosaic_min_pairs` pairs), before Hopper jnp ("gather") | jnp gather ("gather") | jnp gather ("gather") |
+The choices are written once, as two registries of variants, each variant with what it takes, what
+it needs, when "auto" picks it (with the measurement behind that) and its call:
+- kernels/attention.py, `ATTENTION`: attention over a prompt, a cache or a paged cache's tables
+  (tokamax flash attention for prompts on NVIDIA GPUs, splash attention on TPUs, the Pallas Mosaic
+  GPU cache attention for decode on Hopper, the jnp blockwise path everywhere);
+- kernels/experts.py, `EXPERTS`: the selected (token, expert) pairs' products, over 16-bit or
+  MXFP4-packed experts (Pallas Mosaic GPU decode, pair and grouped kernels and the Mosaic GPU ragged
+  dot on Hopper, tokamax's ragged dot before Hopper, megablox on TPUs, jnp gather and grouped paths
+  everywhere, and those alone with low-rank adapters).
+`Kernels` is the one switch: "auto", or a variant by name (checked against the backend). The model
+calls `Kernels.attention_ops` and `Kernels.experts_for` / `local_experts` and names no kernel.
 
-Experts kept packed in MXFP4 (`experts="mxfp4"`): on a Hopper GPU, Pallas Mosaic GPU kernels read
-them packed and decode on the chip, no decoded weight written to memory: for prompts
-"mosaic_grouped" (decoded into shared memory for the tensor cores, kernels/mosaic_mxfp4.py), for
-decode "mosaic_decode" (kernels/mosaic_decode.py: decoded weights handed to the tensor cores from
-registers) and, for one token's pairs, "mosaic_pair" (a row each, no tensor cores,
-kernels/mosaic_pair.py); all take 16-bit activations. Elsewhere the jnp paths decode them inside
-the jitted step (gather: the selected experts only; grouped: one expert block at a time; megablox
-on TPU: a layer's experts).
-
-JAX 0.11 deprecated Pallas's Triton backend, and "auto" no longer picks any of its kernels. They
-remain for comparison and for GPUs before Hopper, by name only, while JAX ships the backend (JAX
-warns when they compile): "triton" (decode attention to the cache; decode's experts, and for MXFP4
-experts at decode on one device the whole MoE block, norm and router included, as four fused
-kernels, kernels/decode_moe.py) and "triton_grouped" (MXFP4 experts, prompts, in registers,
-kernels/triton_mxfp4.py). A Triton kernel named once the backend is gone raises an error saying so.
+JAX 0.11 deprecated Pallas's Triton backend, and "auto" picks none of its kernels. They remain for
+comparison and for GPUs before Hopper, by name only, while JAX ships the backend (JAX warns when
+they compile): attention "triton" (decode attention to the cache), experts "triton" (decode's
+experts; with MXFP4 experts at decode on one device the whole MoE block, norm and router included,
+as kernels/decode_moe.py's four fused kernels) and "triton_grouped" (MXFP4 experts, prompts). A
+Triton kernel named once the backend is gone raises an error saying so.
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
-attention and prompts' experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every kernel's result is checked against the jnp
-code: on CPU in Pallas interpret mode (`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
+attention for prompts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every
+variant's result is checked against the jnp code: on CPU in Pallas interpret mode
+(`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
 
 Attention kernels compute sink-free attention over one set of keys with its softmax statistics, and
 combine.py folds the sinks in exactly (see there).
@@ -35,27 +32,19 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
-from . import gpu, mosaic
+from .. import mxfp4
+from . import attention, experts
+from .combine import combine as fold_sinks  # exported under a name of its own: `combine` is also a module
+from .experts import local_experts
+from .paged import write as write_pages
+from .xla import attention_blockwise, attention_reference, ring
 
-ATTENTION = ("auto", "blockwise", "reference", "tokamax", "splash", "mosaic", "triton")
-MOE = ("auto", "gather", "grouped", "mosaic_gpu", "tokamax", "mosaic_decode", "mosaic_pair", "mosaic_grouped", "triton",
-       "triton_grouped", "megablox")
-# Kernels tied to a backend: (backend, runs in Pallas interpret mode, what to call it in messages).
-NEEDS = {
-    "tokamax": ("gpu", False, "NVIDIA GPUs"),
-    "mosaic_gpu": ("gpu", False, "NVIDIA Hopper GPUs"),
-    "mosaic": ("gpu", True, "NVIDIA Hopper GPUs"),
-    "triton": ("gpu", True, "NVIDIA GPUs"),
-    "triton_grouped": ("gpu", True, "NVIDIA GPUs"),
-    "mosaic_grouped": ("gpu", True, "NVIDIA Hopper GPUs"),
-    "mosaic_decode": ("gpu", True, "NVIDIA Hopper GPUs"),
-    "mosaic_pair": ("gpu", True, "NVIDIA Hopper GPUs"),
-    "splash": ("tpu", True, "TPUs"),
-    "megablox": ("tpu", True, "TPUs"),
-}
+__all__ = ["ATTENTION", "MOE", "Kernels", "attention_blockwise", "attention_reference", "fold_sinks", "local_experts",
+           "ring", "write_pages"]
+ATTENTION = ("auto",) + tuple(attention.ATTENTION)
+MOE = ("auto",) + tuple(experts.EXPERTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +59,10 @@ class Kernels:
     # bench/kernels.py: as fast as the Triton kernel's best at 1,024 pairs, 1.5x faster at 4,096 and 16,384)
     moe_mosaic_min_pairs: int = 1024
     moe_block: int = 64  # rows per expert block on the grouped (jnp) path
+    # `prepare`: hold MXFP4 experts' scales by step as well, for the Pallas Mosaic GPU kernels (no call
+    # transposes them). Off: on one H100 80GB (gpt-oss-20b, 2026-11-26) decode was no faster with it,
+    # 292.3 / 941.1 tokens/s at batch 1 / 8 against 326.0 / 1,028.7 (docs/benchmarks.md).
+    moe_scales_by_step: bool = False
     interpret: bool = False  # run the Pallas kernels in interpret mode (tests on CPU)
 
     def __post_init__(self):
@@ -79,73 +72,40 @@ class Kernels:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose from {', '.join(MOE)}")
 
     def attention_for(self, queries: int, dtype=jnp.bfloat16) -> str:
-        """The attention kernel for a call with this many query positions per sequence, of this dtype."""
-        if self.attention != "auto":
-            return self._runnable(self.attention)
-        backend = jax.default_backend()
-        if queries > 16:
-            # tokamax's GPU attention takes 16-bit inputs (float32 would be TF32 there).
-            if backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and _tokamax_available():
-                return "tokamax"
-            if backend == "tpu":
-                return "splash"
-        elif (backend == "gpu" and jnp.dtype(dtype).itemsize == 2 and gpu.is_hopper()
-              and mosaic.supported()):
-            return "mosaic"  # reads the filled cache only
-        return "blockwise"
+        """The name of the attention variant for a call with this many query positions per sequence,
+        of this dtype (kernels/attention.py)."""
+        return attention.pick(self, queries, dtype).name
+
+    def attention_ops(self, queries: int, dtype, *, mesh=None) -> attention.Ops:
+        """The attention operations of one call (kernels/attention.py, `Ops`)."""
+        return attention.Ops(attention.pick(self, queries, dtype), self, mesh)
+
+    def prompt_chunk(self, dtype) -> int:
+        """Prompt positions a prefill step suits with the attention variant long prompts of this dtype get."""
+        return attention.pick(self, 4096, dtype).prompt_chunk
 
     def moe_for(self, pairs: int, dtype=jnp.bfloat16, packed: bool = False) -> str:
-        """The expert kernel for a call with this many (token, expert) pairs, weights of this dtype
-        (for MXFP4-packed experts, `packed`: the activations' dtype, which they are decoded to)."""
-        if self.moe != "auto":
-            return self._runnable(self.moe)
-        backend = jax.default_backend()
-        sixteen_bit, bf16 = jnp.dtype(dtype).itemsize == 2, jnp.dtype(dtype) == jnp.bfloat16
-        hopper = backend == "gpu" and gpu.is_hopper() and mosaic.supported()
-        decode = pairs <= self.moe_gather_max_pairs
-        # "auto" never picks a Pallas Triton kernel (a backend JAX 0.11 deprecated): before Hopper
-        # the jnp paths run instead. Decode's experts on Hopper in Pallas Mosaic GPU; one token's
-        # MXFP4 pairs a row each ("mosaic_pair"): on one H100 80GB (gpt-oss-20b, batch 1) 326.1
-        # tokens/s against 325.2 for the fused Pallas Triton decode MoE, in one run
-        # (docs/benchmarks.md).
-        if packed and bf16 and hopper and pairs < self.moe_mosaic_min_pairs:
-            return "mosaic_pair" if decode else "mosaic_decode"
-        if not packed and decode and sixteen_bit and hopper:
-            return "mosaic_decode"  # each selected expert read once, in place
-        if not packed and sixteen_bit and hopper and pairs <= self.moe_mosaic_min_pairs and not _tokamax_available():
-            # A large decode batch without tokamax: on one NVIDIA H200, gpt-oss-20b's decode step at
-            # batch 256 (1,024 pairs) took 19.7 ms with this kernel against 79.3 ms on the jnp
-            # grouped path (17.5 ms with tokamax's ragged dot), 2026-11-26.
-            return "mosaic_decode"
-        if decode:
-            return "gather"
-        if packed and bf16 and hopper:
-            return "mosaic_grouped"  # decoded on the chip, never written back
-        if packed:
-            return "megablox" if backend == "tpu" else "grouped"  # decoded one expert block at a time
-        # The GPU kernels take 16-bit inputs (float32 would be TF32 there). The Mosaic GPU ragged dot
-        # hands shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
-        if backend == "gpu" and sixteen_bit and _tokamax_available():
-            return "mosaic_gpu" if gpu.is_hopper() else "tokamax"
-        if backend == "tpu":
-            return "megablox"
-        return "grouped"
+        """The name of the expert variant for a call with this many (token, expert) pairs, weights of
+        this dtype (for MXFP4-packed experts, `packed`: the activations' dtype, which they are decoded
+        to). The variants and "auto"'s tests: kernels/experts.py."""
+        return experts.pick(self, pairs, dtype, packed).name
 
-    def _runnable(self, name: str) -> str:
-        """A kernel named explicitly, checked against the backend (Pallas kernels also run in interpret mode)."""
-        needs = NEEDS.get(name)
-        backend = jax.default_backend()
-        if needs and backend != needs[0] and not (self.interpret and needs[1]):
-            hint = "; Kernels(interpret=True) runs it on any backend, slowly (tests)" if needs[1] else ""
-            raise ValueError(f"the {name!r} kernel runs on {needs[2]} only, and this JAX's backend is {backend!r}; "
-                             f"'auto' picks what this backend runs{hint}")
-        return name
+    def experts_for(self, pairs: int, dtype, weight, *, adapters: bool = False) -> experts.Variant:
+        """The expert variant for a call with this many pairs, activations of this dtype and this
+        expert weight (16-bit [E, out, in] or MXFP4-packed); with adapters, one that adds them."""
+        is_packed = mxfp4.packed(weight)
+        return experts.pick(self, pairs, dtype if is_packed else weight.dtype, is_packed, adapters=adapters)
+
+    def fused_moe(self, x, norm_scale, w, config, *, mesh):
+        """The whole MoE block [N, D] float32 for tokens x [N, D] where a variant runs it whole, else None."""
+        return experts.fused_block(self, x, norm_scale, w, config, mesh=mesh)
+
+    def prepare(self, params):
+        """params with packed experts in the layouts the variants that may run read, made once (at load:
+        `Generator` and the serving engine call it); unchanged where none needs another."""
+        return experts.prepare(self, params)
 
     def describe(self, packed: bool = False) -> str:
         """For start-up messages: what "auto" means on this backend (`packed`: for MXFP4 experts)."""
         return (f"attention {self.attention_for(4096)} (prompts) / {self.attention_for(1)} (decode), "
                 f"experts {self.moe_for(1 << 20, packed=packed)} (prompts) / {self.moe_for(1, packed=packed)} (decode)")
-
-
-def _tokamax_available() -> bool:
-    return gpu.available()

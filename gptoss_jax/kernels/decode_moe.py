@@ -46,6 +46,7 @@ try:  # deprecated in JAX 0.11, to be removed: the package imports without it, a
 except ImportError:
     pltriton = None
 
+from ..mxfp4 import packed
 from .triton import _pow2_at_least, compiler_params, padded_span
 from .triton_mxfp4 import _scale
 
@@ -326,3 +327,12 @@ def moe(x, norm_scale, w, *, k: int, eps: float, alpha: float, limit: float, int
     y = down(a, experts, weights, w["mlp2_weight"]["blocks"], w["mlp2_weight"]["scales"], w["mlp2_bias"],
              limit=limit, interpret=interpret, **settings.get("down", {}))
     return y.reshape(N, k, D).sum(axis=1)
+
+
+def fits(x, w, config) -> bool:
+    """Whether these kernels take a block of this config, its weights w and 16-bit tokens x [N, D]:
+    MXFP4-packed experts, and the Triton blocks' shapes (powers of two; the SwiGLU bound they scale)."""
+    return (packed(w["mlp1_weight"]) and jnp.dtype(x.dtype).itemsize == 2
+            and config.hidden_size % 64 == 0 and config.intermediate_size % 32 == 0
+            and config.experts_per_token & (config.experts_per_token - 1) == 0
+            and 0 < config.swiglu_limit < float("inf"))

@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import paged, pairs
 from .combine import lse_of
 
 
@@ -148,3 +149,44 @@ def mosaic_ragged_dot(x, w, group_sizes) -> jax.Array:
 def is_hopper() -> bool:
     devices = jax.devices()
     return devices[0].platform == "gpu" and getattr(devices[0], "compute_capability", "") == "9.0"
+
+
+def tokamax_experts(x, idx, w, act, *, kernels):
+    """The experts' variant "tokamax" (kernels/experts.py): the pairs sorted by expert, one ragged
+    dot per projection by tokamax. x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
+    return pairs.ragged(x, idx, w, act, ragged_dot=ragged_dot)
+
+
+def mosaic_experts(x, idx, w, act, *, kernels):
+    """The experts' variant "mosaic_gpu" (kernels/experts.py): as `tokamax_experts`, by the Mosaic
+    GPU ragged dot (Hopper)."""
+    return pairs.ragged(x, idx, w, act, ragged_dot=mosaic_ragged_dot)
+
+
+# The attention variant "tokamax" (kernels/attention.py): flash attention for prompts.
+# Positions (sequences x table width x page) up to which a prompt chunk's cached prefix is gathered
+# out of the paged cache for the flash kernel at once (about 0.5 GiB of keys and values at gpt-oss's
+# 8 KV heads); longer tables are gathered a piece of columns at a time (paged.in_pieces).
+GATHER_FOR_FLASH = 262_144
+
+
+def tokamax_causal(q, k, v, *, window, kernels):
+    return causal(q, k, v, window=window)
+
+
+def tokamax_prefix(q, k, v, lengths, *, kernels):
+    return prefix(q, k, v, lengths)
+
+
+def tokamax_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh):
+    """A prompt chunk after its cached prefix (one device): the flash kernel over the prefix's keys
+    gathered out of the pages, the whole table where sequences x width x page <= GATHER_FOR_FLASH
+    (one NVIDIA H200, 256 prompts of 1k in chunks of 512: first tokens at 2.6 s p50, not 3.2 in jnp
+    blocks), else pieces of a power of two columns under that bound."""
+    if mesh is not None:
+        return None
+    B, W, P = q.shape[0], table.shape[1], pool_k.shape[1]
+    if B * W * P <= GATHER_FOR_FLASH:
+        return prefix(q, paged.gather(pool_k, table), paged.gather(pool_v, table), lengths)
+    pages = 1 << max(0, (GATHER_FOR_FLASH // (B * P)).bit_length() - 1)
+    return paged.in_pieces(q, pool_k, pool_v, table, lengths, prefix, pages=pages)

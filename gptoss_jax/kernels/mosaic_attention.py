@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from . import paged
 from .blockwise import MASKED
 from .combine import fold_splits, lse_of
 from .mosaic import interpret_params, supported, tiles
@@ -212,3 +213,29 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
     o, m, l = kernel(kv_len.astype(jnp.int32), starts, pages, rows, k, v)
     lse = lse_of(m / LOG2E, l)  # the row max in the natural base
     return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)
+
+
+# The attention variant "mosaic" (kernels/attention.py): decode-sized calls on Hopper; None where
+# the kernel does not take the call (the jnp path runs it).
+def mosaic_prefix(q, k, v, lengths, *, kernels):
+    if not fits(q.shape, k.shape[1], q.dtype):
+        return None
+    return cache_attention(q, k, v, lengths, interpret=kernels.interpret)
+
+
+def mosaic_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh):
+    P = pool_k.shape[1]
+    if mesh is not None or not takes_pages(P) or not fits(q.shape, table.shape[1] * P, q.dtype):
+        return None
+    return cache_attention(q, pool_k, pool_v, lengths, table=table, interpret=kernels.interpret)
+
+
+def mosaic_paged_window(q, pool_k, pool_v, table, lengths, positions, *, window, pages, kernels, mesh):
+    """A sliding layer's decode over the pages of its window (as `paged.window`): the table's columns
+    from the page holding the window's first position, positions counted from that page."""
+    P = pool_k.shape[1]
+    if mesh is not None or not takes_pages(P) or not fits(q.shape, pages * P, q.dtype):
+        return None
+    first, ids = paged.window_table(table, lengths, window=window, pages=pages, page_size=P)
+    return cache_attention(q, pool_k, pool_v, lengths - first * P, table=ids, start=lengths - window + 1 - first * P,
+                           block_k=max(64, P), interpret=kernels.interpret)

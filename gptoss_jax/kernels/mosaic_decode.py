@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import mosaic_mxfp4
+from ..mxfp4 import packed, scales_by_step
+from . import mosaic_mxfp4, pairs
 from .mosaic import interpret_params, splits_for, supported, tiles
 
 __all__ = ["decode_settings", "decode_settings_mxfp4", "grouped_matvec", "grouped_matvec_mxfp4", "supported"]
@@ -124,7 +125,7 @@ def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8
                                              "weights"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
                          gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
-                         decoder: str = "ptx", weights: str = "registers") -> jax.Array:
+                         decoder: str = "ptx", weights: str = "registers", scales_t=None) -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
     transposed: two warpgroups each decode half of the program's `block_f` weight rows and multiply
@@ -137,7 +138,8 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     projections at 4 and 256 pairs, docs/benchmarks.md). Three compute warpgroups of 64 rows failed
     there (misaligned address) and four cannot get their registers. block_m: a multiple of 8 up to
     256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
-    cdiv(G, gs) steps."""
+    cdiv(G, gs) steps. `scales_t`: the scales by step [E, G, F] where the weight holds them
+    (mxfp4.MXFP4: read in place, by each block's expert), else transposed here, every call."""
     M = rows.shape[0]
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -149,11 +151,12 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
         weights = "smem"
     per = steps // splits
-    # Where there are fewer blocks than experts (a batch of one: 4 of 32), only the blocks' experts'
-    # scales are transposed, by block.
-    by_block = M // block_m < E
+    # Scales not held by step: where there are fewer blocks than experts (a batch of one: 4 of 32),
+    # only the blocks' experts' scales are transposed, by block.
+    by_block = scales_t is None and M // block_m < E
     x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks)
-    scales_t = mosaic_mxfp4.scales_by_step(scales, block_expert if by_block else None)
+    if scales_t is None:
+        scales_t = mosaic_mxfp4.scales_by_step(scales, block_expert if by_block else None)
     K, half = 16 * gs, block_f // 2
     x_tiles = mosaic_mxfp4.TILES
 
@@ -222,3 +225,24 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat,
                  scales_t)
     return _rows_out(out, rows.dtype)
+
+
+def experts(x, idx, w, act, *, kernels):
+    """The experts' variant "mosaic_decode" (kernels/experts.py) for decode-sized calls: products
+    transposed, so that an expert's few pairs take blocks of as few as 8 rows (`decode_block`; one
+    token's pairs each a block of its own), 16-bit or MXFP4-packed experts (decoded on the chip).
+    x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
+    block = pairs.decode_block(idx.size, pairs.num_experts(w["mlp1_weight"]))
+
+    def matmul(inputs, name, block_expert, used):
+        weight, bound = w[name], block_expert.shape[0]
+        if packed(weight):
+            _, F, G, _ = weight["blocks"].shape
+            return grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
+                                        block_m=block, interpret=kernels.interpret, scales_t=scales_by_step(weight),
+                                        **decode_settings_mxfp4(bound, F, G, block_m=block))
+        _, F, D = weight.shape
+        return grouped_matvec(inputs, block_expert, used, weight, block_m=block, interpret=kernels.interpret,
+                              **decode_settings(bound, F, D))
+
+    return pairs.blocked(x, idx, w, act, block=block, matmul=matmul)

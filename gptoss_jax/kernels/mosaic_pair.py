@@ -31,7 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import mosaic_mxfp4
+from ..mxfp4 import packed
+from . import mosaic_decode, mosaic_mxfp4, pairs
 from .mosaic import interpret_params, supported
 
 __all__ = ["pair_matvec_mxfp4", "pair_settings", "supported"]
@@ -129,3 +130,18 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
                            s_smem=plgpu.SMEM((block_f // r, n, c), jnp.uint8), s_arrived=plgpu.Barrier()))
     out = kernel(pair_expert.astype(jnp.int32), x, flat, scales)
     return out[:, :, :F].sum(axis=0).astype(rows.dtype)
+
+
+def experts(x, idx, w, act, *, kernels):
+    """The experts' variant "mosaic_pair" (kernels/experts.py): one token's pairs over MXFP4-packed
+    experts a row each (no tensor cores, no padding rows); any other call as "mosaic_decode".
+    x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
+    if idx.shape[0] != 1 or not (packed(w["mlp1_weight"]) and packed(w["mlp2_weight"])):
+        return mosaic_decode.experts(x, idx, w, act, kernels=kernels)
+
+    def matmul(inputs, name, block_expert, used):
+        weight = w[name]
+        return pair_matvec_mxfp4(inputs, block_expert, weight["blocks"], weight["scales"], interpret=kernels.interpret,
+                                 **pair_settings(weight["blocks"].shape[2]))
+
+    return pairs.blocked(x, idx, w, act, block=1, matmul=matmul)

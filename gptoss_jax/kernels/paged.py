@@ -103,3 +103,18 @@ def write(pool: jax.Array, table: jax.Array, positions: jax.Array, valid: jax.Ar
     page = jnp.take_along_axis(table, jnp.clip(positions // P, 0, W - 1), axis=1)  # [B, T]
     page = jnp.where(valid, page, N)  # past the pool: dropped
     return pool.at[page, positions % P].set(new.astype(pool.dtype), mode="drop")
+
+
+# The variants "blockwise" and "reference" over the paged cache (kernels/attention.py).
+_window = window  # the name their `window` argument hides
+
+def blockwise_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh, dense_max: int = 16):
+    return prefix(q, pool_k, pool_v, table, lengths, block=kernels.attention_block, dense_max=dense_max)
+
+
+def blockwise_paged_window(q, pool_k, pool_v, table, lengths, positions, *, window, pages, kernels, mesh):
+    return _window(q, pool_k, pool_v, table, lengths, positions, window=window, pages=pages)
+
+
+def reference_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh):
+    return blockwise_paged_full(q, pool_k, pool_v, table, lengths, kernels=kernels, mesh=mesh, dense_max=q.shape[1])

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import pairs
+
 
 @functools.cache
 def _splash(T: int, heads: int, window: int | None, interpret: bool):
@@ -66,3 +68,15 @@ def _tile(n: int) -> int:
     while n % t:
         t //= 2
     return t
+
+
+def experts(x, idx, w, act, *, kernels):
+    """The experts' variant "megablox" (kernels/experts.py): the pairs sorted by expert, one
+    megablox grouped matmul per projection (MXFP4-packed experts decoded whole first). x [N, D],
+    idx [N, A] (negative: dropped) -> [N, A, D]."""
+    return pairs.ragged(x, idx, w, act, ragged_dot=functools.partial(ragged_dot, interpret=kernels.interpret))
+
+
+def splash_causal(q, k, v, *, window, kernels):
+    """The attention variant "splash" (kernels/attention.py), prompts."""
+    return causal(q, k, v, window=window, interpret=kernels.interpret)

@@ -174,3 +174,11 @@ def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 
                    jax.ShapeDtypeStruct((B, splits, K, R), jnp.float32)),
         **compiler_params(interpret, num_warps, num_stages))(kv_len.astype(jnp.int32), rows, k, v)
     return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)
+
+
+def triton_prefix(q, k, v, lengths, *, kernels):
+    """The attention variant "triton" (kernels/attention.py): decode-sized calls (the rows of one
+    program); None otherwise."""
+    if q.shape[1] * q.shape[3] > 128:
+        return None
+    return cache_attention(q, k, v, lengths, interpret=kernels.interpret)

@@ -29,7 +29,9 @@ try:  # deprecated in JAX 0.11, to be removed: the package imports without it, a
 except ImportError:
     pltriton = None
 
-from .triton import _block, compiler_params, padded_span
+from ..mxfp4 import packed
+from . import pairs
+from .triton import _block, compiler_params, padded_span, pair_matvec
 
 
 def _e2m1_halves(b):
@@ -211,3 +213,43 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                           interpret=interpret, name="gptoss_grouped_matmul_mxfp4",
                           **compiler_params(interpret, num_warps, num_stages))(
         block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), x_even, x_odd, flat, scales)
+
+
+def _grouped_settings(block: int, name: str) -> dict:
+    """The grouped kernel's settings, the best of bench/kernels.py --part grouped-mxfp4 on one H100
+    80GB: for decode batches (blocks of 16 to 32 rows), then for prompts per projection."""
+    if block < 64:
+        return dict(block_n=64, num_warps=4, num_stages=3)
+    return dict(block_n=128, num_warps=8, num_stages=3) if name == "mlp1_weight" else \
+        dict(block_n=128, num_warps=4, num_stages=2)
+
+
+def grouped_experts(x, idx, w, act, *, kernels):
+    """The experts' variant "triton_grouped" (kernels/experts.py): MXFP4-packed experts over the
+    pairs in expert blocks sized to the pairs per expert (16 rows at a batch of 64, 128 on long
+    prompts). x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
+    E = pairs.num_experts(w["mlp1_weight"])
+    block = min(128, max(16, 1 << (max(1, idx.size // E) - 1).bit_length()))
+
+    def matmul(inputs, name, block_expert, used):
+        weight = w[name]
+        return grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
+                                    interpret=kernels.interpret, **_grouped_settings(block, name))
+
+    return pairs.blocked(x, idx, w, act, block=block, matmul=matmul)
+
+
+def pairwise_experts(x, idx, w, act, *, kernels):
+    """The experts' variant "triton" (kernels/experts.py): each pair's expert rows read in place by
+    a Pallas Triton kernel, 16-bit or MXFP4-packed (decoded in registers). x [N, D], idx [N, A]
+    (negative: held elsewhere, computed with expert 0 and weighted zero) -> [N, A, D]."""
+    def matvec(inputs, weight):
+        if packed(weight):
+            return pair_matvec_mxfp4(inputs, flat, weight["blocks"], weight["scales"], interpret=kernels.interpret)
+        return pair_matvec(inputs, flat, weight, interpret=kernels.interpret)
+
+    N, A = idx.shape
+    flat = jnp.maximum(idx, 0).reshape(N * A)
+    h = matvec(jnp.repeat(x, A, axis=0), w["mlp1_weight"]) + w["mlp1_bias"][flat]
+    y = matvec(act(h), w["mlp2_weight"]) + w["mlp2_bias"][flat]
+    return y.reshape(N, A, -1)

@@ -20,7 +20,7 @@ import threading
 
 from ..metadata import expand
 from ..version import __version__
-from ..cli import devices, inputs
+from ..cli import devices, inputs, loading
 from ..cli.command import leave, run_command
 from ..cli.inputs import UsageError, model_config
 from ..cli.signals import Signals
@@ -57,14 +57,10 @@ or a warm-up that fails: one line, exit status 1.
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", metavar="DIR", type=expand,
-                   help="a converted gptoss-jax checkpoint (default: the demo model)")
+    loading.add_flags(p)
     p.add_argument("--tokenizer", metavar="PATH", type=expand,
                    help="o200k_base.tiktoken (or its folder), hash-checked; default: $TIKTOKEN_ENCODINGS_BASE, "
                         "tiktoken's cache, else downloaded once into that cache")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "mxfp4"], default=None,
-                   help="parameter and activation dtype (default: bfloat16; float32 for the demo model); mxfp4: the "
-                        "experts stay packed in MXFP4 on the device, the rest bfloat16")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every "
                                                        "interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -302,7 +298,6 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     # JAX starts here, once everything that can be checked without it has been.
     import jax
 
-    from ..cli.generate import _experts, _load_params
     from ..serving import Engine
     from ..serving.lockstep import LockstepError
     from ..sharding import describe
@@ -312,7 +307,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
 
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
-    mesh = devices.choose_mesh(mesh_sizes, config, experts=_experts(args))
+    mesh = devices.choose_mesh(mesh_sizes, config, experts=loading.packed_experts(args))
     main_process = devices.quiet_other_processes()  # only process 0 listens and speaks
     if main_process and sock is None:
         sock = _listen(args.host, args.port, api_key)
@@ -323,10 +318,10 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     if main_process:
         if unsplit:
             _say(f"warning: {unsplit}")
-        experts = "; experts packed in MXFP4" if _experts(args) else ""
+        experts = "; experts packed in MXFP4" if loading.packed_experts(args) else ""
         _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots, a context of {max_len:,} tokens")
         _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
-    params = _load_params(args, config, mesh)
+    params = loading.load_params(args, config, mesh)
     kv_memory = None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30)
     engine = Engine(config, params, slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
                     prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer,

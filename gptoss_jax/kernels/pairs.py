@@ -1,6 +1,6 @@
 """(token, expert) pairs laid out for the expert kernels: sorted by expert (the ragged dots), in
 blocks of rows of one expert each (the grouped kernels), or, for one token, each pair a block of its
-own (the decode kernels). moe.py runs the experts over these layouts.
+own (the decode kernels). kernels/experts.py runs the experts over these layouts.
 
 Legend: N = tokens, D = embed, E = experts, A = active experts per token, P = pairs = N * A.
 """
@@ -11,6 +11,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from ..mxfp4 import decode, packed
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -175,3 +177,48 @@ def pairs_as_blocks(x, idx, num_experts: int, block: int):
         return jnp.where(kept, out.reshape(N * A, block, -1)[:, 0].reshape(N, A, -1), 0)
 
     return rows.reshape(N * A * block, -1), undo, jnp.where(kept[..., 0], idx, 0).reshape(N * A), N * A
+
+
+def num_experts(weight) -> int:
+    """E of an expert weight [E, out, in], 16-bit or MXFP4-packed ({"blocks", "scales"})."""
+    return (weight["scales"] if packed(weight) else weight).shape[0]
+
+
+def whole_experts(weight, dtype) -> jax.Array:
+    """An expert weight [E, out, in]; a packed one is decoded here, the layer's experts at once."""
+    return decode(weight["blocks"], weight["scales"], dtype) if packed(weight) else weight
+
+
+def blocked(x, idx, w, act, *, block: int, matmul, epilogue: bool = False):
+    """x [N, D], idx [N, A] (negative: dropped) -> [N, A, D] by a kernel over expert blocks: the pairs
+    in blocks of `block` rows of one expert each (`to_blocks`; for one token, a block per pair), then
+    matmul(rows, name, block_expert, used) -> [rows, out] for each projection ("mlp1_weight",
+    "mlp2_weight"). Rows of blocks past `used` are undefined, and dropped. `epilogue`: the kernel
+    adds the biases itself, and applies the activation to mlp1's outputs."""
+    E = num_experts(w["mlp1_weight"])
+    blocks_of = pairs_as_blocks if idx.shape[0] == 1 else to_blocks
+    rows, undo, block_expert, used = blocks_of(x, idx, E, block)
+    num_blocks = block_expert.shape[0]
+
+    def project(inputs, name):
+        out = matmul(inputs, name, block_expert, used)
+        if epilogue:
+            return out
+        bias = w[name.replace("weight", "bias")][block_expert][:, None]  # [num_blocks, 1, out]
+        return (out.reshape(num_blocks, block, -1) + bias).reshape(num_blocks * block, -1)
+
+    h = project(rows, "mlp1_weight")
+    return undo(project(h if epilogue else act(h), "mlp2_weight"))
+
+
+def ragged(x, idx, w, act, *, ragged_dot):
+    """x [N, D], idx [N, A] (negative or >= E: dropped) -> [N, A, D]: the pairs sorted by expert, then
+    one grouped matmul per projection (ragged_dot(rows, w [E, out, in], group_sizes [E]))."""
+    N, A = idx.shape
+    E = num_experts(w["mlp1_weight"])
+    order, expert, sizes = sort_by_expert(idx, E)
+    e = jnp.minimum(expert, E - 1)
+    h = ragged_dot(pair_inputs(x, order, A), whole_experts(w["mlp1_weight"], x.dtype), sizes) + w["mlp1_bias"][e]  # [P, 2F]
+    y = ragged_dot(act(h), whole_experts(w["mlp2_weight"], x.dtype), sizes) + w["mlp2_bias"][e]  # [P, D]
+    kept = ((idx >= 0) & (idx < E))[..., None]
+    return jnp.where(kept, unsort(y, order).reshape(N, A, -1), 0)  # rows past the groups are undefined

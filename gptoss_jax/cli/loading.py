@@ -1,0 +1,57 @@
+"""The model-loading flags and loader that gptoss-generate, gptoss-serve and gptoss-finetune share.
+
+`add_flags` adds --checkpoint and --dtype; `packed_experts` says whether the experts stay packed in
+MXFP4 on the device (--dtype mxfp4: the one place that choice is read from the flags);
+`load_params` loads the checkpoint (or makes the demo model's weights) onto the mesh. JAX and the
+loaders are imported inside `load_params` only, so that the flags are checked before they load.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..metadata import expand
+
+MXFP4_HELP = ("mxfp4: the experts stay packed in MXFP4 on the device as published (half the memory of bfloat16; "
+              "the checkpoint must store them packed, the converter's default) and the rest is bfloat16")
+
+
+def add_flags(p: argparse.ArgumentParser, *, mxfp4: bool = True, checkpoint_help: str | None = None,
+              dtype_help: str | None = None) -> None:
+    """--checkpoint DIR and --dtype (bfloat16, float32, and with `mxfp4` the packed experts)."""
+    p.add_argument("--checkpoint", metavar="DIR", type=expand,
+                   help=checkpoint_help or "a converted gptoss-jax checkpoint (default: the demo model)")
+    default_help = "parameter and activation dtype (default: bfloat16; float32 for the demo model)"
+    p.add_argument("--dtype", choices=["bfloat16", "float32"] + (["mxfp4"] if mxfp4 else []), default=None,
+                   help=(dtype_help or default_help) + ("; " + MXFP4_HELP if mxfp4 else ""))
+
+
+def packed_experts(args) -> str | None:
+    """"mxfp4" when the experts stay packed on the device (--dtype mxfp4), else None."""
+    return "mxfp4" if getattr(args, "dtype", None) == "mxfp4" else None
+
+
+def dtype_of(args) -> str:
+    """The dtype the model loads in: --dtype, else bfloat16 for a checkpoint and float32 for the demo
+    model (bfloat16 with packed experts, which take 16-bit activations)."""
+    if args.dtype:
+        return args.dtype
+    return "bfloat16" if args.checkpoint else "float32"
+
+
+def load_params(args, config, mesh):
+    """The parameters, on `mesh` (None: one device): the checkpoint's, else the demo model's (random)."""
+    # Start-up: JAX and the loaders load once the flags and devices are checked.
+    import jax
+    import jax.numpy as jnp
+
+    from ..checkpoint import load_checkpoint
+    from ..params import param_shardings
+    from ..testing import random_params
+
+    if args.checkpoint:
+        return load_checkpoint(args.checkpoint, dtype=dtype_of(args), mesh=mesh, progress=not args.quiet)[1]
+    experts = packed_experts(args)
+    dtype = "bfloat16" if experts else dtype_of(args)
+    params = random_params(config, seed=0, dtype=jnp.dtype(dtype), experts=experts)
+    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh, experts=experts))
