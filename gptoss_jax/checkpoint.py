@@ -32,7 +32,7 @@ import numpy as np
 from .config import ModelConfig
 from .metadata import META_FILE, expand, item_names, read_metadata, write_metadata
 from .moe import EXPERT_WEIGHTS
-from .mxfp4 import unpack_experts
+from .mxfp4 import packed, unpack_experts
 from .params import abstract_params, param_shardings
 from .weight import Params, at_path
 
@@ -227,17 +227,13 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
                 stored = _restore(checkpointer, item_dir, name)
                 _check_layout(stored, specs[name], item_dir)
                 params.update(jax.tree_util.tree_map_with_path(
-                    lambda p, x: _to_param(p, x, dtype, keep_packed), stored, is_leaf=_is_packed))
+                    lambda p, x: _to_param(p, x, dtype, keep_packed), stored, is_leaf=packed))
             else:
                 _check_layout(_stored_layout(checkpointer, item_dir, name), specs[name], item_dir)
                 params.update(_restore_sharded(checkpointer, item_dir, name, specs[name],
                                                _item(shardings, name), dtype, keep_packed))
             bar.update(_spec_bytes(specs[name]))
     return config, params
-
-
-def _is_packed(x) -> bool:
-    return isinstance(x, dict) and set(x) == {"blocks", "scales"}
 
 
 def _layout(tree):
@@ -272,7 +268,7 @@ def _chunked(layout, keep_packed: bool) -> bool:
     """Whether an item is read chunk by chunk: it holds arrays stored in chunks (the embedding and
     unembedding, expert arrays: one expert a chunk), and no packed experts that are to be decoded
     on the host (those items go through Orbax's restore, then the decoder)."""
-    if not keep_packed and any(_is_packed(x) for x in jax.tree.leaves(layout, is_leaf=_is_packed)):
+    if not keep_packed and any(packed(x) for x in jax.tree.leaves(layout, is_leaf=packed)):
         return False
     return any(_chunk_shape(x) is not None for x in jax.tree.leaves(layout))
 
@@ -361,10 +357,10 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
     shard by shard on the host (the exact table decoder) and placed on their devices."""
     def target(path, leaf):
         param_sharding = at_path(shardings, path)
-        if _is_packed(leaf) and keep_packed:
+        if packed(leaf) and keep_packed:
             return {part: jax.ShapeDtypeStruct(leaf[part].shape, jnp.uint8, sharding=param_sharding[part])
                     for part in ("blocks", "scales")}
-        if _is_packed(leaf):
+        if packed(leaf):
             groups = leaf["scales"].shape[-1]
             return {"blocks": jax.ShapeDtypeStruct(leaf["blocks"].shape, jnp.uint8,
                                                    sharding=_packed_sharding(param_sharding, groups, False)),
@@ -372,24 +368,24 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
                                                    sharding=_packed_sharding(param_sharding, groups, True))}
         return jax.ShapeDtypeStruct(leaf.shape, _param_dtype(path, dtype), sharding=param_sharding)
 
-    targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=_is_packed)
+    targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=packed)
     stored = _restore(checkpointer, item_dir, name, targets)
     if keep_packed:
         return stored
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if _is_packed(x) else x, stored, is_leaf=_is_packed)
+        lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if packed(x) else x, stored, is_leaf=packed)
 
 
-def _unpack_sharded(packed: dict, param_sharding, dtype: str) -> jax.Array:
+def _unpack_sharded(weight: dict, param_sharding, dtype: str) -> jax.Array:
     """Decode sharded packed experts into the weight [E, out, in] with the given sharding.
 
     Each device's blocks cover its experts and output rows (and its input columns, or all of them);
     a device's slice is decoded from its own blocks, once per distinct slice.
     """
-    E, out, groups = packed["scales"].shape
+    E, out, groups = weight["scales"].shape
     shape = (E, out, groups * 32)
-    blocks = {s.device: s for s in packed["blocks"].addressable_shards}
-    scales = {s.device: s for s in packed["scales"].addressable_shards}
+    blocks = {s.device: s for s in weight["blocks"].addressable_shards}
+    scales = {s.device: s for s in weight["scales"].addressable_shards}
     decoded: dict = {}
     arrays = []
     for device, index in param_sharding.addressable_devices_indices_map(shape).items():

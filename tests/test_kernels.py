@@ -229,3 +229,22 @@ def test_prepare_gives_packed_experts_the_layouts_the_variants_read():
     mlp, before = prepared["block_0"]["mlp"], params["block_0"]["mlp"]
     assert isinstance(mlp["mlp2_weight"], MXFP4) and mlp["router_weight"] is before["router_weight"]
     np.testing.assert_array_equal(mlp["mlp2_weight"]["by_step"], np.swapaxes(before["mlp2_weight"]["scales"], 1, 2))
+
+
+def test_a_packed_only_variant_named_for_16_bit_experts():
+    """A variant that takes MXFP4-packed experts only, named over 16-bit ones: an error naming it when
+    the block runs; with adapters (training) the jnp paths run instead, as for any variant named
+    that does not add them."""
+    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.testing import random_params
+
+    tiny = gj.ModelConfig.tiny()
+    kernels = gj.Kernels(moe="triton_grouped", interpret=True)
+    assert kernels.moe_for(4096) == "triton_grouped"
+    mlp = random_params(tiny, seed=0, dtype=jnp.float32)["block_0"]["mlp"]
+    x = jnp.ones((1, 40, tiny.hidden_size), jnp.float32)
+    with pytest.raises(ValueError, match="triton_grouped expert kernel takes MXFP4-packed experts only"):
+        MLPBlock(tiny, jnp.float32, kernels).apply({"params": mlp}, x)
+    pairs = 40 * tiny.experts_per_token
+    assert kernels.experts_for(pairs, jnp.float32, mlp["mlp1_weight"], adapters=True).name == "grouped"
+    assert kernels.experts_for(4, jnp.float32, mlp["mlp1_weight"], adapters=True).name == "gather"

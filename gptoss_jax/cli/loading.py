@@ -32,8 +32,8 @@ def packed_experts(args) -> str | None:
 
 
 def dtype_of(args) -> str:
-    """The dtype the model loads in: --dtype, else bfloat16 for a checkpoint and float32 for the demo
-    model (bfloat16 with packed experts, which take 16-bit activations)."""
+    """The dtype the model loads in: --dtype (mxfp4: the experts packed, the rest bfloat16), else
+    bfloat16 for a checkpoint and float32 for the demo model."""
     if args.dtype:
         return args.dtype
     return "bfloat16" if args.checkpoint else "float32"

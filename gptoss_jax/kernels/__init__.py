@@ -20,7 +20,7 @@ as kernels/decode_moe.py's four fused kernels) and "triton_grouped" (MXFP4 exper
 Triton kernel named once the backend is gone raises an error saying so.
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
-attention for prompts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every
+attention for prompts, and the jnp grouped path for prompts' 16-bit experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every
 variant's result is checked against the jnp code: on CPU in Pallas interpret mode
 (`Kernels(interpret=True)`), on a GPU by `pytest -m gpu`.
 

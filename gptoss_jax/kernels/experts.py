@@ -124,8 +124,6 @@ def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, adapters: bool 
     activations'): the one `kernels.moe` names, else "auto"'s; with adapters, one that adds them."""
     if kernels.moe != "auto":
         named = EXPERTS[kernels.moe].check(kernels.interpret)
-        if named.weights == "packed" and not is_packed:
-            raise ValueError(f"the {named.name} expert kernel takes MXFP4-packed experts only")
         if named.adapters or not adapters:
             return named
     call = call_of(kernels, pairs, dtype, is_packed)
@@ -173,6 +171,8 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, variant: V
     w holds experts [first, first + E_local); pairs of other experts contribute nothing (their
     devices add them). With every expert local (first = 0) this is the whole MoE output.
     """
+    if variant.weights == "packed" and not packed(w["mlp1_weight"]):
+        raise ValueError(f"the {variant.name} expert kernel takes MXFP4-packed experts only")
     local = idx - first
     mine = (local >= 0) & (local < pairs.num_experts(w["mlp1_weight"]))
     y = variant.run(x, jnp.where(mine, local, -1), w, act, kernels=kernels)

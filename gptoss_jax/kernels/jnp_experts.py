@@ -10,8 +10,8 @@ MXFP4-packed experts are decoded inside the jitted step: `gather` only the selec
 (`expert_rows`), `grouped` one expert block at a time. Every other variant is checked against these.
 
 Both take x [N, D] and idx [N, A] (the pairs' local experts; negative: held by another device, or
-dropped) and return the pairs' outputs [N, A, D] (a dropped pair's row is undefined: its routing
-weight is zeroed by the caller). Legend: N = tokens, D = embed, E = experts, A = active experts per
+dropped) and return the pairs' outputs [N, A, D] (a dropped pair's row holds whatever its path
+computes, expert 0's product or zero: its routing weight is zeroed by the caller). Legend: N = tokens, D = embed, E = experts, A = active experts per
 token, F = intermediate.
 """
 
