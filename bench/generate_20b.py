@@ -216,7 +216,7 @@ def main() -> None:
                         help="generations timed per decode case; the median is reported (default 3)")
     parser.add_argument("--long", default="", help="decode runs with long prompts, e.g. 64x4096 (batch x prompt)")
     parser.add_argument("--prefill-long", default="", help="further prefill lengths, e.g. 32768")
-    parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise,moe_scales_by_step=true")
+    parser.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=gather,attention=blockwise,moe_block=32")
     parser.add_argument("--experts", default="bf16",
                         help="bf16, mxfp4 (gptoss-jax's experts kept packed on the GPU; the peer stays bf16) or "
                         "both, e.g. bf16,mxfp4: one gptoss-jax process each, in this run")

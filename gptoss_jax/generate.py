@@ -109,7 +109,7 @@ class Generator:
                  prefill_chunk: int | None = None, prefill_tokens: int = 8192):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
-        self.config, self.params, self.max_len, self.kernels = config, kernels.prepare(params), max_len, kernels
+        self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
         self.dtype = params["embedding"].dtype
         if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
             prefill_chunk = kernels.prompt_chunk(self.dtype)

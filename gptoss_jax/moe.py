@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec
 from .config import ModelConfig
 from .kernels import Kernels, local_experts
 from .layers import RMSNorm
-from .mxfp4 import map_parts, packed
+from .mxfp4 import packed
 from .sharding import spec
 from .weight import Weight, adapter, declare, low_rank, packed_axes
 
@@ -148,8 +148,8 @@ def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run, num_local: int
             return {part: spec(axes[part], w[name][part].shape, mesh, what=f"mlp/{name}/{part}") for part in axes}
         axes = MLPBlock.WEIGHTS[name].axes
         if packed(w[name]):
-            return map_parts(w[name], lambda part, a: spec(tuple(packed_axes(axes, by_step=True)[part]), a.shape, mesh,
-                                                           what=f"mlp/{name}/{part}"))
+            return {part: spec(tuple(packed_axes(axes)[part]), w[name][part].shape, mesh, what=f"mlp/{name}/{part}")
+                    for part in ("blocks", "scales")}
         return spec(axes, w[name].shape, mesh, what=f"mlp/{name}")
 
     w_specs = {name: weight_spec(name) for name in w}

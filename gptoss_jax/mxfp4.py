@@ -8,16 +8,12 @@ as in both references.
 
 On the host (numpy): `decode_mxfp4` (a table lookup per byte) and `unpack_experts`, for loading
 decoded experts. On the device (jnp): `decode`, for experts kept packed on the device and decoded
-inside the jitted step (`packed` and `packed_shape` describe that form: {"blocks", "scales"} as
-stored, or `MXFP4`, the same arrays with the scales also held in the layout the Pallas Mosaic GPU
-kernels read, prepared once by the kernel layer).
+inside the jitted step (`packed` and `packed_shape` describe that form: {"blocks", "scales"}).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -93,49 +89,9 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ..
     return (*lead, inp // VALUES_PER_BLOCK, BYTES_PER_BLOCK), (*lead, inp // VALUES_PER_BLOCK)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks", "scales", "by_step"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class MXFP4:
-    """An expert weight [..., out, in] packed in MXFP4 with its scales in two layouts: as stored,
-    [..., out, G], and by step, [..., G, out] (a step's scales as contiguous rows, which the TMA
-    engine of the Pallas Mosaic GPU kernels copies), so that no call transposes them. A pytree of
-    those arrays; `w["blocks"]` reads a part as of the stored {"blocks", "scales"}."""
-
-    blocks: Any  # uint8 [..., out, G, 16]
-    scales: Any  # uint8 [..., out, G]
-    by_step: Any  # uint8 [..., G, out]
-
-    def __getitem__(self, part: str):
-        return getattr(self, part)
-
-
-def with_scales_by_step(weight) -> MXFP4:
-    """A packed weight ({"blocks", "scales"} or MXFP4) with its scales also by step."""
-    if isinstance(weight, MXFP4):
-        return weight
-    return MXFP4(weight["blocks"], weight["scales"], _by_step(weight["scales"]))
-
-
-@jax.jit
-def _by_step(scales):
-    return jnp.swapaxes(scales, -1, -2)
-
-
-def map_parts(weight, fn):
-    """fn(part name, array) for each part of a packed weight, in a container of the same kind."""
-    if isinstance(weight, MXFP4):
-        return MXFP4(*(fn(part, getattr(weight, part)) for part in ("blocks", "scales", "by_step")))
-    return {part: fn(part, weight[part]) for part in ("blocks", "scales")}
-
-
-def scales_by_step(weight):
-    """A packed weight's scales by step [..., G, out] where it holds them (MXFP4), else None."""
-    return weight.by_step if isinstance(weight, MXFP4) else None
-
-
 def packed(x) -> bool:
-    """Whether a parameter is an MXFP4-packed weight ({"blocks", "scales"} or MXFP4) rather than an array."""
-    return isinstance(x, MXFP4) or (isinstance(x, dict) and set(x) == {"blocks", "scales"})
+    """Whether a parameter is an MXFP4-packed weight ({"blocks", "scales"}) rather than an array."""
+    return isinstance(x, dict) and set(x) == {"blocks", "scales"}
 
 
 # |e2m1 code| (code & 7) as (1 + half / 2) * 2^exponent (code 0 is zero).

@@ -103,15 +103,12 @@ def check_experts(experts) -> None:
         raise ValueError(f"experts must be None (the parameters' dtype) or 'mxfp4', got {experts!r}")
 
 
-def packed_axes(axes: tuple[str, ...], *, by_step: bool = False) -> dict:
+def packed_axes(axes: tuple[str, ...]) -> dict:
     """Logical axes of a packed weight with these axes: the input axis becomes `<input>_blocks` (whole
     32-value blocks, split as the input axis is) and each block's 16 bytes `block_bytes`."""
     *lead, inp = axes
-    parts = {"blocks": PartitionSpec(*lead, f"{inp}_blocks", "block_bytes"),
-             "scales": PartitionSpec(*lead, f"{inp}_blocks")}
-    if by_step:  # the scales transposed, as mxfp4.MXFP4 also holds them
-        parts["by_step"] = PartitionSpec(*lead[:-1], f"{inp}_blocks", lead[-1])
-    return parts
+    return {"blocks": PartitionSpec(*lead, f"{inp}_blocks", "block_bytes"),
+            "scales": PartitionSpec(*lead, f"{inp}_blocks")}
 
 
 def param_count(params: Params) -> int:
@@ -122,15 +119,10 @@ def param_count(params: Params) -> int:
 def at_path(tree: Any, path) -> Any:
     """The subtree of `tree` at a key path (as jax.tree_util's *_with_path functions give them)."""
     for p in path:
-        tree = tree[_key(p)]
+        tree = tree[p.key]
     return tree
 
 
 def path_name(path) -> str:
     """A key path as "block_0/mlp/mlp1_weight"."""
-    return "/".join(str(_key(p)) for p in path)
-
-
-def _key(entry):
-    """A key path entry's name: a dict's key, or a field of a packed weight (mxfp4.MXFP4)."""
-    return entry.name if isinstance(entry, jax.tree_util.GetAttrKey) else entry.key
+    return "/".join(str(p.key) for p in path)

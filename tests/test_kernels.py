@@ -214,23 +214,6 @@ except RuntimeError as e:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def test_prepare_gives_packed_experts_the_layouts_the_variants_read():
-    """`Kernels.prepare` (once, at load), with `moe_scales_by_step`: "auto" on a CPU runs no kernel
-    that reads another layout, so the parameters come back as they were; a Mosaic GPU expert variant
-    named (interpret mode) gets each packed weight's scales by step as well, the rest untouched."""
-    from gptoss_jax.mxfp4 import MXFP4
-    from gptoss_jax.testing import random_params
-
-    params = random_params(gj.ModelConfig.tiny(), seed=0, dtype=jnp.bfloat16, experts="mxfp4")
-    assert gj.Kernels(moe_scales_by_step=True).prepare(params) is params
-    assert gj.Kernels(moe="gather", moe_scales_by_step=True).prepare(params) is params
-    assert gj.Kernels(moe="mosaic_decode", interpret=True).prepare(params) is params  # off by default
-    prepared = gj.Kernels(moe="mosaic_decode", interpret=True, moe_scales_by_step=True).prepare(params)
-    mlp, before = prepared["block_0"]["mlp"], params["block_0"]["mlp"]
-    assert isinstance(mlp["mlp2_weight"], MXFP4) and mlp["router_weight"] is before["router_weight"]
-    np.testing.assert_array_equal(mlp["mlp2_weight"]["by_step"], np.swapaxes(before["mlp2_weight"]["scales"], 1, 2))
-
-
 def test_a_packed_only_variant_named_for_16_bit_experts():
     """A variant that takes MXFP4-packed experts only, named over 16-bit ones: an error naming it when
     the block runs; with adapters (training) the jnp paths run instead, as for any variant named

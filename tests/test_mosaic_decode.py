@@ -129,29 +129,3 @@ def test_mxfp4_kernels_name_themselves_in_errors():
     with pytest.raises(ValueError, match="decode matvec takes bfloat16 rows"):
         mosaic_decode.grouped_matvec_mxfp4(jnp.zeros((8, 96), jnp.float32), jnp.zeros((1,), jnp.int32), 1, blocks,
                                            scales, gs=3, interpret=True)
-
-
-@pytest.mark.parametrize("impl, tokens", [("mosaic_decode", 1), ("mosaic_decode", 3), ("mosaic_grouped", 40)])
-def test_scales_prepared_by_step_once_give_the_kernels_outputs(impl, tokens):
-    """`Kernels.prepare` (with `moe_scales_by_step`) gives packed experts their scales by step once (mxfp4.MXFP4), which the
-    Mosaic GPU kernels then read in place instead of transposing them every call: the MoE block's
-    output is exactly the unprepared one's, for decode blocks (1 and 3 tokens) and a prompt's. The
-    control: the experts' by-step scales rolled by one expert change it, so the kernels read them."""
-    from gptoss_jax.moe import MLPBlock
-    from gptoss_jax.mxfp4 import MXFP4
-    from gptoss_jax.testing import random_params
-
-    config = gj.ModelConfig.tiny().replace(hidden_size=128, intermediate_size=128)
-    params = random_params(config, seed=tokens, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
-    x = jax.random.normal(jax.random.key(tokens), (tokens, 1, config.hidden_size), jnp.bfloat16)
-    kernels = gj.Kernels(moe=impl, interpret=True, moe_scales_by_step=True)
-    prepared = kernels.prepare(params)
-    for name in ("mlp1_weight", "mlp2_weight"):
-        assert isinstance(prepared[name], MXFP4) and prepared[name].blocks is params[name]["blocks"]
-        np.testing.assert_array_equal(prepared[name].by_step, np.swapaxes(params[name]["scales"], 1, 2))
-    run = jax.jit(lambda p, x: MLPBlock(config, jnp.bfloat16, kernels).apply({"params": p}, x))
-    want = np.asarray(run(params, x), np.float32)
-    np.testing.assert_array_equal(np.asarray(run(prepared, x), np.float32), want)
-    rolled = dict(prepared, mlp1_weight=MXFP4(prepared["mlp1_weight"].blocks, prepared["mlp1_weight"].scales,
-                                              jnp.roll(prepared["mlp1_weight"].by_step, 1, axis=0)))
-    assert not np.array_equal(np.asarray(run(rolled, x), np.float32), want)

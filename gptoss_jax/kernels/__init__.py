@@ -59,10 +59,6 @@ class Kernels:
     # bench/kernels.py: as fast as the Triton kernel's best at 1,024 pairs, 1.5x faster at 4,096 and 16,384)
     moe_mosaic_min_pairs: int = 1024
     moe_block: int = 64  # rows per expert block on the grouped (jnp) path
-    # `prepare`: hold MXFP4 experts' scales by step as well, for the Pallas Mosaic GPU kernels (no call
-    # transposes them). Off: on one H100 80GB (gpt-oss-20b, 2026-11-26) decode was no faster with it,
-    # 292.3 / 941.1 tokens/s at batch 1 / 8 against 326.0 / 1,028.7 (docs/benchmarks.md).
-    moe_scales_by_step: bool = False
     interpret: bool = False  # run the Pallas kernels in interpret mode (tests on CPU)
 
     def __post_init__(self):
@@ -99,11 +95,6 @@ class Kernels:
     def fused_moe(self, x, norm_scale, w, config, *, mesh):
         """The whole MoE block [N, D] float32 for tokens x [N, D] where a variant runs it whole, else None."""
         return experts.fused_block(self, x, norm_scale, w, config, mesh=mesh)
-
-    def prepare(self, params):
-        """params with packed experts in the layouts the variants that may run read, made once (at load:
-        `Generator` and the serving engine call it); unchanged where none needs another."""
-        return experts.prepare(self, params)
 
     def describe(self, packed: bool = False) -> str:
         """For start-up messages: what "auto" means on this backend (`packed`: for MXFP4 experts)."""

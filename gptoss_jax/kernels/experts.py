@@ -22,7 +22,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from .. import mxfp4
 from ..mxfp4 import packed
 from . import decode_moe, gpu, jnp_experts, mosaic, mosaic_decode, mosaic_mxfp4, mosaic_pair, pairs, tpu, triton_mxfp4
 from .needs import GPU, HOPPER, HOPPER_NATIVE, TPU, TRITON, Needs
@@ -63,7 +62,6 @@ class Variant:
     auto: Callable[[Call], bool] = lambda call: False  # "auto" picks it (in registry order) where this holds
     block: Callable | None = None  # block(x, norm_scale, w, config, kernels) -> [N, D]: the whole MoE block
     block_fits: Callable = lambda x, w, config: False
-    prepare: Callable | None = None  # a packed weight in the layout the variant reads, made once at load
 
     def check(self, interpret: bool) -> "Variant":
         """This variant named explicitly: an error where this backend cannot run it."""
@@ -81,19 +79,19 @@ def _fused_block(x, norm_scale, w, config, kernels):
 EXPERTS = {v.name: v for v in (
     # One token's MXFP4 pairs a row each, on Hopper: one H100 80GB (gpt-oss-20b, batch 1), 326.1
     # tokens/s against 325.2 for the fused Pallas Triton decode MoE, in one run.
-    Variant("mosaic_pair", mosaic_pair.experts, needs=HOPPER, prepare=mxfp4.with_scales_by_step,
+    Variant("mosaic_pair", mosaic_pair.experts, needs=HOPPER,
             auto=lambda c: c.packed and c.bf16 and c.mosaic and c.decode and c.small),
     # Decode's experts on Hopper, each selected expert read once, in place; MXFP4 experts up to
     # `moe_mosaic_min_pairs` pairs; 16-bit ones at decode, and without tokamax up to that many pairs
     # (one NVIDIA H200, gpt-oss-20b's decode step at batch 256, 1,024 pairs: 19.7 ms against 79.3 on
     # the jnp grouped path, 17.5 with tokamax's ragged dot, 2026-11-26).
-    Variant("mosaic_decode", mosaic_decode.experts, needs=HOPPER, prepare=mxfp4.with_scales_by_step,
+    Variant("mosaic_decode", mosaic_decode.experts, needs=HOPPER,
             auto=lambda c: c.mosaic and ((c.packed and c.bf16 and c.small)
                                          or (not c.packed and c.sixteen_bit and c.decode)
                                          or (not c.packed and c.sixteen_bit and c.at_most_min and not c.tokamax))),
     Variant("gather", jnp_experts.gather, adapters=True, auto=lambda c: c.decode),
     # MXFP4 prompts on Hopper: decoded into shared memory for the tensor cores, never written back.
-    Variant("mosaic_grouped", mosaic_mxfp4.experts, weights="packed", needs=HOPPER, prepare=mxfp4.with_scales_by_step,
+    Variant("mosaic_grouped", mosaic_mxfp4.experts, weights="packed", needs=HOPPER,
             auto=lambda c: c.packed and c.bf16 and c.mosaic),
     Variant("megablox", tpu.experts, needs=TPU, auto=lambda c: c.backend == "tpu"),
     # The GPU ragged dots take 16-bit inputs (float32 would be TF32 there); the Mosaic GPU one hands
@@ -128,30 +126,6 @@ def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, adapters: bool 
             return named
     call = call_of(kernels, pairs, dtype, is_packed)
     return next(v for v in EXPERTS.values() if v.auto(call) and (v.adapters or not adapters))
-
-
-def prepare(kernels, params):
-    """params with each packed expert weight in the layouts the variants that may run read (the
-    Mosaic GPU kernels: the scales also by step, so that no call transposes them), made once here;
-    unchanged where none needs another layout (CPU, or a named variant without one) or where the
-    kernels' settings leave it (`moe_scales_by_step`)."""
-    if not kernels.moe_scales_by_step:
-        return params
-    if kernels.moe != "auto":
-        hooks = {EXPERTS[kernels.moe].prepare} - {None}
-    else:  # the variants "auto" may pick on this machine, over a decode's pairs to a long prompt's
-        calls = [call_of(kernels, pairs, jnp.bfloat16, True) for pairs in (4, kernels.moe_gather_max_pairs + 1,
-                                                                           kernels.moe_mosaic_min_pairs, 1 << 20)]
-        hooks = {v.prepare for v in EXPERTS.values() if v.prepare and any(v.auto(c) for c in calls)}
-    if not hooks:
-        return params
-
-    def one(w):
-        for hook in hooks:
-            w = hook(w)
-        return w
-
-    return jax.tree.map(lambda w: one(w) if packed(w) else w, params, is_leaf=packed)
 
 
 def fused_block(kernels, x, norm_scale, w, config, *, mesh) -> jax.Array | None:

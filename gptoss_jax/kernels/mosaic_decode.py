@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..mxfp4 import packed, scales_by_step
+from ..mxfp4 import packed
 from . import mosaic_mxfp4, pairs
 from .mosaic import interpret_params, splits_for, supported, tiles
 
@@ -125,7 +125,7 @@ def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8
                                              "weights"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
                          gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
-                         decoder: str = "ptx", weights: str = "registers", scales_t=None) -> jax.Array:
+                         decoder: str = "ptx", weights: str = "registers") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
     transposed: two warpgroups each decode half of the program's `block_f` weight rows and multiply
@@ -138,8 +138,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     projections at 4 and 256 pairs, docs/benchmarks.md). Three compute warpgroups of 64 rows failed
     there (misaligned address) and four cannot get their registers. block_m: a multiple of 8 up to
     256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
-    cdiv(G, gs) steps. `scales_t`: the scales by step [E, G, F] where the weight holds them
-    (mxfp4.MXFP4: read in place, by each block's expert), else transposed here, every call."""
+    cdiv(G, gs) steps."""
     M = rows.shape[0]
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -151,12 +150,11 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
         weights = "smem"
     per = steps // splits
-    # Scales not held by step: where there are fewer blocks than experts (a batch of one: 4 of 32),
-    # only the blocks' experts' scales are transposed, by block.
-    by_block = scales_t is None and M // block_m < E
+    # Where there are fewer blocks than experts (a batch of one: 4 of 32), only the blocks' experts'
+    # scales are transposed, by block.
+    by_block = M // block_m < E
     x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks)
-    if scales_t is None:
-        scales_t = mosaic_mxfp4.scales_by_step(scales, block_expert if by_block else None)
+    scales_t = mosaic_mxfp4.scales_by_step(scales, block_expert if by_block else None)
     K, half = 16 * gs, block_f // 2
     x_tiles = mosaic_mxfp4.TILES
 
@@ -239,7 +237,7 @@ def experts(x, idx, w, act, *, kernels):
         if packed(weight):
             _, F, G, _ = weight["blocks"].shape
             return grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
-                                        block_m=block, interpret=kernels.interpret, scales_t=scales_by_step(weight),
+                                        block_m=block, interpret=kernels.interpret,
                                         **decode_settings_mxfp4(bound, F, G, block_m=block))
         _, F, D = weight.shape
         return grouped_matvec(inputs, block_expert, used, weight, block_m=block, interpret=kernels.interpret,

@@ -37,7 +37,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .. import mxfp4
 from . import pairs
 from .mosaic import interpret_params, splits_for, supported, tiles
 
@@ -243,7 +242,7 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
                                              "decoder"))
 def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *, block_m: int = 128, block_n: int = 256,
                          gs: int = 2, stages: int = 4, splits: int = 1, swiglu=None, interpret: bool = False,
-                         decoder: str = "ptx", scales_t=None) -> jax.Array:
+                         decoder: str = "ptx") -> jax.Array:
     """rows [M, D] (bfloat16) in blocks of block_m rows, block_expert [M / block_m] (each block's
     expert), used (blocks from `used` on are skipped; their outputs are undefined), blocks uint8
     [E, F, G, 16], scales uint8 [E, F, G] -> [M, F] bfloat16, float32 sums. block_m: a multiple of
@@ -260,8 +259,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *,
     [rows, 2n] -> [rows, n]) then applies to each (gate, linear) pair of adjacent outputs (mlp1's
     interleaved halves) -> [M, F / 2]: on the GPU by `store_swiglu` with its alpha and limit, in
     interpret mode by calling it. The products' outputs never reach device memory before their
-    activation. `scales_t`: the scales by step [E, G, F] where the weight holds them (mxfp4.MXFP4),
-    else they are transposed here, every call."""
+    activation."""
     M, D = rows.shape
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
@@ -275,7 +273,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *,
         raise ValueError(f"SwiGLU takes (gate, linear) pairs of outputs: F must be even, got {F}")
     per = steps // splits
     x_even, x_odd, flat = operands("Mosaic GPU MXFP4 matmul", rows, blocks)
-    scales_t = scales_by_step(scales) if scales_t is None else scales_t
+    scales_t = scales_by_step(scales)
     if M % block_m or block_m % 64 or block_n % 128:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 64), output tiles of {block_n} (of 128)")
     K, bn, half = 16 * gs, block_n, block_n // 2
@@ -371,7 +369,6 @@ def experts(x, idx, w, act, *, kernels):
         weight = w[name]
         return grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
                                     w[name.replace("weight", "bias")], block_m=128,
-                                    swiglu=act if name == "mlp1_weight" else None, interpret=kernels.interpret,
-                                    scales_t=mxfp4.scales_by_step(weight))
+                                    swiglu=act if name == "mlp1_weight" else None, interpret=kernels.interpret)
 
     return pairs.blocked(x, idx, w, act, block=128, matmul=matmul, epilogue=True)

@@ -84,7 +84,7 @@ class Engine:
         if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:
             raise ValueError("slots, prefill_chunk, prefill_rows and page_size must be positive, max_waiting at "
                              "least 0")
-        self.config, self.params, self.kernels, self.tokenizer = config, kernels.prepare(params), kernels, tokenizer
+        self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
         self.slots, self.max_len, self.prefill_chunk, self.max_waiting = slots, max_len, prefill_chunk, max_waiting
         self.page_size = page_size
         # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
