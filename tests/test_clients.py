@@ -101,7 +101,8 @@ def test_lm_evaluation_harness_scores_a_multiple_choice_task_by_the_models_own_l
     JSON file and a task YAML; no download), tokenizing through the server's /tokenize (its remote
     tokenizer) and scoring each choice by completions with echo and logprobs: every choice's
     loglikelihood equals transformers' float64 log-softmax of the model's logits summed over the
-    choice's tokens, within NOISE_FACTOR x the float32 run's own error; and accuracy is reported."""
+    choice's tokens, within NOISE_FACTOR x the float32 run's own error; and its accuracy is the
+    reference's."""
     import json
 
     import numpy as np
@@ -133,7 +134,6 @@ metric_list:
         model="local-completions",
         model_args=f"base_url={url}/completions,model={MODEL},tokenizer_backend=remote,num_concurrent=1,max_retries=1",
         tasks=["gptoss_choices"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
-    assert 0.0 <= out["results"]["gptoss_choices"]["acc,none"] <= 1.0
     samples = out["samples"]["gptoss_choices"]
     assert len(samples) == len(CHOICES)
 
@@ -154,3 +154,7 @@ metric_list:
                 sums.append(sum(logprobs[i - 1, whole[i]] for i in range(n, len(whole))))
     assert len(got) == sum(len(doc["choices"]) for doc in CHOICES)
     Exact.measure(ref32, ref64).check(got, "lm-evaluation-harness's loglikelihoods")
+    # Its accuracy: the share of questions whose most likely choice (by the float64 reference) is the answer.
+    scores = iter(ref64)
+    right = [int(np.argmax([next(scores) for _ in sample["arguments"]])) == int(sample["target"]) for sample in samples]
+    assert out["results"]["gptoss_choices"]["acc,none"] == pytest.approx(np.mean(right))

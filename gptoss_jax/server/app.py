@@ -185,8 +185,7 @@ def create_app(server: Server) -> FastAPI:
     async def tokenize(http: HTTPRequest):
         def work(req):
             tokens = server.tokenizer.encode(req.prompt, allowed_special="all")
-            strings = [server.tokenizer.decode_single_token_bytes(t).decode("utf-8", errors="replace")
-                       for t in tokens] if req.return_token_strs else None
+            strings = [logprobs.token_text(server.tokenizer, t) for t in tokens] if req.return_token_strs else None
             return {"count": len(tokens), "max_model_len": server.engine.max_len, "tokens": tokens,
                     "token_strs": strings}
 
@@ -309,7 +308,9 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
         req, (prompt, settings) = await prepared(http, protocol.CompletionRequest, completion_prepare)
-        echo = await server.score(echo_of, prompt, req.logprobs) if req.echo else None
+        # Only a scoring pass waits for the scoring thread; the text alone is made on a worker.
+        run = server.score if req.logprobs is not None else server.prepare
+        echo = await run(echo_of, prompt, req.logprobs) if req.echo else None
         rid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
         best_of = req.best_of or req.n
         scored = settings.logprobs is not None

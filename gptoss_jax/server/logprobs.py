@@ -21,6 +21,11 @@ def _text(tokenizer, token: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
+def token_text(tokenizer, token: int) -> str:
+    """One token's own text (a character split over tokens: U+FFFD for its part)."""
+    return _text(tokenizer, token)[0]
+
+
 def entry(tokenizer, token: int, logprob: TokenLogprob) -> dict:
     """One token's entry of a chat or Responses `logprobs` list."""
     text, raw = _text(tokenizer, token)

@@ -10,7 +10,8 @@ The distribution is the model's own: log_softmax of its logits (temperature 1, n
 grammar). One forward pass over the whole prompt, without a cache, outside the engine's steps (it
 runs beside them on the same devices); the logits are made a chunk of positions at a time, so that
 a long prompt never holds [T, V] of them. Prompts are padded to a power of two (at least 64) so that
-each length class compiles once; padding after the prompt cannot reach it (attention is causal).
+each length class compiles once, whatever k; padding after the prompt cannot reach it (attention is
+causal).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def prompt_logprobs(config: ModelConfig, params, prompt: list[int], *, k: int = 
     tokens = np.zeros((1, L), np.int32)
     tokens[0, :T] = prompt
     mesh = mesh_of(params)
-    chosen, ids, top = _score(config, params, on_every_device(jnp.asarray(tokens), mesh), kernels, mesh, max(k, 1))
+    # The top TOP_LOGPROBS always, cut to k here: one compiled pass per length class, whatever k.
+    chosen, ids, top = _score(config, params, on_every_device(jnp.asarray(tokens), mesh), kernels, mesh, TOP_LOGPROBS)
     chosen, ids, top = jax.device_get((chosen, ids, top))
     return chosen[:T - 1], ids[:T - 1, :k], top[:T - 1, :k]
