@@ -48,7 +48,7 @@ def main() -> None:
     from profile_summary import gpu_kernels, load
 
     config = gj.ModelConfig.preset(args.preset)
-    params = random_params_on_device(config.replace(num_hidden_layers=args.layers), seed=0, experts="mxfp4")
+    params = random_params_on_device(config.replace(num_hidden_layers=args.layers), seed=0, dtype="mxfp4")
     mlps = [params[f"block_{i}"]["mlp"] for i in range(args.layers)]
     variants = [("per-pair path", None), ("fused, defaults", {})]
     variants += [(f"fused, {s}", json.loads(s)) for s in args.settings]

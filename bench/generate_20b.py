@@ -78,7 +78,7 @@ def run_jax(args) -> dict:
     config = gj.ModelConfig.preset(args.preset)
     kernels = gj.Kernels(**{k: _field(v) for k, v in (kv.split("=") for kv in args.kernels.split(",") if kv)})
     t = time.perf_counter()
-    params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=args.experts))
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.experts or "bfloat16"))
     init_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     greedy = Sampling(temperature=0)
@@ -190,7 +190,7 @@ def run_startup(args) -> dict:
 
     use_compile_cache(args.startup)
     config = gj.ModelConfig.preset(args.preset)
-    params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=args.experts))
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.experts or "bfloat16"))
     prompt = [np.random.default_rng(0).integers(0, config.vocab_size, args.prefill).tolist()]
     t = time.perf_counter()
     gen = Generator(config, params, max_len=args.prefill + args.decode + 16)

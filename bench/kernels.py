@@ -527,8 +527,8 @@ def layout(rng):
     for experts in (32, 128):
         idx = jnp.asarray(np.stack([rng.choice(experts, A, replace=False) for _ in range(N)]), jnp.int32)
 
-        def scattered(x, idx, experts=experts):
-            order, dest, block_expert, _ = group_by_expert(idx, experts, 128)
+        def scattered(x, idx, count=experts):
+            order, dest, block_expert, _ = group_by_expert(idx, count, 128)
             return jnp.zeros((block_expert.shape[0] * 128, D), x.dtype).at[dest].set(pair_inputs(x, order, A),
                                                                                        mode="drop")
 

@@ -50,7 +50,7 @@ def main() -> None:
 
     config = gj.ModelConfig.preset(args.preset)
     params = jax.block_until_ready(random_params_on_device(
-        config, seed=0, experts="mxfp4" if args.experts == "mxfp4" else None))
+        config, seed=0, dtype="mxfp4" if args.experts == "mxfp4" else "bfloat16"))
     greedy = Sampling(temperature=0.0)
     rng = np.random.default_rng(0)
     max_len = max(args.prompt + args.new, args.prefill + 1)

@@ -89,11 +89,11 @@ def run_jax(args) -> dict:
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
-    experts = "mxfp4" if args.experts == "mxfp4" else None
-    params = jax.block_until_ready(random_params_on_device(config, seed=0, experts=experts))
+    dtype = "mxfp4" if args.experts == "mxfp4" else "bfloat16"
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=dtype))
     kernels = gj.Kernels()
     out = {"framework": f"gptoss-jax ({args.experts} experts), jax {jax.__version__}",
-           "device": jax.devices()[0].device_kind, "kernels": kernels.describe(packed=experts == "mxfp4"), "runs": {}}
+           "device": jax.devices()[0].device_kind, "kernels": kernels.describe(packed=dtype == "mxfp4"), "runs": {}}
     peak = lambda: (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30  # noqa: E731
     max_len = args.prompt + args.new
 

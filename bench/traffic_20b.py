@@ -271,7 +271,7 @@ def main() -> None:
 
     config = gj.ModelConfig.preset(args.preset)
     params = jax.block_until_ready(random_params_on_device(
-        config, seed=0, experts="mxfp4" if args.experts == "mxfp4" else None))
+        config, seed=0, dtype="mxfp4" if args.experts == "mxfp4" else "bfloat16"))
     kernels = gj.Kernels()
     greedy = Sampling(temperature=0.0)
     out = {"framework": f"gptoss-jax ({args.experts} experts), jax {jax.__version__}",

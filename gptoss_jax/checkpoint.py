@@ -8,7 +8,8 @@
       params/final/            memory stays near one layer's size
 Expert weights are stored either decoded ([E, out, in], like the parameters) or, by default, packed
 as published: `mlp1_weight` becomes {"blocks": uint8 [E, out, in/32, 16], "scales": uint8 [E, out, in/32]}
-and is decoded when loaded. Expert arrays are stored one expert per chunk, so that loading onto a
+(the on-disk form of an `mxfp4.MXFP4`, converted at this boundary) and is decoded when loaded, or
+kept packed (dtype "mxfp4"). Expert arrays are stored one expert per chunk, so that loading onto a
 mesh reads, in each process, only the experts its devices hold. Other arrays above `CHUNK_BYTES`
 (the embedding and unembedding: 1.2 GB each in gpt-oss) are stored in chunks of at most that size and
 loaded a chunk at a time, so that host memory stays near one layer's size while loading too.
@@ -32,7 +33,7 @@ import numpy as np
 from .config import ModelConfig
 from .metadata import META_FILE, expand, item_names, read_metadata, write_metadata
 from .moe import EXPERT_WEIGHTS
-from .mxfp4 import packed, unpack_experts
+from .mxfp4 import DTYPE, MXFP4, packed, split_dtype, unpack_experts
 from .params import abstract_params, param_shardings
 from .weight import Params, at_path
 
@@ -53,16 +54,25 @@ def storage_spec(config: ModelConfig, storage: str) -> Params:
     """`jax.ShapeDtypeStruct`s of everything a checkpoint with this expert storage holds."""
     if storage not in EXPERT_STORAGES:
         raise ValueError(f"unknown expert storage {storage!r}; expected one of {', '.join(EXPERT_STORAGES)}")
-    dtype = jnp.float32 if storage == "float32" else jnp.bfloat16
-    return abstract_params(config, dtype, experts="mxfp4" if storage == "mxfp4" else None)
+    return abstract_params(config, storage)  # the storages are the parameters' dtypes, "mxfp4" included
 
 
 def item_spec(config: ModelConfig, storage: str, name: str) -> Params:
     return _item(storage_spec(config, storage), name)
 
 
+def _as_groups(tree):
+    """The on-disk form: every MXFP4 as its {"blocks", "scales"} group."""
+    return jax.tree.map(lambda x: {"blocks": x.blocks, "scales": x.scales} if packed(x) else x, tree, is_leaf=packed)
+
+
+def _from_groups(like, tree):
+    """Back from the on-disk form: the groups at the places `like` (the item's spec) holds an MXFP4."""
+    return jax.tree.map(lambda s, x: MXFP4(x["blocks"], x["scales"]) if packed(s) else x, like, tree, is_leaf=packed)
+
+
 def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Write one item (numpy arrays) as its own Orbax checkpoint, synchronously.
+    """Write one item (numpy arrays; packed experts as MXFP4) as its own Orbax checkpoint, synchronously.
 
     Expert weights (and their packed blocks and scales) are stored one expert per chunk, so that a
     process holding some of the experts reads only theirs (see `load_checkpoint(mesh=...)`). Other
@@ -76,6 +86,7 @@ def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHU
             return ocp.SaveArgs(shard_axes=(0,) if x.shape[0] > 1 else ())  # chunks of one expert
         return ocp.SaveArgs(chunk_byte_size=chunk_bytes if x.nbytes > chunk_bytes else None)
 
+    tree = _as_groups(tree)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(directory, "params", name)), tree,
                       save_args=jax.tree_util.tree_map_with_path(save_args, tree))
@@ -84,8 +95,9 @@ def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHU
 
 
 def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: Params, **fields) -> None:
-    """Write params (not packed) as a checkpoint `load_checkpoint` reads, into `directory`, which may
-    hold other files (a fine-tuning run's train states). The items are written into a hidden folder
+    """Write params as a checkpoint `load_checkpoint` reads, into `directory`, which may
+    hold other files (a fine-tuning run's train states). Packed (MXFP4) experts are stored packed,
+    and the rest must then be bfloat16, as dtype "mxfp4" makes them. The items are written into a hidden folder
     beside, moved into place, and the metadata file, which makes the folder a checkpoint, comes
     last: a failure leaves no checkpoint, or the previous one, never a partial one.
 
@@ -99,7 +111,8 @@ def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: P
     from jax.experimental import multihost_utils
 
     directory = os.path.abspath(expand(directory))
-    storage = dtype_name(params["block_0"]["mlp"]["mlp1_weight"].dtype)
+    experts = params["block_0"]["mlp"]["mlp1_weight"]
+    storage = DTYPE if packed(experts) else dtype_name(experts.dtype)  # packed: the rest is bfloat16
     several, primary = jax.process_count() > 1, jax.process_index() == 0
     if several:  # one work folder for all, made by process 0 (Orbax writes into it from each process)
         work = os.path.join(directory, ".params-partial")
@@ -147,12 +160,12 @@ def _param_dtype(path, dtype: str) -> np.dtype:
 
 
 def _to_param(path, stored, dtype: str, keep_packed: bool):
-    """A stored leaf (or packed {"blocks", "scales"} node) as the parameter of the given dtype (packed
-    experts stay packed with keep_packed)."""
-    if isinstance(stored, dict):  # packed experts
+    """A stored leaf (or packed experts' MXFP4) as the parameter of the given dtype (packed experts
+    stay packed with keep_packed)."""
+    if packed(stored):
         if keep_packed:
-            return {"blocks": jnp.asarray(stored["blocks"]), "scales": jnp.asarray(stored["scales"])}
-        return jnp.asarray(unpack_experts(np.asarray(stored["blocks"]), np.asarray(stored["scales"]), dtype))
+            return MXFP4(jnp.asarray(stored.blocks), jnp.asarray(stored.scales))
+        return jnp.asarray(unpack_experts(np.asarray(stored.blocks), np.asarray(stored.scales), dtype))
     return jnp.asarray(np.asarray(stored).astype(_param_dtype(path, dtype), copy=False))  # no copy when stored so
 
 
@@ -180,7 +193,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
 
     dtype: bfloat16 or float32 (a name or a dtype such as jnp.float32) for the parameters, experts
     decoded; None keeps what was stored (bfloat16 for packed experts). "mxfp4": the experts stay
-    packed as stored ({"blocks", "scales"} of uint8, decoded where the model uses them; the
+    packed as stored (`mxfp4.MXFP4`s of uint8 blocks and scales, decoded where the model uses them; the
     checkpoint must store them packed, the converter's default) and the rest is bfloat16. Norm
     scales are float32 either way.
     mesh: lay the parameters out on this mesh (sharding.make_mesh), as the rules in sharding.py
@@ -195,20 +208,18 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
     config, meta = read_metadata(path)
     path = expand(path)
     storage = meta["expert_storage"]
-    keep_packed = isinstance(dtype, str) and dtype == "mxfp4"
-    if keep_packed:
-        if storage != "mxfp4":
-            raise ValueError(f"{path}: this checkpoint stores its experts decoded ({storage}), so they cannot stay "
-                             f"packed; convert the published checkpoint again with --dtype mxfp4 (the default for "
-                             f"MXFP4 sources), or load this one with dtype bfloat16")
-        dtype = "bfloat16"
+    dtype, keep_packed = split_dtype(dtype)
+    if keep_packed and storage != "mxfp4":
+        raise ValueError(f"{path}: this checkpoint stores its experts decoded ({storage}), so they cannot stay "
+                         f"packed; convert the published checkpoint again with --dtype mxfp4 (the default for "
+                         f"MXFP4 sources), or load this one with dtype bfloat16")
     dtype = dtype_name(dtype) if dtype is not None else ("float32" if storage == "float32" else "bfloat16")
     names = item_names(config)
     specs = {name: item_spec(config, storage, name) for name in names}
     shardings = None
     if mesh is not None:
         # Checks the mesh against the model before any read.
-        shardings = param_shardings(config, mesh, experts="mxfp4" if keep_packed else None)
+        shardings = param_shardings(config, mesh, dtype=DTYPE if keep_packed else dtype)
     checkpointer = ocp.StandardCheckpointer()
     params: Params = {}
     # Before any read: a failed restore's other reads can land before its error reaches us.
@@ -220,16 +231,18 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
             item_dir = os.path.abspath(os.path.join(path, "params", name))
             if not os.path.isdir(item_dir):
                 raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
-            if shardings is None and _chunked(layout := _stored_layout(checkpointer, item_dir, name), keep_packed):
-                _check_layout(layout, specs[name], item_dir)
+            layout = _stored_layout(checkpointer, item_dir, name)
+            _check_layout(layout, specs[name], item_dir)
+            layout = _from_groups(specs[name], layout)
+            if shardings is None and _chunked(layout, keep_packed):
                 params.update(_restore_by_chunks(item_dir, name, layout, dtype))
             elif shardings is None:
                 stored = _restore(checkpointer, item_dir, name)
                 _check_layout(stored, specs[name], item_dir)
                 params.update(jax.tree_util.tree_map_with_path(
-                    lambda p, x: _to_param(p, x, dtype, keep_packed), stored, is_leaf=packed))
+                    lambda p, x: _to_param(p, x, dtype, keep_packed), _from_groups(specs[name], stored),
+                    is_leaf=packed))
             else:
-                _check_layout(_stored_layout(checkpointer, item_dir, name), specs[name], item_dir)
                 params.update(_restore_sharded(checkpointer, item_dir, name, specs[name],
                                                _item(shardings, name), dtype, keep_packed))
             bar.update(_spec_bytes(specs[name]))
@@ -241,7 +254,8 @@ def _layout(tree):
 
 
 def _check_layout(stored, spec, item_dir: str) -> None:
-    got, want = _layout(stored), _layout(spec)
+    """ValueError unless a stored item (on-disk form: packed experts as groups) matches its spec."""
+    got, want = _layout(stored), _layout(_as_groups(spec))
     if got != want:
         raise ValueError(f"{item_dir}: contents do not match config.json (expected {want}, found {got})")
 
@@ -358,34 +372,34 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
     def target(path, leaf):
         param_sharding = at_path(shardings, path)
         if packed(leaf) and keep_packed:
-            return {part: jax.ShapeDtypeStruct(leaf[part].shape, jnp.uint8, sharding=param_sharding[part])
-                    for part in ("blocks", "scales")}
+            return MXFP4(*(jax.ShapeDtypeStruct(part.shape, jnp.uint8, sharding=s)
+                           for part, s in zip(leaf, param_sharding, strict=True)))
         if packed(leaf):
-            groups = leaf["scales"].shape[-1]
-            return {"blocks": jax.ShapeDtypeStruct(leaf["blocks"].shape, jnp.uint8,
-                                                   sharding=_packed_sharding(param_sharding, groups, False)),
-                    "scales": jax.ShapeDtypeStruct(leaf["scales"].shape, jnp.uint8,
-                                                   sharding=_packed_sharding(param_sharding, groups, True))}
+            groups = leaf.scales.shape[-1]
+            return MXFP4(jax.ShapeDtypeStruct(leaf.blocks.shape, jnp.uint8,
+                                              sharding=_packed_sharding(param_sharding, groups, False)),
+                         jax.ShapeDtypeStruct(leaf.scales.shape, jnp.uint8,
+                                              sharding=_packed_sharding(param_sharding, groups, True)))
         return jax.ShapeDtypeStruct(leaf.shape, _param_dtype(path, dtype), sharding=param_sharding)
 
     targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=packed)
-    stored = _restore(checkpointer, item_dir, name, targets)
+    stored = _from_groups(spec, _restore(checkpointer, item_dir, name, _as_groups(targets)))
     if keep_packed:
         return stored
     return jax.tree_util.tree_map_with_path(
         lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if packed(x) else x, stored, is_leaf=packed)
 
 
-def _unpack_sharded(weight: dict, param_sharding, dtype: str) -> jax.Array:
+def _unpack_sharded(weight: MXFP4, param_sharding, dtype: str) -> jax.Array:
     """Decode sharded packed experts into the weight [E, out, in] with the given sharding.
 
     Each device's blocks cover its experts and output rows (and its input columns, or all of them);
     a device's slice is decoded from its own blocks, once per distinct slice.
     """
-    E, out, groups = weight["scales"].shape
+    E, out, groups = weight.scales.shape
     shape = (E, out, groups * 32)
-    blocks = {s.device: s for s in weight["blocks"].addressable_shards}
-    scales = {s.device: s for s in weight["scales"].addressable_shards}
+    blocks = {s.device: s for s in weight.blocks.addressable_shards}
+    scales = {s.device: s for s in weight.scales.addressable_shards}
     decoded: dict = {}
     arrays = []
     for device, index in param_sharding.addressable_devices_indices_map(shape).items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from .config import ModelConfig
+from .mxfp4 import split_dtype
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -52,18 +53,18 @@ def format_sizes(sizes: dict[str, int]) -> str:
 
 
 def default_sizes(config: ModelConfig, num_devices: int, devices_per_process: int, *,
-                  experts: str | None = None) -> dict[str, int]:
+                  dtype="bfloat16") -> dict[str, int]:
     """The layout used when none is asked for, suited to generation.
 
     `expert` as far as it divides the experts: each device holds and reads only its experts, and
     the MoE costs one all-reduce of the tokens' outputs. On two NVIDIA H200s, gpt-oss-20b decodes
     faster so than with `tensor`=2 at batch 1 and 32 (docs/benchmarks.md). Then `tensor` over what
     is left within one process (it adds an all-reduce per attention block, best kept on the fastest
-    links), as far as it divides the query heads, the intermediate size (with experts="mxfp4", its
-    blocks of 32) and the vocabulary; `data` takes the rest.
+    links), as far as it divides the query heads, the intermediate size (for the parameters' dtype
+    "mxfp4", packed experts: its blocks of 32) and the vocabulary; `data` takes the rest.
     """
     sizes = [config.num_attention_heads, config.intermediate_size, config.vocab_size]
-    if experts == "mxfp4":
+    if split_dtype(dtype)[1]:
         sizes.append(config.intermediate_size // 32)
 
     def fits_tensor(t: int) -> bool:

@@ -5,8 +5,8 @@ The experts compute exactly the selected (token, expert) pairs, never every expe
 experts). Who computes them is the kernel layer's choice (`Kernels.experts_for`, one variant per
 call from the registry in kernels/experts.py: readable jnp paths, Pallas Mosaic GPU on Hopper,
 megablox on TPU); this module holds the mathematics: routing, the SwiGLU, the weighted sum, and the
-experts split over a mesh. Expert matrices may be held packed in MXFP4 ({"blocks", "scales"},
-mxfp4.py); the variants read them packed or decode them inside the jitted step.
+experts split over a mesh. Expert matrices may be held packed in MXFP4 (`mxfp4.MXFP4`, its blocks
+and scales); the variants read them packed or decode them inside the jitted step.
 
 On a mesh (sharding.py), each device runs the variant on its own experts only
 (`kernels.local_experts`): every token's pairs with other devices' experts contribute nothing there,
@@ -31,9 +31,8 @@ from jax.sharding import Mesh, PartitionSpec
 from .config import ModelConfig
 from .kernels import Kernels, local_experts
 from .layers import RMSNorm
-from .mxfp4 import packed
-from .sharding import spec
-from .weight import Weight, adapter, declare, low_rank, packed_axes
+from .sharding import spec, weight_spec
+from .weight import Weight, adapter, declare, low_rank
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
 
@@ -142,17 +141,13 @@ def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run, num_local: int
     """
     token_spec = spec(("batch", "act_embed"), x.shape, mesh)
     pair_spec = PartitionSpec(token_spec[0], None)  # [N, A]: tokens as x
-    def weight_spec(name):
+    def layout(name):
         if name.endswith("_lora"):  # an adapter, laid out by its weight's declaration
             axes = MLPBlock.WEIGHTS[name[: -len("_lora")]].adapter_axes()
             return {part: spec(axes[part], w[name][part].shape, mesh, what=f"mlp/{name}/{part}") for part in axes}
-        axes = MLPBlock.WEIGHTS[name].axes
-        if packed(w[name]):
-            return {part: spec(tuple(packed_axes(axes)[part]), w[name][part].shape, mesh, what=f"mlp/{name}/{part}")
-                    for part in ("blocks", "scales")}
-        return spec(axes, w[name].shape, mesh, what=f"mlp/{name}")
+        return weight_spec(MLPBlock.WEIGHTS[name].axes, w[name], mesh, what=f"mlp/{name}")
 
-    w_specs = {name: weight_spec(name) for name in w}
+    w_specs = {name: layout(name) for name in w}
 
     def per_device(x, weights, idx, w):
         first = jax.lax.axis_index("expert") * num_local

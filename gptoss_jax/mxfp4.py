@@ -8,17 +8,22 @@ as in both references.
 
 On the host (numpy): `decode_mxfp4` (a table lookup per byte) and `unpack_experts`, for loading
 decoded experts. On the device (jnp): `decode`, for experts kept packed on the device and decoded
-inside the jitted step (`packed` and `packed_shape` describe that form: {"blocks", "scales"}).
+inside the jitted step. A weight held packed is an `MXFP4` (its blocks and scales; `packed` is the
+one test), chosen once where parameters are made or loaded, by the dtype "mxfp4" (`split_dtype`).
+JAX is imported by the device functions only, so that the command line's checks before JAX starts
+(layout.py) may read the "mxfp4" spelling.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -89,9 +94,32 @@ def packed_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ..
     return (*lead, inp // VALUES_PER_BLOCK, BYTES_PER_BLOCK), (*lead, inp // VALUES_PER_BLOCK)
 
 
+class MXFP4(NamedTuple):
+    """A weight [..., in] held MXFP4-packed along its last (input) axis: blocks uint8 [..., in/32, 16]
+    (two e2m1 codes a byte, the low nibble the even element) and scales uint8 [..., in/32] (one
+    exponent, biased by 127, per 32 values). A pytree of its two arrays, so that jax.tree.map, jit
+    and shardings see two uint8 arrays (their layouts an MXFP4 of the two, likewise); checkpoints
+    store it as a {"blocks", "scales"} group (checkpoint.py converts at that boundary)."""
+
+    blocks: Any
+    scales: Any
+
+
 def packed(x) -> bool:
-    """Whether a parameter is an MXFP4-packed weight ({"blocks", "scales"}) rather than an array."""
-    return isinstance(x, dict) and set(x) == {"blocks", "scales"}
+    """Whether a parameter is an MXFP4-packed weight rather than an array: the one test."""
+    return isinstance(x, MXFP4)
+
+
+DTYPE = "mxfp4"  # the parameters' dtype: bfloat16, with the packable (expert) matrices as MXFP4
+
+
+def split_dtype(dtype) -> tuple[Any, bool]:
+    """A parameters' dtype (a name or a dtype object) -> (the dtype of the weights held as arrays,
+    whether the packable weights are held packed): "mxfp4" is bfloat16 with MXFP4-packed experts,
+    anything else itself with nothing packed. The one reading of the "mxfp4" spelling."""
+    if isinstance(dtype, str) and dtype == DTYPE:
+        return "bfloat16", True
+    return dtype, False
 
 
 # |e2m1 code| (code & 7) as (1 + half / 2) * 2^exponent (code 0 is zero).
@@ -100,7 +128,7 @@ _HALF = np.array([0, 0, 0, 1, 0, 1, 0, 1], np.int32)
 _FORMATS = {np.dtype(np.float32): (23, np.uint32), np.dtype(ml_dtypes.bfloat16): (7, np.uint16)}
 
 
-def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+def decode(blocks: jax.Array, scales: jax.Array, dtype="bfloat16") -> jax.Array:
     """jnp: blocks uint8 [..., G, 16], scales uint8 [..., G] -> dtype [..., G * 32] (bfloat16 or
     float32), bit for bit as `decode_mxfp4`.
 
@@ -108,6 +136,9 @@ def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Arra
     scale, one mantissa bit; subnormals and inf where the exponent leaves the normal range), so no
     float arithmetic can flush the tiny values of scales near 0 (XLA on CPU flushes subnormals).
     """
+    import jax
+    import jax.numpy as jnp
+
     dtype = jnp.dtype(dtype)
     if dtype not in _FORMATS:
         raise ValueError(f"MXFP4 decodes to bfloat16 or float32, not {dtype}")
@@ -125,7 +156,8 @@ def decode(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.Arra
     return values.reshape(*blocks.shape[:-2], -1)
 
 
-def decode_params(params, dtype=jnp.bfloat16):
+def decode_params(params, dtype="bfloat16"):
     """Parameters with every packed weight decoded to dtype (on the device it is on)."""
-    return jax.tree.map(lambda x: decode(x["blocks"], x["scales"], dtype) if packed(x) else x, params,
-                        is_leaf=packed)
+    import jax
+
+    return jax.tree.map(lambda x: decode(x.blocks, x.scales, dtype) if packed(x) else x, params, is_leaf=packed)

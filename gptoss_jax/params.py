@@ -4,10 +4,10 @@ logical axes, and the layout of every weight on a mesh.
 Each weight is declared once, in its module's `WEIGHTS` table (weight.py); tracing the model's
 `init` with `jax.eval_shape` turns those tables into one pytree of shapes, dtypes and logical axis
 names, without allocating. Everything here derives from that trace, so it sits above model.py:
-- `init_params`, `abstract_params`, `logical_axes`: the tree itself (experts="mxfp4": the
-  packable expert matrices as the {"blocks", "scales"} the published checkpoints hold);
+- `init_params`, `abstract_params`, `logical_axes`: the tree itself (dtype "mxfp4": bfloat16, with
+  the packable expert matrices as the `mxfp4.MXFP4` blocks and scales the published checkpoints hold);
 - `param_specs`, `param_shardings`, `check_mesh`: each weight's layout on a mesh, by the rules of
-  sharding.py.
+  sharding.py (for the parameters of a dtype: "mxfp4" lays out the packed experts).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .config import ModelConfig
 from .model import Transformer
 from .moe import MLPBlock
-from .mxfp4 import packed_shape
-from .sharding import spec
-from .weight import Params, at_path, check_experts, packed_axes, path_name
+from .mxfp4 import MXFP4, packed, packed_shape, split_dtype
+from .sharding import weight_spec
+from .weight import Params, at_path, path_name
 
 
 def _model(config: ModelConfig, dtype) -> Transformer:
@@ -42,10 +42,10 @@ def packable_names() -> frozenset[str]:
 
 
 def _pack(tree: Params, one) -> Params:
-    """Replace each packable weight's leaf by one(leaf) (a {"blocks", "scales"} node)."""
+    """Replace each packable weight's leaf by one(leaf) (an MXFP4)."""
     names = packable_names()
     return jax.tree_util.tree_map_with_path(lambda p, x: one(x) if str(p[-1].key) in names else x, tree,
-                                            is_leaf=lambda x: isinstance(x, (jax.ShapeDtypeStruct, PartitionSpec)))
+                                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> Params:
@@ -59,49 +59,50 @@ def _abstract_boxed(config: ModelConfig, dtype) -> Params:
     return jax.eval_shape(lambda: _model(config, dtype).init(jax.random.key(0), _init_tokens()))["params"]
 
 
-def abstract_params(config: ModelConfig, dtype=jnp.bfloat16, *, experts: str | None = None) -> Params:
-    """`jax.ShapeDtypeStruct` for every parameter; nothing is allocated. experts="mxfp4": the
-    packable expert matrices as {"blocks": uint8 [..., in/32, 16], "scales": uint8 [..., in/32]}."""
-    check_experts(experts)
+def abstract_params(config: ModelConfig, dtype=jnp.bfloat16) -> Params:
+    """`jax.ShapeDtypeStruct` for every parameter; nothing is allocated. dtype "mxfp4": bfloat16, with
+    the packable expert matrices as MXFP4(blocks uint8 [..., in/32, 16], scales uint8 [..., in/32])."""
+    dtype, packs = split_dtype(dtype)
     tree = nn.unbox(_abstract_boxed(config, dtype))
-    if experts is None:
+    if not packs:
         return tree
 
     def one(leaf):
         blocks, scales = packed_shape(leaf.shape)
-        return {"blocks": jax.ShapeDtypeStruct(blocks, jnp.uint8), "scales": jax.ShapeDtypeStruct(scales, jnp.uint8)}
+        return MXFP4(jax.ShapeDtypeStruct(blocks, jnp.uint8), jax.ShapeDtypeStruct(scales, jnp.uint8))
 
     return _pack(tree, one)
 
 
-def logical_axes(config: ModelConfig, *, experts: str | None = None) -> Params:
-    """A pytree of `jax.sharding.PartitionSpec` of logical axis names, shaped like the params."""
-    check_experts(experts)
-    tree = nn.get_partition_spec(_abstract_boxed(config, jnp.float32))
-    return tree if experts is None else _pack(tree, lambda spec: packed_axes(tuple(spec)))
+def logical_axes(config: ModelConfig) -> Params:
+    """A pytree of `jax.sharding.PartitionSpec` of logical axis names, shaped like the params (each
+    weight's own axes, packed or not: weight.packed_axes gives a packed one's blocks' and scales')."""
+    return nn.get_partition_spec(_abstract_boxed(config, jnp.float32))
 
 
 # Layout on a mesh -----------------------------------------------------------------------------------
 
-def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int], *, experts: str | None = None) -> Any:
-    """A PartitionSpec for every parameter, shaped like the params (from their logical axes);
-    experts="mxfp4": packed experts' blocks and scales, split along the axes of the weight they hold.
+def param_specs(config: ModelConfig, mesh: Mesh | Mapping[str, int], *, dtype=jnp.bfloat16) -> Any:
+    """A PartitionSpec for every parameter of this dtype, shaped like the params (from their logical
+    axes); dtype "mxfp4": for each packed expert, an MXFP4 of its blocks' and scales' specs, split
+    along the axes of the weight they hold.
 
     Given axis sizes rather than a mesh, it only checks that the rules can split every parameter
     (ValueError otherwise), which is how the command line checks a --mesh before anything is loaded.
     """
-    axes = logical_axes(config, experts=experts)
+    axes = logical_axes(config)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: spec(tuple(at_path(axes, path)), leaf.shape, mesh, what=path_name(path)),
-        abstract_params(config, experts=experts))
+        lambda path, leaf: weight_spec(tuple(at_path(axes, path)), leaf, mesh, what=path_name(path)),
+        abstract_params(config, dtype), is_leaf=packed)
 
 
-def check_mesh(config: ModelConfig, sizes: Mapping[str, int], *, experts: str | None = None) -> None:
-    """ValueError unless the rules can split every parameter on a mesh of these axis sizes."""
-    param_specs(config, sizes, experts=experts)
+def check_mesh(config: ModelConfig, sizes: Mapping[str, int], *, dtype=jnp.bfloat16) -> None:
+    """ValueError unless the rules can split every parameter of this dtype on a mesh of these sizes."""
+    param_specs(config, sizes, dtype=dtype)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh, *, experts: str | None = None) -> Any:
-    """A NamedSharding for every parameter, shaped like the params."""
-    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs(config, mesh, experts=experts),
+def param_shardings(config: ModelConfig, mesh: Mesh, *, dtype=jnp.bfloat16) -> Any:
+    """A NamedSharding for every parameter of this dtype, shaped like the params (an MXFP4 of two
+    for a packed expert: dtype "mxfp4")."""
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_specs(config, mesh, dtype=dtype),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import ModelConfig
 from .layout import MESH_AXES, check_sizes, default_sizes, format_sizes
-from .weight import path_name
+from .mxfp4 import MXFP4, packed
+from .weight import packed_axes, path_name
 
 # Logical axis -> mesh axis (None: replicated). Parameters use the names of ModelConfig.axis_sizes();
 # activations and the KV cache add batch, seq, cache_slots, kv_pages, page_slots and act_embed.
@@ -104,6 +105,15 @@ def spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh | Mapping[str, in
             raise ValueError(f"{what}: two of its axes ({', '.join(axes)}) map to the mesh axis {mesh_axis!r}")
         out.append(mesh_axis)
     return PartitionSpec(*out)
+
+
+def weight_spec(axes: Sequence[str], weight, mesh: Mesh | Mapping[str, int], *, what: str) -> PartitionSpec | MXFP4:
+    """`spec` of a weight (an array, or its jax.ShapeDtypeStruct) with these logical axes; of an
+    MXFP4-packed weight, an MXFP4 of its blocks' and scales' specs, split as the weight would be."""
+    if packed(weight):
+        return MXFP4(*(spec(tuple(part_axes), part.shape, mesh, what=f"{what}/{field}")
+                       for field, part_axes, part in zip(MXFP4._fields, packed_axes(tuple(axes)), weight)))
+    return spec(axes, weight.shape, mesh, what=what)
 
 
 def sharding(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str = "array",

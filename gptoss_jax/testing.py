@@ -23,9 +23,9 @@ import numpy as np
 
 from . import formats
 from .config import ModelConfig
-from .mxfp4 import packed_shape
+from .mxfp4 import MXFP4, packed_shape, split_dtype
 from .params import abstract_params, logical_axes, packable_names, param_shardings
-from .weight import Params, at_path, check_experts
+from .weight import Params, at_path
 
 # Matrices get gain / sqrt(fan_in), fan_in the product of their input axes ("embed" unless listed).
 _GAINS = {"mlp1_weight": 4.0, "router_weight": 2.0}
@@ -51,19 +51,20 @@ def draw_weight(rng: np.random.Generator, name: str, axes: tuple[str, ...], shap
     return z * np.float32(_matrix_std(name, axes, shape))
 
 
-def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, *, experts: str | None = None) -> Params:
+def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Params:
     """Random parameters with realistic activation magnitudes, drawn on the host with numpy.
-    experts="mxfp4": the expert matrices as random MXFP4 blocks and scales (packed, mxfp4.py)."""
+    dtype "mxfp4": bfloat16, with the expert matrices as random MXFP4 blocks and scales (mxfp4.MXFP4)."""
     rng = np.random.default_rng(seed)
-    check_experts(experts)
-    names = packable_names() if experts == "mxfp4" else frozenset()
+    dtype, packs = split_dtype(dtype)
+    dtype = jnp.dtype(dtype)
+    names = packable_names() if packs else frozenset()
 
     def draw(path, leaf, spec):
         name = str(path[-1].key)
         if name in names:
             blocks, scales = packed_shape(leaf.shape)
             b, sc = draw_packed(rng, blocks, scales, _matrix_std(name, tuple(spec), leaf.shape))
-            return {"blocks": jnp.asarray(b), "scales": jnp.asarray(sc)}
+            return MXFP4(jnp.asarray(b), jnp.asarray(sc))
         value = draw_weight(rng, name, tuple(spec), leaf.shape)
         return jnp.asarray(value, jnp.float32 if name == "scale" else dtype)
 
@@ -162,24 +163,21 @@ def write_synthetic_checkpoint(config: ModelConfig, directory: str | os.PathLike
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
-def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, *, mesh=None,
-                            experts: str | None = None) -> Params:
-    """Like `random_params`, drawn on the devices (for full-size benchmarks). experts="mxfp4": the
-    expert matrices as random MXFP4 blocks and scales, never decoded (gpt-oss-120b then fits one
-    80 GB GPU, with no checkpoint on disk).
+def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat16, *, mesh=None) -> Params:
+    """Like `random_params`, drawn on the devices (for full-size benchmarks). dtype "mxfp4": bfloat16,
+    with the expert matrices as random MXFP4 blocks and scales, never decoded (gpt-oss-120b then fits
+    one 80 GB GPU, with no checkpoint on disk).
 
     Each weight is drawn by its own jitted call straight into its layout: on the default device, or
     sharded on `mesh` by the rules in sharding.py, so that no device ever holds a weight the rules
     split (threefry keys are partitionable: each device draws only its own slice).
     """
-    check_experts(experts)
-    names = packable_names() if experts == "mxfp4" else frozenset()
+    shardings = None if mesh is None else param_shardings(config, mesh, dtype=dtype)
+    dtype, packs = split_dtype(dtype)
+    names = packable_names() if packs else frozenset()
     shapes = abstract_params(config, jnp.float32)
     specs = jax.tree.leaves(logical_axes(config), is_leaf=lambda x: isinstance(x, tuple))
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
-    shardings = None
-    if mesh is not None:
-        shardings = param_shardings(config, mesh, experts=experts)
     key = jax.random.key(seed)
     out = []
     for i, ((path, leaf), spec) in enumerate(zip(leaves, specs, strict=True)):
@@ -187,10 +185,10 @@ def random_params_on_device(config: ModelConfig, seed: int = 0, dtype=jnp.bfloat
         sharding = None if shardings is None else at_path(shardings, path)
         if name in names:  # blocks and scales of the weight's shape, scaled to its fan-in
             exponent = _packed_exponent(_matrix_std(name, tuple(spec), leaf.shape))
-            out.append({part: _draw_packed_part(jax.random.fold_in(jax.random.fold_in(key, i), k), shape=shape,
-                                                blocks=part == "blocks", exponent=exponent,
-                                                sharding=None if sharding is None else sharding[part])
-                        for k, (part, shape) in enumerate(zip(("blocks", "scales"), packed_shape(leaf.shape)))})
+            out.append(MXFP4(*(_draw_packed_part(jax.random.fold_in(jax.random.fold_in(key, i), k), shape=shape,
+                                                 blocks=k == 0, exponent=exponent,
+                                                 sharding=None if sharding is None else sharding[k])
+                               for k, shape in enumerate(packed_shape(leaf.shape)))))
             continue
         if name == "scale":  # RMSNorm: 1 + 0.2 z, float32 always
             offset, scale, want = 1.0, 0.2, jnp.float32

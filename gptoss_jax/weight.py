@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .config import ModelConfig
-from .mxfp4 import packed
+from .mxfp4 import MXFP4, packed
 
 _INITIALIZERS = {
     # Small-normal init for matrices and sinks (what HF uses, initializer_range 0.02).
@@ -41,7 +41,7 @@ class Weight:
     # RMSNorm scales stay float32 whatever the model dtype, as in both references.
     float32: bool = False
     # An expert matrix the published checkpoints ship in MXFP4, packed along its last (input) axis:
-    # with experts="mxfp4" it is held as {"blocks", "scales"} (mxfp4.py) and decoded where it is used.
+    # with the dtype "mxfp4" it is held as an `mxfp4.MXFP4` and decoded where it is used.
     packable: bool = False
     # The input axes that x @ W contracts, on a weight that may carry a low-rank adapter
     # (training/lora.py); empty: not adaptable.
@@ -61,9 +61,9 @@ class Weight:
         return {"a": lead + self.inputs + ("lora",), "b": lead + ("lora",) + outputs}
 
 
-def declare(module: nn.Module, name: str) -> jax.Array | dict:
+def declare(module: nn.Module, name: str) -> jax.Array | MXFP4:
     """Create (at init) or fetch (at apply) the parameter `name` of `module.WEIGHTS`; a packable
-    weight held packed comes back as its {"blocks", "scales"}."""
+    weight held packed comes back as its `MXFP4`."""
     spec: Weight = module.WEIGHTS[name]
     if spec.packable and module.has_variable("params", name):
         held = module.get_variable("params", name)
@@ -95,20 +95,13 @@ def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str):
 Params = dict[str, Any]
 
 
-EXPERT_FORMATS = (None, "mxfp4")  # experts as the other weights (dtype), or packed
-
-
-def check_experts(experts) -> None:
-    if experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts must be None (the parameters' dtype) or 'mxfp4', got {experts!r}")
-
-
-def packed_axes(axes: tuple[str, ...]) -> dict:
-    """Logical axes of a packed weight with these axes: the input axis becomes `<input>_blocks` (whole
-    32-value blocks, split as the input axis is) and each block's 16 bytes `block_bytes`."""
+def packed_axes(axes: tuple[str, ...]) -> MXFP4:
+    """Logical axes of a packed weight with these axes, as an MXFP4 of the blocks' and the scales':
+    the input axis becomes `<input>_blocks` (whole 32-value blocks, split as the input axis is) and
+    each block's 16 bytes `block_bytes`."""
     *lead, inp = axes
-    return {"blocks": PartitionSpec(*lead, f"{inp}_blocks", "block_bytes"),
-            "scales": PartitionSpec(*lead, f"{inp}_blocks")}
+    return MXFP4(blocks=PartitionSpec(*lead, f"{inp}_blocks", "block_bytes"),
+                 scales=PartitionSpec(*lead, f"{inp}_blocks"))
 
 
 def param_count(params: Params) -> int:
@@ -116,13 +109,18 @@ def param_count(params: Params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
+def _key(p) -> Any:
+    """A key path entry's key: a dict's key, or a field's name (an MXFP4's blocks and scales)."""
+    return p.name if isinstance(p, jax.tree_util.GetAttrKey) else p.key
+
+
 def at_path(tree: Any, path) -> Any:
     """The subtree of `tree` at a key path (as jax.tree_util's *_with_path functions give them)."""
     for p in path:
-        tree = tree[p.key]
+        tree = getattr(tree, p.name) if isinstance(p, jax.tree_util.GetAttrKey) else tree[p.key]
     return tree
 
 
 def path_name(path) -> str:
-    """A key path as "block_0/mlp/mlp1_weight"."""
-    return "/".join(str(p.key) for p in path)
+    """A key path as "block_0/mlp/mlp1_weight" (an MXFP4's part: ".../mlp1_weight/blocks")."""
+    return "/".join(str(_key(p)) for p in path)

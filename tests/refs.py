@@ -278,7 +278,7 @@ def expert_matrices(weight) -> np.ndarray:
     from gptoss_jax.mxfp4 import decode_mxfp4, packed
 
     if packed(weight):
-        return decode_mxfp4(np.asarray(weight["blocks"]), np.asarray(weight["scales"]), "float32")
+        return decode_mxfp4(np.asarray(weight.blocks), np.asarray(weight.scales), "float32")
     return host(weight)
 
 

@@ -112,7 +112,7 @@ def check_block(config, params, tokens, interpret):
 
 @pytest.fixture(scope="module")
 def packed_mlp():
-    return random_params(CONFIG, seed=3, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    return random_params(CONFIG, seed=3, dtype="mxfp4")["block_0"]["mlp"]
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -123,7 +123,7 @@ def test_route_kernel(packed_mlp, tokens):
 def test_route_kernel_with_experts_not_a_power_of_two():
     """40 experts: logits padded to 64 with -inf, expert blocks wholly past the experts included."""
     config = CONFIG.replace(num_experts=40)
-    params = random_params(config, seed=4, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    params = random_params(config, seed=4, dtype="mxfp4")["block_0"]["mlp"]
     check_route(config, params, 2, interpret=True)
 
 
@@ -133,7 +133,7 @@ def test_a_token_that_is_not_finite_picks_real_experts(num_experts):
     jax.lax.top_k picks for it (the lowest ones), all real. (It used to pick the expert past the
     last, whose weights the expert kernels then read past the end of the arrays.)"""
     config = CONFIG.replace(num_experts=num_experts)
-    params = random_params(config, seed=6, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    params = random_params(config, seed=6, dtype="mxfp4")["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(6), (3, config.hidden_size), jnp.bfloat16)
     x = x.at[1, 5].set(jnp.nan).at[2].set(jnp.inf)
     _, experts, _, _ = decode_moe.route(x, params["norm"]["scale"], params["router_weight"], params["router_bias"],

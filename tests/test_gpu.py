@@ -195,10 +195,13 @@ def test_greedy_tokens_equal_the_jnp_kernels_in_float32():
 
 
 def test_auto_picks_the_gpu_kernels():
-    """What "auto" picks on this GPU: no Pallas Triton kernel (a deprecated backend), Pallas Mosaic
-    GPU on Hopper, the jnp paths before it."""
+    """What "auto" picks on this GPU: Pallas Mosaic GPU on Hopper, the jnp paths before it, and a
+    Pallas Triton kernel (a deprecated backend) only for MXFP4 decode on Hopper while JAX ships it."""
+    from gptoss_jax.kernels import triton_mxfp4
+
     k = gj.Kernels()
     mosaic = gpu.is_hopper() and mosaic_mxfp4.supported()
+    triton = gpu.is_hopper() and triton_mxfp4.pltriton is not None
     assert k.moe_for(4) == ("mosaic_decode" if mosaic else "gather")
     assert k.moe_for(4, jnp.float32) == "gather"
     fused = gpu.available()
@@ -206,7 +209,8 @@ def test_auto_picks_the_gpu_kernels():
     assert k.moe_for(4096, jnp.float32) == "grouped"
     assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "grouped")
     assert k.moe_for(512, packed=True) == ("mosaic_decode" if mosaic else "grouped")
-    assert k.moe_for(4, packed=True) == ("mosaic_pair" if mosaic else "gather")
+    assert k.moe_for(4, packed=True) == ("triton" if triton else "mosaic_pair" if mosaic else "gather")
+    assert k.moe_for(64, packed=True) == ("mosaic_decode" if mosaic else "gather")
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
     decode = "mosaic" if gpu.is_hopper() and mosaic_attention.supported() else "blockwise"
@@ -223,7 +227,7 @@ def test_packed_experts_decode_on_the_gpu(impl, tokens):
     the experts our router picks (refs.exact_moe_block)."""
     from gptoss_jax.mxfp4 import decode_params
 
-    packed = random_params(CONFIG, seed=2, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    packed = random_params(CONFIG, seed=2, dtype="mxfp4")["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(tokens), (1, tokens, CONFIG.hidden_size), jnp.bfloat16)
     with named_triton(impl.startswith("triton")):
         got = MLPBlock(CONFIG, jnp.bfloat16, gj.Kernels(moe=impl)).apply({"params": packed}, x)
@@ -441,7 +445,7 @@ def test_fused_decode_moe_on_the_gpu(tokens):
     definition (test_decode_moe.check_block)."""
     from test_decode_moe import check_block, check_route
 
-    packed = random_params(CONFIG, seed=3, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    packed = random_params(CONFIG, seed=3, dtype="mxfp4")["block_0"]["mlp"]
     with named_triton():
         check_route(CONFIG, packed, tokens, interpret=False)
         check_block(CONFIG, packed, tokens, interpret=False)

@@ -11,6 +11,7 @@ import pytest
 
 import gptoss_jax as gj
 from noise import Exact
+from gptoss_jax.kernels import experts as experts_registry
 from gptoss_jax.kernels import tpu, triton, xla
 from gptoss_jax.kernels.combine import combine
 from refs import exact_attention
@@ -156,28 +157,54 @@ def test_late_map_equals_lax_map():
         np.testing.assert_array_equal(np.asarray(ours[name], np.float32), np.asarray(ref[name], np.float32))
 
 
-@pytest.mark.parametrize("hopper", [True, False])
-def test_auto_on_a_gpu_never_picks_pallas_triton(monkeypatch, hopper):
-    """What "auto" picks on an NVIDIA GPU (tokamax installed), Hopper or older: never a Pallas
-    Triton kernel (a deprecated backend); Pallas Mosaic GPU on Hopper, the jnp paths before it."""
+def _on_a_gpu(monkeypatch, hopper: bool, triton: bool):
+    """This process seen as an NVIDIA GPU machine with tokamax installed: Hopper or older, its JAX
+    shipping Pallas Triton or not."""
     import gptoss_jax.kernels as kernels
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernels.gpu, "is_hopper", lambda: hopper)
     monkeypatch.setattr(kernels.gpu, "available", lambda: True)
     monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
+    monkeypatch.setattr(kernels.triton_mxfp4, "pltriton", object() if triton else None)
+    return kernels
+
+
+@pytest.mark.parametrize("hopper,triton", [(True, True), (True, False), (False, True)])
+def test_auto_on_a_gpu(monkeypatch, hopper, triton):
+    """What "auto" picks on an NVIDIA GPU, Hopper or older, with or without Pallas Triton (deprecated):
+    Pallas Mosaic GPU on Hopper, the jnp paths before it, and a Triton kernel only for MXFP4 decode
+    on Hopper up to one pair per expert (32 for the 20b, 128 for the 120b), while JAX ships it."""
+    kernels = _on_a_gpu(monkeypatch, hopper, triton)
     k = gj.Kernels()
     picks = (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096))
     assert picks == (("mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu") if hopper
                      else ("gather", "gather", "gather", "tokamax"))
-    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 64, 65, 256, 1023, 1024)]
-    assert packed == (["mosaic_pair"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"] if hopper
-                      else ["gather"] * 2 + ["grouped"] * 4)
+    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 32, 33, 64, 65, 256, 1023, 1024)]
+    fused = ["triton"] * 2 if triton else ["mosaic_pair", "mosaic_decode"]
+    assert packed == (fused + ["mosaic_decode"] * 5 + ["mosaic_grouped"] if hopper
+                      else ["gather"] * 4 + ["grouped"] * 4)
+    big = [k.moe_for(pairs, packed=True, num_experts=128) for pairs in (128, 129)]
+    assert big == ((["triton"] if triton else ["mosaic_decode"]) + ["mosaic_decode"] if hopper else ["grouped"] * 2)
+    assert k.moe_for(4, jnp.float32, packed=True) == "gather"  # float32 activations: no 16-bit kernel
     assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic" if hopper else "blockwise", "tokamax")
     # Without tokamax, a large decode batch's 16-bit experts stay on Mosaic GPU (not the jnp grouped
     # path, four times slower at batch 256 on one H200); prompts beyond that go to the jnp path.
     monkeypatch.setattr(kernels.gpu, "available", lambda: False)
     assert (k.moe_for(1024), k.moe_for(1025)) == (("mosaic_decode", "grouped") if hopper else ("grouped", "grouped"))
+
+
+@pytest.mark.parametrize("case", sorted(experts_registry.MEASURED))
+def test_auto_picks_the_fastest_measured_variant(monkeypatch, case):
+    """For each decode class measured on one H100 80GB (kernels/experts.py, MEASURED: gpt-oss-20b's 32
+    and gpt-oss-120b's 128 experts, batches 1 to 64, MXFP4 experts), "auto" on that machine (Hopper,
+    tokamax, Pallas Triton) picks the variant that decoded fastest there."""
+    _on_a_gpu(monkeypatch, hopper=True, triton=True)
+    num_experts, batch = case
+    rates = experts_registry.MEASURED[case]
+    fastest = max(rates, key=rates.get)
+    picked = gj.Kernels().moe_for(batch * 4, packed=True, num_experts=num_experts)
+    assert picked == fastest, f"{num_experts} experts, batch {batch}: auto picks {picked}, measured {rates}"
 
 
 def test_the_package_runs_without_pallas_triton():

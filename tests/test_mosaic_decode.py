@@ -83,24 +83,24 @@ def test_pair_matvec_of_mxfp4_experts(settings):
 
 
 @pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair"])
-@pytest.mark.parametrize("experts", [None, "mxfp4"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_the_kernels_switch_runs_it(experts, tokens, impl):
+def test_the_kernels_switch_runs_it(dtype, tokens, impl):
     """Kernels(moe="mosaic_decode") in the MoE block, 16-bit and MXFP4-packed experts, for one token
     (its pairs each a block of their own) and for 3 (12 pairs sorted into expert blocks); and
-    "mosaic_pair" (one token's pairs over MXFP4 experts a row each, the rest as "mosaic_decode"):
-    the jnp gather path's output on the same (decoded) experts within the noise of a bfloat16 run
-    of it (measured against float32)."""
+    "mosaic_pair" (every pair over MXFP4 experts a row each, up to 64 pairs here; 16-bit experts as
+    "mosaic_decode"): the jnp gather path's output on the same (decoded) experts within the noise of
+    a bfloat16 run of it (measured against float32)."""
     from gptoss_jax.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params
     from gptoss_jax.testing import random_params
 
     config = gj.ModelConfig.tiny().replace(hidden_size=128, intermediate_size=128)
-    params = random_params(config, seed=tokens, dtype=jnp.bfloat16, experts=experts)["block_0"]["mlp"]
+    params = random_params(config, seed=tokens, dtype=dtype)["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(tokens), (tokens, 1, config.hidden_size), jnp.bfloat16)
-    block = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=impl, interpret=True))
+    block = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=impl, interpret=True, moe_pair_max_pairs=64))
     got = jax.jit(lambda p, x: block.apply({"params": p}, x))(params, x)
-    decoded = decode_params(params) if experts else params
+    decoded = decode_params(params)  # 16-bit experts as they are
     want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": decoded}, x)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
     exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32}, x.astype(jnp.float32))

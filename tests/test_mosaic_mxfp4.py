@@ -110,7 +110,7 @@ def test_the_kernels_switch_runs_it(hidden, shape, reference):
     from gptoss_jax.testing import random_params
 
     config = gj.ModelConfig.tiny().replace(hidden_size=hidden, intermediate_size=128)
-    packed = random_params(config, seed=hidden, dtype=jnp.bfloat16, experts="mxfp4")["block_0"]["mlp"]
+    packed = random_params(config, seed=hidden, dtype="mxfp4")["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(1), shape + (config.hidden_size,), jnp.bfloat16)
     got = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply({"params": packed}, x)
     decoded = decode_params(packed)

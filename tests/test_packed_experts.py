@@ -11,13 +11,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import gptoss_jax as gj
 import run_inference
-from gptoss_jax.checkpoint import dtype_name
+from gptoss_jax.checkpoint import dtype_name, save_checkpoint
 from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.generate import Generator
-from gptoss_jax.mxfp4 import decode, decode_mxfp4, decode_params, packed
+from gptoss_jax.mxfp4 import MXFP4, decode, decode_mxfp4, decode_params, packed
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.params import check_mesh
 from gptoss_jax.testing import random_params, random_params_on_device, write_synthetic_checkpoint
+from gptoss_jax.weight import path_name
 from noise import Exact, check_typical_tokens
 from refs import exact_logits, exact_moe_block, openai_model, t
 
@@ -67,8 +68,8 @@ def test_load_keeps_experts_packed_and_the_rest_bfloat16(loaded, tiny):
     config, mx, bf16, _ = loaded
     mlp = mx["block_1"]["mlp"]
     E, D, F = tiny.num_experts, tiny.hidden_size, tiny.intermediate_size
-    assert mlp["mlp1_weight"]["blocks"].shape == (E, 2 * F, D // 32, 16) and mlp["mlp1_weight"]["blocks"].dtype == jnp.uint8
-    assert mlp["mlp2_weight"]["scales"].shape == (E, D, F // 32) and mlp["mlp2_weight"]["scales"].dtype == jnp.uint8
+    assert mlp["mlp1_weight"].blocks.shape == (E, 2 * F, D // 32, 16) and mlp["mlp1_weight"].blocks.dtype == jnp.uint8
+    assert mlp["mlp2_weight"].scales.shape == (E, D, F // 32) and mlp["mlp2_weight"].scales.dtype == jnp.uint8
     assert mx["embedding"].dtype == jnp.bfloat16 and mlp["mlp1_bias"].dtype == jnp.bfloat16
     assert mx["norm"]["scale"].dtype == jnp.float32
     # Decoded on the device, the packed experts are the bfloat16 load's experts exactly.
@@ -129,8 +130,8 @@ def test_packed_experts_on_a_mesh_match_one_device(checkpoints, loaded):
         mesh = gj.make_mesh(**sizes)
         _, params = gj.load_checkpoint(checkpoints / "packed", dtype="mxfp4", mesh=mesh)
         w = params["block_0"]["mlp"]["mlp1_weight"]
-        assert w["blocks"].sharding.spec == PartitionSpec("expert", None, None, None)
-        assert w["scales"].sharding.spec == PartitionSpec("expert", None, None)
+        assert w.blocks.sharding.spec == PartitionSpec("expert", None, None, None)
+        assert w.scales.sharding.spec == PartitionSpec("expert", None, None)
         for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(mx), strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
         _, f32_mesh = gj.load_checkpoint(checkpoints / "packed", dtype="float32", mesh=mesh)
@@ -142,7 +143,7 @@ def test_packed_blocks_must_split_whole(tiny):
     """The tiny model's intermediate size holds 3 blocks of 32: tensor=2 cannot split them (checked
     from the axis sizes alone, before anything is loaded)."""
     with pytest.raises(ValueError, match="tensor=2 does not divide the 3 MXFP4 blocks"):
-        check_mesh(tiny, {"data": 1, "expert": 1, "tensor": 2}, experts="mxfp4")
+        check_mesh(tiny, {"data": 1, "expert": 1, "tensor": 2}, dtype="mxfp4")
     check_mesh(tiny, {"data": 1, "expert": 1, "tensor": 2})  # decoded experts split fine
 
 
@@ -156,9 +157,9 @@ def test_decoded_storage_cannot_stay_packed(checkpoints):
 def test_random_packed_weights_look_like_the_published_ones(tiny):
     """Packed random weights, on the host or drawn on the device: uint8 blocks and scales, decoded
     magnitudes near the dense draw's, and the same tree as a packed load."""
-    host = random_params(tiny, seed=1, dtype=jnp.bfloat16, experts="mxfp4")
-    device = random_params_on_device(tiny, seed=1, experts="mxfp4")
-    want = gj.abstract_params(tiny, jnp.bfloat16, experts="mxfp4")
+    host = random_params(tiny, seed=1, dtype="mxfp4")
+    device = random_params_on_device(tiny, seed=1, dtype="mxfp4")
+    want = gj.abstract_params(tiny, "mxfp4")
     dense = random_params(tiny, seed=1, dtype=jnp.float32)
     for params in (host, device):
         assert jax.tree.map(lambda x: (x.shape, x.dtype), params) == jax.tree.map(lambda x: (x.shape, x.dtype), want)
@@ -167,11 +168,35 @@ def test_random_packed_weights_look_like_the_published_ones(tiny):
         assert 0.5 < rms / dense_rms < 2, (rms, dense_rms)
     # Drawn straight into a mesh's layout, equal to the one-device draw.
     mesh = gj.make_mesh(expert=8)
-    sharded = random_params_on_device(tiny, seed=1, experts="mxfp4", mesh=mesh)
-    blocks = sharded["block_0"]["mlp"]["mlp2_weight"]["blocks"]
+    sharded = random_params_on_device(tiny, seed=1, dtype="mxfp4", mesh=mesh)
+    blocks = sharded["block_0"]["mlp"]["mlp2_weight"].blocks
     assert blocks.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("expert", None, None, None)), 4)
     assert blocks.addressable_shards[0].data.shape[0] == tiny.num_experts // 8
     for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(device), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_packed_weights_are_a_type_of_their_own(tiny, loaded, tmp_path):
+    """dtype "mxfp4" (drawn, or loaded) holds exactly every block's two expert matrices as MXFP4,
+    which jax.tree.map and jax.jit pass through as MXFP4 and a checkpoint saved from gives back;
+    a {"blocks", "scales"} dict (the on-disk form) is not a packed weight."""
+    def packed_paths(params):
+        return {path_name(p) for p, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=packed) if packed(x)}
+
+    experts = {f"block_{i}/mlp/{n}" for i in range(tiny.num_hidden_layers) for n in ("mlp1_weight", "mlp2_weight")}
+    params = random_params(tiny, seed=2, dtype="mxfp4")
+    assert packed_paths(params) == packed_paths(loaded[1]) == experts
+    assert packed_paths(jax.tree.map(lambda x: x + 0, params)) == experts
+    assert packed_paths(jax.jit(lambda p: jax.tree.map(lambda x: x + 0, p))(params)) == experts
+    w = params["block_0"]["mlp"]["mlp1_weight"]
+    assert type(w) is MXFP4 and [x.dtype for x in jax.tree.leaves(w)] == [jnp.uint8, jnp.uint8]
+    group = {"blocks": w.blocks, "scales": w.scales}
+    assert not packed(group) and not packed(w.blocks) and not packed((w.blocks, w.scales))
+    assert decode_params({"w": group}) == {"w": group}  # not decoded: not a packed weight
+    save_checkpoint(tmp_path, tiny, params)
+    _, back = gj.load_checkpoint(tmp_path, dtype="mxfp4")
+    assert packed_paths(back) == experts
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -127,9 +127,9 @@ def start_processes(settings: dict | None) -> None:
         raise ValueError(f"cannot join the other processes: {first}") from None
 
 
-def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig, *, experts: str | None = None):
-    """The mesh to run on (None: one device), checked against the devices and the model (its experts
-    packed with experts="mxfp4"); sizes None: the default layout."""
+def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig, *, dtype="bfloat16"):
+    """The mesh to run on (None: one device), checked against the devices and the model's parameters
+    of this dtype ("mxfp4": its experts packed); sizes None: the default layout."""
     import jax
 
     from ..params import check_mesh
@@ -137,9 +137,9 @@ def choose_mesh(sizes: dict[str, int] | None, config: ModelConfig, *, experts: s
 
     count = jax.device_count()
     flag = "--mesh" if sizes else "the default mesh"
-    sizes = sizes or default_sizes(config, count, jax.local_device_count(), experts=experts)
+    sizes = sizes or default_sizes(config, count, jax.local_device_count(), dtype=dtype)
     try:
-        check_mesh(config, sizes, experts=experts)
+        check_mesh(config, sizes, dtype=dtype)
         check_sizes(sizes, count)
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None

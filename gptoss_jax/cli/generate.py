@@ -165,7 +165,7 @@ def _run(args, signals: Signals) -> int:
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
     # Checked against the devices and the model: nothing read yet.
-    mesh = devices.choose_mesh(mesh_sizes, config, experts=loading.packed_experts(args))
+    mesh = devices.choose_mesh(mesh_sizes, config, dtype=loading.dtype_of(args))
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
     batch = 1 if prompts is None else len(prompts)

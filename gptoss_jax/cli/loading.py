@@ -1,8 +1,8 @@
 """The model-loading flags and loader that gptoss-generate, gptoss-serve and gptoss-finetune share.
 
-`add_flags` adds --checkpoint and --dtype; `packed_experts` says whether the experts stay packed in
-MXFP4 on the device (--dtype mxfp4: the one place that choice is read from the flags);
-`load_params` loads the checkpoint (or makes the demo model's weights) onto the mesh. JAX and the
+`add_flags` adds --checkpoint and --dtype; `dtype_of` is the dtype the parameters load in (--dtype
+mxfp4: the experts stay packed in MXFP4 on the device, the rest bfloat16; `packed_experts` says so
+for messages); `load_params` loads the checkpoint (or makes the demo model's weights) onto the mesh. JAX and the
 loaders are imported inside `load_params` only, so that the flags are checked before they load.
 """
 
@@ -26,9 +26,11 @@ def add_flags(p: argparse.ArgumentParser, *, mxfp4: bool = True, checkpoint_help
                    help=(dtype_help or default_help) + ("; " + MXFP4_HELP if mxfp4 else ""))
 
 
-def packed_experts(args) -> str | None:
-    """"mxfp4" when the experts stay packed on the device (--dtype mxfp4), else None."""
-    return "mxfp4" if getattr(args, "dtype", None) == "mxfp4" else None
+def packed_experts(args) -> bool:
+    """Whether the experts stay packed on the device (--dtype mxfp4), for start-up messages."""
+    from ..mxfp4 import split_dtype
+
+    return split_dtype(dtype_of(args))[1]
 
 
 def dtype_of(args) -> str:
@@ -43,7 +45,6 @@ def load_params(args, config, mesh):
     """The parameters, on `mesh` (None: one device): the checkpoint's, else the demo model's (random)."""
     # Start-up: JAX and the loaders load once the flags and devices are checked.
     import jax
-    import jax.numpy as jnp
 
     from ..checkpoint import load_checkpoint
     from ..params import param_shardings
@@ -51,7 +52,6 @@ def load_params(args, config, mesh):
 
     if args.checkpoint:
         return load_checkpoint(args.checkpoint, dtype=dtype_of(args), mesh=mesh, progress=not args.quiet)[1]
-    experts = packed_experts(args)
-    dtype = "bfloat16" if experts else dtype_of(args)
-    params = random_params(config, seed=0, dtype=jnp.dtype(dtype), experts=experts)
-    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh, experts=experts))
+    dtype = dtype_of(args)
+    params = random_params(config, seed=0, dtype=dtype)
+    return params if mesh is None else jax.device_put(params, param_shardings(config, mesh, dtype=dtype))

@@ -27,7 +27,7 @@ import numpy as np
 from .. import formats
 from ..config import ModelConfig
 from ..metadata import expand, item_names, write_metadata
-from ..mxfp4 import unpack_experts
+from ..mxfp4 import MXFP4, packed, unpack_experts
 from ..version import __version__
 from .sources import SourceError, TensorInfo, read_config_json, read_tensor, scan
 
@@ -124,7 +124,7 @@ def plan_conversion(source: str, dtype: str | None = None) -> Plan:
 def _convert_rule(rule: formats.Rule, arrays: list[np.ndarray], storage: str) -> list[tuple[str, object]]:
     if rule.packed:
         blocks, scales = arrays
-        value = ({"blocks": blocks, "scales": scales} if storage == "mxfp4"
+        value = (MXFP4(blocks, scales) if storage == "mxfp4"
                  else unpack_experts(blocks, scales, "float32" if storage == "float32" else "bfloat16"))
         return [(rule.targets[0], value)]
     outputs = rule.to_ours(*arrays)
@@ -147,6 +147,8 @@ def _insert(tree: dict, path: str, value) -> None:
 def _shapes(tree):
     if isinstance(tree, dict):
         return {k: _shapes(v) for k, v in tree.items()}
+    if packed(tree):
+        return MXFP4(*map(_shapes, tree))
     return (tuple(tree.shape), np.dtype(tree.dtype))
 
 
@@ -189,6 +191,8 @@ def _leaves(tree):
     if isinstance(tree, dict):
         for v in tree.values():
             yield from _leaves(v)
+    elif packed(tree):
+        yield from tree
     else:
         yield tree
 

@@ -12,12 +12,13 @@ it needs, when "auto" picks it (with the measurement behind that) and its call:
 `Kernels` is the one switch: "auto", or a variant by name (checked against the backend). The model
 calls `Kernels.attention_ops` and `Kernels.experts_for` / `local_experts` and names no kernel.
 
-JAX 0.11 deprecated Pallas's Triton backend, and "auto" picks none of its kernels. They remain for
-comparison and for GPUs before Hopper, by name only, while JAX ships the backend (JAX warns when
-they compile): attention "triton" (decode attention to the cache), experts "triton" (decode's
-experts; with MXFP4 experts at decode on one device the whole MoE block, norm and router included,
-as kernels/decode_moe.py's four fused kernels) and "triton_grouped" (MXFP4 experts, prompts). A
-Triton kernel named once the backend is gone raises an error saying so.
+JAX 0.11 deprecated Pallas's Triton backend. While JAX ships it, "auto" picks one of its kernels
+where it still measured fastest: the experts "triton" for MXFP4 experts at decode on Hopper, up to
+one (token, expert) pair per expert (with 16-bit activations on one device the whole MoE block,
+norm and router included, as kernels/decode_moe.py's four fused kernels; `experts.MEASURED`). The
+others are by name only (JAX warns when they compile): attention "triton" (decode attention to the
+cache) and experts "triton_grouped" (MXFP4 experts, prompts). Once the backend is gone "auto" picks
+the Mosaic GPU kernels there, and a Triton kernel named raises an error saying so.
 
 tokamax is optional (`pip install -e ".[cuda]"`, Python >= 3.12); without it a GPU runs the jnp
 attention for prompts, and the jnp grouped path for prompts' 16-bit experts. The Mosaic GPU, Triton and TPU kernels ship with JAX (Pallas). Every
@@ -58,6 +59,9 @@ class Kernels:
     # auto, MXFP4 experts on Hopper: the Mosaic GPU grouped matmul from this many pairs on (one H100 80GB,
     # bench/kernels.py: as fast as the Triton kernel's best at 1,024 pairs, 1.5x faster at 4,096 and 16,384)
     moe_mosaic_min_pairs: int = 1024
+    # auto, MXFP4 experts on Hopper without Pallas Triton: the Mosaic GPU pair kernel (a row per pair) up
+    # to this many pairs (one token's), the Mosaic GPU decode kernel (expert blocks) beyond
+    moe_pair_max_pairs: int = 4
     moe_block: int = 64  # rows per expert block on the grouped (jnp) path
     interpret: bool = False  # run the Pallas kernels in interpret mode (tests on CPU)
 
@@ -80,17 +84,19 @@ class Kernels:
         """Prompt positions a prefill step suits with the attention variant long prompts of this dtype get."""
         return attention.pick(self, 4096, dtype).prompt_chunk
 
-    def moe_for(self, pairs: int, dtype=jnp.bfloat16, packed: bool = False) -> str:
-        """The name of the expert variant for a call with this many (token, expert) pairs, weights of
-        this dtype (for MXFP4-packed experts, `packed`: the activations' dtype, which they are decoded
-        to). The variants and "auto"'s tests: kernels/experts.py."""
-        return experts.pick(self, pairs, dtype, packed).name
+    def moe_for(self, pairs: int, dtype=jnp.bfloat16, packed: bool = False, *, num_experts: int = 32) -> str:
+        """The name of the expert variant for a call with this many (token, expert) pairs over
+        `num_experts` experts (gpt-oss-20b's 32 unless given), weights of this dtype (for MXFP4-packed
+        experts, `packed`: the activations' dtype, which they are decoded to). The variants and
+        "auto"'s tests: kernels/experts.py."""
+        return experts.pick(self, pairs, dtype, packed, experts=num_experts).name
 
     def experts_for(self, pairs: int, dtype, weight, *, adapters: bool = False) -> experts.Variant:
         """The expert variant for a call with this many pairs, activations of this dtype and this
         expert weight (16-bit [E, out, in] or MXFP4-packed); with adapters, one that adds them."""
         is_packed = mxfp4.packed(weight)
-        return experts.pick(self, pairs, dtype if is_packed else weight.dtype, is_packed, adapters=adapters)
+        return experts.pick(self, pairs, dtype if is_packed else weight.dtype, is_packed,
+                            experts=experts.pairs.num_experts(weight), adapters=adapters)
 
     def fused_moe(self, x, norm_scale, w, config, *, mesh):
         """The whole MoE block [N, D] float32 for tokens x [N, D] where a variant runs it whole, else None."""

@@ -316,15 +316,15 @@ def down(a, experts, pair_weights, blocks, scales, bias, *, limit: float, interp
 def moe(x, norm_scale, w, *, k: int, eps: float, alpha: float, limit: float, interpret: bool = False,
         settings: dict | None = None):
     """The MoE block's output [N, D] float32 (no residual) for tokens x [N, D] (16-bit), with the
-    block's weights w (router_weight, router_bias, and mlp1/mlp2 packed as {"blocks", "scales"})."""
+    block's weights w (router_weight, router_bias, and mlp1/mlp2 packed: mxfp4.MXFP4)."""
     N, D = x.shape
     settings = settings or {}
     weights, experts, t, m = route(x, norm_scale, w["router_weight"], w["router_bias"], k=k, eps=eps,
                                    interpret=interpret, **settings.get("route", {}))
     experts, weights = experts.reshape(N * k), weights.reshape(N * k)
-    a = up_swiglu(t, m, experts, w["mlp1_weight"]["blocks"], w["mlp1_weight"]["scales"], w["mlp1_bias"],
+    a = up_swiglu(t, m, experts, w["mlp1_weight"].blocks, w["mlp1_weight"].scales, w["mlp1_bias"],
                   tokens_per_pair=k, alpha=alpha, limit=limit, interpret=interpret, **settings.get("up", {}))
-    y = down(a, experts, weights, w["mlp2_weight"]["blocks"], w["mlp2_weight"]["scales"], w["mlp2_bias"],
+    y = down(a, experts, weights, w["mlp2_weight"].blocks, w["mlp2_weight"].scales, w["mlp2_bias"],
              limit=limit, interpret=interpret, **settings.get("down", {}))
     return y.reshape(N, k, D).sum(axis=1)
 

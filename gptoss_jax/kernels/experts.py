@@ -36,12 +36,20 @@ class Call:
     dtype: jnp.dtype
     packed: bool
     decode: bool  # pairs <= Kernels.moe_gather_max_pairs
+    pair: bool  # pairs <= Kernels.moe_pair_max_pairs
+    experts: int  # the layer's experts (all devices')
     small: bool  # pairs < Kernels.moe_mosaic_min_pairs
     at_most_min: bool  # pairs <= Kernels.moe_mosaic_min_pairs
     backend: str
     hopper: bool  # an NVIDIA Hopper GPU (compute capability 9.0)
     mosaic: bool  # Hopper and a JAX whose Pallas Mosaic GPU these kernels need
     tokamax: bool
+    triton: bool  # this JAX ships Pallas's (deprecated) Triton backend
+
+    @property
+    def few(self) -> bool:
+        """At most one pair per expert on average (decode batches up to experts / A tokens)."""
+        return self.pairs <= self.experts
 
     @property
     def sixteen_bit(self) -> bool:
@@ -75,12 +83,19 @@ def _fused_block(x, norm_scale, w, config, kernels):
                           alpha=config.swiglu_alpha, limit=config.swiglu_limit, interpret=kernels.interpret)
 
 
-# In "auto"'s order of preference. The measurements behind each test are in docs/benchmarks.md.
+# In "auto"'s order of preference. The measurements behind each test are in docs/benchmarks.md, and
+# `MEASURED` below holds the decode rates that tests/test_kernels.py checks "auto" against.
 EXPERTS = {v.name: v for v in (
-    # One token's MXFP4 pairs a row each, on Hopper: one H100 80GB (gpt-oss-20b, batch 1), 326.1
-    # tokens/s against 325.2 for the fused Pallas Triton decode MoE, in one run.
+    # Pallas Triton (deprecated by JAX 0.11; "auto" picks it while JAX ships it): at decode on one
+    # device with 16-bit activations and MXFP4 experts, the whole block as decode_moe.py's four
+    # fused kernels (fewer launches and no layout kernels between them, against the Mosaic GPU
+    # path's); on Hopper up to one pair per expert, where it measured fastest (`MEASURED`).
+    Variant("triton", triton_mxfp4.pairwise_experts, needs=TRITON, block=_fused_block, block_fits=decode_moe.fits,
+            auto=lambda c: c.packed and c.bf16 and c.hopper and c.triton and c.few),
+    # One token's MXFP4 pairs a row each, on Hopper without Pallas Triton (`MEASURED`: within a few
+    # percent of the fused Triton block at a batch of one, below it in most runs).
     Variant("mosaic_pair", mosaic_pair.experts, needs=HOPPER,
-            auto=lambda c: c.packed and c.bf16 and c.mosaic and c.decode and c.small),
+            auto=lambda c: c.packed and c.bf16 and c.mosaic and c.pair),
     # Decode's experts on Hopper, each selected expert read once, in place; MXFP4 experts up to
     # `moe_mosaic_min_pairs` pairs; 16-bit ones at decode, and without tokamax up to that many pairs
     # (one NVIDIA H200, gpt-oss-20b's decode step at batch 256, 1,024 pairs: 19.7 ms against 79.3 on
@@ -101,30 +116,51 @@ EXPERTS = {v.name: v for v in (
     Variant("tokamax", gpu.tokamax_experts, needs=GPU,
             auto=lambda c: not c.packed and c.backend == "gpu" and c.sixteen_bit and c.tokamax and not c.hopper),
     Variant("grouped", jnp_experts.grouped, adapters=True, auto=lambda c: True),
-    # Pallas Triton (deprecated by JAX 0.11): by name only. At decode on one device with 16-bit
-    # activations and MXFP4 experts, the whole block as decode_moe.py's four fused kernels.
-    Variant("triton", triton_mxfp4.pairwise_experts, needs=TRITON, block=_fused_block, block_fits=decode_moe.fits),
+    # Pallas Triton's grouped MXFP4 matmul: by name only.
     Variant("triton_grouped", triton_mxfp4.grouped_experts, weights="packed", needs=TRITON),
 )}
 
 
-def call_of(kernels, pairs: int, dtype, is_packed: bool) -> Call:
+# Decode tokens/s behind "auto"'s MXFP4 choices on Hopper (docs/benchmarks.md, "Decode over MXFP4
+# experts"): one NVIDIA H100 80GB HBM3, 2026-11-26, jax 0.11.2, synthetic full-size weights, greedy,
+# the median of 3 generations of 32 tokens after a 128-token prompt, each variant named with
+# --kernels moe=NAME ("mosaic_pair" runs "mosaic_decode" past one token). (experts, batch) ->
+# {variant: tokens/s}; tests/test_kernels.py checks that "auto" picks each row's fastest. Batch 1
+# varies by more than its gap between runs (20b: Mosaic GPU 290.0, 346.6, 309.6 against Triton
+# 357.6, 315.0, 333.9 in three runs); the rows are the last run's (its 20b batch 32 and 64 from a
+# run an hour before on the same kind of machine, the 120b's batch 8 from the day's first run).
+MEASURED = {
+    (32, 1): {"triton": 333.9, "mosaic_pair": 309.6},  # gpt-oss-20b
+    (32, 4): {"triton": 920.2, "mosaic_decode": 577.9},
+    (32, 8): {"triton": 1233.3, "mosaic_decode": 1012.5},
+    (32, 16): {"triton": 1487.5, "mosaic_decode": 1740.8},
+    (32, 32): {"triton": 1666.7, "mosaic_decode": 3220.3},
+    (32, 64): {"triton": 1777.2, "mosaic_decode": 5888.4},
+    (128, 1): {"triton": 241.1, "mosaic_pair": 231.5},  # gpt-oss-120b
+    (128, 8): {"triton": 795.1, "mosaic_decode": 503.2},
+    (128, 16): {"triton": 927.3, "mosaic_decode": 582.4},
+}
+
+
+def call_of(kernels, pairs: int, dtype, is_packed: bool, experts: int) -> Call:
     backend = jax.default_backend()
     hopper = backend == "gpu" and gpu.is_hopper()
     return Call(pairs=pairs, dtype=jnp.dtype(dtype), packed=is_packed, decode=pairs <= kernels.moe_gather_max_pairs,
+                pair=pairs <= kernels.moe_pair_max_pairs, experts=experts,
                 small=pairs < kernels.moe_mosaic_min_pairs, at_most_min=pairs <= kernels.moe_mosaic_min_pairs,
                 backend=backend, hopper=hopper, mosaic=hopper and mosaic.supported(),
-                tokamax=backend == "gpu" and gpu.available())
+                tokamax=backend == "gpu" and gpu.available(), triton=triton_mxfp4.pltriton is not None)
 
 
-def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, adapters: bool = False) -> Variant:
-    """The variant for a call with this many pairs over experts of this dtype (packed: MXFP4, dtype the
-    activations'): the one `kernels.moe` names, else "auto"'s; with adapters, one that adds them."""
+def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, experts: int, adapters: bool = False) -> Variant:
+    """The variant for a call with this many pairs over `experts` experts of this dtype (packed: MXFP4,
+    dtype the activations'): the one `kernels.moe` names, else "auto"'s; with adapters, one that adds
+    them."""
     if kernels.moe != "auto":
         named = EXPERTS[kernels.moe].check(kernels.interpret)
         if named.adapters or not adapters:
             return named
-    call = call_of(kernels, pairs, dtype, is_packed)
+    call = call_of(kernels, pairs, dtype, is_packed, experts)
     return next(v for v in EXPERTS.values() if v.auto(call) and (v.adapters or not adapters))
 
 
@@ -133,7 +169,8 @@ def fused_block(kernels, x, norm_scale, w, config, *, mesh) -> jax.Array | None:
     for the call runs blocks whole (on one device); None otherwise."""
     if mesh is not None:
         return None
-    variant = pick(kernels, x.shape[0] * config.experts_per_token, x.dtype, packed(w["mlp1_weight"]))
+    variant = pick(kernels, x.shape[0] * config.experts_per_token, x.dtype, packed(w["mlp1_weight"]),
+                   experts=pairs.num_experts(w["mlp1_weight"]))
     if variant.block is None or not variant.block_fits(x, w, config):
         return None
     return variant.block(x, norm_scale, w, config, kernels)

@@ -29,7 +29,7 @@ def expert_rows(weight, idx, dtype) -> jax.Array:
     """weight[idx] for an expert weight [E, out, in], or for its MXFP4-packed form decoded right here
     (inside the jitted step: only the experts idx selects are decoded)."""
     if packed(weight):
-        return decode(weight["blocks"][idx], weight["scales"][idx], dtype)
+        return decode(weight.blocks[idx], weight.scales[idx], dtype)
     return weight[idx]
 
 

@@ -235,8 +235,8 @@ def experts(x, idx, w, act, *, kernels):
     def matmul(inputs, name, block_expert, used):
         weight, bound = w[name], block_expert.shape[0]
         if packed(weight):
-            _, F, G, _ = weight["blocks"].shape
-            return grouped_matvec_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
+            _, F, G, _ = weight.blocks.shape
+            return grouped_matvec_mxfp4(inputs, block_expert, used, weight.blocks, weight.scales,
                                         block_m=block, interpret=kernels.interpret,
                                         **decode_settings_mxfp4(bound, F, G, block_m=block))
         _, F, D = weight.shape

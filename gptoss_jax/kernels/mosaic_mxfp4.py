@@ -367,7 +367,7 @@ def experts(x, idx, w, act, *, kernels):
     in the kernel's epilogue. x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
     def matmul(inputs, name, block_expert, used):
         weight = w[name]
-        return grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"],
+        return grouped_matmul_mxfp4(inputs, block_expert, used, weight.blocks, weight.scales,
                                     w[name.replace("weight", "bias")], block_m=128,
                                     swiglu=act if name == "mlp1_weight" else None, interpret=kernels.interpret)
 

@@ -133,15 +133,16 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
 
 
 def experts(x, idx, w, act, *, kernels):
-    """The experts' variant "mosaic_pair" (kernels/experts.py): one token's pairs over MXFP4-packed
-    experts a row each (no tensor cores, no padding rows); any other call as "mosaic_decode".
+    """The experts' variant "mosaic_pair" (kernels/experts.py): up to `kernels.moe_pair_max_pairs`
+    pairs over MXFP4-packed experts a row each, in their own order (no sorting, no tensor cores, no
+    padding rows; an expert two pairs share is read twice); any other call as "mosaic_decode".
     x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
-    if idx.shape[0] != 1 or not (packed(w["mlp1_weight"]) and packed(w["mlp2_weight"])):
+    if idx.size > kernels.moe_pair_max_pairs or not (packed(w["mlp1_weight"]) and packed(w["mlp2_weight"])):
         return mosaic_decode.experts(x, idx, w, act, kernels=kernels)
 
     def matmul(inputs, name, block_expert, used):
         weight = w[name]
-        return pair_matvec_mxfp4(inputs, block_expert, weight["blocks"], weight["scales"], interpret=kernels.interpret,
-                                 **pair_settings(weight["blocks"].shape[2]))
+        return pair_matvec_mxfp4(inputs, block_expert, weight.blocks, weight.scales, interpret=kernels.interpret,
+                                 **pair_settings(weight.blocks.shape[2]))
 
     return pairs.blocked(x, idx, w, act, block=1, matmul=matmul)

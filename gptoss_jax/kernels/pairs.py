@@ -162,8 +162,8 @@ def decode_block(pairs: int, num_experts: int) -> int:
 
 
 def pairs_as_blocks(x, idx, num_experts: int, block: int):
-    """`to_blocks` for one token, whose pairs' experts are distinct: each pair a block of its own
-    (its input, then block - 1 zero rows), in the pairs' order, with no sorting. Dropped pairs
+    """`to_blocks` for one token (whose pairs' experts are distinct), or for blocks of one row: each
+    pair a block of its own (its input, then block - 1 zero rows), in the pairs' order, with no sorting. Dropped pairs
     (idx < 0 or >= E) compute with expert 0 and are zeroed by undo."""
     N, A = idx.shape
     # x as an array of its own, so that the padding is not fused into the RMSNorm that makes x (a
@@ -180,23 +180,23 @@ def pairs_as_blocks(x, idx, num_experts: int, block: int):
 
 
 def num_experts(weight) -> int:
-    """E of an expert weight [E, out, in], 16-bit or MXFP4-packed ({"blocks", "scales"})."""
-    return (weight["scales"] if packed(weight) else weight).shape[0]
+    """E of an expert weight [E, out, in], 16-bit or MXFP4-packed (an MXFP4)."""
+    return (weight.scales if packed(weight) else weight).shape[0]
 
 
 def whole_experts(weight, dtype) -> jax.Array:
     """An expert weight [E, out, in]; a packed one is decoded here, the layer's experts at once."""
-    return decode(weight["blocks"], weight["scales"], dtype) if packed(weight) else weight
+    return decode(weight.blocks, weight.scales, dtype) if packed(weight) else weight
 
 
 def blocked(x, idx, w, act, *, block: int, matmul, epilogue: bool = False):
     """x [N, D], idx [N, A] (negative: dropped) -> [N, A, D] by a kernel over expert blocks: the pairs
     in blocks of `block` rows of one expert each (`to_blocks`; for one token, a block per pair), then
     matmul(rows, name, block_expert, used) -> [rows, out] for each projection ("mlp1_weight",
-    "mlp2_weight"). Rows of blocks past `used` are undefined, and dropped. `epilogue`: the kernel
+    "mlp2_weight"); blocks of one row are the pairs in their own order, unsorted. Rows of blocks past `used` are undefined, and dropped. `epilogue`: the kernel
     adds the biases itself, and applies the activation to mlp1's outputs."""
     E = num_experts(w["mlp1_weight"])
-    blocks_of = pairs_as_blocks if idx.shape[0] == 1 else to_blocks
+    blocks_of = pairs_as_blocks if idx.shape[0] == 1 or block == 1 else to_blocks
     rows, undo, block_expert, used = blocks_of(x, idx, E, block)
     num_blocks = block_expert.shape[0]
 

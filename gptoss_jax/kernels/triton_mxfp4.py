@@ -233,7 +233,7 @@ def grouped_experts(x, idx, w, act, *, kernels):
 
     def matmul(inputs, name, block_expert, used):
         weight = w[name]
-        return grouped_matmul_mxfp4(inputs, block_expert, used, weight["blocks"], weight["scales"], block_m=block,
+        return grouped_matmul_mxfp4(inputs, block_expert, used, weight.blocks, weight.scales, block_m=block,
                                     interpret=kernels.interpret, **_grouped_settings(block, name))
 
     return pairs.blocked(x, idx, w, act, block=block, matmul=matmul)
@@ -245,7 +245,7 @@ def pairwise_experts(x, idx, w, act, *, kernels):
     (negative: held elsewhere, computed with expert 0 and weighted zero) -> [N, A, D]."""
     def matvec(inputs, weight):
         if packed(weight):
-            return pair_matvec_mxfp4(inputs, flat, weight["blocks"], weight["scales"], interpret=kernels.interpret)
+            return pair_matvec_mxfp4(inputs, flat, weight.blocks, weight.scales, interpret=kernels.interpret)
         return pair_matvec(inputs, flat, weight, interpret=kernels.interpret)
 
     N, A = idx.shape

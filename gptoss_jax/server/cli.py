@@ -307,7 +307,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
 
     devices.use_compile_cache(args.compile_cache)
     devices.start_processes(processes)
-    mesh = devices.choose_mesh(mesh_sizes, config, experts=loading.packed_experts(args))
+    mesh = devices.choose_mesh(mesh_sizes, config, dtype=loading.dtype_of(args))
     main_process = devices.quiet_other_processes()  # only process 0 listens and speaks
     if main_process and sock is None:
         sock = _listen(args.host, args.port, api_key)
