@@ -112,7 +112,11 @@ def save_checkpoint(directory: str | os.PathLike, config: ModelConfig, params: P
 
     directory = os.path.abspath(expand(directory))
     experts = params["block_0"]["mlp"]["mlp1_weight"]
-    storage = DTYPE if packed(experts) else dtype_name(experts.dtype)  # packed: the rest is bfloat16
+    storage = DTYPE if packed(experts) else dtype_name(experts.dtype)
+    if packed(experts) and (found := params["embedding"].dtype) != jnp.bfloat16:
+        raise ValueError(f"packed (MXFP4) experts are stored beside bfloat16 weights (dtype \"mxfp4\"), but "
+                         f"embedding is {found}: cast the other weights to bfloat16, or decode the experts "
+                         f"(mxfp4.decode_params), before saving")
     several, primary = jax.process_count() > 1, jax.process_index() == 0
     if several:  # one work folder for all, made by process 0 (Orbax writes into it from each process)
         work = os.path.join(directory, ".params-partial")

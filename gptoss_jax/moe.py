@@ -118,7 +118,8 @@ class MLPBlock(nn.Module):
                              extra=jnp.asarray(router_delta, jnp.float32))
 
         act = SwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
-        variant = self.kernels.experts_for(idx.size, t.dtype, w["mlp1_weight"], adapters=bool(expert_adapters))
+        variant = self.kernels.experts_for(idx.size, t.dtype, w["mlp1_weight"], adapters=bool(expert_adapters),
+                                           mesh=self.mesh)
         run = functools.partial(local_experts, variant=variant, kernels=self.kernels)
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         experts.update(expert_adapters)

@@ -187,6 +187,9 @@ def test_auto_on_a_gpu(monkeypatch, hopper, triton):
     big = [k.moe_for(pairs, packed=True, num_experts=128) for pairs in (128, 129)]
     assert big == ((["triton"] if triton else ["mosaic_decode"]) + ["mosaic_decode"] if hopper else ["grouped"] * 2)
     assert k.moe_for(4, jnp.float32, packed=True) == "gather"  # float32 activations: no 16-bit kernel
+    # On a mesh the MoE runs per device (no fused block), where the Triton block was not measured.
+    on_mesh = experts_registry.pick(k, 4, jnp.bfloat16, True, experts=32, sharded=True).name
+    assert on_mesh == ("mosaic_pair" if hopper else "gather")
     assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic" if hopper else "blockwise", "tokamax")
     # Without tokamax, a large decode batch's 16-bit experts stay on Mosaic GPU (not the jnp grouped
     # path, four times slower at batch 256 on one H200); prompts beyond that go to the jnp path.

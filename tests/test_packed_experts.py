@@ -200,6 +200,16 @@ def test_packed_weights_are_a_type_of_their_own(tiny, loaded, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_packed_experts_beside_float32_weights_are_not_saved(tiny, tmp_path):
+    """A checkpoint stores packed experts beside bfloat16 weights only (what dtype "mxfp4" loads): packed
+    experts in a float32 tree are refused before anything is written, naming the weight and the fix."""
+    mixed = _with_packed_experts(random_params(tiny, seed=3, dtype=jnp.float32), random_params(tiny, seed=3,
+                                                                                              dtype="mxfp4"))
+    with pytest.raises(ValueError, match="embedding is float32: cast the other weights to bfloat16"):
+        save_checkpoint(tmp_path / "ckpt", tiny, mixed)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_triton_matvec_reads_packed_experts(loaded, tokens):
     """The decode kernel for packed experts (Pallas interpret mode), float32 activations: decoding in

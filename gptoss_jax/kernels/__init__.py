@@ -13,9 +13,9 @@ it needs, when "auto" picks it (with the measurement behind that) and its call:
 calls `Kernels.attention_ops` and `Kernels.experts_for` / `local_experts` and names no kernel.
 
 JAX 0.11 deprecated Pallas's Triton backend. While JAX ships it, "auto" picks one of its kernels
-where it still measured fastest: the experts "triton" for MXFP4 experts at decode on Hopper, up to
-one (token, expert) pair per expert (with 16-bit activations on one device the whole MoE block,
-norm and router included, as kernels/decode_moe.py's four fused kernels; `experts.MEASURED`). The
+where it still measured fastest: the experts "triton" for MXFP4 experts at decode on one Hopper GPU (no mesh), up to one (token,
+expert) pair per expert, as the whole MoE block, norm and router included (kernels/decode_moe.py's
+four fused kernels; `experts.MEASURED`). The
 others are by name only (JAX warns when they compile): attention "triton" (decode attention to the
 cache) and experts "triton_grouped" (MXFP4 experts, prompts). Once the backend is gone "auto" picks
 the Mosaic GPU kernels there, and a Triton kernel named raises an error saying so.
@@ -91,12 +91,13 @@ class Kernels:
         "auto"'s tests: kernels/experts.py."""
         return experts.pick(self, pairs, dtype, packed, experts=num_experts).name
 
-    def experts_for(self, pairs: int, dtype, weight, *, adapters: bool = False) -> experts.Variant:
+    def experts_for(self, pairs: int, dtype, weight, *, adapters: bool = False, mesh=None) -> experts.Variant:
         """The expert variant for a call with this many pairs, activations of this dtype and this
-        expert weight (16-bit [E, out, in] or MXFP4-packed); with adapters, one that adds them."""
+        expert weight (16-bit [E, out, in] or MXFP4-packed, all devices' experts), on one device or
+        over `mesh`; with adapters, one that adds them."""
         is_packed = mxfp4.packed(weight)
         return experts.pick(self, pairs, dtype if is_packed else weight.dtype, is_packed,
-                            experts=experts.pairs.num_experts(weight), adapters=adapters)
+                            experts=experts.pairs.num_experts(weight), adapters=adapters, sharded=mesh is not None)
 
     def fused_moe(self, x, norm_scale, w, config, *, mesh):
         """The whole MoE block [N, D] float32 for tokens x [N, D] where a variant runs it whole, else None."""

@@ -38,6 +38,7 @@ class Call:
     decode: bool  # pairs <= Kernels.moe_gather_max_pairs
     pair: bool  # pairs <= Kernels.moe_pair_max_pairs
     experts: int  # the layer's experts (all devices')
+    sharded: bool  # the MoE runs on a mesh (per device, in shard_map), so no variant runs the block whole
     small: bool  # pairs < Kernels.moe_mosaic_min_pairs
     at_most_min: bool  # pairs <= Kernels.moe_mosaic_min_pairs
     backend: str
@@ -91,7 +92,7 @@ EXPERTS = {v.name: v for v in (
     # fused kernels (fewer launches and no layout kernels between them, against the Mosaic GPU
     # path's); on Hopper up to one pair per expert, where it measured fastest (`MEASURED`).
     Variant("triton", triton_mxfp4.pairwise_experts, needs=TRITON, block=_fused_block, block_fits=decode_moe.fits,
-            auto=lambda c: c.packed and c.bf16 and c.hopper and c.triton and c.few),
+            auto=lambda c: c.packed and c.bf16 and c.hopper and c.triton and c.few and not c.sharded),
     # One token's MXFP4 pairs a row each, on Hopper without Pallas Triton (`MEASURED`: within a few
     # percent of the fused Triton block at a batch of one, below it in most runs).
     Variant("mosaic_pair", mosaic_pair.experts, needs=HOPPER,
@@ -142,25 +143,26 @@ MEASURED = {
 }
 
 
-def call_of(kernels, pairs: int, dtype, is_packed: bool, experts: int) -> Call:
+def call_of(kernels, pairs: int, dtype, is_packed: bool, experts: int, sharded: bool = False) -> Call:
     backend = jax.default_backend()
     hopper = backend == "gpu" and gpu.is_hopper()
     return Call(pairs=pairs, dtype=jnp.dtype(dtype), packed=is_packed, decode=pairs <= kernels.moe_gather_max_pairs,
-                pair=pairs <= kernels.moe_pair_max_pairs, experts=experts,
+                pair=pairs <= kernels.moe_pair_max_pairs, experts=experts, sharded=sharded,
                 small=pairs < kernels.moe_mosaic_min_pairs, at_most_min=pairs <= kernels.moe_mosaic_min_pairs,
                 backend=backend, hopper=hopper, mosaic=hopper and mosaic.supported(),
                 tokamax=backend == "gpu" and gpu.available(), triton=triton_mxfp4.pltriton is not None)
 
 
-def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, experts: int, adapters: bool = False) -> Variant:
+def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, experts: int, adapters: bool = False,
+         sharded: bool = False) -> Variant:
     """The variant for a call with this many pairs over `experts` experts of this dtype (packed: MXFP4,
-    dtype the activations'): the one `kernels.moe` names, else "auto"'s; with adapters, one that adds
-    them."""
+    dtype the activations'), on one device or `sharded` over a mesh: the one `kernels.moe` names, else
+    "auto"'s; with adapters, one that adds them."""
     if kernels.moe != "auto":
         named = EXPERTS[kernels.moe].check(kernels.interpret)
         if named.adapters or not adapters:
             return named
-    call = call_of(kernels, pairs, dtype, is_packed, experts)
+    call = call_of(kernels, pairs, dtype, is_packed, experts, sharded)
     return next(v for v in EXPERTS.values() if v.auto(call) and (v.adapters or not adapters))
 
 
