@@ -261,3 +261,20 @@ def test_a_packed_only_variant_named_for_16_bit_experts():
     pairs = 40 * tiny.experts_per_token
     assert kernels.experts_for(pairs, jnp.float32, mlp["mlp1_weight"], adapters=True).name == "grouped"
     assert kernels.experts_for(4, jnp.float32, mlp["mlp1_weight"], adapters=True).name == "gather"
+
+
+def test_slots_number_the_experts_in_use_in_expert_order():
+    """kernels/mosaic_slots.py's slots: the experts some pair picked, each once, in expert order (the
+    rest of the S = min(pairs, E) slots unread), how many, and each pair's slot; dropped pairs
+    (negative or >= E: another device's experts) take no slot."""
+    from gptoss_jax.kernels.mosaic_slots import slots
+
+    idx = jnp.asarray([[5, 2, -1], [2, 7, 9], [0, 5, 7]], jnp.int32)  # E = 8: 9 and -1 dropped
+    slot_expert, used, pair_slot = jax.jit(slots, static_argnums=1)(idx, 8)
+    assert int(used) == 4 and slot_expert.shape == (8,)
+    assert np.asarray(slot_expert)[:4].tolist() == [0, 2, 5, 7]
+    kept = (np.asarray(idx) >= 0) & (np.asarray(idx) < 8)
+    np.testing.assert_array_equal(np.asarray(slot_expert)[np.asarray(pair_slot)][kept], np.asarray(idx)[kept])
+    assert (np.asarray(pair_slot)[~kept] == 0).all()
+    one = slots(jnp.asarray([[3, 1, 2, 0]], jnp.int32), 32)  # one token: 4 slots, all in use
+    assert np.asarray(one[0]).tolist() == [0, 1, 2, 3] and int(one[1]) == 4

@@ -82,14 +82,15 @@ def test_pair_matvec_of_mxfp4_experts(settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:, cols], str(cols))
 
 
-@pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair"])
+@pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair", "mosaic_slots"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "mxfp4"])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 9])
 def test_the_kernels_switch_runs_it(dtype, tokens, impl):
     """Kernels(moe="mosaic_decode") in the MoE block, 16-bit and MXFP4-packed experts, for one token
     (its pairs each a block of their own) and for 3 (12 pairs sorted into expert blocks); and
     "mosaic_pair" (every pair over MXFP4 experts a row each, up to 64 pairs here; 16-bit experts as
-    "mosaic_decode"): the jnp gather path's output on the same (decoded) experts within the noise of
+    "mosaic_decode"); "mosaic_slots" (every token through each expert in use, 9 tokens padded to 16
+    rows): the jnp gather path's output on the same (decoded) experts within the noise of
     a bfloat16 run of it (measured against float32)."""
     from gptoss_jax.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params

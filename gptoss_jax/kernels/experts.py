@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from ..mxfp4 import packed
-from . import decode_moe, gpu, jnp_experts, mosaic, mosaic_decode, mosaic_mxfp4, mosaic_pair, pairs, tpu, triton_mxfp4
+from . import (decode_moe, gpu, jnp_experts, mosaic, mosaic_decode, mosaic_mxfp4, mosaic_pair, mosaic_slots, pairs, tpu,
+               triton_mxfp4)
 from .needs import GPU, HOPPER, HOPPER_NATIVE, TPU, TRITON, Needs
 
 
@@ -105,6 +106,9 @@ EXPERTS = {v.name: v for v in (
             auto=lambda c: c.mosaic and ((c.packed and c.bf16 and c.small)
                                          or (not c.packed and c.sixteen_bit and c.decode)
                                          or (not c.packed and c.sixteen_bit and c.at_most_min and not c.tokamax))),
+    # Small decode batches without sorting the pairs (kernels/mosaic_slots.py): by name only until
+    # measured against the two above.
+    Variant("mosaic_slots", mosaic_slots.experts, needs=HOPPER),
     Variant("gather", jnp_experts.gather, adapters=True, auto=lambda c: c.decode),
     # MXFP4 prompts on Hopper: decoded into shared memory for the tensor cores, never written back.
     Variant("mosaic_grouped", mosaic_mxfp4.experts, weights="packed", needs=HOPPER,

@@ -38,16 +38,21 @@ def decode_settings(blocks_bound: int, F: int, D: int, *, block_f: int = 128, bl
     return dict(block_f=block_f, block_k=block_k, splits=splits_for(D // block_k, blocks_bound * -(-F // block_f)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "block_k", "stages", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "block_k", "stages", "splits", "interpret",
+                                             "shared_rows"))
 def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: int = 128, block_k: int = 64,
-                   stages: int = 4, splits: int = 1, interpret: bool = False) -> jax.Array:
+                   stages: int = 4, splits: int = 1, interpret: bool = False, shared_rows: bool = False) -> jax.Array:
     """rows [M, D] in blocks of block_m rows, block_expert [M / block_m] (each block's expert), used
     (blocks from `used` on are skipped; their outputs are undefined), w [E, F, D] of rows' dtype
     (16-bit) -> [M, F] in rows' dtype, float32 sums. block_m: a multiple of 8 up to 256; block_f: of
     64 (F need not be one: the last tile is cut); D: a multiple of block_k, whose steps `splits`
-    divides."""
+    divides. `shared_rows`: rows is one block [block_m, D] that every block multiplies by its expert
+    (-> [len(block_expert) * block_m, F]; kernels/mosaic_slots.py)."""
     M, D = rows.shape
     E, F, _ = w.shape
+    blocks = block_expert.shape[0]
+    if shared_rows and M != block_m:
+        raise ValueError(f"shared rows are one block of {block_m} rows, got {M}")
     if not supported():
         raise RuntimeError(f"the Mosaic GPU decode matvec needs JAX >= 0.11, this is {jax.__version__}")
     if w.dtype != rows.dtype or jnp.dtype(rows.dtype).itemsize != 2:
@@ -69,7 +74,8 @@ def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: in
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=1,
                 max_concurrent_steps=stages, compute_context=compute_context,
                 in_specs=[plgpu.BlockSpec((block_f, block_k), lambda k: (j, first + k), transforms=operand),
-                          plgpu.BlockSpec((block_m, block_k), lambda k: (b, first + k), transforms=operand)])
+                          plgpu.BlockSpec((block_m, block_k), lambda k: (0 if shared_rows else b, first + k),
+                                          transforms=operand)])
 
         ignore = lambda *_, **__: None  # noqa: E731
 
@@ -96,8 +102,8 @@ def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: in
                 pipeline(step, compute_context)(w_ref.at[e], x_ref, allocations=allocs)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
-        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=2,
+        body, out_type=jax.ShapeDtypeStruct((splits, F, blocks * block_m), jnp.float32),
+        grid=(blocks, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=2,
         thread_name="wg", interpret=interpret_params(interpret),
         scratch_types=dict(o_smem=plgpu.SMEM((block_f, block_m), jnp.float32)))
     out = kernel(block_expert.astype(jnp.int32), jnp.reshape(used, (1,)).astype(jnp.int32), rows, w)
@@ -122,10 +128,10 @@ def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret", "decoder",
-                                             "weights"))
+                                             "weights", "shared_rows"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
                          gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
-                         decoder: str = "ptx", weights: str = "registers") -> jax.Array:
+                         decoder: str = "ptx", weights: str = "registers", shared_rows: bool = False) -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
     transposed: two warpgroups each decode half of the program's `block_f` weight rows and multiply
@@ -138,9 +144,12 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     projections at 4 and 256 pairs, docs/benchmarks.md). Three compute warpgroups of 64 rows failed
     there (misaligned address) and four cannot get their registers. block_m: a multiple of 8 up to
     256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
-    cdiv(G, gs) steps."""
+    cdiv(G, gs) steps. `shared_rows`: as in `grouped_matvec`."""
     M = rows.shape[0]
     E, F, G, _ = blocks.shape
+    nblocks = block_expert.shape[0]
+    if shared_rows and M != block_m:
+        raise ValueError(f"shared rows are one block of {block_m} rows, got {M}")
     steps = pl.cdiv(G, gs)
     if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
@@ -152,7 +161,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     per = steps // splits
     # Where there are fewer blocks than experts (a batch of one: 4 of 32), only the blocks' experts'
     # scales are transposed, by block.
-    by_block = M // block_m < E
+    by_block = nblocks < E
     x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 decode matvec", rows, blocks)
     scales_t = mosaic_mxfp4.scales_by_step(scales, block_expert if by_block else None)
     K, half = 16 * gs, block_f // 2
@@ -163,13 +172,14 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         e = be_ref[b]
         s_ref = s_ref.at[b if by_block else e]
         first = part * per
+        row_block = 0 if shared_rows else b
 
         def pipeline(step, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
-                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (row_block, first + k), transforms=x_tiles),
+                          plgpu.BlockSpec((block_m, K), lambda k: (row_block, first + k), transforms=x_tiles),
                           plgpu.BlockSpec((block_f, K), lambda k: (j, first + k)),
                           plgpu.BlockSpec((gs, block_f), lambda k: (first + k, j))])
 
@@ -213,8 +223,8 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                 pipeline(step, compute_context)(xe_ref, xo_ref, b_ref.at[e], s_ref, allocations=allocs)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, F, M), jnp.float32),
-        grid=(M // block_m, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=3,
+        body, out_type=jax.ShapeDtypeStruct((splits, F, nblocks * block_m), jnp.float32),
+        grid=(nblocks, pl.cdiv(F, block_f), splits), grid_names=("m", "n", "k"), num_threads=3,
         thread_name="wg", interpret=interpret_params(interpret),
         scratch_types=dict(o_smem=plgpu.SMEM((2, half, block_m), jnp.float32),
                            **({} if weights == "registers" else
