@@ -1,5 +1,5 @@
 """Decode tokens/s of several kernel choices on one set of synthetic full-size weights (MXFP4
-experts), one process, one GPU: each variant a `Generator` of its own, compiled and run once, then
+experts, or bf16 with --dtype bfloat16), one process, one GPU: each variant a `Generator` of its own, compiled and run once, then
 timed as the median of 3 greedy generations of 32 tokens after a 128-token prompt. Prints a table
 last. (docs/benchmarks.md, "Decode over MXFP4 experts: what "auto" picks".)
 
@@ -40,6 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b", help="model preset (gpt-oss-20b, gpt-oss-120b)")
     ap.add_argument("--batches", default="1,8", help="comma-separated decode batch sizes")
+    ap.add_argument("--dtype", default="mxfp4", choices=["mxfp4", "bfloat16"],
+                    help="the weights: bfloat16 with MXFP4-packed experts (mxfp4), or all bfloat16")
     ap.add_argument("variants", nargs="+", help="NAME[@B1/B2]=FIELD=VALUE;... (see above)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -55,8 +57,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     config = gj.ModelConfig.preset(args.preset)
     start = time.perf_counter()
-    params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype="mxfp4"))
-    print(f"{args.preset}: weights in {time.perf_counter() - start:.0f} s on {jax.devices()[0].device_kind}, "
+    params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.dtype))
+    print(f"{args.preset} ({args.dtype}): weights in {time.perf_counter() - start:.0f} s on {jax.devices()[0].device_kind}, "
           f"jax {jax.__version__}", flush=True)
     greedy = Sampling(temperature=0)
     rng = np.random.default_rng(0)
