@@ -212,8 +212,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
     config, meta = read_metadata(path)
     path = expand(path)
     storage = meta["expert_storage"]
+    asked = dtype
     dtype, keep_packed = split_dtype(dtype)
-    if keep_packed and storage != "mxfp4":
+    if keep_packed and storage != DTYPE:
         raise ValueError(f"{path}: this checkpoint stores its experts decoded ({storage}), so they cannot stay "
                          f"packed; convert the published checkpoint again with --dtype mxfp4 (the default for "
                          f"MXFP4 sources), or load this one with dtype bfloat16")
@@ -223,7 +224,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
     shardings = None
     if mesh is not None:
         # Checks the mesh against the model before any read.
-        shardings = param_shardings(config, mesh, dtype=DTYPE if keep_packed else dtype)
+        shardings = param_shardings(config, mesh, dtype=asked if keep_packed else dtype)
     checkpointer = ocp.StandardCheckpointer()
     params: Params = {}
     # Before any read: a failed restore's other reads can land before its error reaches us.
@@ -242,7 +243,6 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
                 params.update(_restore_by_chunks(item_dir, name, layout, dtype))
             elif shardings is None:
                 stored = _restore(checkpointer, item_dir, name)
-                _check_layout(stored, specs[name], item_dir)
                 params.update(jax.tree_util.tree_map_with_path(
                     lambda p, x: _to_param(p, x, dtype, keep_packed), _from_groups(specs[name], stored),
                     is_leaf=packed))

@@ -270,10 +270,11 @@ def test_slots_number_the_experts_in_use_in_expert_order():
     from gptoss_jax.kernels.mosaic_slots import slots
 
     idx = jnp.asarray([[5, 2, -1], [2, 7, 9], [0, 5, 7]], jnp.int32)  # E = 8: 9 and -1 dropped
-    slot_expert, used, pair_slot = jax.jit(slots, static_argnums=1)(idx, 8)
+    slot_expert, used, pair_slot, valid = jax.jit(slots, static_argnums=1)(idx, 8)
     assert int(used) == 4 and slot_expert.shape == (8,)
     assert np.asarray(slot_expert)[:4].tolist() == [0, 2, 5, 7]
     kept = (np.asarray(idx) >= 0) & (np.asarray(idx) < 8)
+    np.testing.assert_array_equal(np.asarray(valid), kept)
     np.testing.assert_array_equal(np.asarray(slot_expert)[np.asarray(pair_slot)][kept], np.asarray(idx)[kept])
     assert (np.asarray(pair_slot)[~kept] == 0).all()
     one = slots(jnp.asarray([[3, 1, 2, 0]], jnp.int32), 32)  # one token: 4 slots, all in use

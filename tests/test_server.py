@@ -438,6 +438,7 @@ def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, 
 
     tokenizer = tk.load_tokenizer(VOCAB)
     for prompt in (tokenizer.encode("The capital of France is Paris."),
+                   tokenizer.encode("Egypt: \U00013000\U00013050 done."),  # two characters of 4 one-byte tokens
                    np.random.default_rng(4).integers(0, 200_000, 90).tolist()):
         n = len(prompt)
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
@@ -465,11 +466,16 @@ def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, 
         chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
         assert "".join(c.text for c in chunks) == both.text
         assert sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), []) == both.logprobs.token_logprobs
-        # Each token's text is what it adds to the prompt's text as streamed (a character split over
-        # tokens goes with its last token), and its offset where that text starts.
+        # Each token's entry is its own text (a part of a character split over tokens: U+FFFD), and its
+        # offset where the text it adds to the prompt's text as streamed starts (a split character
+        # goes with its last token).
         decoder = tk.StreamDecoder(tokenizer)
-        assert lp.tokens == [decoder.add(t) for t in prompt] and "".join(lp.tokens) + decoder.flush() == only.text
-        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)]
+        pieces = [decoder.add(t) for t in prompt]
+        assert "".join(pieces) + decoder.flush() == only.text
+        assert lp.tokens == [tokenizer.decode_single_token_bytes(t).decode("utf-8", errors="replace") for t in prompt]
+        assert lp.text_offset == [len("".join(pieces[:i])) for i in range(n)]
+        if "\U00013000" in only.text:  # the split characters: their first tokens add no text yet
+            assert pieces != lp.tokens and "\ufffd" in lp.tokens
     # A reply that ends at once (its stop token forced by logit_bias): the stop token's entry is there,
     # its text empty, so that the prompt's entries are all but the last (how harnesses slice them).
     prompt = tokenizer.encode("Hello world")

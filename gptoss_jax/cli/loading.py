@@ -50,8 +50,8 @@ def load_params(args, config, mesh):
     from ..params import param_shardings
     from ..testing import random_params
 
-    if args.checkpoint:
-        return load_checkpoint(args.checkpoint, dtype=dtype_of(args), mesh=mesh, progress=not args.quiet)[1]
     dtype = dtype_of(args)
+    if args.checkpoint:
+        return load_checkpoint(args.checkpoint, dtype=dtype, mesh=mesh, progress=not args.quiet)[1]
     params = random_params(config, seed=0, dtype=dtype)
     return params if mesh is None else jax.device_put(params, param_shardings(config, mesh, dtype=dtype))

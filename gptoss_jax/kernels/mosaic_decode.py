@@ -29,6 +29,9 @@ from ..mxfp4 import packed
 from . import mosaic_mxfp4, pairs
 from .mosaic import interpret_params, splits_for, supported, tiles
 
+# Rows a block takes at most (the narrow operand of one wgmma).
+MAX_ROWS = 256
+
 __all__ = ["decode_settings", "decode_settings_mxfp4", "grouped_matvec", "grouped_matvec_mxfp4", "supported"]
 
 
@@ -51,14 +54,14 @@ def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: in
     M, D = rows.shape
     E, F, _ = w.shape
     blocks = block_expert.shape[0]
-    if shared_rows and M != block_m:
-        raise ValueError(f"shared rows are one block of {block_m} rows, got {M}")
+    if M != (block_m if shared_rows else blocks * block_m):
+        raise ValueError(f"{M} rows for {blocks} blocks of {block_m}" + (" (shared: one block)" if shared_rows else ""))
     if not supported():
         raise RuntimeError(f"the Mosaic GPU decode matvec needs JAX >= 0.11, this is {jax.__version__}")
     if w.dtype != rows.dtype or jnp.dtype(rows.dtype).itemsize != 2:
         raise ValueError(f"the Mosaic GPU decode matvec takes 16-bit rows and weights of one dtype, got {rows.dtype} "
                          f"and {w.dtype}")
-    if M % block_m or block_m % 8 or block_m > 256 or block_f % 64 or D % block_k or (D // block_k) % splits:
+    if M % block_m or block_m % 8 or block_m > MAX_ROWS or block_f % 64 or D % block_k or (D // block_k) % splits:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 64), "
                          f"D={D} in steps of {block_k} split {splits} ways")
     per = D // block_k // splits
@@ -148,10 +151,10 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     M = rows.shape[0]
     E, F, G, _ = blocks.shape
     nblocks = block_expert.shape[0]
-    if shared_rows and M != block_m:
-        raise ValueError(f"shared rows are one block of {block_m} rows, got {M}")
+    if M != (block_m if shared_rows else nblocks * block_m):
+        raise ValueError(f"{M} rows for {nblocks} blocks of {block_m}" + (" (shared: one block)" if shared_rows else ""))
     steps = pl.cdiv(G, gs)
-    if M % block_m or block_m % 8 or block_m > 256 or block_f % 128 or steps % splits:
+    if M % block_m or block_m % 8 or block_m > MAX_ROWS or block_f % 128 or steps % splits:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
                          f"{steps} steps of {gs} scale blocks split {splits} ways")
     if weights not in ("registers", "smem"):
@@ -243,14 +246,21 @@ def experts(x, idx, w, act, *, kernels):
     block = pairs.decode_block(idx.size, pairs.num_experts(w["mlp1_weight"]))
 
     def matmul(inputs, name, block_expert, used):
-        weight, bound = w[name], block_expert.shape[0]
-        if packed(weight):
-            _, F, G, _ = weight.blocks.shape
-            return grouped_matvec_mxfp4(inputs, block_expert, used, weight.blocks, weight.scales,
-                                        block_m=block, interpret=kernels.interpret,
-                                        **decode_settings_mxfp4(bound, F, G, block_m=block))
-        _, F, D = weight.shape
-        return grouped_matvec(inputs, block_expert, used, weight, block_m=block, interpret=kernels.interpret,
-                              **decode_settings(bound, F, D))
+        return matvec(inputs, w[name], block_expert, used, block_m=block, interpret=kernels.interpret)
 
     return pairs.blocked(x, idx, w, act, block=block, matmul=matmul)
+
+
+def matvec(rows, weight, block_expert, used, *, block_m: int, shared_rows: bool = False, interpret: bool):
+    """rows by `weight` (16-bit [E, F, D] or MXFP4-packed) in blocks of block_m rows, each block's
+    expert from block_expert, with decode's settings for that many blocks: `grouped_matvec_mxfp4` or
+    `grouped_matvec`."""
+    bound = block_expert.shape[0]
+    if packed(weight):
+        _, F, G, _ = weight.blocks.shape
+        return grouped_matvec_mxfp4(rows, block_expert, used, weight.blocks, weight.scales, block_m=block_m,
+                                    shared_rows=shared_rows, interpret=interpret,
+                                    **decode_settings_mxfp4(bound, F, G, block_m=block_m))
+    _, F, D = weight.shape
+    return grouped_matvec(rows, block_expert, used, weight, block_m=block_m, shared_rows=shared_rows,
+                          interpret=interpret, **decode_settings(bound, F, D))

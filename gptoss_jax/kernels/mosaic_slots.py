@@ -21,54 +21,41 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..mxfp4 import packed
 from . import mosaic_decode, pairs
-
-# Tokens up to which the variant runs (one block of rows: the decode kernels' limit); beyond it,
-# "mosaic_decode".
-MAX_TOKENS = 256
-
 
 def slots(idx: jax.Array, num_experts: int):
     """The experts in use by idx [N, A] (negative or >= E: dropped), in expert order.
 
     Returns (slot_expert [S]: each slot's expert, S = min(N * A, E), the slots from `used` on
     holding the last expert, never read; used: how many experts are in use; pair_slot [N, A]: each
-    pair's slot, 0 for dropped pairs)."""
+    pair's slot, 0 for dropped pairs; valid [N, A]: the pairs not dropped)."""
     E = num_experts
     valid = (idx >= 0) & (idx < E)
     hit = jnp.zeros((E + 1,), jnp.int32).at[jnp.where(valid, idx, E)].set(1)[:E]  # [E]
     slot_of = jnp.cumsum(hit) - 1  # [E]: each expert's slot where hit
     S = min(idx.size, E)
     slot_expert = jnp.nonzero(hit, size=S, fill_value=E - 1)[0].astype(jnp.int32)
-    return slot_expert, hit.sum(), jnp.where(valid, slot_of[jnp.where(valid, idx, 0)], 0)
+    return slot_expert, hit.sum(), jnp.where(valid, slot_of[jnp.where(valid, idx, 0)], 0), valid
 
 
 def experts(x, idx, w, act, *, kernels):
     """The experts' variant "mosaic_slots" (kernels/experts.py): x [N, D], idx [N, A] (negative:
-    dropped) -> [N, A, D], 16-bit or MXFP4-packed experts; more than MAX_TOKENS tokens as
-    "mosaic_decode"."""
+    dropped) -> [N, A, D], 16-bit or MXFP4-packed experts; more tokens than a block takes
+    (mosaic_decode.MAX_ROWS) as "mosaic_decode"."""
     N, A = idx.shape
-    if N > MAX_TOKENS:
+    Np = -(-N // 8) * 8
+    if Np > mosaic_decode.MAX_ROWS:
         return mosaic_decode.experts(x, idx, w, act, kernels=kernels)
-    E = pairs.num_experts(w["mlp1_weight"])
-    slot_expert, used, pair_slot = slots(idx, E)
-    S, Np = slot_expert.shape[0], -(-N // 8) * 8
+    slot_expert, used, pair_slot, valid = slots(idx, pairs.num_experts(w["mlp1_weight"]))
+    S = slot_expert.shape[0]
 
     def matmul(rows, name, shared):
-        weight = w[name]
-        if packed(weight):
-            _, F, G, _ = weight.blocks.shape
-            settings = mosaic_decode.decode_settings_mxfp4(S, F, G, block_m=Np)
-            return mosaic_decode.grouped_matvec_mxfp4(rows, slot_expert, used, weight.blocks, weight.scales, block_m=Np,
-                                                      shared_rows=shared, interpret=kernels.interpret, **settings)
-        _, F, D = weight.shape
-        return mosaic_decode.grouped_matvec(rows, slot_expert, used, weight, block_m=Np, shared_rows=shared,
-                                            interpret=kernels.interpret, **mosaic_decode.decode_settings(S, F, D))
+        return mosaic_decode.matvec(rows, w[name], slot_expert, used, block_m=Np, shared_rows=shared,
+                                    interpret=kernels.interpret)
 
     rows = jnp.pad(x, ((0, Np - N), (0, 0)))  # [Np, D]: every slot's rows
     h = matmul(rows, "mlp1_weight", True).reshape(S, Np, -1) + w["mlp1_bias"][slot_expert][:, None]  # [S, Np, 2F]
     h = act(h.reshape(S * Np, -1)).astype(x.dtype)  # [S * Np, F]: slot s's rows s * Np ...
     y = matmul(h, "mlp2_weight", False).reshape(S, Np, -1) + w["mlp2_bias"][slot_expert][:, None]  # [S, Np, D]
     out = y[pair_slot, jnp.arange(N)[:, None]]  # [N, A, D]: each pair's slot, its token's row
-    return jnp.where(((idx >= 0) & (idx < E))[..., None], out, 0)
+    return jnp.where(valid[..., None], out, 0)

@@ -37,9 +37,10 @@ def padded_length(n: int) -> int:
     return max(SHORTEST, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "k"))
-def _score(config: ModelConfig, params, tokens: jax.Array, kernels: Kernels, mesh, k: int):
-    # tokens [1, L] (L a multiple of CHUNK or shorter than it) -> chosen [L], ids [L, k], top [L, k]:
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"))
+def _score(config: ModelConfig, params, tokens: jax.Array, kernels: Kernels, mesh):
+    # tokens [1, L] (L a multiple of CHUNK or shorter than it) -> chosen [L], ids [L, k], top [L, k]
+    # (k = TOP_LOGPROBS: the most any request asks for, one compiled pass per length class):
     # position t scores tokens[t + 1] (the last position scores a padding token, dropped by the caller)
     hidden = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, hidden=True)[0]
     L, D = hidden.shape
@@ -52,11 +53,11 @@ def _score(config: ModelConfig, params, tokens: jax.Array, kernels: Kernels, mes
         logits = jnp.einsum("cd,dv->cv", x, unembedding, preferred_element_type=jnp.float32)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         chosen = jnp.take_along_axis(logprobs, t[:, None], axis=-1)[:, 0]
-        top, ids = jax.lax.top_k(logprobs, k)
+        top, ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
         return chosen, ids.astype(jnp.int32), top
 
     chosen, ids, top = jax.lax.map(chunk, (hidden.reshape(L // C, C, D), targets))
-    return chosen.reshape(L), ids.reshape(L, k), top.reshape(L, k)
+    return chosen.reshape(L), ids.reshape(L, TOP_LOGPROBS), top.reshape(L, TOP_LOGPROBS)
 
 
 def prompt_logprobs(config: ModelConfig, params, prompt: list[int], *, k: int = 0,
@@ -76,6 +77,6 @@ def prompt_logprobs(config: ModelConfig, params, prompt: list[int], *, k: int = 
     tokens[0, :T] = prompt
     mesh = mesh_of(params)
     # The top TOP_LOGPROBS always, cut to k here: one compiled pass per length class, whatever k.
-    chosen, ids, top = _score(config, params, on_every_device(jnp.asarray(tokens), mesh), kernels, mesh, TOP_LOGPROBS)
+    chosen, ids, top = _score(config, params, on_every_device(jnp.asarray(tokens), mesh), kernels, mesh)
     chosen, ids, top = jax.device_get((chosen, ids, top))
     return chosen[:T - 1], ids[:T - 1, :k], top[:T - 1, :k]
