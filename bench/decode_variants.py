@@ -7,7 +7,8 @@ last. (docs/benchmarks.md, "Decode over MXFP4 experts: what "auto" picks".)
         auto= triton=moe=triton "mosaic@4/8=moe=mosaic_pair"
 
 A variant is NAME[@B1/B2...]=FIELD=VALUE;FIELD=VALUE...: a name for the table, the batches it runs
-at (all of --batches if none), and `Kernels` fields (values as in bench/generate_20b.py --kernels).
+at (all of --batches if none), and `Kernels` fields (values as in bench/generate_20b.py --kernels),
+or `steps`: the decode steps per jitted call (`Generator(decode_steps=)`, 8 unless given).
 Greedy tokens are not compared across variants: with synthetic weights in bfloat16 the logits of
 two kernels' rounding part at the first near-tie (tests/test_gpu.py checks each kernel against the
 jnp path instead).
@@ -32,8 +33,10 @@ def variant(spec: str):
     name, _, fields = spec.partition("=")
     name, _, only = name.partition("@")
     batches = {int(b) for b in only.split("/")} if only else None
-    kernels = gj.Kernels(**{k: _field(v) for k, v in (f.split("=", 1) for f in fields.split(";") if f)})
-    return name, batches, kernels
+    settings = dict(f.split("=", 1) for f in fields.split(";") if f)
+    steps = int(settings.pop("steps", 8))
+    kernels = gj.Kernels(**{k: _field(v) for k, v in settings.items()})
+    return name, batches, kernels, steps
 
 
 def main() -> None:
@@ -65,10 +68,10 @@ def main() -> None:
     rates: dict[tuple[int, str], float | str] = {}
     for b in batches:
         prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(b)]
-        for name, only, kernels in variants:
+        for name, only, kernels, steps in variants:
             if only and b not in only:
                 continue
-            gen = Generator(config, params, max_len=128 + 32 + 16, kernels=kernels)
+            gen = Generator(config, params, max_len=128 + 32 + 16, kernels=kernels, decode_steps=steps)
             try:
                 gen.generate(prompts, max_new_tokens=32, sampling=greedy)  # compiles
                 runs = sorted(batch_timings(gen.generate(prompts, max_new_tokens=32, sampling=greedy))
@@ -80,7 +83,7 @@ def main() -> None:
                 print(f"batch {b} {name}: {rates[b, name]}", flush=True)
             finally:
                 del gen
-    names = [name for name, _, _ in variants]
+    names = [name for name, *_ in variants]
     print(f"\n| {args.preset}, batch | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     for b in batches:
         cells = [rates.get((b, n), "-") for n in names]

@@ -149,7 +149,7 @@ def run_jax(preset: str, axis: str | None, prefill: int, decode: int, batches: l
     out["compile_s"] = compile_s
     out["peak_gib_per_device"] = _peak_gib()
     if mesh is not None:
-        decode_steps = [v for k, v in gen.executables.items() if k[0] == "_decode_step"]
+        decode_steps = [v for k, v in gen.executables.items() if k[0] == "_decode"]
         found = sh.collectives(decode_steps[-1].as_text())
         out["largest_collective_in_decode"] = f"{found[0][0]} {found[0][2]} ({found[0][1] / 1e6:.3f} MB)" if found \
             else "none"

@@ -1,4 +1,4 @@
-"""Generation: chunked prefill into a static KV cache, then a jitted decode step with the cache donated.
+"""Generation: chunked prefill into a static KV cache, then jitted decode calls with the cache donated.
 
     gen = Generator(config, params, max_len=4096)
     for result in gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32, sampling=Sampling(temperature=0)):
@@ -7,9 +7,11 @@
 Prompts are right-padded to a shared length rounded up to a power of two (at least 16), then
 processed in chunks of at most `prefill_chunk` tokens per sequence (512, or 4096 with a fused
 attention kernel) and `prefill_tokens` for the whole batch (attention's and the experts' temporaries
-grow with both), so a new prompt length inside a bucket compiles nothing new. The decode loop brings
-each step's tokens to the host only for stop checks and streaming, with the next step already
-queued; sequences that stop no longer grow (their cache length stays put).
+grow with both), so a new prompt length inside a bucket compiles nothing new. Decode runs
+`decode_steps` steps per jitted call (a loop on the devices, which also stops sequences at their
+stop tokens), so the host dispatches once per that many tokens; it reads each call's tokens for
+streaming and stop checks with the next call already queued. Sequences that stop no longer grow
+(their cache length stays put).
 """
 
 from __future__ import annotations
@@ -77,13 +79,29 @@ def _prefill_chunk(config, kernels, mesh, params, tokens, cache, last, lengths, 
     return everywhere(jnp.where(here[:, None], picked, last), mesh), cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
-def _decode_step(config, kernels, mesh, sampling, params, tokens, active, cache, seed, step):
-    """-> (next tokens, cache, step + 1): the step counter stays on the devices, one host transfer fewer."""
-    logits, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens[:, None],
-                                                                         cache, active[:, None])
-    tokens = sample(logits[:, 0], _step_key(seed, step), sampling)
-    return everywhere(tokens, mesh), cache, everywhere(step + 1, mesh)
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "steps"),
+                   donate_argnames=("cache",))
+def _decode(config, kernels, mesh, sampling, steps, params, tokens, active, is_stop, limit, cache, seed, step):
+    """`steps` decode steps in one call, each sampling from the last: tokens [B] the last tokens, active
+    [B] the sequences still going, is_stop [V] the stop tokens, limit: the step counter's bound (the
+    step counted `limit` and later ones, a call's surplus past the tokens asked for, run with every
+    sequence inactive, so the cache never grows past its end, where a kernel would read beyond it).
+
+    -> (the new tokens [B, steps], active, cache, step + steps). On the devices, a sequence stops
+    after a stop token (which it keeps), so the host reads tokens once per call, not per step: one
+    dispatch and one transfer for `steps` tokens. Step `step + i` samples with its own key, so the
+    tokens do not depend on `steps`."""
+    model = Transformer(config, kernels=kernels, mesh=mesh)
+
+    def one(carry, i):  # one decode step: the last tokens in, the next ones out
+        tokens, active, cache = carry
+        valid = active & (step + i < limit)
+        logits, cache = model.apply({"params": params}, tokens[:, None], cache, valid[:, None])
+        tokens = everywhere(sample(logits[:, 0], _step_key(seed, step + i), sampling), mesh)
+        return (tokens, valid & ~is_stop[tokens], cache), tokens
+
+    (_, active, cache), new = jax.lax.scan(one, (tokens, active, cache), jnp.arange(steps, dtype=jnp.int32))
+    return everywhere(new.T, mesh), everywhere(active, mesh), cache, everywhere(step + steps, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
@@ -106,14 +124,17 @@ class Generator:
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
-                 prefill_chunk: int | None = None, prefill_tokens: int = 8192):
+                 prefill_chunk: int | None = None, prefill_tokens: int = 8192, decode_steps: int = 8):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
         self.dtype = params["embedding"].dtype
         if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
             prefill_chunk = kernels.prompt_chunk(self.dtype)
+        if decode_steps < 1:
+            raise ValueError(f"decode steps per call must be >= 1, got {decode_steps}")
         self.prefill_chunk, self.prefill_tokens = prefill_chunk, prefill_tokens
+        self.decode_steps = decode_steps
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self._compile_s = 0.0
@@ -192,40 +213,56 @@ class Generator:
         reasons = ["length"] * B
         finished = np.full(B, np.nan)  # when each sequence produced its last token
         active = np.ones(B, bool)
-        # The decode step's other inputs stay on the devices: the step counter comes back from each
-        # step, and the active mask is sent again only when a sequence stops.
-        active_dev, step_dev = put(active), put(np.int32(1))
+        taken = 0  # steps whose tokens the host has read (the first from the prompt's logits)
 
-        def queue_step(token_dev, cache):  # the next decode step on the devices, not waited for
-            nonlocal step_dev
-            next_dev, cache, step_dev = self._call(_decode_step, model + (sampling,), self.params, token_dev,
-                                                   active_dev, cache, seed_dev, step_dev)
-            to_host_soon(next_dev)
-            return next_dev, cache
-
-        for step in range(max_new_tokens):
-            # From the second step on, the next step is queued before this step's tokens are read, so
-            # the device runs steps back to back while the host reads, streams and checks for stops.
-            # A sequence that stops here is computed one step more; that token is in no output.
-            # (The first token is streamed before the decode step compiles.)
-            queued = 0 < step < max_new_tokens - 1
-            if queued:
-                next_dev, cache = queue_step(token_dev, cache)
-            token = np.asarray(token_dev)
+        def take(tokens: np.ndarray) -> bool:
+            """One step's tokens [B] read on the host: kept, streamed, checked for stops. -> whether
+            any sequence goes on."""
+            nonlocal taken
+            taken += 1
             now = time.perf_counter()
             for b in np.nonzero(active)[0]:
-                outputs[b].append(int(token[b]))
+                outputs[b].append(int(tokens[b]))
                 finished[b] = now
                 if on_token:
-                    on_token(int(b), int(token[b]))
-                if int(token[b]) in stops:
+                    on_token(int(b), int(tokens[b]))
+                if int(tokens[b]) in stops:
                     active[b], reasons[b] = False, "stop"
-                    active_dev = put(active)  # from the next queued step on
-            if step == max_new_tokens - 1 or not active.any():
+            return bool(active.any()) and taken < max_new_tokens
+
+        # The decode calls' other inputs stay on the devices: the active mask and the step counter
+        # come back from each call, which stops sequences itself.
+        is_stop = np.zeros(vocab, bool)
+        is_stop[[t for t in stops if 0 <= t < vocab]] = True
+        is_stop_dev, limit_dev = put(is_stop), put(np.int32(max_new_tokens))
+        carry = (token_dev, put(active), cache, put(np.int32(1)))  # the last tokens, active, cache, step
+
+        def queue_call(carry):  # the next decode call on the devices, not waited for
+            token_dev, active_dev, cache, step_dev = carry
+            new_dev, active_dev, cache, step_dev = self._call(
+                _decode, model + (sampling, self.decode_steps), self.params, token_dev, active_dev, is_stop_dev,
+                limit_dev, cache, seed_dev, step_dev)
+            to_host_soon(new_dev)
+            return new_dev, (new_dev[:, -1], active_dev, cache, step_dev)
+
+        # The first token is streamed before the decode call compiles. From then on the next call is
+        # queued before this call's tokens are read, so the devices run calls back to back while the
+        # host reads, streams and checks for stops (tokens past a sequence's stop or its last are in
+        # no output: a call may run steps that no sequence needs).
+        going = take(token)
+        calls = -(-(max_new_tokens - 1) // self.decode_steps)
+        new_dev, carry = queue_call(carry) if going else (None, carry)
+        for call in range(calls if going else 0):
+            queued = None
+            if call + 1 < calls:
+                queued = queue_call(carry)
+            for tokens in np.asarray(new_dev).T:
+                going = take(tokens)
+                if not going:
+                    break
+            if not going or queued is None:
                 break
-            if not queued:
-                next_dev, cache = queue_step(token_dev, cache)
-            token_dev = next_dev
+            new_dev, carry = queued
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s
         results = []

@@ -64,6 +64,45 @@ def test_streaming_callback_sees_every_token(gen, prompts):
         assert [t for s, t in seen if s == b] == r.output_ids
 
 
+def test_decode_steps_per_call_change_no_token(gen, prompts):
+    """Decoding 8 steps a call (the fixture's default), 3 or 1 gives the same tokens: greedy, sampled
+    (each step keeps its own key), with a stop token, and with the cache filled to its last position
+    (the last call's surplus steps run past it; they must not disturb what came before)."""
+    assert gen.decode_steps == 8
+    others = {n: Generator(gen.config, gen.params, max_len=400, prefill_chunk=64, decode_steps=n) for n in (1, 3)}
+    warm = Sampling(temperature=1.0)
+    for sampling, kwargs in ((GREEDY, {}), (warm, {"seed": 4})):
+        want = [r.output_ids for r in gen.generate(prompts, max_new_tokens=11, sampling=sampling, **kwargs)]
+        for other in others.values():
+            assert [r.output_ids for r in other.generate(prompts, max_new_tokens=11, sampling=sampling,
+                                                         **kwargs)] == want
+    stop = want[1][5]
+    stopped = [(r.output_ids, r.finish_reason) for r in gen.generate(prompts, max_new_tokens=11, sampling=warm,
+                                                                     seed=4, stop_tokens=[stop])]
+    assert stopped[1] == (want[1][:6], "stop")
+    assert stopped == [(r.output_ids, r.finish_reason) for r in others[1].generate(
+        prompts, max_new_tokens=11, sampling=warm, seed=4, stop_tokens=[stop])]
+    full = 400 - len(prompts[2])  # 149 decode steps: 19 calls of 8, the last 3 past the cache's end
+    assert ([r.output_ids for r in gen.generate(prompts[1:], max_new_tokens=full, sampling=GREEDY)]
+            == [r.output_ids for r in others[1].generate(prompts[1:], max_new_tokens=full, sampling=GREEDY)])
+    with pytest.raises(ValueError, match="decode steps per call must be >= 1, got 0"):
+        Generator(gen.config, gen.params, max_len=400, decode_steps=0)
+
+
+def test_a_calls_steps_past_the_limit_leave_the_cache_alone(gen):
+    """Steps counted at or past the limit (a call's surplus beyond max_new_tokens) run with every
+    sequence inactive: the cache does not grow (so no kernel sees a length past the cache's end)."""
+    from gptoss_jax.generate import _decode
+
+    config = gen.config
+    _, cache = gj.extend(config, gen.params, np.ones((2, 395), np.int32), gj.init_cache(config, 2, 400, gen.dtype))
+    new, active, cache, step = _decode(config, gen.kernels, None, GREEDY, 8, gen.params, jnp.array([1, 2]),
+                                       jnp.array([True, True]), jnp.zeros(config.vocab_size, bool), jnp.int32(4),
+                                       cache, jnp.int32(0), jnp.int32(1))
+    assert cache["lengths"].tolist() == [398, 398]  # steps 1, 2 and 3 of 1 to 8 ran
+    assert new.shape == (2, 8) and not active.any() and int(step) == 9
+
+
 def test_generator_rejects_bad_requests(gen, prompts):
     with pytest.raises(ValueError, match="exceeds the max context of 400"):
         gen.generate([list(range(390))], max_new_tokens=20)

@@ -104,6 +104,7 @@ def test_chat_json_has_channels(capsys):
     (["--prompt-ids", "1,2", "--temperature", "-1", "--json"], "temperature must be >= 0"),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1", "--json"], "checkpoint directory not found"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "0", "--json"], "--max-new-tokens must be at least 1"),
+    (["--prompt-ids", "1,2", "--decode-steps", "0", "--json"], "--decode-steps must be at least 1"),
 ])
 def test_bad_input_exits_non_zero_with_a_message(capsys, argv, message):
     assert run_inference.main(argv) != 0

@@ -75,6 +75,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", type=parse_ids, default=[], metavar="IDS",
                    help="extra stop token ids (<|return|>, <|call|> and <|endoftext|> always stop)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--decode-steps", type=int, default=8, metavar="N",
+                   help="decode steps per call to the device (default: 8): the host dispatches once and reads "
+                        "the tokens once per N tokens, which keeps a batch of one from waiting on the host; "
+                        "text streams N tokens at a time, and a call may run up to N - 1 steps no one needs")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")
@@ -181,7 +185,7 @@ def _run(args, signals: Signals) -> int:
         print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
               file=sys.stderr)
     stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
-    generator = Generator(config, params, max_len=max_len)
+    generator = Generator(config, params, max_len=max_len, decode_steps=args.decode_steps)
     if interactive:
         from .repl import chat_loop  # the chat's modules: imported only when it runs
 

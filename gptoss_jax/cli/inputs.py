@@ -94,6 +94,8 @@ def check_flags(args, warn) -> None:
             warn("--hide-reasoning has no effect without --chat")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.decode_steps < 1:
+        raise UsageError(f"--decode-steps must be at least 1, got {args.decode_steps}")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
 

@@ -29,8 +29,9 @@ from ..mxfp4 import packed
 from . import mosaic_mxfp4, pairs
 from .mosaic import interpret_params, splits_for, supported, tiles
 
-# Rows a block takes at most (the narrow operand of one wgmma).
-MAX_ROWS = 256
+# Rows a block takes at most: its tiles and float32 sums in a Hopper SM's 227 KB of shared memory
+# (the MXFP4 kernel at 128 rows asks 239 KB).
+MAX_ROWS = 64
 
 __all__ = ["decode_settings", "decode_settings_mxfp4", "grouped_matvec", "grouped_matvec_mxfp4", "supported"]
 
@@ -47,7 +48,7 @@ def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: in
                    stages: int = 4, splits: int = 1, interpret: bool = False, shared_rows: bool = False) -> jax.Array:
     """rows [M, D] in blocks of block_m rows, block_expert [M / block_m] (each block's expert), used
     (blocks from `used` on are skipped; their outputs are undefined), w [E, F, D] of rows' dtype
-    (16-bit) -> [M, F] in rows' dtype, float32 sums. block_m: a multiple of 8 up to 256; block_f: of
+    (16-bit) -> [M, F] in rows' dtype, float32 sums. block_m: a multiple of 8 up to MAX_ROWS; block_f: of
     64 (F need not be one: the last tile is cut); D: a multiple of block_k, whose steps `splits`
     divides. `shared_rows`: rows is one block [block_m, D] that every block multiplies by its expert
     (-> [len(block_expert) * block_m, F]; kernels/mosaic_slots.py)."""
@@ -146,7 +147,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     memory only). On one H100 80GB "registers" took 0.62-0.71x the time of "smem" (gpt-oss-20b's
     projections at 4 and 256 pairs, docs/benchmarks.md). Three compute warpgroups of 64 rows failed
     there (misaligned address) and four cannot get their registers. block_m: a multiple of 8 up to
-    256; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
+    MAX_ROWS; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
     cdiv(G, gs) steps. `shared_rows`: as in `grouped_matvec`."""
     M = rows.shape[0]
     E, F, G, _ = blocks.shape

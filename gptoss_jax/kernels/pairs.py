@@ -156,7 +156,7 @@ def to_blocks(x, idx, num_experts: int, block: int):
 
 def decode_block(pairs: int, num_experts: int) -> int:
     """Rows per expert block of the Mosaic GPU decode kernels: a power of two near twice the pairs
-    per expert (8 to 64: the kernels' shared memory), so that an expert's pairs rarely spill into a
+    per expert (8 to mosaic_decode.MAX_ROWS: the kernels' shared memory), so that an expert's pairs rarely spill into a
     second block, which would read its weights again (a batch of 64 over 32 experts: blocks of 16)."""
     return min(64, max(8, 1 << max(0, -(-2 * pairs // num_experts) - 1).bit_length()))
 
