@@ -174,22 +174,24 @@ def _on_a_gpu(monkeypatch, hopper: bool, triton: bool):
 def test_auto_on_a_gpu(monkeypatch, hopper, triton):
     """What "auto" picks on an NVIDIA GPU, Hopper or older, with or without Pallas Triton (deprecated):
     Pallas Mosaic GPU on Hopper, the jnp paths before it, and a Triton kernel only for MXFP4 decode
-    on Hopper up to one pair per expert (32 for the 20b, 128 for the 120b), while JAX ships it."""
+    on Hopper below one pair per expert for 32 experts (the 20b; from one to two the slots kernel)
+    and up to one for 128 (the 120b), while JAX ships it."""
     kernels = _on_a_gpu(monkeypatch, hopper, triton)
     k = gj.Kernels()
     picks = (k.moe_for(4), k.moe_for(64), k.moe_for(4, jnp.float32), k.moe_for(4096))
     assert picks == (("mosaic_decode", "mosaic_decode", "gather", "mosaic_gpu") if hopper
                      else ("gather", "gather", "gather", "tokamax"))
-    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 32, 33, 64, 65, 256, 1023, 1024)]
+    packed = [k.moe_for(pairs, packed=True) for pairs in (4, 31, 32, 64, 65, 256, 1023, 1024)]
     fused = ["triton"] * 2 if triton else ["mosaic_pair", "mosaic_decode"]
-    assert packed == (fused + ["mosaic_decode"] * 5 + ["mosaic_grouped"] if hopper
+    assert packed == (fused + ["mosaic_slots"] * 2 + ["mosaic_decode"] * 3 + ["mosaic_grouped"] if hopper
                       else ["gather"] * 4 + ["grouped"] * 4)
-    big = [k.moe_for(pairs, packed=True, num_experts=128) for pairs in (128, 129)]
-    assert big == ((["triton"] if triton else ["mosaic_decode"]) + ["mosaic_decode"] if hopper else ["grouped"] * 2)
+    big = [k.moe_for(pairs, packed=True, num_experts=128) for pairs in (128, 129, 256)]
+    assert big == ((["triton"] if triton else ["mosaic_decode"]) + ["mosaic_decode"] * 2 if hopper
+                   else ["grouped"] * 3)
     assert k.moe_for(4, jnp.float32, packed=True) == "gather"  # float32 activations: no 16-bit kernel
     # On a mesh the MoE runs per device (no fused block), where the Triton block was not measured.
-    on_mesh = experts_registry.pick(k, 4, jnp.bfloat16, True, experts=32, sharded=True).name
-    assert on_mesh == ("mosaic_pair" if hopper else "gather")
+    on_mesh = [experts_registry.pick(k, p, jnp.bfloat16, True, experts=32, sharded=True).name for p in (4, 32)]
+    assert on_mesh == (["mosaic_pair", "mosaic_decode"] if hopper else ["gather"] * 2)
     assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic" if hopper else "blockwise", "tokamax")
     # Without tokamax, a large decode batch's 16-bit experts stay on Mosaic GPU (not the jnp grouped
     # path, four times slower at batch 256 on one H200); prompts beyond that go to the jnp path.

@@ -88,10 +88,18 @@ def _fused_block(x, norm_scale, w, config, kernels):
 # In "auto"'s order of preference. The measurements behind each test are in docs/benchmarks.md, and
 # `MEASURED` below holds the decode rates that tests/test_kernels.py checks "auto" against.
 EXPERTS = {v.name: v for v in (
+    # Decode batches of one to two pairs per expert without sorting the pairs (kernels/mosaic_slots.py),
+    # MXFP4 experts on one Hopper GPU: fastest there for gpt-oss-20b's 32 experts (`MEASURED`: batches
+    # 8 and 16). Not for more experts: with gpt-oss-120b's 128 it gathers the used experts' scales
+    # for each call, and measured a third slower than the Triton block at batches 8 and 16.
+    Variant("mosaic_slots", mosaic_slots.experts, needs=HOPPER,
+            auto=lambda c: (c.packed and c.bf16 and c.mosaic and not c.sharded and c.experts <= 32
+                            and c.experts <= c.pairs <= 2 * c.experts)),
     # Pallas Triton (deprecated by JAX 0.11; "auto" picks it while JAX ships it): at decode on one
     # device with 16-bit activations and MXFP4 experts, the whole block as decode_moe.py's four
     # fused kernels (fewer launches and no layout kernels between them, against the Mosaic GPU
-    # path's); on Hopper up to one pair per expert, where it measured fastest (`MEASURED`).
+    # path's); on Hopper up to one pair per expert where "mosaic_slots" does not come first: where it
+    # measured fastest (`MEASURED`).
     Variant("triton", triton_mxfp4.pairwise_experts, needs=TRITON, block=_fused_block, block_fits=decode_moe.fits,
             auto=lambda c: c.packed and c.bf16 and c.hopper and c.triton and c.few and not c.sharded),
     # One token's MXFP4 pairs a row each, on Hopper without Pallas Triton (`MEASURED`: within a few
@@ -106,9 +114,6 @@ EXPERTS = {v.name: v for v in (
             auto=lambda c: c.mosaic and ((c.packed and c.bf16 and c.small)
                                          or (not c.packed and c.sixteen_bit and c.decode)
                                          or (not c.packed and c.sixteen_bit and c.at_most_min and not c.tokamax))),
-    # Small decode batches without sorting the pairs (kernels/mosaic_slots.py): by name only until
-    # measured against the two above.
-    Variant("mosaic_slots", mosaic_slots.experts, needs=HOPPER),
     Variant("gather", jnp_experts.gather, adapters=True, auto=lambda c: c.decode),
     # MXFP4 prompts on Hopper: decoded into shared memory for the tensor cores, never written back.
     Variant("mosaic_grouped", mosaic_mxfp4.experts, weights="packed", needs=HOPPER,
@@ -127,23 +132,23 @@ EXPERTS = {v.name: v for v in (
 
 
 # Decode tokens/s behind "auto"'s MXFP4 choices on Hopper (docs/benchmarks.md, "Decode over MXFP4
-# experts"): one NVIDIA H100 80GB HBM3, 2026-11-26, jax 0.11.2, synthetic full-size weights, greedy,
-# the median of 3 generations of 32 tokens after a 128-token prompt, each variant named with
-# --kernels moe=NAME ("mosaic_pair" runs "mosaic_decode" past one token). (experts, batch) ->
-# {variant: tokens/s}; tests/test_kernels.py checks that "auto" picks each row's fastest. Batch 1
-# varies by more than its gap between runs (20b: Mosaic GPU 290.0, 346.6, 309.6 against Triton
-# 357.6, 315.0, 333.9 in three runs); the rows are the last run's (its 20b batch 32 and 64 from a
-# run an hour before on the same kind of machine, the 120b's batch 8 from the day's first run).
+# experts"): one NVIDIA H100 80GB HBM3, 2026-11-27, jax 0.11.2, synthetic full-size weights, greedy,
+# 8 decode steps per call, the median of 3 generations of 32 tokens after a 128-token prompt, each
+# variant named with --kernels moe=NAME ("mosaic_pair" runs "mosaic_decode" past one token).
+# (experts, batch) -> {variant: tokens/s}; tests/test_kernels.py checks that "auto" picks each row's
+# fastest. A row's first two entries ran in one process (the 20b's batch 1: all three); a third
+# in another process that day, except those marked "11-26": one step per call, from that day's table. Batch 1 varies between
+# runs by more than its gap (20b: Triton 348.5 and 354.8, the Mosaic GPU pair kernel 341.5).
 MEASURED = {
-    (32, 1): {"triton": 333.9, "mosaic_pair": 309.6},  # gpt-oss-20b
-    (32, 4): {"triton": 920.2, "mosaic_decode": 577.9},
-    (32, 8): {"triton": 1233.3, "mosaic_decode": 1012.5},
-    (32, 16): {"triton": 1487.5, "mosaic_decode": 1740.8},
-    (32, 32): {"triton": 1666.7, "mosaic_decode": 3220.3},
-    (32, 64): {"triton": 1777.2, "mosaic_decode": 5888.4},
-    (128, 1): {"triton": 241.1, "mosaic_pair": 231.5},  # gpt-oss-120b
-    (128, 8): {"triton": 795.1, "mosaic_decode": 503.2},
-    (128, 16): {"triton": 927.3, "mosaic_decode": 582.4},
+    (32, 1): {"triton": 354.8, "mosaic_pair": 341.5, "mosaic_slots": 248.7},  # gpt-oss-20b
+    (32, 4): {"triton": 897.4, "mosaic_slots": 587.3, "mosaic_decode": 577.9},  # 11-26
+    (32, 8): {"mosaic_slots": 1233.1, "triton": 1193.8, "mosaic_decode": 1030.3},
+    (32, 16): {"mosaic_slots": 1991.6, "mosaic_decode": 1738.8, "triton": 1487.5},  # 11-26
+    (32, 32): {"mosaic_decode": 3219.1, "mosaic_slots": 3079.0, "triton": 1666.7},  # 11-26
+    (32, 64): {"mosaic_decode": 5903.1, "mosaic_slots": 4996.0, "triton": 1777.2},  # 11-26
+    (128, 1): {"triton": 240.8, "mosaic_pair": 231.5},  # gpt-oss-120b; 11-26
+    (128, 8): {"triton": 769.8, "mosaic_slots": 493.3, "mosaic_decode": 503.2},  # 11-26
+    (128, 16): {"triton": 901.1, "mosaic_slots": 594.7, "mosaic_decode": 582.4},  # 11-26
 }
 
 
