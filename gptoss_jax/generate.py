@@ -87,7 +87,7 @@ def _decode(config, kernels, mesh, sampling, steps, params, tokens, active, is_s
     step counted `limit` and later ones, a call's surplus past the tokens asked for, run with every
     sequence inactive, so the cache never grows past its end, where a kernel would read beyond it).
 
-    -> (the new tokens [B, steps], active, cache, step + steps). On the devices, a sequence stops
+    -> (the new tokens [steps, B], the last of them [B], active, cache, step + steps). On the devices, a sequence stops
     after a stop token (which it keeps), so the host reads tokens once per call, not per step: one
     dispatch and one transfer for `steps` tokens. Step `step + i` samples with its own key, so the
     tokens do not depend on `steps`."""
@@ -100,8 +100,8 @@ def _decode(config, kernels, mesh, sampling, steps, params, tokens, active, is_s
         tokens = everywhere(sample(logits[:, 0], _step_key(seed, step + i), sampling), mesh)
         return (tokens, valid & ~is_stop[tokens], cache), tokens
 
-    (_, active, cache), new = jax.lax.scan(one, (tokens, active, cache), jnp.arange(steps, dtype=jnp.int32))
-    return everywhere(new.T, mesh), everywhere(active, mesh), cache, everywhere(step + steps, mesh)
+    (tokens, active, cache), new = jax.lax.scan(one, (tokens, active, cache), jnp.arange(steps, dtype=jnp.int32))
+    return everywhere(new, mesh), tokens, everywhere(active, mesh), cache, everywhere(step + steps, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
@@ -118,9 +118,10 @@ def _step_key(seed, step):
 class Generator:
     """Generates for batches of prompts with one set of parameters and a static cache length.
 
-    Each compiled step (a prefill chunk shape, the decode step, the first sampling) is compiled
+    Each compiled step (a prefill chunk shape, the decode call, the first sampling) is compiled
     ahead of time once and kept, so that timings can tell compilation from prefill and decode, and
-    a new prompt length inside a bucket compiles nothing new.
+    a new prompt length inside a bucket compiles nothing new. `decode_steps`: decode steps per call
+    to the devices (a loop there; the tokens do not depend on it).
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
@@ -144,7 +145,7 @@ class Generator:
 
         The key holds the shapes of the array arguments only: the parameters are this Generator's,
         and the cache's shapes follow from the batch size, which the token arrays carry. Hashing
-        those two pytrees (hundreds of leaves) on every decode step would cost milliseconds.
+        those two pytrees (hundreds of leaves) on every decode call would cost milliseconds.
         """
         key = (fn.__name__, statics,
                tuple((a.shape, a.dtype) for a in args if not isinstance(a, dict)))
@@ -239,30 +240,33 @@ class Generator:
 
         def queue_call(carry):  # the next decode call on the devices, not waited for
             token_dev, active_dev, cache, step_dev = carry
-            new_dev, active_dev, cache, step_dev = self._call(
+            new_dev, *carry = self._call(
                 _decode, model + (sampling, self.decode_steps), self.params, token_dev, active_dev, is_stop_dev,
                 limit_dev, cache, seed_dev, step_dev)
             to_host_soon(new_dev)
-            return new_dev, (new_dev[:, -1], active_dev, cache, step_dev)
+            return new_dev, tuple(carry)
 
         # The first token is streamed before the decode call compiles. From then on the next call is
         # queued before this call's tokens are read, so the devices run calls back to back while the
         # host reads, streams and checks for stops (tokens past a sequence's stop or its last are in
-        # no output: a call may run steps that no sequence needs).
+        # no output: a call may run steps that no sequence needs, and once every sequence has stopped
+        # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
         calls = -(-(max_new_tokens - 1) // self.decode_steps)
         new_dev, carry = queue_call(carry) if going else (None, carry)
+        queued = None
         for call in range(calls if going else 0):
             queued = None
             if call + 1 < calls:
                 queued = queue_call(carry)
-            for tokens in np.asarray(new_dev).T:
+            for tokens in np.asarray(new_dev):
                 going = take(tokens)
                 if not going:
                     break
             if not going or queued is None:
                 break
             new_dev, carry = queued
+        jax.block_until_ready(queued)  # a call queued past the last token: the devices finish it here
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s
         results = []

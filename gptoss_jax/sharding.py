@@ -229,7 +229,7 @@ def _zeros_maker(specs: tuple, layout: tuple | None):
 
 def on_every_device(x, mesh: Mesh | None):
     """A host value (numpy, a scalar) on the devices, as a jitted step's input that can be passed
-    again without another copy (the decode step's seed and active mask). On a mesh it goes to every
+    again without another copy (the decode calls' seed, stop mask and limit). On a mesh it goes to every
     device (every process passes the same value), since with several processes jit takes no host
     value; without one, to the default device."""
     x = np.asarray(x)

@@ -77,12 +77,19 @@ def test_decode_steps_per_call_change_no_token(gen, prompts):
             assert [r.output_ids for r in other.generate(prompts, max_new_tokens=11, sampling=sampling,
                                                          **kwargs)] == want
     stop = want[1][5]
+    assert stop not in want[1][:5]
     stopped = [(r.output_ids, r.finish_reason) for r in gen.generate(prompts, max_new_tokens=11, sampling=warm,
                                                                      seed=4, stop_tokens=[stop])]
     assert stopped[1] == (want[1][:6], "stop")
     assert stopped == [(r.output_ids, r.finish_reason) for r in others[1].generate(
         prompts, max_new_tokens=11, sampling=warm, seed=4, stop_tokens=[stop])]
-    full = 400 - len(prompts[2])  # 149 decode steps: 19 calls of 8, the last 3 past the cache's end
+    # Every sequence stopped within the first call (the next one queued already), then the same
+    # generation again; stop ids no token has change nothing.
+    early = gen.generate(prompts, max_new_tokens=11, sampling=warm, seed=4, stop_tokens=[w[2] for w in want])
+    assert all(r.finish_reason == "stop" and len(r.output_ids) <= 3 for r in early)
+    assert [r.output_ids for r in gen.generate(prompts, max_new_tokens=11, sampling=warm, seed=4,
+                                               stop_tokens=[-1, gen.config.vocab_size])] == want
+    full = 400 - len(prompts[2])  # 149 decode steps: 19 calls of 8, the last 3 surplus (2 past the cache's end)
     assert ([r.output_ids for r in gen.generate(prompts[1:], max_new_tokens=full, sampling=GREEDY)]
             == [r.output_ids for r in others[1].generate(prompts[1:], max_new_tokens=full, sampling=GREEDY)])
     with pytest.raises(ValueError, match="decode steps per call must be >= 1, got 0"):
@@ -96,11 +103,11 @@ def test_a_calls_steps_past_the_limit_leave_the_cache_alone(gen):
 
     config = gen.config
     _, cache = gj.extend(config, gen.params, np.ones((2, 395), np.int32), gj.init_cache(config, 2, 400, gen.dtype))
-    new, active, cache, step = _decode(config, gen.kernels, None, GREEDY, 8, gen.params, jnp.array([1, 2]),
-                                       jnp.array([True, True]), jnp.zeros(config.vocab_size, bool), jnp.int32(4),
-                                       cache, jnp.int32(0), jnp.int32(1))
+    new, last, active, cache, step = _decode(config, gen.kernels, None, GREEDY, 8, gen.params, jnp.array([1, 2]),
+                                             jnp.array([True, True]), jnp.zeros(config.vocab_size, bool), jnp.int32(4),
+                                             cache, jnp.int32(0), jnp.int32(1))
     assert cache["lengths"].tolist() == [398, 398]  # steps 1, 2 and 3 of 1 to 8 ran
-    assert new.shape == (2, 8) and not active.any() and int(step) == 9
+    assert new.shape == (8, 2) and (last == new[-1]).all() and not active.any() and int(step) == 9
 
 
 def test_generator_rejects_bad_requests(gen, prompts):

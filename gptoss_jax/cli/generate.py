@@ -78,7 +78,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=8, metavar="N",
                    help="decode steps per call to the device (default: 8): the host dispatches once and reads "
                         "the tokens once per N tokens, which keeps a batch of one from waiting on the host; "
-                        "text streams N tokens at a time, and a call may run up to N - 1 steps no one needs")
+                        "text streams N tokens at a time; the device may run up to N - 1 steps past the last token "
+                        "(2N - 1 when stop tokens end every sequence: the call after is already queued)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")

@@ -14,7 +14,7 @@ calls `Kernels.attention_ops` and `Kernels.experts_for` / `local_experts` and na
 
 JAX 0.11 deprecated Pallas's Triton backend. While JAX ships it, "auto" picks one of its kernels
 where it still measured fastest: the experts "triton" for MXFP4 experts at decode on one Hopper GPU
-(no mesh) at small batches (below one (token, expert) pair per expert for 32 experts, up to one for
+(no mesh) at small batches (below one (token, expert) pair per expert for up to 32 experts, up to one for
 more; `experts.EXPERTS` has the rules), as the whole MoE block, norm and router included (kernels/decode_moe.py's
 four fused kernels; `experts.MEASURED`). The
 others are by name only (JAX warns when they compile): attention "triton" (decode attention to the

@@ -93,7 +93,7 @@ EXPERTS = {v.name: v for v in (
     # 8 and 16). Not for more experts: with gpt-oss-120b's 128 it gathers the used experts' scales
     # for each call, and measured a third slower than the Triton block at batches 8 and 16.
     Variant("mosaic_slots", mosaic_slots.experts, needs=HOPPER,
-            auto=lambda c: (c.packed and c.bf16 and c.mosaic and not c.sharded and c.experts <= 32
+            auto=lambda c: (c.packed and c.bf16 and c.mosaic and c.decode and not c.sharded and c.experts <= 32
                             and c.experts <= c.pairs <= 2 * c.experts)),
     # Pallas Triton (deprecated by JAX 0.11; "auto" picks it while JAX ships it): at decode on one
     # device with 16-bit activations and MXFP4 experts, the whole block as decode_moe.py's four
@@ -137,7 +137,9 @@ EXPERTS = {v.name: v for v in (
 # variant named with --kernels moe=NAME ("mosaic_pair" runs "mosaic_decode" past one token).
 # (experts, batch) -> {variant: tokens/s}; tests/test_kernels.py checks that "auto" picks each row's
 # fastest. A row's first two entries ran in one process (the 20b's batch 1: all three); a third
-# in another process that day, except those marked "11-26": one step per call, from that day's table. Batch 1 varies between
+# in another process that day, except those marked "11-26": one step per call, from that day's table
+# (at batches of 8 and more one step a call read about 3% above 8 a call, which runs a surplus step
+# in 32 tokens: no row's fastest changes by it). Batch 1 varies between
 # runs by more than its gap (20b: Triton 348.5 and 354.8, the Mosaic GPU pair kernel 341.5).
 MEASURED = {
     (32, 1): {"triton": 354.8, "mosaic_pair": 341.5, "mosaic_slots": 248.7},  # gpt-oss-20b
