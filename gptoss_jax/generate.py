@@ -101,7 +101,8 @@ def _decode(config, kernels, mesh, sampling, steps, params, tokens, active, is_s
         return (tokens, valid & ~is_stop[tokens], cache), tokens
 
     (tokens, active, cache), new = jax.lax.scan(one, (tokens, active, cache), jnp.arange(steps, dtype=jnp.int32))
-    return everywhere(new, mesh), tokens, everywhere(active, mesh), cache, everywhere(step + steps, mesh)
+    return (everywhere(new, mesh), everywhere(tokens, mesh), everywhere(active, mesh), cache,
+            everywhere(step + steps, mesh))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
