@@ -87,9 +87,9 @@ def _decode(config, kernels, mesh, sampling, steps, params, tokens, active, is_s
     step counted `limit` and later ones, a call's surplus past the tokens asked for, run with every
     sequence inactive, so the cache never grows past its end, where a kernel would read beyond it).
 
-    -> (the new tokens [steps, B], the last of them [B], active, cache, step + steps). On the devices, a sequence stops
-    after a stop token (which it keeps), so the host reads tokens once per call, not per step: one
-    dispatch and one transfer for `steps` tokens. Step `step + i` samples with its own key, so the
+    -> (the new tokens [steps, B], the last of them [B], active, cache, step + steps). On the
+    devices, a sequence stops after a stop token (which it keeps), so the host reads tokens once per
+    call, not per step: one dispatch and one transfer for `steps` tokens. Step `step + i` samples with its own key, so the
     tokens do not depend on `steps`."""
     model = Transformer(config, kernels=kernels, mesh=mesh)
 
@@ -253,21 +253,19 @@ class Generator:
         # no output: a call may run steps that no sequence needs, and once every sequence has stopped
         # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
-        calls = -(-(max_new_tokens - 1) // self.decode_steps)
-        new_dev, carry = queue_call(carry) if going else (None, carry)
-        queued = None
-        for call in range(calls if going else 0):
-            queued = None
-            if call + 1 < calls:
-                queued = queue_call(carry)
+        calls = -(-(max_new_tokens - 1) // self.decode_steps) if going else 0
+        pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
+        while pending is not None:
+            new_dev, carry = pending
+            calls -= 1
+            pending = queue_call(carry) if calls else None
             for tokens in np.asarray(new_dev):
                 going = take(tokens)
                 if not going:
                     break
-            if not going or queued is None:
+            if not going:
                 break
-            new_dev, carry = queued
-        jax.block_until_ready(queued)  # a call queued past the last token: the devices finish it here
+        jax.block_until_ready(pending)  # a call queued past the last token: the devices finish it here
         decode_compile_s = self._compile_s - prefill_compile_s
         prefill_s = first_token_time - start_time - prefill_compile_s
         results = []
