@@ -20,12 +20,13 @@ from gptoss_jax.serving.constrain import Grammars
 
 
 @contextlib.contextmanager
-def serving(app, header_timeout: float = 30.0, max_connections: int = 1024):
+def serving(app, header_timeout: float = 30.0, max_connections: int = 1024, keep_alive: float = 5.0):
     """The app on 127.0.0.1 (a free port) while the block runs, through gptoss-serve's own connection
-    handling (server/transport.py: the header deadline, the connection cap) -> its base URL (".../v1")."""
+    handling (server/transport.py: the header deadline, the connection cap) -> its base URL (".../v1").
+    `keep_alive`: seconds an idle kept-alive connection stays open (uvicorn's default, as gptoss-serve)."""
     protocol, _ = protocol_class("auto", header_timeout, max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol, ws="none", log_level="warning",
-                                           access_log=False))
+                                           access_log=False, timeout_keep_alive=keep_alive))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

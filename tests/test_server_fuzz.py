@@ -100,7 +100,9 @@ def app():
 
 @pytest.fixture(scope="module")
 def wire(app):
-    with serving(app) as base:
+    # Idle connections are closed after uvicorn's keep-alive time (5 s): a slow machine can spend that
+    # long preparing the next case, which is not what this test is about.
+    with serving(app, keep_alive=600) as base:
         connection = Connection(base)
         yield connection
         connection.close()

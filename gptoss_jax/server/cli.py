@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import ipaddress
 import math
 import os
@@ -226,6 +227,16 @@ def entry(prog: str | None = None) -> None:
     leave(main(prog=prog or os.path.basename(sys.argv[0])))
 
 
+def freeze_start_up_heap() -> None:
+    """Take what start-up made (the model's pytrees, JAX, the tokenizer, compiled steps) out of the
+    garbage collector's reach, once, when the server is ready. A full collection otherwise walks every
+    one of those long-lived objects, with every thread stopped (0.24 s on a 2-core CPU machine, in a
+    process that also holds torch and transformers), and every stream stalls that long. Objects made
+    later are collected as before. vLLM's API server and engine do the same (gc.freeze after start-up)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _say(text: str) -> None:
     print(f"gptoss-serve: {text}", file=sys.stderr, flush=True)
 
@@ -357,6 +368,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
                 return
             engine.start()
             state["running"] = True
+        freeze_start_up_heap()
         server.ready.set()
         _say(f"compiled: {'; '.join(compiled)}")
         print(f"gptoss-serve: ready at {url} (model {name!r})", flush=True)

@@ -45,6 +45,9 @@ class Server:
                  limits: Limits = Limits()):
         self.engine, self.tokenizer, self.vocab = engine, tokenizer, vocab
         self.model_name, self.api_key, self.limits = model_name, api_key, limits
+        # Loaded now, not at the first request: building it holds Python's interpreter lock for a
+        # quarter of a second (2-core CPU machine), which would pause every stream then.
+        tk.harmony_encoding(vocab)
         self.ready = threading.Event()  # set once the engine is warmed up and running
         self.stopping = False
         self.created = int(time.time())
