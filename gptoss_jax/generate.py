@@ -29,6 +29,7 @@ from .cache import init_cache
 from .config import ModelConfig
 from .model import Kernels, Transformer
 from .sampling import Sampling, sample
+from .speculative import Draft, check_step
 from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
 from .weight import Params
 
@@ -161,11 +162,16 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0, stop_tokens: Sequence[int] = (),
-                 on_token: Callable[[int, int], None] | None = None) -> list[Result]:
+                 on_token: Callable[[int, int], None] | None = None, draft: Draft | None = None,
+                 draft_tokens: int = 4) -> list[Result]:
         """Generate for a batch of prompts (lists of token ids); on_token(sequence, token) streams.
 
         Each result's `timings` are its own: prompt and new tokens, the batch's compilation and
         prefill (shared), its time to first token, and its decode time and rate up to its last token.
+
+        `draft`: speculative decoding (speculative.py), greedy only: each step checks up to
+        `draft_tokens` tokens that draft(context, k) proposes, giving the same tokens as without it;
+        the timings then count the drafted and accepted tokens.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -182,6 +188,13 @@ class Generator:
         for p in prompts:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if draft is not None:
+            if sampling.temperature != 0:
+                raise ValueError("speculative decoding checks drafts greedily: it takes Sampling(temperature=0)")
+            ring = min(self.config.sliding_window, self.max_len)
+            if not 1 <= draft_tokens < ring:
+                raise ValueError(f"draft tokens per step must lie in [1, {ring - 1}] (the sliding layers' ring "
+                                 f"holds {ring} positions), got {draft_tokens}")
 
         self._compile_s = 0.0
         start_time = time.perf_counter()
@@ -217,6 +230,17 @@ class Generator:
         active = np.ones(B, bool)
         taken = 0  # steps whose tokens the host has read (the first from the prompt's logits)
 
+        def add(b: int, token: int, now: float) -> None:
+            """Sequence b's next token: kept, streamed, checked for a stop and for its last."""
+            outputs[b].append(token)
+            finished[b] = now
+            if on_token:
+                on_token(b, token)
+            if token in stops:
+                active[b], reasons[b] = False, "stop"
+            elif len(outputs[b]) == max_new_tokens:
+                active[b] = False
+
         def take(tokens: np.ndarray) -> bool:
             """One step's tokens [B] read on the host: kept, streamed, checked for stops. -> whether
             any sequence goes on."""
@@ -224,12 +248,7 @@ class Generator:
             taken += 1
             now = time.perf_counter()
             for b in np.nonzero(active)[0]:
-                outputs[b].append(int(tokens[b]))
-                finished[b] = now
-                if on_token:
-                    on_token(int(b), int(tokens[b]))
-                if int(tokens[b]) in stops:
-                    active[b], reasons[b] = False, "stop"
+                add(int(b), int(tokens[b]), now)
             return bool(active.any()) and taken < max_new_tokens
 
         # The decode calls' other inputs stay on the devices: the active mask and the step counter
@@ -253,7 +272,10 @@ class Generator:
         # no output: a call may run steps that no sequence needs, and once every sequence has stopped
         # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
-        calls = -(-(max_new_tokens - 1) // self.decode_steps) if going else 0
+        if draft is not None:
+            drafted, accepted = self._speculate(prompts, outputs, active, add, token, cache, draft, draft_tokens,
+                                                max_new_tokens)
+        calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
         while pending is not None:
             new_dev, carry = pending
@@ -283,5 +305,39 @@ class Generator:
                 "decode_s": decode_s,
                 "decode_tokens_per_s": decoded / decode_s if decoded and decode_s > 0 else None,
             }
+            if draft is not None:
+                timings.update(drafted_tokens=int(drafted[b]), accepted_tokens=int(accepted[b]))
             results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
         return results
+
+    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int):
+        """The decode loop with drafts: each step checks every active sequence's last token and the
+        tokens `draft` proposes for it (up to k, and no more than its reply still needs) in one call
+        (speculative.check_step), then adds what that step accepted and the model's next token.
+        -> (tokens drafted [B], accepted [B])."""
+        B, T, vocab = len(prompts), k + 1, self.config.vocab_size
+        put = functools.partial(on_every_device, mesh=self.mesh)
+        last = np.array(last, np.int32)  # [B] each sequence's last token, not yet in the cache
+        drafted, accepted = np.zeros(B, int), np.zeros(B, int)
+        while active.any():
+            tokens, valid = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
+            for b in np.nonzero(active)[0]:
+                room = min(k, max_new_tokens - len(outputs[b]) - 1)  # the step's own token counts too
+                proposed = list(draft(list(prompts[b]) + outputs[b], room))[:room] if room > 0 else []
+                if any(not 0 <= t < vocab for t in proposed):
+                    raise ValueError(f"the draft proposed token ids outside [0, {vocab}): {proposed}")
+                tokens[b, 0], tokens[b, 1:1 + len(proposed)] = last[b], proposed
+                valid[b, :1 + len(proposed)] = True
+                drafted[b] += len(proposed)
+            picks, agreed, cache = self._call(check_step, (self.config, self.kernels, self.mesh), self.params,
+                                              put(tokens), put(valid), cache)
+            picks, agreed = np.asarray(picks), np.asarray(agreed)
+            now = time.perf_counter()
+            for b in np.nonzero(valid[:, 0])[0]:
+                a = int(agreed[b])
+                accepted[b] += a
+                last[b] = picks[b, a]
+                for t in [*tokens[b, 1:1 + a], picks[b, a]]:
+                    if active[b]:
+                        add(int(b), int(t), now)
+        return drafted, accepted

@@ -105,6 +105,8 @@ def test_chat_json_has_channels(capsys):
     (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1", "--json"], "checkpoint directory not found"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "0", "--json"], "--max-new-tokens must be at least 1"),
     (["--prompt-ids", "1,2", "--decode-steps", "0", "--json"], "--decode-steps must be at least 1"),
+    (["--prompt-ids", "1,2", "--temperature", "0", "--draft", "prompt-lookup", "--draft-tokens", "0", "--json"],
+     "--draft-tokens must be at least 1"),
 ])
 def test_bad_input_exits_non_zero_with_a_message(capsys, argv, message):
     assert run_inference.main(argv) != 0
@@ -141,6 +143,9 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         (["--checkpoint", ckpt, "--prompt-ids", "1", "--max-context", "4096"], 2,
          "--max-context 4096 exceeds the model's context of 2048 tokens"),
         (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
+        (["--temperature", "0", "--draft", "prompt-lookup", "--draft-tokens", "16"], 2,
+         "--draft-tokens must be less than 16 for this model"),
+        (["--draft", "prompt-lookup"], 2, "--draft checks drafts greedily: it takes --temperature 0, got 1.0"),
         (["--checkpoint", str(tmp_path / "nowhere"), "--prompt-ids", "1"], 1, "checkpoint directory not found"),
         (["--checkpoint", str(tmp_path), "--prompt-ids", "1"], 1, "not a gptoss-jax checkpoint"),
         (["--mesh", "gpus=2"], 2, "--mesh gpus=2: unknown mesh axis 'gpus'; the axes are data, expert, tensor"),
@@ -257,6 +262,19 @@ def test_prompt_file_equals_prompt_ids(checkpoint, tmp_path, capsys):
     missing = tmp_path / "nope.txt"
     assert run_inference.main(common + ["--prompt-file", str(missing)]) != 0
     assert "error:" in capsys.readouterr().err
+
+
+def test_prompt_lookup_drafts_give_the_same_tokens(checkpoint, capsys):
+    common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "24",
+              "--json", "--max-context", "128", "--prompt-ids", ",".join(["5", "6", "7", "8"] * 6)]
+    records = []
+    for extra in ([], ["--draft", "prompt-lookup", "--draft-tokens", "3"]):
+        assert run_inference.main(common + extra) == 0
+        (record,) = _json_lines(capsys.readouterr().out)
+        records.append(record)
+    plain, drafted = records
+    assert drafted["output_ids"] == plain["output_ids"] and "drafted_tokens" not in plain["timings"]
+    assert drafted["timings"]["accepted_tokens"] <= drafted["timings"]["drafted_tokens"]
 
 
 @pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 0.0), (signal.SIGINT, 1.0), (signal.SIGINT, 3.0),

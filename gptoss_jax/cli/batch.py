@@ -12,6 +12,7 @@ import jax
 
 from .. import tokenizer as tk
 from ..generate import batch_timings
+from ..speculative import PromptLookup
 from .display import ChatPrinter, timing_line
 
 
@@ -37,8 +38,9 @@ def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, pri
         if stream:
             printer.feed(token)
 
+    draft = PromptLookup() if args.draft == "prompt-lookup" else None
     results = generator.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                                 stop_tokens=stops, on_token=on_token)
+                                 stop_tokens=stops, on_token=on_token, draft=draft, draft_tokens=args.draft_tokens)
     if stream:
         printer.finish()
     for r in results:

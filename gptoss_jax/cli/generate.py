@@ -14,7 +14,7 @@ from ..metadata import expand
 from ..version import __version__
 from . import devices, loading
 from .command import leave, run_command
-from .inputs import UsageError, check_fits, check_flags, max_context, model_config, prompt_texts
+from .inputs import UsageError, check_draft, check_fits, check_flags, max_context, model_config, prompt_texts
 from .signals import Signals
 
 DESCRIPTION = """\
@@ -80,6 +80,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "the tokens once per N tokens, which keeps a batch of one from waiting on the host; "
                         "text streams N tokens at a time; the device may run up to N - 1 steps past the last token "
                         "(2N - 1 when stop tokens end every sequence: the call after is already queued)")
+    p.add_argument("--draft", choices=["none", "prompt-lookup"], default="none",
+                   help="speculative decoding, greedy only (--temperature 0): each step checks up to --draft-tokens "
+                        "proposed tokens at once and keeps those the model agrees with, giving the same tokens as "
+                        "without it; prompt-lookup proposes what followed the last 1-3 tokens where they occurred "
+                        "earlier in the prompt or reply (pays off where replies quote their context)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                   help="with --draft: tokens proposed and checked per step (default: 4; less than the sliding "
+                        "window, 128 for gpt-oss)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")
@@ -139,6 +147,7 @@ def _run(args, signals: Signals) -> int:
     texts = prompt_texts(args)
     config, what = model_config(args)
     max_len = max_context(args, config)
+    check_draft(args, config, max_len)
     interactive = args.chat and texts is None and sys.stdin.isatty()
     if interactive and processes is not None:
         raise UsageError("the interactive chat runs in one process; give the prompt with --prompt, --prompt-file "

@@ -96,6 +96,10 @@ def check_flags(args, warn) -> None:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.decode_steps < 1:
         raise UsageError(f"--decode-steps must be at least 1, got {args.decode_steps}")
+    if args.draft != "none" and args.temperature != 0:
+        raise UsageError(f"--draft checks drafts greedily: it takes --temperature 0, got {args.temperature}")
+    if args.draft_tokens < 1:
+        raise UsageError(f"--draft-tokens must be at least 1, got {args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
 
@@ -116,6 +120,14 @@ def max_context(args, config: ModelConfig) -> int:
         raise UsageError(f"--max-context {args.max_context} exceeds the model's context of "
                          f"{config.max_context_length} tokens")
     return args.max_context
+
+
+def check_draft(args, config: ModelConfig, max_len: int) -> None:
+    """--draft-tokens against the model: a step's drafted positions must not wrap the sliding ring."""
+    ring = min(config.sliding_window, max_len)
+    if args.draft != "none" and args.draft_tokens >= ring:
+        raise UsageError(f"--draft-tokens must be less than {ring} for this model (its sliding window, or "
+                         f"--max-context where smaller), got {args.draft_tokens}")
 
 
 def check_fits(prompt_tokens: int, args, max_len: int) -> None:

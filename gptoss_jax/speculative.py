@@ -1,0 +1,113 @@
+"""Speculative decoding's pieces: drafts proposed on the host, checked by the model in one step over
+several positions, and the KV cache rolled back past the drafts it rejects.
+
+A step of one sequence, whose cache holds L positions and whose last token t is not in it yet, with
+a draft d_1 .. d_k:
+
+    inputs [t, d_1, ..., d_k] at positions L .. L+k  ->  the model's greedy picks g_0 .. g_k
+    accepted a: the longest prefix of the draft with d_(i+1) == g_i; the step's new tokens are
+    d_1 .. d_a, then g_a (so a step gives a + 1 tokens, at least one: what one decode step gives)
+    the cache keeps positions L .. L+a (t and the accepted drafts) and nothing of the others
+
+Greedy picks make the tokens exactly those of decoding one token a step: each kept token is the
+argmax given the kept tokens before it. Nothing of a rejected draft stays in the cache: a full
+layer's rejected positions are zero again, as never written, and the sliding layers' ring slots
+they overwrote (cache.py: slot p % S holds position p) get the earlier positions they held back.
+
+Draft sources are callables `draft(context, k) -> up to k token ids`, given the sequence so far
+(prompt and reply); `PromptLookup` proposes what followed the context's last n tokens where they
+occurred before (n-gram / prompt lookup drafting, no weights).
+
+Legend: B = batch, T = k + 1 positions checked a step, V = vocabulary, S = ring slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cache import ring_positions
+from .config import ModelConfig
+from .model import Transformer
+from .sharding import everywhere
+
+Draft = Callable[[Sequence[int], int], Sequence[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """Drafts by prompt lookup: the tokens that followed the latest earlier occurrence of the
+    context's last n tokens, for n from `max_n` down to `min_n` (the longest match that has one).
+    Pays off where a reply quotes its context: edits, code, retrieved text; proposes nothing where
+    the last tokens are new."""
+
+    max_n: int = 3
+    min_n: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"prompt lookup takes 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+
+    def __call__(self, context: Sequence[int], k: int) -> list[int]:
+        h = np.asarray(context, dtype=np.int64)
+        for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
+            # Each n-gram starting at j <= len - 1 - n (one token follows it; the suffix itself is not one).
+            grams = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+            starts = np.flatnonzero((grams == h[-n:]).all(axis=1))
+            if starts.size:
+                follow = starts[-1] + n
+                return h[follow:follow + k].tolist()
+        return []
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
+def check_step(config, kernels, mesh, params, tokens, valid, cache):
+    """tokens [B, T]: each sequence's last token then its draft; valid [B, T]: a prefix of each row
+    (none: a sequence that has stopped) -> (greedy picks [B, T], accepted drafts [B], the cache
+    holding each sequence's last token and accepted drafts, nothing more)."""
+    logits, written = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
+    picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T], as sampling.sample's greedy pick
+    agree = (tokens[:, 1:] == picks[:, :-1]) & valid[:, 1:]  # [B, T - 1]
+    accepted = jnp.cumprod(agree.astype(jnp.int32), axis=1).sum(axis=1)  # the longest agreeing prefix
+    kept = jnp.where(valid[:, 0], accepted + 1, 0)
+    cache = roll_back(config, cache, written, valid, kept)
+    return everywhere(picks, mesh), everywhere(accepted, mesh), cache
+
+
+def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
+    """The cache after a step that wrote the `valid` [B, T] positions from `before`'s lengths on
+    (`written`), keeping only the first `kept` [B] of them: full layers' other positions zeroed, the
+    sliding layers' ring slots they took given back their earlier positions (`before`'s)."""
+    lengths = before["lengths"]
+    new_lengths = lengths + kept
+    T = valid.shape[1]
+    dropped = valid & (jnp.arange(T)[None] >= kept[:, None])  # [B, T]
+    out = {"lengths": new_lengths}
+    for name, layer in written.items():
+        if name == "lengths":
+            continue
+        B, S = layer["k"].shape[:2]
+        if config.is_sliding(int(name.split("_")[1])):
+            # A slot whose position (for the kept length) is from this step holds it in `written`
+            # (T <= S, so no later position of the step took the slot); any other, in `before`.
+            from_step = (ring_positions(new_lengths, S) >= lengths[:, None])[..., None, None]  # [B, S, 1, 1]
+            out[name] = {x: jnp.where(from_step, layer[x], before[name][x]) for x in ("k", "v")}
+        else:
+            at = jnp.where(dropped, lengths[:, None] + jnp.arange(T)[None], S)  # out of range -> dropped
+            rows = jnp.arange(B)[:, None]
+            out[name] = {x: layer[x].at[rows, at].set(0, mode="drop") for x in ("k", "v")}
+    return out
+
+
+def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels, mesh=None):
+    """One checked step (`check_step`) outside `Generator`: the cache is donated, use the returned one."""
+    slots = min(layer["k"].shape[1] for name, layer in cache.items() if name != "lengths")
+    if np.shape(tokens)[1] > slots:
+        raise ValueError(f"a step checks at most {slots - 1} drafted tokens with this cache (its smallest layer "
+                         f"holds {slots} positions), got {np.shape(tokens)[1] - 1}")
+    return check_step(config, kernels, mesh, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool), cache)

@@ -1,0 +1,136 @@
+"""Speculative decoding (gptoss_jax/speculative.py): with any draft, greedy tokens are those of
+decoding one token a step; a step keeps nothing of the drafts it rejects in the cache."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gptoss_jax as gj
+from gptoss_jax.cache import init_cache
+from gptoss_jax.generate import Generator
+from gptoss_jax.model import extend
+from gptoss_jax.sampling import Sampling
+from gptoss_jax.speculative import PromptLookup, check_draft
+from gptoss_jax.testing import random_params
+
+GREEDY = Sampling(temperature=0)
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def gen():
+    config = gj.ModelConfig.tiny()  # a sliding window of 16: replies run far past it
+    return Generator(config, random_params(config, seed=5, dtype=jnp.float32), max_len=256, prefill_chunk=64)
+
+
+@pytest.fixture(scope="module")
+def prompts(gen):
+    rng = np.random.default_rng(7)
+    looped = rng.integers(0, gen.config.vocab_size, 12).tolist() * 4  # prompt lookup finds matches here
+    return [rng.integers(0, gen.config.vocab_size, n).tolist() for n in (3, 40)] + [looped]
+
+
+@pytest.fixture(scope="module")
+def plain(gen, prompts):
+    """The greedy replies decoded one token a step, with no draft."""
+    return [r.output_ids for r in gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY)]
+
+
+def oracle(prompts, replies, wrong_every: int = 0, vocab: int = 1024):
+    """A draft proposing each sequence's own greedy reply; with `wrong_every` n, every n-th proposed
+    position (counted over the reply) is replaced by another token."""
+    def draft(context, k):
+        for prompt, reply in zip(prompts, replies):
+            full = prompt + reply
+            if full[:len(context)] == list(context):
+                start = len(context)
+                out = full[start:start + k]
+                return [(t + 1) % vocab if wrong_every and (start + i) % wrong_every == 0 else t
+                        for i, t in enumerate(out)]
+        raise AssertionError("the context is no prompt's greedy reply so far")
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 4, 15])
+def test_a_draft_always_right_is_all_accepted_and_changes_no_token(gen, prompts, plain, k):
+    results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=oracle(prompts, plain), draft_tokens=k)
+    assert [r.output_ids for r in results] == plain
+    for r in results:
+        # Each step drafts up to k and keeps them all: the reply takes ceil((NEW - 1) / (k + 1)) steps.
+        assert r.timings["accepted_tokens"] == r.timings["drafted_tokens"] == NEW - 1 - -(-(NEW - 1) // (k + 1))
+
+
+def test_a_draft_always_wrong_is_never_accepted_and_changes_no_token(gen, prompts, plain):
+    def wrong(context, k):  # whatever the reply holds next, another token
+        return [(t + 1) % gen.config.vocab_size for t in oracle(prompts, plain)(context, k)]
+
+    results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=wrong, draft_tokens=4)
+    assert [r.output_ids for r in results] == plain
+    assert all(r.timings["accepted_tokens"] == 0 < r.timings["drafted_tokens"] for r in results)
+
+
+@pytest.mark.parametrize("wrong_every", [2, 3, 5])
+def test_drafts_partly_right_change_no_token(gen, prompts, plain, wrong_every):
+    results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY,
+                           draft=oracle(prompts, plain, wrong_every), draft_tokens=6)
+    assert [r.output_ids for r in results] == plain
+    for r in results:
+        assert 0 < r.timings["accepted_tokens"] < r.timings["drafted_tokens"]
+
+
+def test_prompt_lookup_changes_no_token_and_stop_tokens_still_stop(gen, prompts, plain):
+    results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=PromptLookup(), draft_tokens=4)
+    assert [r.output_ids for r in results] == plain
+    assert sum(r.timings["drafted_tokens"] for r in results) > 0
+    stop = plain[2][10]
+    stopped = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, stop_tokens=[stop],
+                           draft=oracle(prompts, plain), draft_tokens=8)
+    assert stopped[2].output_ids == plain[2][:plain[2].index(stop) + 1] and stopped[2].finish_reason == "stop"
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_match():
+    look = PromptLookup(max_n=3)
+    assert look([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # "2 3" matched; "9 2 3" did not occur before
+    assert look([7, 2, 3, 8, 1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]  # the latest of two matches
+    assert look([5, 6, 7, 5, 6], 4) == [7, 5, 6]  # up to what the context holds
+    assert look([1, 2, 3], 4) == [] and look([4], 4) == []
+    with pytest.raises(ValueError, match="min_n"):
+        PromptLookup(max_n=1, min_n=2)
+
+
+def test_a_checked_step_keeps_nothing_of_the_rejected_drafts(gen):
+    """The cache after a step that accepts 2 of 5 drafted tokens is, bit for bit, the cache of
+    writing the last token and those 2 alone in a step of the same shape: the full layers' rejected
+    positions zero, the ring slots they overwrote (the prompt is longer than the window) restored."""
+    config, params = gen.config, gen.params
+    prompt = np.random.default_rng(3).integers(0, config.vocab_size, 40).tolist()
+
+    def prefilled():
+        logits, cache = extend(config, params, np.array([prompt]), init_cache(config, 1, 64, jnp.float32))
+        return int(np.asarray(logits)[0, -1].argmax()), cache
+
+    last, cache = prefilled()
+    reply = gen.generate([prompt], max_new_tokens=4, sampling=GREEDY)[0].output_ids
+    assert reply[0] == last
+    proposed = [reply[1], reply[2], (reply[3] + 1) % config.vocab_size, 5, 6]
+    picks, accepted, checked = check_draft(config, cache, np.array([[last] + proposed]), np.ones((1, 6), bool),
+                                           params, kernels=gen.kernels)
+    assert int(accepted[0]) == 2 and int(np.asarray(picks)[0, 2]) == reply[3]
+    _, cache = prefilled()
+    _, expected = extend(config, params, np.array([[last, reply[1], reply[2], 0, 0, 0]]), cache,
+                         np.array([[True] * 3 + [False] * 3]))
+    assert int(checked["lengths"][0]) == int(expected["lengths"][0]) == len(prompt) + 3
+    for name in expected:
+        if name != "lengths":
+            for x in ("k", "v"):
+                np.testing.assert_array_equal(np.asarray(checked[name][x]), np.asarray(expected[name][x]),
+                                              err_msg=f"{name}.{x}")
+
+
+def test_bad_speculation_settings_are_refused(gen, prompts):
+    with pytest.raises(ValueError, match="greedily"):
+        gen.generate(prompts, max_new_tokens=4, sampling=Sampling(temperature=1.0), draft=PromptLookup())
+    with pytest.raises(ValueError, match=r"\[1, 15\]"):
+        gen.generate(prompts, max_new_tokens=4, sampling=GREEDY, draft=PromptLookup(), draft_tokens=16)
+    with pytest.raises(ValueError, match="outside"):
+        gen.generate(prompts, max_new_tokens=4, sampling=GREEDY, draft=lambda context, k: [10**6])
