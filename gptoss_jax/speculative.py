@@ -14,6 +14,10 @@ argmax given the kept tokens before it. Nothing of a rejected draft stays in the
 layer's rejected positions are zero again, as never written, and the sliding layers' ring slots
 they overwrote (cache.py: slot p % S holds position p) get the earlier positions they held back.
 
+Sampled decoding takes the speculative-sampling rule instead (`accept_sampled`), under which a
+step's tokens follow the target's distribution exactly; `Generator` checks drafts greedily only so
+far.
+
 Draft sources are callables `draft(context, k) -> up to k token ids`, given the sequence so far
 (prompt and reply); `PromptLookup` proposes what followed the context's last n tokens where they
 occurred before (n-gram / prompt lookup drafting, no weights).
@@ -102,6 +106,38 @@ def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array
             rows = jnp.arange(B)[:, None]
             out[name] = {x: layer[x].at[rows, at].set(0, mode="drop") for x in ("k", "v")}
     return out
+
+
+def accept_sampled(key: jax.Array, target: jax.Array, drafted: jax.Array, valid: jax.Array,
+                   draft_probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The speculative-sampling rule (Leviathan et al., 2023; Chen et al., 2023), with which a step's
+    tokens are distributed exactly as the target's, one token at a time, whatever the draft.
+
+    target [B, T, V]: the target's probabilities at each position (after the sampling filters);
+    drafted [B, T - 1] the proposed tokens, valid [B, T - 1] which were proposed (a prefix of each
+    row); draft_probs [B, T - 1, V] the distributions they were drawn from, or None for drafts that
+    propose each token with certainty (prompt lookup). Draft i is accepted with probability
+    min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn from max(p_i - q_i, 0)
+    renormalized, and after k acceptances from p_k. -> (accepted [B], the next token [B])."""
+    B, T, V = target.shape
+    p = jnp.take_along_axis(target[:, :-1], drafted[..., None], axis=-1)[..., 0]  # [B, T - 1]
+    q = (jnp.ones_like(p) if draft_probs is None
+         else jnp.take_along_axis(draft_probs, drafted[..., None], axis=-1)[..., 0])
+    key_accept, key_next = jax.random.split(key)
+    u = jax.random.uniform(key_accept, p.shape)
+    ok = (u * q < p) & valid  # u < p / q, as q > 0 where drafted
+    accepted = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)  # [B]
+    at = accepted[:, None, None]
+    p_at = jnp.take_along_axis(target, at, axis=1)[:, 0]  # [B, V]
+    rejected = accepted < valid.sum(axis=1)  # stopped at a proposed token, not past the last
+    if draft_probs is None:
+        q_at = jax.nn.one_hot(jnp.take_along_axis(drafted, jnp.minimum(accepted, T - 2)[:, None], axis=1)[:, 0], V)
+    else:
+        q_at = jnp.take_along_axis(draft_probs, jnp.minimum(at, T - 2), axis=1)[:, 0]
+    residual = jnp.where(rejected[:, None], jnp.maximum(p_at - q_at, 0.0), p_at)
+    residual = jnp.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_at)  # p == q: any p-draw will do
+    nxt = jax.random.categorical(key_next, jnp.log(residual), axis=-1).astype(jnp.int32)
+    return accepted, nxt
 
 
 def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels, mesh=None):
