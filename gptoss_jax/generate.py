@@ -169,9 +169,10 @@ class Generator:
         Each result's `timings` are its own: prompt and new tokens, the batch's compilation and
         prefill (shared), its time to first token, and its decode time and rate up to its last token.
 
-        `draft`: speculative decoding (speculative.py), greedy only: each step checks up to
-        `draft_tokens` tokens that draft(context, k) proposes, giving the same tokens as without it;
-        the timings then count the drafted and accepted tokens.
+        `draft`: speculative decoding (speculative.py): each step checks up to `draft_tokens` tokens
+        that draft(context, k) proposes; greedy, the tokens are those without it; sampled, they are
+        drawn from the same distributions (with other draws). The timings then count the drafted
+        and accepted tokens.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -189,8 +190,6 @@ class Generator:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if draft is not None:
-            if sampling.temperature != 0:
-                raise ValueError("speculative decoding checks drafts greedily: it takes Sampling(temperature=0)")
             ring = min(self.config.sliding_window, self.max_len)
             if not 1 <= draft_tokens < ring:
                 raise ValueError(f"draft tokens per step must lie in [1, {ring - 1}] (the sliding layers' ring "
@@ -274,7 +273,7 @@ class Generator:
         going = take(token)
         if draft is not None:
             drafted, accepted = self._speculate(prompts, outputs, active, add, token, cache, draft, draft_tokens,
-                                                max_new_tokens)
+                                                max_new_tokens, sampling, seed_dev)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
         while pending is not None:
@@ -310,7 +309,8 @@ class Generator:
             results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
         return results
 
-    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int):
+    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,
+                   sampling: Sampling, seed_dev):
         """The decode loop with drafts: each step checks every active sequence's last token and the
         tokens `draft` proposes for it (up to k, and no more than its reply still needs) in one call
         (speculative.check_step), then adds what that step accepted and the model's next token.
@@ -319,7 +319,9 @@ class Generator:
         put = functools.partial(on_every_device, mesh=self.mesh)
         last = np.array(last, np.int32)  # [B] each sequence's last token, not yet in the cache
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
+        step = 0  # check steps so far: step i samples with key fold_in(key(seed), i + 1) (0: the first token)
         while active.any():
+            step += 1
             tokens, valid = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
             for b in np.nonzero(active)[0]:
                 room = min(k, max_new_tokens - len(outputs[b]) - 1)  # the step's own token counts too
@@ -329,15 +331,15 @@ class Generator:
                 tokens[b, 0], tokens[b, 1:1 + len(proposed)] = last[b], proposed
                 valid[b, :1 + len(proposed)] = True
                 drafted[b] += len(proposed)
-            picks, agreed, cache = self._call(check_step, (self.config, self.kernels, self.mesh), self.params,
-                                              put(tokens), put(valid), cache)
-            picks, agreed = np.asarray(picks), np.asarray(agreed)
+            agreed, nxt, cache = self._call(check_step, (self.config, self.kernels, self.mesh, sampling), self.params,
+                                            put(tokens), put(valid), cache, seed_dev, put(np.int32(step)))
+            agreed, nxt = np.asarray(agreed), np.asarray(nxt)
             now = time.perf_counter()
             for b in np.nonzero(valid[:, 0])[0]:
                 a = int(agreed[b])
                 accepted[b] += a
-                last[b] = picks[b, a]
-                for t in [*tokens[b, 1:1 + a], picks[b, a]]:
+                last[b] = nxt[b]
+                for t in [*tokens[b, 1:1 + a], nxt[b]]:
                     if active[b]:
                         add(int(b), int(t), now)
         return drafted, accepted

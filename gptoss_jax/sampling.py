@@ -46,10 +46,18 @@ def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
     import jax  # here, not at the top: `Sampling` alone checks flags before JAX starts
     import jax.numpy as jnp
 
-    logits = logits.astype(jnp.float32)
     if params.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / params.temperature
+        return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered(logits, params), axis=-1).astype(jnp.int32)
+
+
+def filtered(logits: jax.Array, params: Sampling) -> jax.Array:
+    """The logits [B, V] a sampled token is drawn from: scaled by the temperature (> 0), the filters
+    applied (-inf where one drops a token)."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = logits.astype(jnp.float32) / params.temperature
     if params.top_k:
         kth = jax.lax.top_k(logits, min(params.top_k, logits.shape[-1]))[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -63,7 +71,7 @@ def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
         drop_sorted = before >= params.top_p  # the first token always stays (before = 0)
         drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
         logits = jnp.where(drop, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return logits
 
 
 MODES = ("greedy", "draw", "rank")

@@ -15,8 +15,7 @@ layer's rejected positions are zero again, as never written, and the sliding lay
 they overwrote (cache.py: slot p % S holds position p) get the earlier positions they held back.
 
 Sampled decoding takes the speculative-sampling rule instead (`accept_sampled`), under which a
-step's tokens follow the target's distribution exactly; `Generator` checks drafts greedily only so
-far.
+step's tokens follow the target's distribution (after the sampling filters) exactly.
 
 Draft sources are callables `draft(context, k) -> up to k token ids`, given the sequence so far
 (prompt and reply); `PromptLookup` proposes what followed the context's last n tokens where they
@@ -38,6 +37,7 @@ import numpy as np
 from .cache import ring_positions
 from .config import ModelConfig
 from .model import Transformer
+from .sampling import Sampling, filtered
 from .sharding import everywhere
 
 Draft = Callable[[Sequence[int], int], Sequence[int]]
@@ -69,18 +69,27 @@ class PromptLookup:
         return []
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
-def check_step(config, kernels, mesh, params, tokens, valid, cache):
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
+def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step):
     """tokens [B, T]: each sequence's last token then its draft; valid [B, T]: a prefix of each row
-    (none: a sequence that has stopped) -> (greedy picks [B, T], accepted drafts [B], the cache
-    holding each sequence's last token and accepted drafts, nothing more)."""
+    (none: a sequence that has stopped) -> (accepted drafts [B], the token after them [B], the cache
+    holding each sequence's last token and accepted drafts, nothing more). Greedy (temperature 0):
+    a draft is accepted where it is the model's argmax; else by `accept_sampled`, with the key
+    fold_in(key(seed), step)."""
     logits, written = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
-    picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T], as sampling.sample's greedy pick
-    agree = (tokens[:, 1:] == picks[:, :-1]) & valid[:, 1:]  # [B, T - 1]
-    accepted = jnp.cumprod(agree.astype(jnp.int32), axis=1).sum(axis=1)  # the longest agreeing prefix
+    B, T, V = logits.shape
+    if sampling.temperature == 0:
+        picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T], as sampling.sample's greedy pick
+        agree = (tokens[:, 1:] == picks[:, :-1]) & valid[:, 1:]  # [B, T - 1]
+        accepted = jnp.cumprod(agree.astype(jnp.int32), axis=1).sum(axis=1)  # the longest agreeing prefix
+        nxt = jnp.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]
+    else:
+        target = jax.nn.softmax(filtered(logits.reshape(B * T, V), sampling), axis=-1).reshape(B, T, V)
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        accepted, nxt = accept_sampled(key, target, tokens[:, 1:], valid[:, 1:])
     kept = jnp.where(valid[:, 0], accepted + 1, 0)
     cache = roll_back(config, cache, written, valid, kept)
-    return everywhere(picks, mesh), everywhere(accepted, mesh), cache
+    return everywhere(accepted, mesh), everywhere(nxt, mesh), cache
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
@@ -140,10 +149,12 @@ def accept_sampled(key: jax.Array, target: jax.Array, drafted: jax.Array, valid:
     return accepted, nxt
 
 
-def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels, mesh=None):
+def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels, mesh=None,
+                sampling: Sampling = Sampling(temperature=0), seed: int = 0, step: int = 0):
     """One checked step (`check_step`) outside `Generator`: the cache is donated, use the returned one."""
     slots = min(layer["k"].shape[1] for name, layer in cache.items() if name != "lengths")
     if np.shape(tokens)[1] > slots:
         raise ValueError(f"a step checks at most {slots - 1} drafted tokens with this cache (its smallest layer "
                          f"holds {slots} positions), got {np.shape(tokens)[1] - 1}")
-    return check_step(config, kernels, mesh, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool), cache)
+    return check_step(config, kernels, mesh, sampling, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool),
+                      cache, jnp.int32(seed), jnp.int32(step))

@@ -114,9 +114,9 @@ def test_a_checked_step_keeps_nothing_of_the_rejected_drafts(gen):
     reply = gen.generate([prompt], max_new_tokens=4, sampling=GREEDY)[0].output_ids
     assert reply[0] == last
     proposed = [reply[1], reply[2], (reply[3] + 1) % config.vocab_size, 5, 6]
-    picks, accepted, checked = check_draft(config, cache, np.array([[last] + proposed]), np.ones((1, 6), bool),
-                                           params, kernels=gen.kernels)
-    assert int(accepted[0]) == 2 and int(np.asarray(picks)[0, 2]) == reply[3]
+    accepted, nxt, checked = check_draft(config, cache, np.array([[last] + proposed]), np.ones((1, 6), bool),
+                                         params, kernels=gen.kernels)
+    assert int(accepted[0]) == 2 and int(nxt[0]) == reply[3]
     _, cache = prefilled()
     _, expected = extend(config, params, np.array([[last, reply[1], reply[2], 0, 0, 0]]), cache,
                          np.array([[True] * 3 + [False] * 3]))
@@ -128,9 +128,23 @@ def test_a_checked_step_keeps_nothing_of_the_rejected_drafts(gen):
                                               err_msg=f"{name}.{x}")
 
 
+def test_sampled_speculation_is_seeded_and_with_top_k_1_is_greedy(gen, prompts, plain):
+    """Sampling through the speculative rule: with top-k 1 the target is the argmax, so the tokens are
+    the greedy ones whatever the draft; otherwise a seed gives the same tokens again, another seed others."""
+    one = Sampling(temperature=0.7, top_k=1)
+    for draft in (oracle(prompts, plain, wrong_every=3), PromptLookup()):
+        results = gen.generate(prompts, max_new_tokens=NEW, sampling=one, draft=draft, draft_tokens=4)
+        greedy = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=draft, draft_tokens=4)
+        assert [r.output_ids for r in results] == plain
+        # and the same drafts accepted as greedily
+        assert [r.timings["accepted_tokens"] for r in results] == [r.timings["accepted_tokens"] for r in greedy]
+    warm = Sampling(temperature=1.0)
+    runs = [[r.output_ids for r in gen.generate(prompts, max_new_tokens=16, sampling=warm, seed=seed,
+                                                draft=PromptLookup(), draft_tokens=4)] for seed in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+
+
 def test_bad_speculation_settings_are_refused(gen, prompts):
-    with pytest.raises(ValueError, match="greedily"):
-        gen.generate(prompts, max_new_tokens=4, sampling=Sampling(temperature=1.0), draft=PromptLookup())
     with pytest.raises(ValueError, match=r"\[1, 15\]"):
         gen.generate(prompts, max_new_tokens=4, sampling=GREEDY, draft=PromptLookup(), draft_tokens=16)
     with pytest.raises(ValueError, match="outside"):

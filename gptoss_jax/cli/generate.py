@@ -81,10 +81,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "text streams N tokens at a time; the device may run up to N - 1 steps past the last token "
                         "(2N - 1 when stop tokens end every sequence: the call after is already queued)")
     p.add_argument("--draft", choices=["none", "prompt-lookup"], default="none",
-                   help="speculative decoding, greedy only (--temperature 0): each step checks up to --draft-tokens "
-                        "proposed tokens at once and keeps those the model agrees with, giving the same tokens as "
-                        "without it; prompt-lookup proposes what followed the last 1-3 tokens where they occurred "
-                        "earlier in the prompt or reply (pays off where replies quote their context)")
+                   help="speculative decoding: each step checks up to --draft-tokens proposed tokens at once and "
+                        "keeps those the model accepts (greedy: the same tokens as without it; sampled: drawn from "
+                        "the same distributions); prompt-lookup proposes what followed the last 1-3 tokens where "
+                        "they occurred earlier in the prompt or reply (pays off where replies quote their context)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="with --draft: tokens proposed and checked per step (default: 4; less than the sliding "
                         "window, 128 for gpt-oss)")

@@ -96,8 +96,6 @@ def check_flags(args, warn) -> None:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.decode_steps < 1:
         raise UsageError(f"--decode-steps must be at least 1, got {args.decode_steps}")
-    if args.draft != "none" and args.temperature != 0:
-        raise UsageError(f"--draft checks drafts greedily: it takes --temperature 0, got {args.temperature}")
     if args.draft_tokens < 1:
         raise UsageError(f"--draft-tokens must be at least 1, got {args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
