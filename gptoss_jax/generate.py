@@ -29,8 +29,8 @@ from .cache import init_cache
 from .config import ModelConfig
 from .model import Kernels, Transformer
 from .sampling import Sampling, sample
-from .speculative import Draft, check_step
 from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
+from .speculative import Draft, check_step
 from .weight import Params
 
 
