@@ -170,9 +170,9 @@ class Generator:
         prefill (shared), its time to first token, and its decode time and rate up to its last token.
 
         `draft`: speculative decoding (speculative.py): each step checks up to `draft_tokens` tokens
-        that draft(context, k) proposes; greedy, the tokens are those without it; sampled, they are
-        drawn from the same distributions (with other draws). The timings then count the drafted
-        and accepted tokens.
+        that draft(context, k) proposes; greedy, the tokens are those without it (up to the rounding
+        of a pass over several positions); sampled, they are drawn from the same distributions (with
+        other draws). The timings then count the drafted tokens and the accepted ones kept.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -337,9 +337,9 @@ class Generator:
             now = time.perf_counter()
             for b in np.nonzero(valid[:, 0])[0]:
                 a = int(agreed[b])
-                accepted[b] += a
                 last[b] = nxt[b]
-                for t in [*tokens[b, 1:1 + a], nxt[b]]:
-                    if active[b]:
+                for i, t in enumerate([*tokens[b, 1:1 + a], nxt[b]]):
+                    if active[b]:  # not past a stop token or the last token
                         add(int(b), int(t), now)
+                        accepted[b] += i < a
         return drafted, accepted

@@ -9,8 +9,9 @@ a draft d_1 .. d_k:
     d_1 .. d_a, then g_a (so a step gives a + 1 tokens, at least one: what one decode step gives)
     the cache keeps positions L .. L+a (t and the accepted drafts) and nothing of the others
 
-Greedy picks make the tokens exactly those of decoding one token a step: each kept token is the
-argmax given the kept tokens before it. Nothing of a rejected draft stays in the cache: a full
+Greedy picks make the tokens those of decoding one token a step: each kept token is the argmax
+given the kept tokens before it (exactly so where a pass over k + 1 positions rounds as k + 1
+passes over one do, as in float32 on a CPU; in bfloat16 the two can part at a near-tie). Nothing of a rejected draft stays in the cache: a full
 layer's rejected positions are zero again, as never written, and the sliding layers' ring slots
 they overwrote (cache.py: slot p % S holds position p) get the earlier positions they held back.
 
@@ -93,7 +94,8 @@ def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, se
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
-    """The cache after a step that wrote the `valid` [B, T] positions from `before`'s lengths on
+    """The contiguous cache (cache.py; not the serving engine's paged one) after a step that wrote the
+    `valid` [B, T] positions from `before`'s lengths on
     (`written`), keeping only the first `kept` [B] of them: full layers' other positions zeroed, the
     sliding layers' ring slots they took given back their earlier positions (`before`'s)."""
     lengths = before["lengths"]
@@ -151,7 +153,8 @@ def accept_sampled(key: jax.Array, target: jax.Array, drafted: jax.Array, valid:
 
 def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels, mesh=None,
                 sampling: Sampling = Sampling(temperature=0), seed: int = 0, step: int = 0):
-    """One checked step (`check_step`) outside `Generator`: the cache is donated, use the returned one."""
+    """One checked step (`check_step`) outside `Generator`, over a contiguous cache (cache.py) and at
+    least one drafted position: the cache is donated, use the returned one."""
     slots = min(layer["k"].shape[1] for name, layer in cache.items() if name != "lengths")
     if np.shape(tokens)[1] > slots:
         raise ValueError(f"a step checks at most {slots - 1} drafted tokens with this cache (its smallest layer "

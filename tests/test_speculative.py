@@ -87,6 +87,8 @@ def test_prompt_lookup_changes_no_token_and_stop_tokens_still_stop(gen, prompts,
     stopped = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, stop_tokens=[stop],
                            draft=oracle(prompts, plain), draft_tokens=8)
     assert stopped[2].output_ids == plain[2][:plain[2].index(stop) + 1] and stopped[2].finish_reason == "stop"
+    # Drafts accepted past the stop token are not counted: only kept tokens are.
+    assert stopped[2].timings["accepted_tokens"] <= len(stopped[2].output_ids) - 1
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_match():
@@ -153,25 +155,30 @@ def test_bad_speculation_settings_are_refused(gen, prompts):
 
 @pytest.mark.parametrize("drawn", [True, False], ids=["drafts-drawn-from-q", "drafts-certain"])
 def test_speculative_sampling_draws_the_targets_distribution(drawn):
-    """Over 200,000 steps of two drafted tokens on a vocabulary of 6, the first token a step gives
-    is distributed as the target's first distribution, and the second (where the first draft was
-    accepted) as its second: chi-square p-values above 1e-4 (fixed seeds). Drafts are drawn from a
-    distribution q unlike the target's, or (prompt lookup's case) proposed with certainty."""
+    """Over 300,000 steps of up to two drafted tokens on a vocabulary of 6 (a third of the steps with
+    one draft only), each token a step gives is distributed as the target's at its position: the
+    first; the second, where the first draft was accepted (the second draft's fate, or the token
+    after a lone accepted draft); the third, after two accepted drafts. Chi-square p-values above
+    1e-4 (fixed seeds). Drafts are drawn from a distribution q unlike the target's, or (prompt
+    lookup's case) proposed with certainty."""
     from scipy.stats import chisquare
 
     from gptoss_jax.speculative import accept_sampled
 
-    N, V, k = 200_000, 6, 2
+    N, V, k = 300_000, 6, 2
     rng = np.random.default_rng(0)
     target = rng.dirichlet(np.ones(V), size=k + 1)  # [T, V]
     q = rng.dirichlet(np.ones(V), size=k)  # [k, V]
     drafted = np.stack([rng.choice(V, N, p=q[i]) for i in range(k)], axis=1)  # [N, k]
+    valid = np.ones((N, k), bool)
+    valid[: N // 3, 1] = False  # one draft only (its second column is padding)
     accepted, nxt = accept_sampled(jax.random.key(1), jnp.broadcast_to(jnp.asarray(target, jnp.float32), (N, k + 1, V)),
-                                   jnp.asarray(drafted), jnp.ones((N, k), bool),
+                                   jnp.asarray(drafted), jnp.asarray(valid),
                                    jnp.broadcast_to(jnp.asarray(q, jnp.float32), (N, k, V)) if drawn else None)
     accepted, nxt = np.asarray(accepted), np.asarray(nxt)
-    first = np.where(accepted >= 1, drafted[:, 0], nxt)
-    second = np.where(accepted >= 2, drafted[:, 1], nxt)[accepted >= 1]
-    for tokens, p in ((first, target[0]), (second, target[1])):
-        counts = np.bincount(tokens, minlength=V)
-        assert chisquare(counts, len(tokens) * p).pvalue > 1e-4, (counts / len(tokens), p)
+    assert accepted.max() == 2 and accepted[: N // 3].max() == 1
+    given = np.concatenate([drafted, nxt[:, None]], axis=1)  # the step's tokens: accepted drafts, then nxt
+    tokens = np.where(np.arange(k + 1)[None] < accepted[:, None], given[:, :k + 1], nxt[:, None])
+    for position, rows in ((0, np.ones(N, bool)), (1, accepted >= 1), (2, accepted >= 2)):
+        counts = np.bincount(tokens[rows, position], minlength=V)
+        assert chisquare(counts, rows.sum() * target[position]).pvalue > 1e-4, (position, counts / rows.sum())

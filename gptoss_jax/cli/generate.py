@@ -82,12 +82,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "(2N - 1 when stop tokens end every sequence: the call after is already queued)")
     p.add_argument("--draft", choices=["none", "prompt-lookup"], default="none",
                    help="speculative decoding: each step checks up to --draft-tokens proposed tokens at once and "
-                        "keeps those the model accepts (greedy: the same tokens as without it; sampled: drawn from "
-                        "the same distributions); prompt-lookup proposes what followed the last 1-3 tokens where "
+                        "keeps those the model accepts (greedy: the same tokens as without it, up to the rounding of "
+                        "a pass over several positions; sampled: drawn from the same distributions); prompt-lookup proposes what followed the last 1-3 tokens where "
                         "they occurred earlier in the prompt or reply (pays off where replies quote their context)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="with --draft: tokens proposed and checked per step (default: 4; less than the sliding "
-                        "window, 128 for gpt-oss)")
+                        "window, 128 for gpt-oss, and than --max-context)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")
