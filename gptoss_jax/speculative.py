@@ -11,9 +11,10 @@ a draft d_1 .. d_k:
 
 Greedy picks make the tokens those of decoding one token a step: each kept token is the argmax
 given the kept tokens before it (exactly so where a pass over k + 1 positions rounds as k + 1
-passes over one do, as in float32 on a CPU; in bfloat16 the two can part at a near-tie). Nothing of a rejected draft stays in the cache: a full
-layer's rejected positions are zero again, as never written, and the sliding layers' ring slots
-they overwrote (cache.py: slot p % S holds position p) get the earlier positions they held back.
+passes over one do, as in float32 on a CPU; in bfloat16 the two can part at a near-tie). Nothing
+of a rejected draft stays in the cache: a full layer's rejected positions are zero again, as never
+written, and the sliding layers' ring slots they overwrote (cache.py: slot p % S holds position p)
+get the earlier positions they held back.
 
 Sampled decoding takes the speculative-sampling rule instead (`accept_sampled`), under which a
 step's tokens follow the target's distribution (after the sampling filters) exactly.

@@ -83,8 +83,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--draft", choices=["none", "prompt-lookup"], default="none",
                    help="speculative decoding: each step checks up to --draft-tokens proposed tokens at once and "
                         "keeps those the model accepts (greedy: the same tokens as without it, up to the rounding of "
-                        "a pass over several positions; sampled: drawn from the same distributions); prompt-lookup proposes what followed the last 1-3 tokens where "
-                        "they occurred earlier in the prompt or reply (pays off where replies quote their context)")
+                        "a pass over several positions; sampled: drawn from the same distributions); prompt-lookup "
+                        "proposes what followed the last 1-3 tokens where they occurred earlier in the prompt or "
+                        "reply (pays off where replies quote their context)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="with --draft: tokens proposed and checked per step (default: 4; less than the sliding "
                         "window, 128 for gpt-oss, and than --max-context)")
