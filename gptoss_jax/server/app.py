@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import time
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
@@ -50,49 +48,14 @@ from .choices import Failed, sse
 from ..serving.score import prompt_logprobs
 from .generation import Generation, Server, settings_of
 from .structured import grammar_for
-from .guard import Guard, log
+from .guard import Guard
 from .harmony import ReplyStream, chat_prompt, context_exceeded, responses_prompt
 from .metrics import prometheus_text
 from .responses import ResponseBuilder
-
-
-def _event(kind: str, data: dict) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n"
+from .writing import error_response, event, event_stream, json_answer, sse_error
 
 
 SCORED_MOST = 32_768  # the longest prompt echo scores: the pass holds every position's activations (score.py)
-
-
-async def _stream(chunks: AsyncIterator[str], generations: list[Generation], on_error,
-                  rid: str | None = None) -> AsyncIterator[str]:
-    """A stream's chunks, ended properly whatever happens: a failure (the engine's, or the server's
-    own) is logged with the request's id and told to the client by `on_error(message)`'s chunks. A
-    client gone mid-stream closes it; its requests are cancelled here, at once."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except Exception as e:  # noqa: BLE001 -- told to the client without internals, logged with them
-        rid = rid or generations[0].id
-        if not isinstance(e, Failed):
-            log.exception("request %s failed mid-stream", rid)
-        for chunk in on_error(server_error(rid).message):
-            yield chunk
-    finally:
-        for g in generations:
-            g.close()
-
-
-def _error_sse(message: str) -> list[str]:
-    """How chat and completion streams end on a failure: an error object (the openai client raises it)
-    and [DONE]."""
-    return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": "server_error"}}),
-            "data: [DONE]\n\n"]
-
-
-def _error_response(error: APIError) -> Response:
-    # ASCII JSON: whatever text of the client's an error quotes, the response can be written
-    return Response(json.dumps(error.body()), status_code=error.status, headers=error.headers,
-                    media_type="application/json")
 
 
 def create_app(server: Server) -> FastAPI:
@@ -102,7 +65,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: HTTPRequest, e: StarletteHTTPException):  # routing: 404, 405
@@ -112,7 +75,7 @@ def create_app(server: Server) -> FastAPI:
             error = not_found(http.url.path)
         else:
             error = APIError(e.status_code, str(e.detail), "invalid_request_error")
-        return _error_response(error)
+        return error_response(error)
 
     def check(http: HTTPRequest) -> None:
         if server.api_key is not None:
@@ -120,6 +83,11 @@ def create_app(server: Server) -> FastAPI:
             if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), server.api_key.encode()):
                 raise unauthorized()
         health()
+
+    async def written_json(data: dict) -> Response:
+        """A JSON answer written on a worker thread, never on the event loop: it can be megabytes long (a
+        response object echoes the request's tools and instructions; echoed prompts' logprobs)."""
+        return await server.prepare(json_answer, data)
 
     def health() -> None:
         if server.stopping:
@@ -177,7 +145,7 @@ def create_app(server: Server) -> FastAPI:
             req = body.parse(raw, model)
             if req.model is not None and req.model != server.model_name:
                 raise model_not_found(req.model, server.model_name)
-            return work(req)
+            return json_answer(work(req))  # a long prompt's tokens: written here, not on the event loop
 
         return await server.prepare(run)
 
@@ -253,13 +221,14 @@ def create_app(server: Server) -> FastAPI:
                                "model": server.model_name, "choices": [], "usage": choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_stream(chunks(), generations, _error_sse), media_type="text/event-stream")
+            return StreamingResponse(event_stream(chunks(), generations, sse_error), media_type="text/event-stream")
 
         whole = await asyncio.gather(*(a.whole() for a in answers))
         if not choices.check(generations, rid):
             return gone()
-        return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
-                "choices": whole, "usage": choices.usage_of(generations)}
+        return await written_json({"id": rid, "object": "chat.completion", "created": created,
+                                   "model": server.model_name, "choices": whole,
+                                   "usage": choices.usage_of(generations)})
 
     # Completions ---------------------------------------------------------------------------------------
 
@@ -338,20 +307,21 @@ def create_app(server: Server) -> FastAPI:
                                "model": server.model_name, "choices": [], "usage": usage or choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(_stream(chunks(), [g for g in generations if g], _error_sse, rid),
+            return StreamingResponse(event_stream(chunks(), [g for g in generations if g], sse_error, rid),
                                      media_type="text/event-stream")
 
         whole = await asyncio.gather(*(t.whole() for t in texts))
         if usage is not None:
-            return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                    "choices": whole, "usage": usage}
+            return await written_json({"id": rid, "object": "text_completion", "created": created,
+                                       "model": server.model_name, "choices": whole, "usage": usage})
         if not choices.check(generations, rid):
             return gone()
         if best_of > req.n:  # the n of highest mean log-probability, best first, numbered again
             best = sorted(range(best_of), key=lambda i: -texts[i].mean_logprob())[:req.n]
             whole = [{**whole[i], "index": k} for k, i in enumerate(best)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-                "choices": whole, "usage": choices.usage_of(generations)}
+        return await written_json({"id": rid, "object": "text_completion", "created": created,
+                                   "model": server.model_name, "choices": whole,
+                                   "usage": choices.usage_of(generations)})
 
     # Responses -----------------------------------------------------------------------------------------
 
@@ -395,7 +365,7 @@ def create_app(server: Server) -> FastAPI:
         check(http)
         if (found := server.responses.get(name)) is None:
             raise unknown_response(name)
-        return found.response
+        return await written_json(found.response)
 
     @app.post("/v1/responses/{name}/cancel")
     async def cancel_response(http: HTTPRequest, name: str):
@@ -409,7 +379,7 @@ def create_app(server: Server) -> FastAPI:
         found = server.responses.get(name)
         if found is None:
             raise unknown_response(name)
-        return found.response
+        return await written_json(found.response)
 
     @app.delete("/v1/responses/{name}")
     async def delete_response(http: HTTPRequest, name: str):
@@ -440,25 +410,25 @@ def create_app(server: Server) -> FastAPI:
         # A response object echoes the request's tools and instructions, which a client can make
         # megabytes long: the objects that carry it are written on a worker thread.
         async def written(make) -> str:
-            return await server.prepare(lambda: "".join(_event(kind, data) for kind, data in make()))
+            return await server.prepare(lambda: "".join(event(kind, data) for kind, data in make()))
 
         if req.stream:
             async def events():
                 yield await written(builder.start)
                 async for batch in generation.batches():
-                    if text := "".join(_event(kind, data) for token in batch for kind, data in events_of(token)):
+                    if text := "".join(event(kind, data) for token in batch for kind, data in events_of(token)):
                         yield text
                 if generation.failed:
                     raise Failed()
                 for kind, data in events_of(None):
-                    yield _event(kind, data)
+                    yield event(kind, data)
                 yield await written(lambda: builder.end(reply))
                 keep(req, builder, items)
 
             def failure(message: str) -> list[str]:
-                return [_event(kind, data) for kind, data in builder.fail(message)]
+                return [event(kind, data) for kind, data in builder.fail(message)]
 
-            return StreamingResponse(_stream(events(), [generation], failure), media_type="text/event-stream")
+            return StreamingResponse(event_stream(events(), [generation], failure), media_type="text/event-stream")
 
         async def whole() -> list[dict]:
             entries = []
@@ -485,15 +455,15 @@ def create_app(server: Server) -> FastAPI:
             queued = builder.queued()
             server.responses.put(queued, items)
             server.background[rid] = (generation, asyncio.create_task(finish()))
-            return queued
+            return await written_json(queued)
 
         entries = await whole()
         if generation.gone:
             return gone()
         if generation.failed:
             raise server_error(rid)
-        text = await server.prepare(lambda: json.dumps(builder.response(reply, entries)))
+        answer = await written_json(builder.response(reply, entries))
         keep(req, builder, items)
-        return Response(text, media_type="application/json")
+        return answer
 
     return app
