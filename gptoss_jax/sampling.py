@@ -108,7 +108,21 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperatu
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == "greedy":
         return greedy
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = filtered_rows(logits, temperature, top_k, top_p, min_p, mode)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def filtered_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array, mode: str = "rank") -> jax.Array:
+    """The logits [B, V] each row of `sample_rows` draws from, by its own settings [B]: scaled by its
+    temperature (a greedy row's by 1), -inf where its filters drop a token. mode "draw" or "rank"
+    (`rows_mode`): "draw" applies min-p alone."""
+    import jax
+    import jax.numpy as jnp
+
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
     def min_p_filter(x):
         probs = jax.nn.softmax(x, axis=-1)
@@ -125,10 +139,7 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperatu
         ranked = jnp.where((top_p[:, None] < 1) & (before >= top_p[:, None]), -jnp.inf, ranked)
         return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(ranked)
 
-    scaled = by_rank(scaled) if mode == "rank" else min_p_filter(scaled)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
-    drawn = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return by_rank(scaled) if mode == "rank" else min_p_filter(scaled)
 
 
 def token_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Array,

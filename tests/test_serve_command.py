@@ -393,6 +393,10 @@ def test_allowed_hosts():
     (["--kv-memory-gb", "0"], "--kv-memory-gb must be a number above 0, got 0"),
     (["--kv-memory-gb", "-2"], "--kv-memory-gb must be a number above 0"),
     (["--kv-memory-gb", "inf"], "--kv-memory-gb must be a number above 0"),
+    (["--draft", "prompt-lookup", "--draft-tokens", "0"], "--draft-tokens must be at least 1, got 0"),
+    (["--draft", "prompt-lookup", "--prefill-chunk", "64", "--draft-tokens", "64"],
+     r"--draft-tokens must be less than --prefill-chunk \(64\), got 64"),
+    (["--draft", "prompt-lookup", "--speculate-rows", "0"], "--speculate-rows must be at least 1, got 0"),
 ])
 def test_the_new_flags_are_checked(flags, message):
     with pytest.raises(cli.UsageError, match=message):

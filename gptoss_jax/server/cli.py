@@ -81,6 +81,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "reused (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt whole, even where its beginning is cached (for comparison)")
+    p.add_argument("--draft", choices=["none", "prompt-lookup"], default="none",
+                   help="speculative decoding while few requests decode (--speculate-rows): each step checks up to "
+                        "--draft-tokens proposed tokens per request in one pass and keeps those the model agrees "
+                        "with. prompt-lookup proposes what followed the latest earlier occurrence of the last tokens "
+                        "(pays off on edits, code, quoting). Greedy replies are unchanged; sampled ones keep their "
+                        "distribution, not their draws. Requests with logprobs, a logit bias, penalties or a grammar "
+                        "are not speculated (default: none)")
+    p.add_argument("--draft-tokens", type=int, default=3, metavar="K",
+                   help="with --draft: tokens proposed per request and step, less than --prefill-chunk "
+                        "(default: %(default)s)")
+    p.add_argument("--speculate-rows", type=int, default=8, metavar="N",
+                   help="with --draft: steps speculate only while at most N requests decode; past that a step's "
+                        "work grows with its positions and speculation costs throughput (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
                         "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
@@ -129,7 +142,8 @@ def check_flags(args) -> None:
                                ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
                                ("--max-connections", args.max_connections, 1),
-                               ("--stored-responses", args.stored_responses, 0)):
+                               ("--stored-responses", args.stored_responses, 0),
+                               ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1)):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= args.port < 65536:
@@ -143,6 +157,9 @@ def check_flags(args) -> None:
         if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
+    if args.draft != "none" and args.draft_tokens >= args.prefill_chunk:
+        raise UsageError(f"--draft-tokens must be less than --prefill-chunk ({args.prefill_chunk}), got "
+                         f"{args.draft_tokens}")
     if args.max_context is not None and args.max_context < 2:
         raise UsageError(f"--max-context must be at least 2, got {args.max_context}")
 
@@ -278,6 +295,8 @@ def _run(args, signals: Signals) -> int:
 
     check_flags(args)
     processes = devices.process_settings(args)
+    if processes is not None and args.draft != "none":
+        raise UsageError("--draft runs on one process (a mesh of its devices), not with --num-processes")
     mesh_sizes = devices.mesh_sizes(args)
     config, what = model_config(args)
     max_len = max_context(args, config)
@@ -310,6 +329,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     import jax
 
     from ..serving import Engine
+    from ..speculative import PromptLookup
     from ..serving.lockstep import LockstepError
     from ..sharding import describe
     from .app import create_app
@@ -336,7 +356,9 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     kv_memory = None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30)
     engine = Engine(config, params, slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
                     prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer,
-                    page_size=args.page_size, kv_memory=kv_memory, prefix_reuse=not args.no_prefix_cache)
+                    page_size=args.page_size, kv_memory=kv_memory, prefix_reuse=not args.no_prefix_cache,
+                    draft=PromptLookup() if args.draft == "prompt-lookup" else None,
+                    draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows)
     if main_process:
         _say(kv_cache_line(engine))
     check_pool(engine, max_len)

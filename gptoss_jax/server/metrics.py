@@ -34,6 +34,10 @@ class _EngineCollector:
         yield CounterMetricFamily("gptoss_kv_pages_evicted", "cached KV pages reused for other sequences",
                                   value=s["pages_evicted"])
         yield CounterMetricFamily("gptoss_generated_tokens", "tokens generated", value=s["generated_tokens"])
+        for key, doc in (("draft_tokens", "drafted tokens checked by speculative steps"),
+                         ("accepted_draft_tokens", "drafted tokens the model agreed with"),
+                         ("speculative_steps", "steps that checked drafts")):
+            yield CounterMetricFamily(f"gptoss_{key}", doc, value=s[key])
         yield CounterMetricFamily("gptoss_rejected_requests", "requests refused with a full queue",
                                   value=s["rejected"])
         finished = CounterMetricFamily("gptoss_finished_requests", "finished requests by how they ended",

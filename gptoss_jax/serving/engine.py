@@ -53,13 +53,15 @@ from ..kernels import Kernels
 from ..paged_cache import init_pool, pool_pages, table_width
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, on_every_device, to_host_soon
+from ..speculative import Draft
 from ..weight import Params
 from . import steps, stops
 from .constrain import Grammars
-from .lockstep import Lockstep, LockstepError, Message
+from .lockstep import Lockstep, LockstepError, Message, apply
 from .metrics import Metrics
 from .picks import Picks
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
+from .speculation import Speculation
 from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 
 TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
@@ -72,13 +74,14 @@ class Engine:
     smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
     where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
-    prefix_reuse=False: every prompt
-    is computed whole (for comparison)."""
+    prefix_reuse=False: every prompt is computed whole (for comparison). draft (a draft source: speculative.py): steps of at most
+    `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each (speculation.py)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
                  tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
-                 decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True):
+                 decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True, draft: Draft | None = None,
+                 draft_tokens: int = 3, speculate_rows: int = 8):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:
@@ -92,6 +95,8 @@ class Engine:
         self.decode_sizes = sorted(set(decode_sizes or decode_sizes_for(slots)))
         if self.decode_sizes[-1] != slots or self.decode_sizes[0] < 1:
             raise ValueError(f"decode sizes {self.decode_sizes} must lie in [1, {slots}] and include {slots}")
+        self.speculation = None if draft is None else Speculation(draft, draft_tokens, speculate_rows,
+                                                                  self.decode_sizes, prefill_chunk)
         self.mesh = mesh_of(params)
         self.dtype = params["embedding"].dtype
         self.width = table_width(max_len, page_size)
@@ -117,6 +122,8 @@ class Engine:
         self._stopping = False
         self.compiled: list[str] = []
         self._lockstep = Lockstep.of_this_process()  # None: one process
+        if self._lockstep is not None and draft is not None:
+            raise ValueError("speculative decoding runs on one process (a mesh of its devices), not several")
         self._lost: str | None = None  # why the other processes were lost (then nothing more is taken)
 
     # The Python API ------------------------------------------------------------------------------------
@@ -234,6 +241,7 @@ class Engine:
             decoded = self._decode_call([None] * B, [0] * B)
             for mode, wants in itertools.product(MODES, steps.WANTS):
                 outputs.append(self._pick(decoded, (idle, mode, wants), [None] * B))
+        checked = [] if self.speculation is None else [self.speculation.warm_up(self)]
         self._picks.forget()
         self._picks.warm_up()
         if self.grammars is not None:
@@ -245,7 +253,7 @@ class Engine:
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
             f"token picks ({', '.join(MODES)}; with and without log-probabilities, adjusted logits) "
-            f"[{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]",
+            f"[{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]", *checked,
             f"KV cache {self.scheduler.pages.count} pages of {self.page_size} ({self.pool_tokens} positions), "
             f"tables [2, {self.slots}, {self.width}]"]
         return self.compiled
@@ -271,7 +279,7 @@ class Engine:
             if message.stop:
                 self._stopping = True
                 return False
-            self._apply(message)
+            apply(self, message)
         else:
             with self._lock:
                 cancelled, dropped = self._free_cancelled()
@@ -282,23 +290,27 @@ class Engine:
         prefilling = [s for s in self.scheduler.admitted if s.prefilling][:self.prefill_shapes[-1]]
         decoding = [s for s in self.scheduler.admitted
                     if not s.prefilling and s.queued < s.request.settings.max_new_tokens]
-        prefilling, decoding = self.scheduler.make_room(prefilling, decoding)
+        speculate = self.speculation is not None and self.speculation.wanted(decoding)
+        prefilling, decoding = self.scheduler.make_room(prefilling, decoding,
+                                                        self.speculation.ahead if speculate else None)
         self._send_table_writes()
         for seq in self.scheduler.taken():  # a penalized request's counts of its reply
             self._picks.taken(seq.request, seq.row)
         queued = []
         if prefilling:
             queued.append(self._prefill(prefilling))
-        if decoding:
+        if decoding and not speculate:
             decoded = self._decode(decoding)
-        for seq in prefilling + decoding:
+        for seq in prefilling + ([] if speculate else decoding):
             self.scheduler.after_step(seq)
         before, self._in_flight = self._in_flight, queued
         for tokens, rows, logprobs in before:  # read while the device runs this step's model
             self._read(tokens, rows, logprobs)
-        if decoding:  # picked once the step before's tokens are read: the grammars' masks follow them
+        if speculate:  # drafted from the tokens just read
+            self.speculation.step(self, decoding)
+        elif decoding:  # picked once the step before's tokens are read: the grammars' masks follow them
             queued.append(self._pick(*decoded))
-        return bool(queued or before or self._waiting or self.scheduler.preempted)
+        return bool(queued or before or speculate or self._waiting or self.scheduler.preempted)
 
     # Admission, pages and preemption ----------------------------------------------------------------
 
@@ -337,21 +349,6 @@ class Engine:
                 break
         self._waiting.extendleft(reversed(later))
         return admitted
-
-    def _apply(self, message: Message) -> None:
-        """A follower: process 0's decisions for this step, in the order process 0 made them."""
-        for row in message.cancel:
-            self._free(self.scheduler.rows[row], "cancelled")
-        for request_id in message.dropped:
-            self._drop_preempted(next(r for r in self.scheduler.preempted if r.id == request_id))
-        self.scheduler.admit_preempted()
-        for row, request in message.admit:
-            if self.scheduler.rows[row] is not None:
-                raise LockstepError(f"process {self._lockstep.process_index} differs from process 0: row {row} is "
-                                    f"still taken here")
-            if request.settings.grammar is not None:
-                request._matcher = self.grammars.matcher(request.settings.grammar)
-            self.scheduler.take(row, request)
 
     def _free(self, seq: Seq, reason: str, error: str | None = None) -> None:
         self.scheduler.release(seq)

@@ -131,3 +131,20 @@ class Lockstep:
         self._step += 1
         return decode(data)
 
+
+def apply(engine, message: Message) -> None:
+    """A follower's engine (engine.py): process 0's decisions for this step, in the order process 0
+    made them."""
+    scheduler = engine.scheduler
+    for row in message.cancel:
+        engine._free(scheduler.rows[row], "cancelled")
+    for request_id in message.dropped:
+        engine._drop_preempted(next(r for r in scheduler.preempted if r.id == request_id))
+    scheduler.admit_preempted()
+    for row, request in message.admit:
+        if scheduler.rows[row] is not None:
+            raise LockstepError(f"process {engine._lockstep.process_index} differs from process 0: row {row} is "
+                                f"still taken here")
+        if request.settings.grammar is not None:
+            request._matcher = engine.grammars.matcher(request.settings.grammar)
+        scheduler.take(row, request)

@@ -168,12 +168,16 @@ class Scheduler:
                 seq.sliding[i] = page
         return True
 
-    def make_room(self, prefilling: list[Seq], decoding: list[Seq]) -> tuple[list[Seq], list[Seq]]:
+    def make_room(self, prefilling: list[Seq], decoding: list[Seq], ahead=None) -> tuple[list[Seq], list[Seq]]:
         """Pages for this step's new positions (a chunk of each prefilling sequence, one position of each
-        decoding one), earliest admitted first; where the pool runs out, the most recently admitted
-        sequences are preempted (even the one growing) -> (prefilling, decoding) still running."""
+        decoding one, or `ahead(seq)` of them: a speculated step's), earliest admitted first; where the
+        pool runs out, the most recently admitted sequences are preempted (even the one growing) ->
+        (prefilling, decoding) still running."""
         grow = {id(s): min(self.prefill_chunk, len(s.tokens) - s.length) for s in prefilling}
-        grow.update((id(s), 1) for s in decoding if s.length % self.page_size == 0)  # else its page is held
+        if ahead is not None:
+            grow.update((id(s), ahead(s)) for s in decoding)
+        else:
+            grow.update((id(s), 1) for s in decoding if s.length % self.page_size == 0)  # else its page is held
         for seq in list(self.admitted):
             while id(seq) in grow and self.rows[seq.row] is seq and not self._grow(seq, seq.length + grow[id(seq)]):
                 self.preempt(self.admitted[-1])

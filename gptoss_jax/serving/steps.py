@@ -140,7 +140,7 @@ def write_tables(tables, writes):
     return tables.at[writes[0], writes[1], writes[2]].set(writes[3], mode="drop")
 
 
-def _view(pool, tables, rows, lengths) -> dict:
+def paged_view(pool, tables, rows, lengths) -> dict:
     return {"lengths": lengths, "tables": jnp.take(tables, rows, axis=1, mode="clip"), "pages": pool["pages"]}
 
 
@@ -152,7 +152,7 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     rows, counts, starts = plan[0], plan[1], plan[2]
     valid = jnp.arange(tokens.shape[1])[None] < counts[:, None]  # [P, C]
     logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
-        {"params": params}, tokens, _view(pool, tables, rows, starts), valid, logits_at=jnp.maximum(counts - 1, 0))
+        {"params": params}, tokens, paged_view(pool, tables, rows, starts), valid, logits_at=jnp.maximum(counts - 1, 0))
     return everywhere(logits, mesh), {"pages": view["pages"]}
 
 
@@ -188,7 +188,7 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     rows, lengths, active = plan[0], plan[1], plan[2] >= 0
     tokens = jnp.take(last, rows, mode="clip")[:, None]  # [B, 1]
     logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
-        {"params": params}, tokens, _view(pool, tables, rows, lengths), active[:, None])
+        {"params": params}, tokens, paged_view(pool, tables, rows, lengths), active[:, None])
     return logits[:, 0], {"pages": view["pages"]}
 
 

@@ -1,0 +1,158 @@
+"""Speculative decoding in the serving engine: while few sequences decode, each step checks a draft
+of up to k tokens per sequence in one pass of the model over k + 1 positions (speculative.py has
+the rule), and a sequence gains every drafted token the model agrees with, then one of its own.
+
+    engine = Engine(config, params, draft=PromptLookup(), draft_tokens=3, speculate_rows=8)
+
+A step speculates when at most `speculate_rows` sequences decode and none of them asks for
+log-probabilities or adjusted logits (logit bias, penalties, a grammar: those need the counts and
+masks of every token picked, one step at a time); otherwise, and when no sequence has a draft, the
+step decodes one token each as usual. Past that many rows a step's work grows with its positions
+(the GPU's compute, not the weights' reading, bounds it), which is where vLLM's and SGLang's users
+found speculation costs throughput.
+
+Nothing of a rejected draft needs undoing in the paged cache: attention never reads a position at
+or past a sequence's length (paged_cache.py), and the next step writes its own tokens over the
+rejected ones before anything reads them. The step is synchronous: the drafts follow the tokens of
+the step before, so those are read first (the decode steps' pipelining is given up for the step).
+
+Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
+accepts exactly the drafts equal to it, and then takes it), so a greedy request's tokens are those
+it gives without speculation (up to the rounding of a pass over several positions against one).
+Sampled rows follow the speculative-sampling rule over the distribution `sample_rows` draws from,
+with the key fold_in(key(seed), sampling step of the step's first token): the same distribution as
+without speculation, not the same draws.
+
+Legend: R = rows, B = rows checked together, T = k + 1 positions, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..model import Transformer
+from ..sampling import MODES, filtered_rows
+from ..sharding import everywhere
+from ..speculative import Draft, accept_sampled
+from . import steps
+
+
+def speculable(settings) -> bool:
+    """Whether a request's steps may be speculated: no log-probabilities, nothing adjusting its logits."""
+    return settings.logprobs is None and not steps.adjusted(settings)
+
+
+def row_probabilities(logits, temperature, top_k, top_p, min_p, mode: str):
+    """logits [N, V], each row's settings [N] -> the probabilities [N, V] its token is drawn from
+    (`sample_rows`'s); a greedy row's are 1 at its argmax."""
+    V = logits.shape[-1]
+    greedy = jax.nn.one_hot(jnp.argmax(logits.astype(jnp.float32), axis=-1), V, dtype=jnp.float32)
+    if mode == "greedy":
+        return greedy
+    drawn = jax.nn.softmax(filtered_rows(logits, temperature, top_k, top_p, min_p, mode), axis=-1)
+    return jnp.where((temperature > 0)[:, None], drawn, greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "mode"), donate_argnames=("pool",),
+                   compiler_options=steps._STEP_OPTIONS)
+def check_rows(config, kernels, mesh, mode, params, pool, tables, last, tokens, plan, settings):
+    """tokens [B, T]: each row's latest token, then its draft; plan [4, B]: rows, lengths (positions
+    cached), counts (1 + its drafted tokens; 0: padding, nothing written), sampling steps; settings:
+    every row's (steps.sampling_arrays, on the devices) -> (accepted drafts [B], the token after them
+    [B], last [R] with the checked rows' set to it, pool)."""
+    rows, lengths, counts, sample_steps = plan
+    B, T = tokens.shape
+    valid = jnp.arange(T)[None] < counts[:, None]  # [B, T]
+    logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
+        {"params": params}, tokens, steps.paged_view(pool, tables, rows, lengths), valid)  # [B, T, V]
+    seeds, temperature, top_k, top_p, min_p = (jnp.take(x, rows, mode="clip") for x in settings[:5])
+    each = functools.partial(jnp.repeat, repeats=T)  # a row's settings at each of its positions
+    target = row_probabilities(logits.reshape(B * T, -1), each(temperature), each(top_k), each(top_p), each(min_p),
+                               mode).reshape(B, T, -1)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, sample_steps)
+    accepted, nxt = jax.vmap(lambda k, p, d, v: accept_sampled(k, p[None], d[None], v[None]))(
+        keys, target, tokens[:, 1:], valid[:, 1:])  # [B, 1] each
+    at = jnp.where(counts > 0, rows, last.shape[0])  # padding: dropped
+    last = last.at[at].set(nxt[:, 0], mode="drop")
+    return (everywhere(accepted[:, 0], mesh), everywhere(nxt[:, 0], mesh), everywhere(last, mesh),
+            {"pages": view["pages"]})
+
+
+class Speculation:
+    """An engine's speculative decoding (see the module): drafts from `draft`, k = `tokens` a step, for
+    steps of at most `rows` decoding sequences, checked `sizes` rows at a time (the engine's decode
+    sizes up to the first that holds `rows`)."""
+
+    def __init__(self, draft: Draft, tokens: int, rows: int, decode_sizes: list[int], prefill_chunk: int):
+        if not (1 <= tokens < prefill_chunk and rows >= 1):  # (the pool's bound on a sequence's sliding pages)
+            raise ValueError(f"speculation takes 1 <= draft_tokens < prefill_chunk ({prefill_chunk}) and "
+                             f"speculate_rows >= 1, got {tokens} and {rows}")
+        self.draft, self.k, self.rows = draft, tokens, min(rows, decode_sizes[-1])
+        self.sizes = [b for b in decode_sizes if b < rows] + [next(b for b in decode_sizes if b >= rows)]
+
+    def wanted(self, decoding) -> bool:
+        """Whether this step of these decoding sequences speculates (their tokens not read yet)."""
+        return 0 < len(decoding) <= self.rows and all(speculable(s.request.settings) for s in decoding)
+
+    def ahead(self, seq) -> int:
+        """Positions a speculated step of the sequence may write: its latest token and its draft."""
+        return min(self.k + 1, seq.request.settings.max_new_tokens - seq.queued)
+
+    def warm_up(self, engine) -> str:
+        """Compile the checked steps (padding rows only: nothing changes) -> what was compiled."""
+        for B in self.sizes:
+            for mode in MODES:
+                jax.block_until_ready(self._check(engine, [None] * B, np.zeros((B, self.k + 1), np.int32), [0] * B,
+                                                  mode))
+        return f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions ({', '.join(MODES)})"
+
+    def _check(self, engine, seqs, tokens, counts, mode):
+        """check_rows over these rows (None: padding) -> (accepted, next tokens), on the devices."""
+        plan = np.array([[engine.slots if s is None else s.row for s in seqs],
+                         [0 if s is None else s.length for s in seqs], counts,
+                         [0 if s is None else s.queued for s in seqs]], np.int32)
+        settings = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[0]
+        accepted, nxt, engine._last, engine._pool = check_rows(
+            *engine._model, mode, engine.params, engine._pool, engine._tables, engine._last, engine._put(tokens),
+            engine._put(plan), settings)
+        return accepted, nxt
+
+    def step(self, engine, decoding) -> None:
+        """Check the drafts of these sequences (the step before's tokens read: those that ended are
+        left out) and hand out their tokens; where none has a draft, queue a decode step instead."""
+        live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
+        if any(len(s.request.output_ids) != s.queued for s in live):
+            raise RuntimeError("a speculated step needs every token sampled before it read")
+        drafts = [list(self.draft(s.request.prompt_ids + s.request.output_ids, self.ahead(s) - 1))[:self.ahead(s) - 1]
+                  for s in live]
+        if not any(drafts):
+            decoded = engine._decode(live) if live else None
+            for seq in live:
+                engine.scheduler.after_step(seq)
+            if live:
+                engine._in_flight.append(engine._pick(*decoded))
+            return
+        B = next(b for b in self.sizes if b >= len(live))
+        tokens, counts = np.zeros((B, self.k + 1), np.int32), [0] * B
+        for i, (seq, draft) in enumerate(zip(live, drafts)):
+            tokens[i, :1 + len(draft)] = [seq.request.output_ids[-1], *draft]
+            counts[i] = 1 + len(draft)
+        mode = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[1]
+        accepted, nxt = (np.asarray(x) for x in self._check(engine, live + [None] * (B - len(live)), tokens,
+                                                            counts, mode))
+        metrics = engine.metrics
+        metrics.speculative_steps += 1
+        for i, (seq, draft) in enumerate(zip(live, drafts)):
+            a = int(accepted[i])
+            metrics.draft_tokens, metrics.accepted_draft_tokens = metrics.draft_tokens + len(draft), \
+                metrics.accepted_draft_tokens + a
+            seq.length, seq.queued = seq.length + a + 1, seq.queued + a + 1
+            for token in [*draft[:a], int(nxt[i])]:
+                if engine.scheduler.rows[seq.row] is seq:
+                    engine._emit(seq, token)
+            if engine.scheduler.rows[seq.row] is seq:
+                engine.scheduler.after_step(seq)

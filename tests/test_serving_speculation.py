@@ -1,0 +1,184 @@
+"""Speculative decoding in the serving engine (gptoss_jax/serving/speculation.py): greedy requests
+give the tokens each gives alone whether the drafts are right, partly right or always wrong, several
+sharing each checked step and more than the slots waiting; prompt lookup drafts from a repetitive
+prompt; sampled rows draw from the distribution `sample_rows` draws from; nothing compiles after
+warm-up with speculation on.
+
+The model is the tiny config in float32 (a 16-token window), replies run past the window.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gptoss_jax.generate import Generator
+from gptoss_jax.sampling import Sampling, filtered, rows_mode
+from gptoss_jax.serving import Engine, Settings
+from gptoss_jax.serving.speculation import row_probabilities
+from gptoss_jax.speculative import PromptLookup
+
+MAX_LEN = 512  # the engine and Generator as tests/test_serving.py has them: their steps compile once
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def traffic(tiny_f32):
+    """7 prompts (one repeating four tokens) and the greedy tokens `Generator` gives each alone, 20 to 40
+    of them."""
+    config, params = tiny_f32
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 40, 17, 90, 3, 60)] + [[11, 12, 13, 14] * 10]
+    budgets = [30, 25, 40, 20, 35, 30, 30]
+    generator = Generator(config, params, max_len=MAX_LEN)
+    want = [generator.generate([p], max_new_tokens=m, sampling=GREEDY)[0].output_ids for p, m in zip(prompts, budgets)]
+    return prompts, budgets, want
+
+
+class Oracle:
+    """Drafts the reply each prompt gives alone; with `wrong_every` n, every n-th drafted token (by its
+    position in the reply) is off by one."""
+
+    def __init__(self, prompts, want, vocab: int, wrong_every: int = 0):
+        self.known, self.vocab, self.wrong_every = list(zip(prompts, want)), vocab, wrong_every
+
+    def __call__(self, context, k):
+        context = list(context)
+        for prompt, reply in self.known:
+            j = len(context) - len(prompt)
+            if j >= 0 and context == prompt + reply[:j]:
+                draft = reply[j:j + k]
+                n = self.wrong_every
+                return [(t + 1) % self.vocab if n and (j + i) % n == n - 1 else t for i, t in enumerate(draft)]
+        return []
+
+
+def engine_with(model, draft, **kw):
+    config, params = model
+    return Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(2, 8),
+                  draft=draft, **kw)
+
+
+def run(engine, prompts, settings):
+    requests = [engine.submit(p, s) for p, s in zip(prompts, settings)]
+    engine.run_until_idle()
+    assert all(r.finish_reason == "length" for r in requests), [r.finish_reason for r in requests]
+    return [r.output_ids for r in requests]
+
+
+def test_nothing_compiles_after_warm_up(tiny_f32):
+    """Greedy and sampled requests, some with log-probabilities or a logit bias (not speculated), one to
+    eight decoding at once, drafts found and not: no compile event after warm_up. (First: the steps
+    it compiles serve the tests below.)"""
+    config, _ = tiny_f32
+    engine = engine_with(tiny_f32, PromptLookup())
+    engine.warm_up()
+    compiles, listening = [], [True]
+
+    def listen(event, duration, **_):
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    rng = np.random.default_rng(1)
+    try:
+        for i in range(24):
+            sampling = [GREEDY, Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=20, top_p=0.9)][i % 3]
+            prompt = ([int(x) for x in rng.integers(0, 50, 4)] * 6) if i % 2 else rng.integers(
+                0, config.vocab_size, int(rng.integers(1, 60))).tolist()
+            engine.submit(prompt, Settings(max_new_tokens=int(rng.integers(1, 25)), sampling=sampling, seed=i,
+                                           logprobs=0 if i % 5 == 0 else None,
+                                           logit_bias=((3, 1.0),) if i % 7 == 0 else ()))
+            if i % 4 == 3:
+                engine.run_until_idle()
+        engine.run_until_idle()
+    finally:
+        listening[0] = False
+    assert compiles == []
+    assert engine.stats()["speculative_steps"] > 0
+
+
+@pytest.mark.parametrize("wrong_every, k", [(0, 3), (0, 1), (2, 3), (3, 3), (1, 3)])
+def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, traffic, wrong_every, k):
+    """Drafts always right (every draft accepted), partly right, always wrong (none accepted): the
+    tokens are those of each request alone, 7 requests at once, then 2 (decode sizes 8 and 2)."""
+    prompts, budgets, want = traffic
+    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size, wrong_every), draft_tokens=k)
+    got = run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets])
+    assert got == want
+    stats = engine.stats()
+    assert stats["speculative_steps"] > 0 and stats["draft_tokens"] > 0
+    if wrong_every == 0:
+        assert stats["accepted_draft_tokens"] == stats["draft_tokens"]
+        assert stats["speculative_steps"] < sum(budgets) / 2  # several tokens a step
+    elif wrong_every == 1:
+        assert stats["accepted_draft_tokens"] == 0
+    else:
+        assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]
+
+
+def test_prompt_lookup_and_stops(tiny_f32, traffic):
+    """Prompt lookup drafts from the repetitive prompt; a stop token ends a reply at it even where it
+    was accepted inside a draft (the tokens after it are dropped)."""
+    prompts, budgets, want = traffic
+    config, params = tiny_f32
+    engine = engine_with(tiny_f32, PromptLookup())
+    assert run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets]) == want
+    assert engine.stats()["draft_tokens"] > 0
+    oracle = engine_with(tiny_f32, Oracle(prompts, want, config.vocab_size), draft_tokens=5)
+    stop = want[0][12]
+    request = oracle.submit(prompts[0], Settings(max_new_tokens=budgets[0], sampling=GREEDY, stop_ids=(stop,)))
+    oracle.run_until_idle()
+    assert request.finish_reason == "stop" and request.output_ids == want[0][:want[0].index(stop) + 1]
+
+
+def test_rows_past_the_bound_decode_one_token_a_step(tiny_f32, traffic):
+    """With more decoding sequences than speculate_rows, or one asking for log-probabilities, the
+    steps do not speculate; the tokens are the same."""
+    prompts, budgets, want = traffic
+    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size), speculate_rows=1)
+    assert run(engine, prompts[:4], [Settings(max_new_tokens=60, sampling=GREEDY)] * 4)[0][:budgets[0]] == want[0]
+    assert engine.stats()["speculative_steps"] < 60 * 4 / 2
+    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size))
+    settings = [Settings(max_new_tokens=m, sampling=GREEDY, logprobs=0 if i == 0 else None) for i, m in
+                enumerate(budgets[:2])]
+    assert run(engine, prompts[:2], settings) == want[:2]
+    assert engine.stats()["speculative_steps"] <= budgets[0] - budgets[1] + 1  # once the first has ended
+
+
+def test_sampled_rows_draw_from_sample_rows_distribution():
+    """row_probabilities, by row, equal softmax(sampling.filtered) of each row's own settings (what
+    `sample` draws from), and a greedy row's are 1 at its argmax."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 50)) * 3, jnp.float32)
+    rows = [Sampling(temperature=0.7), Sampling(temperature=1.0, top_k=5), Sampling(temperature=1.3, top_p=0.8),
+            Sampling(temperature=0.9, min_p=0.1), Sampling(temperature=1.0, top_k=7, top_p=0.9, min_p=0.05), GREEDY]
+    arrays = [jnp.asarray([getattr(s, f) for s in rows], dtype) for f, dtype in
+              (("temperature", jnp.float32), ("top_k", jnp.int32), ("top_p", jnp.float32), ("min_p", jnp.float32))]
+    got = row_probabilities(logits, *arrays, mode=rows_mode(rows))
+    for i, s in enumerate(rows[:-1]):
+        np.testing.assert_allclose(got[i], jax.nn.softmax(filtered(logits[i:i + 1], s))[0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got[-1], jax.nn.one_hot(jnp.argmax(logits[-1]), 50))
+
+
+def test_sampled_speculation(tiny_f32, traffic):
+    """top-k 1 sampling accepts what greedy does and gives its tokens; a seeded sampled request repeats
+    its tokens."""
+    prompts, budgets, want = traffic
+    oracle = Oracle(prompts, want, tiny_f32[0].vocab_size, wrong_every=3)
+    engine = engine_with(tiny_f32, oracle)
+    top1 = Sampling(temperature=0.8, top_k=1)
+    assert run(engine, prompts[:3], [Settings(max_new_tokens=m, sampling=top1, seed=i) for i, m in
+                                     enumerate(budgets[:3])]) == want[:3]
+    assert 0 < engine.stats()["accepted_draft_tokens"] < engine.stats()["draft_tokens"]
+    sampled = Settings(max_new_tokens=30, sampling=Sampling(temperature=1.0), seed=7)
+    first, again = (run(engine_with(tiny_f32, PromptLookup()), prompts[-1:], [sampled])[0] for _ in range(2))
+    assert first == again
+
+
+def test_bad_settings(tiny_f32):
+    for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}):
+        with pytest.raises(ValueError, match="draft_tokens"):
+            engine_with(tiny_f32, PromptLookup(), **kw)
