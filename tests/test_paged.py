@@ -314,6 +314,34 @@ def test_a_pool_too_small_for_everything_running_preempts_and_every_request_comp
     assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
 
 
+def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model, alone):
+    """As above, with every step of up to four sequences checking 3 drafted tokens (right but for every
+    third): a step's drafted positions take pages, preempting where the pool runs out; sliding pages
+    leave as the window passes; every request still gets its tokens alone, and every page is given
+    back."""
+    config, params = model
+    prompts = [_tokens(config, 500 + i, 40 + 10 * i) for i in range(4)]
+    replies = {tuple(p): alone(p, 40) for p in prompts}
+
+    def draft(context, k):
+        for prompt, reply in replies.items():
+            j = len(context) - len(prompt)
+            if j >= 0 and tuple(context[:len(prompt)]) == prompt:
+                return [t if (j + i) % 3 else (t + 1) % config.vocab_size for i, t in enumerate(reply[j:j + k])]
+        return []
+
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, draft=draft)
+    requests = [engine.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]
+    most = 0
+    while engine.step():  # the sliding pages out of the window are released after speculated steps too
+        most = max([most] + [len(seq.sliding) for seq in engine.scheduler.admitted])
+    assert 0 < most <= window_pages(config, 8) + 16 // 8 + 1
+    assert [r.output_ids for r in requests] == [replies[tuple(p)] for p in prompts]
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
+    assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]
+
+
 @pytest.mark.parametrize("read", [0, 3])
 def test_a_request_preempted_when_its_tokens_fill_whole_pages_computes_its_last_token_again(model, alone, read):
     """Pages of 8; a request preempted when its prompt and the tokens it has read fill whole pages

@@ -17,7 +17,9 @@ import pytest
 from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling, filtered, rows_mode
 from gptoss_jax.serving import Engine, Settings
-from gptoss_jax.serving.speculation import row_probabilities
+from gptoss_jax.serving.request import Request
+from gptoss_jax.serving.scheduler import Seq
+from gptoss_jax.serving.speculation import Speculation, accept_rows, row_probabilities
 from gptoss_jax.speculative import PromptLookup
 
 MAX_LEN = 512  # the engine and Generator as tests/test_serving.py has them: their steps compile once
@@ -163,6 +165,28 @@ def test_sampled_rows_draw_from_sample_rows_distribution():
     np.testing.assert_array_equal(got[-1], jax.nn.one_hot(jnp.argmax(logits[-1]), 50))
 
 
+def test_each_rows_key_draws_the_targets_distribution():
+    """accept_rows over 100,000 rows of distinct seeds, one target and certain drafts of two tokens on a
+    vocabulary of 6: the first token and the second (where the first draft was accepted) follow the
+    target at their positions (chi-square p-values above 1e-4, fixed seeds), and a row's seed and
+    step give it the same tokens again. (Rows drawing with one key would give every row one token.)"""
+    from scipy.stats import chisquare
+
+    N, V, k = 100_000, 6, 2
+    rng = np.random.default_rng(1)
+    target = rng.dirichlet(np.ones(V), size=k + 1)
+    drafted = jnp.asarray(np.broadcast_to(rng.choice(V, k), (N, k)))
+    seeds, steps = jnp.arange(N, dtype=jnp.int32), jnp.full(N, 5, jnp.int32)
+    probs = jnp.broadcast_to(jnp.asarray(target, jnp.float32), (N, k + 1, V))
+    accepted, nxt = (np.asarray(x) for x in accept_rows(seeds, steps, probs, drafted, jnp.ones((N, k), bool)))
+    first = np.where(accepted >= 1, np.asarray(drafted)[:, 0], nxt)
+    second = np.where(accepted >= 2, np.asarray(drafted)[:, 1], nxt)[accepted >= 1]
+    for tokens, p in ((first, target[0]), (second, target[1])):
+        assert chisquare(np.bincount(tokens, minlength=V), len(tokens) * p).pvalue > 1e-4
+    again = accept_rows(seeds[:50], steps[:50], probs[:50], drafted[:50], jnp.ones((50, k), bool))
+    np.testing.assert_array_equal(np.asarray(again[1]), nxt[:50])
+
+
 def test_sampled_speculation(tiny_f32, traffic):
     """top-k 1 sampling accepts what greedy does and gives its tokens; a seeded sampled request repeats
     its tokens."""
@@ -182,3 +206,19 @@ def test_bad_settings(tiny_f32):
     for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}):
         with pytest.raises(ValueError, match="draft_tokens"):
             engine_with(tiny_f32, PromptLookup(), **kw)
+
+
+def test_checked_sizes_and_drafts_cut_to_the_budget_and_vocabulary():
+    """The checked steps' sizes stop at the first decode size that holds speculate_rows (bounded by the
+    slots); a draft is cut to what the request's budget leaves and at its first id outside the
+    vocabulary."""
+    assert Speculation(PromptLookup(), 3, 8, [2, 4], 64).sizes == [2, 4]  # more rows than slots
+    assert Speculation(PromptLookup(), 3, 5, [1, 4, 16, 64], 64).sizes == [1, 4, 16]
+    request = Request(0, [1, 2], Settings(max_new_tokens=10), None)
+    request.output_ids = [3] * 7
+    seq = Seq(request, 0, [1, 2], [], {}, length=8, queued=7)
+    speculation = Speculation(lambda context, k: [5, 6, -1, 7, 8][:k] + [9] * 10, 4, 8, [8], 64)
+    assert speculation._draft(seq, 100) == [5, 6]  # budget: 3 tokens, the step's own and 2 drafted
+    request.output_ids, seq.queued = [3] * 2, 2
+    assert speculation._draft(seq, 100) == [5, 6]  # cut at -1
+    assert Speculation(lambda context, k: [5, 100, 6], 4, 8, [8], 64)._draft(seq, 100) == [5]

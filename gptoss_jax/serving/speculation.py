@@ -14,7 +14,8 @@ found speculation costs throughput.
 Nothing of a rejected draft needs undoing in the paged cache: attention never reads a position at
 or past a sequence's length (paged_cache.py), and the next step writes its own tokens over the
 rejected ones before anything reads them. The step is synchronous: the drafts follow the tokens of
-the step before, so those are read first (the decode steps' pipelining is given up for the step).
+the step before, so those are read first (the decode steps' pipelining is given up for the step,
+also where no sequence then has a draft and the step decodes one token each).
 
 Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
 accepts exactly the drafts equal to it, and then takes it), so a greedy request's tokens are those
@@ -73,13 +74,19 @@ def check_rows(config, kernels, mesh, mode, params, pool, tables, last, tokens, 
     each = functools.partial(jnp.repeat, repeats=T)  # a row's settings at each of its positions
     target = row_probabilities(logits.reshape(B * T, -1), each(temperature), each(top_k), each(top_p), each(min_p),
                                mode).reshape(B, T, -1)
+    accepted, nxt = accept_rows(seeds, sample_steps, target, tokens[:, 1:], valid[:, 1:])
+    at = jnp.where(counts > 0, rows, last.shape[0])  # padding: dropped
+    last = last.at[at].set(nxt, mode="drop")
+    return everywhere(accepted, mesh), everywhere(nxt, mesh), everywhere(last, mesh), {"pages": view["pages"]}
+
+
+def accept_rows(seeds, sample_steps, target, drafted, valid):
+    """`accept_sampled` row by row, row b with the key fold_in(key(seeds[b]), sample_steps[b]): target
+    [B, T, V], drafted and valid [B, T - 1] -> (accepted [B], the next token [B])."""
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, sample_steps)
     accepted, nxt = jax.vmap(lambda k, p, d, v: accept_sampled(k, p[None], d[None], v[None]))(
-        keys, target, tokens[:, 1:], valid[:, 1:])  # [B, 1] each
-    at = jnp.where(counts > 0, rows, last.shape[0])  # padding: dropped
-    last = last.at[at].set(nxt[:, 0], mode="drop")
-    return (everywhere(accepted[:, 0], mesh), everywhere(nxt[:, 0], mesh), everywhere(last, mesh),
-            {"pages": view["pages"]})
+        keys, target, drafted, valid)  # [B, 1] each
+    return accepted[:, 0], nxt[:, 0]
 
 
 class Speculation:
@@ -92,7 +99,7 @@ class Speculation:
             raise ValueError(f"speculation takes 1 <= draft_tokens < prefill_chunk ({prefill_chunk}) and "
                              f"speculate_rows >= 1, got {tokens} and {rows}")
         self.draft, self.k, self.rows = draft, tokens, min(rows, decode_sizes[-1])
-        self.sizes = [b for b in decode_sizes if b < rows] + [next(b for b in decode_sizes if b >= rows)]
+        self.sizes = [b for b in decode_sizes if b < self.rows] + [next(b for b in decode_sizes if b >= self.rows)]
 
     def wanted(self, decoding) -> bool:
         """Whether this step of these decoding sequences speculates (their tokens not read yet)."""
@@ -121,14 +128,20 @@ class Speculation:
             engine._put(plan), settings)
         return accepted, nxt
 
+    def _draft(self, seq, vocab: int) -> list[int]:
+        """The sequence's draft: at most what its budget leaves after the step's own token, cut at the
+        first id outside the vocabulary (a draft source's bug must not reach the cache)."""
+        draft = list(self.draft(seq.request.prompt_ids + seq.request.output_ids, self.ahead(seq) - 1))
+        ok = [0 <= int(t) < vocab for t in draft[:self.ahead(seq) - 1]]
+        return [int(t) for t in draft[:ok.index(False) if False in ok else len(ok)]]
+
     def step(self, engine, decoding) -> None:
         """Check the drafts of these sequences (the step before's tokens read: those that ended are
         left out) and hand out their tokens; where none has a draft, queue a decode step instead."""
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if any(len(s.request.output_ids) != s.queued for s in live):
             raise RuntimeError("a speculated step needs every token sampled before it read")
-        drafts = [list(self.draft(s.request.prompt_ids + s.request.output_ids, self.ahead(s) - 1))[:self.ahead(s) - 1]
-                  for s in live]
+        drafts = [self._draft(s, engine.config.vocab_size) for s in live]
         if not any(drafts):
             decoded = engine._decode(live) if live else None
             for seq in live:
