@@ -17,6 +17,7 @@ from gptoss_jax.kernels import Kernels
 from gptoss_jax.server.transport import protocol_class
 from gptoss_jax.serving import QueueFull, Request, Settings, TokenLogprob
 from gptoss_jax.serving.constrain import Grammars
+from gptoss_jax.serving.metrics import Metrics
 
 
 @contextlib.contextmanager
@@ -125,9 +126,7 @@ class ScriptedEngine:
         request._finish(reason, time.perf_counter(), error=error)
 
     def stats(self) -> dict:
-        return {"running": len(self.running), "prefilling": 0, "waiting": 0, "slots_in_use": len(self.running),
-                "slots": 8, "pages": 64, "pages_in_use": len(self.running), "pages_cached": 0, "page_size": 64,
-                "pages_evicted": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "prefix_hit_rate": 0.0,
-                "preemptions": 0, "generated_tokens": 0, "generated_tokens_per_s": 0.0, "finished": {},
-                "rejected": 0, "time_to_first_token_s": {"p50": None, "p90": None, "p99": None},
-                "inter_token_latency_s": {"p50": None, "p90": None, "p99": None}}
+        """The engine's stats (the real engine's metrics, none counted), this engine's rows running."""
+        return Metrics().snapshot(running=len(self.running), prefilling=0, waiting=0, slots_in_use=len(self.running),
+                                  slots=8, pages=64, pages_in_use=len(self.running), pages_cached=0, page_size=64,
+                                  pages_evicted=0)
