@@ -74,8 +74,9 @@ class Engine:
     smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
     where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
-    prefix_reuse=False: every prompt is computed whole (for comparison). draft (a draft source: speculative.py): steps of at most
-    `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each (speculation.py)."""
+    prefix_reuse=False: every prompt is computed whole (for comparison). draft (a draft source:
+    speculative.py): steps of at most `speculate_rows` decoding sequences check `draft_tokens`
+    drafted tokens each (speculation.py)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),

@@ -117,12 +117,15 @@ class Speculation:
                                                   mode))
         return f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions ({', '.join(MODES)})"
 
-    def _check(self, engine, seqs, tokens, counts, mode):
-        """check_rows over these rows (None: padding) -> (accepted, next tokens), on the devices."""
+    def _check(self, engine, seqs, tokens, counts, mode=None):
+        """check_rows over these rows (None: padding) in `mode` (None: the running rows') -> (accepted,
+        next tokens), on the devices."""
         plan = np.array([[engine.slots if s is None else s.row for s in seqs],
                          [0 if s is None else s.length for s in seqs], counts,
                          [0 if s is None else s.queued for s in seqs]], np.int32)
-        settings = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[0]
+        settings, running_mode, _ = engine._picks.rows([s and s.request for s in engine.scheduler.rows],
+                                                       engine.scheduler.changes)
+        mode = mode or running_mode
         accepted, nxt, engine._last, engine._pool = check_rows(
             *engine._model, mode, engine.params, engine._pool, engine._tables, engine._last, engine._put(tokens),
             engine._put(plan), settings)
@@ -131,8 +134,9 @@ class Speculation:
     def _draft(self, seq, vocab: int) -> list[int]:
         """The sequence's draft: at most what its budget leaves after the step's own token, cut at the
         first id outside the vocabulary (a draft source's bug must not reach the cache)."""
-        draft = list(self.draft(seq.request.prompt_ids + seq.request.output_ids, self.ahead(seq) - 1))
-        ok = [0 <= int(t) < vocab for t in draft[:self.ahead(seq) - 1]]
+        room = self.ahead(seq) - 1
+        draft = list(self.draft(seq.request.prompt_ids + seq.request.output_ids, room))
+        ok = [0 <= int(t) < vocab for t in draft[:room]]
         return [int(t) for t in draft[:ok.index(False) if False in ok else len(ok)]]
 
     def step(self, engine, decoding) -> None:
@@ -154,15 +158,13 @@ class Speculation:
         for i, (seq, draft) in enumerate(zip(live, drafts)):
             tokens[i, :1 + len(draft)] = [seq.request.output_ids[-1], *draft]
             counts[i] = 1 + len(draft)
-        mode = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[1]
-        accepted, nxt = (np.asarray(x) for x in self._check(engine, live + [None] * (B - len(live)), tokens,
-                                                            counts, mode))
+        accepted, nxt = (np.asarray(x) for x in self._check(engine, live + [None] * (B - len(live)), tokens, counts))
         metrics = engine.metrics
         metrics.speculative_steps += 1
         for i, (seq, draft) in enumerate(zip(live, drafts)):
             a = int(accepted[i])
-            metrics.draft_tokens, metrics.accepted_draft_tokens = metrics.draft_tokens + len(draft), \
-                metrics.accepted_draft_tokens + a
+            metrics.draft_tokens += len(draft)
+            metrics.accepted_draft_tokens += a
             seq.length, seq.queued = seq.length + a + 1, seq.queued + a + 1
             for token in [*draft[:a], int(nxt[i])]:
                 if engine.scheduler.rows[seq.row] is seq:
