@@ -86,6 +86,7 @@ def run_jax(args) -> dict:
     from gptoss_jax.generate import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.speculative import PromptLookup
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
@@ -117,8 +118,17 @@ def run_jax(args) -> dict:
 
     for c, shape in [(c, shape) for c in args.concurrency for shape in args.prefill]:
         rows, chunk = min(shape[0], c), shape[1]
+        replies = {}  # the oracle draft's: each prompt's greedy reply without speculation
+
+        def oracle(context, k):
+            return replies.get(tuple(context[:args.prompt]), [])[len(context) - args.prompt:][:k]
+
+        drafts = {"oracle": oracle, "prompt-lookup": PromptLookup()}
+        speculating = [d for d in args.draft if d != "none"]
         engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
-                        max_waiting=c, kernels=kernels)
+                        max_waiting=c, kernels=kernels, draft=drafts[speculating[0]] if speculating else None,
+                        draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c)
+        speculation = engine.speculation
         t = time.perf_counter()
         engine.warm_up()
         warm = time.perf_counter() - t
@@ -126,7 +136,12 @@ def run_jax(args) -> dict:
         engine.submit(prompt[0], Settings(max_new_tokens=4))
         engine.run_until_idle()
         engine.start()
-        for arrivals in args.arrivals:
+        for arrivals, draft in [(a, d) for a in args.arrivals for d in args.draft]:
+            # Speculation is switched per run over one engine (compiled once): off, or this draft.
+            engine.speculation = None if draft == "none" else speculation
+            if draft != "none":
+                speculation.draft = drafts[draft]
+            before = engine.metrics.snapshot()
             prompts, at = workload(config.vocab_size, c, arrivals, args)
             requests = [None] * c
             settings = Settings(max_new_tokens=args.new, sampling=greedy)
@@ -138,14 +153,24 @@ def run_jax(args) -> dict:
             for r in requests:
                 r.result()
             assert all(len(r.output_ids) == args.new for r in requests)
-            if c == 1:  # the same prompt as the command line's: how far the greedy tokens agree (bf16
-                # synthetic weights: other chunkings of the prompt round differently, so they may part)
+            if draft == "none":
+                replies.update((tuple(p), list(r.output_ids)) for p, r in zip(prompts, requests))
+            elif "none" in args.draft:  # greedy: the same tokens, but for bf16 near-ties over k + 1 positions
+                outs = [replies[tuple(p)] for p in prompts]
+                agree = [_agree(o, r.output_ids) for o, r in zip(outs, requests)]
+                out[f"{arrivals}_c{c}_{draft}_leading_tokens_equal_to_off"] = [min(agree), float(np.mean(agree))]
+            if c == 1 and draft == "none":  # the same prompt as the command line's: how far the greedy tokens agree
+                # (bf16 synthetic weights: other chunkings of the prompt round differently, so they may part)
                 out[f"{arrivals}_c1_tokens_equal_to_cli"] = _agree(cli_tokens, requests[0].output_ids)
                 out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
-            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}")
-            out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}"] = s
-            print(f"c={c} {arrivals}: {json.dumps(s)}", file=sys.stderr, flush=True)
+            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft)
+            after = engine.metrics.snapshot()
+            for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps"):
+                s[key] = after.get(key, 0) - before.get(key, 0)
+            out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}" + ("" if draft == "none" else f"_{draft}")] = s
+            print(f"c={c} {arrivals} draft {draft}: {json.dumps(s)}", file=sys.stderr, flush=True)
+        engine.speculation = speculation
         if args.http:
             for arrivals in args.arrivals:
                 for interval in args.switch_interval:
@@ -330,7 +355,8 @@ def table(results: dict, args) -> str:
             continue
         for key, s in r["runs"].items():
             arrivals, c = key.split("_")[:2]
-            lines.append(f"| {name}{' over HTTP' * key.endswith('_http')} | {arrivals} | {c[1:]} | {s.get('prefill', '-')} | {f(s['output_tokens_per_s'], 0)} | "
+            draft = f", draft {s['draft']}" if s.get("draft", "none") != "none" else ""
+            lines.append(f"| {name}{' over HTTP' * key.endswith('_http')}{draft} | {arrivals} | {c[1:]} | {s.get('prefill', '-')} | {f(s['output_tokens_per_s'], 0)} | "
                          f"{f(s['total_tokens_per_s'], 0)} | {f(s['ttft_p50_ms'], 0)} / {f(s['ttft_p99_ms'], 0)}"
                          f" | {f(s['itl_p50_ms'], 2)} / {f(s['itl_p99_ms'], 2)} | {f(s['peak_gib'])} |")
         if "cli_batch1" in r:
@@ -352,6 +378,12 @@ def main() -> None:
     parser.add_argument("--prefill", default="8x512",
                         help="the engine's prompt prefill shapes, ROWSxCHUNK: prompts prefilled together x tokens of "
                              "each per step; several (comma-separated) run one after the other")
+    parser.add_argument("--draft", default="none",
+                        help="speculative decoding, one run each over the same engine: none, oracle (each prompt's "
+                             "reply without speculation, proposed back: needs none first), prompt-lookup")
+    parser.add_argument("--draft-tokens", type=int, default=3, help="drafted tokens a step")
+    parser.add_argument("--speculate-rows", type=int, default=0,
+                        help="speculate in steps of at most this many decoding sequences (0: every step, up to c)")
     parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")
     parser.add_argument("--peer-memory", type=float, default=0.6, help="transformers' max_memory_percent (its cache)")
     parser.add_argument("--skip-peer", action="store_true")
@@ -375,6 +407,10 @@ def main() -> None:
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.arrivals = args.arrivals.split(",")
+    args.draft = args.draft.split(",")
+    if any(d not in ("none", "oracle", "prompt-lookup") for d in args.draft) or (
+            "oracle" in args.draft and args.draft[0] != "none"):
+        parser.error(f"--draft takes none, oracle, prompt-lookup (oracle after none), not {','.join(args.draft)!r}")
     args.switch_interval = [float(x) for x in args.switch_interval.split(",")]
     try:
         args.prefill = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",")]
