@@ -92,6 +92,9 @@ def run_jax(args) -> dict:
     config = gj.ModelConfig.preset(args.preset)
     dtype = "mxfp4" if args.experts == "mxfp4" else "bfloat16"
     params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=dtype))
+    if args.conditioned:
+        from speculative import conditioned
+        params = conditioned(params)
     kernels = gj.Kernels()
     out = {"framework": f"gptoss-jax ({args.experts} experts), jax {jax.__version__}",
            "device": jax.devices()[0].device_kind, "kernels": kernels.describe(packed=dtype == "mxfp4"), "runs": {}}
@@ -381,6 +384,9 @@ def main() -> None:
     parser.add_argument("--draft", default="none",
                         help="speculative decoding, one run each over the same engine: none, oracle (each prompt's "
                              "reply without speculation, proposed back: needs none first), prompt-lookup")
+    parser.add_argument("--conditioned", action="store_true",
+                        help="weights whose greedy tokens have wide margins (speculative.py's `conditioned`): random "
+                             "weights' near-ties part a speculated reply from the plain one at its first step")
     parser.add_argument("--draft-tokens", type=int, default=3, help="drafted tokens a step")
     parser.add_argument("--speculate-rows", type=int, default=0,
                         help="speculate in steps of at most this many decoding sequences (0: every step, up to c)")

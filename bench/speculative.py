@@ -7,9 +7,12 @@ draft's speed, and the speedups that published acceptance lengths would give. Pr
    for every k of a batch): milliseconds per call, the median of --calls. Every cell is compiled
    first, --compile-threads at a time (ahead of time; compilation is not timed).
 2. The oracle draft at batch 1: the model's own greedy reply, computed first, proposed back (k =
-   --oracle-k): decode tokens/s against plain decoding (8 steps a call). Synthetic bf16 weights
-   put near-ties in the logits, so a pass over k + 1 positions can pick otherwise than one position
-   at a time: the accepted share is printed beside it. Prompt lookup (the draft that needs no
+   --oracle-k): decode tokens/s against plain decoding (8 steps a call). Random weights put
+   near-ties in every step's logits, so a pass over k + 1 positions picks otherwise than one
+   position at a time and the reply parts from the oracle's at its first step (none accepted
+   after). The oracle therefore runs over `conditioned` weights: the same shapes, kernels and costs,
+   with the embedding scaled up and the unembedding a permutation of it, so that each greedy token
+   follows from the last by a wide margin (the accepted share is printed beside it). Prompt lookup (the draft that needs no
    weights) on the same random prompt is timed too: what it costs where it rarely finds a draft.
    --peer: Hugging Face transformers on the same GPU in a process of its own, the same preset with
    random bf16 weights: greedy batch-1 decode plainly and with its prompt lookup
@@ -25,6 +28,7 @@ draft's speed, and the speedups that published acceptance lengths would give. Pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import concurrent.futures
 import json
 import os
@@ -44,7 +48,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="mxfp4", choices=["mxfp4", "bfloat16", "float32"])
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes for the verify cost")
     ap.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated drafted tokens per step")
-    ap.add_argument("--oracle-k", type=int, default=3, help="drafted tokens per step with the oracle draft")
+    ap.add_argument("--oracle-k", default="3", help="comma-separated drafted tokens per step with the oracle draft "
+                                                     "and prompt lookup")
+    ap.add_argument("--skip-verify", action="store_true", help="no verify-cost table")
     ap.add_argument("--tau", default="2.3,2.4,3.2", help="acceptance lengths to project the speedup at")
     ap.add_argument("--calls", type=int, default=20, help="timed calls per verify-cost cell (median)")
     ap.add_argument("--compile-threads", type=int, default=8, help="cells compiled at a time before the timings")
@@ -76,7 +82,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     cost: dict[tuple[int, int], float] = {}  # (batch, k) -> ms per call; k = 0: the decode step
-    cells, compiled = [(b, k) for b in batches for k in [0] + ks], {}
+    cells, compiled = [] if args.skip_verify else [(b, k) for b in batches for k in [0] + ks], {}
     prompts, inputs = {}, {}
 
     def prefilled(b):  # 128 tokens cached, room for every call of every k
@@ -112,59 +118,109 @@ def main() -> None:
     del cache, compiled
 
     # The oracle draft at batch 1.
-    new = args.new
-    prompt = rng.integers(0, config.vocab_size, 128).tolist()
-    gen = Generator(config, params, max_len=128 + new + 16, kernels=kernels)
-    gen.generate([prompt], max_new_tokens=new, sampling=greedy)  # compiles
-    plain = gen.generate([prompt], max_new_tokens=new, sampling=greedy)[0]
-    reply = plain.output_ids
+    # The oracle and prompt lookup at each batch, over conditioned weights (see above), drafted on the
+    # devices (several checked steps a call, as plain decoding runs several steps a call).
+    new, params = args.new, conditioned(params)
+    oracle_ks = [int(k) for k in args.oracle_k.split(",")]
+    rates: dict = {}  # (batch, draft, k) -> decode tokens/s over the batch; (batch, "plain", 0) without drafts
+    accepted: dict = {}
+    for b in batches:
+        prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(b)]
+        gen = Generator(config, params, max_len=128 + new + 16, kernels=kernels)
 
-    def oracle(context, k):
-        return reply[len(context) - len(prompt):][:k]
+        def run(**kw):
+            gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw)  # compiles
+            results = gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw)
+            return results, sum(r.timings["decode_tokens_per_s"] for r in results)
 
-    gen.generate([prompt], max_new_tokens=new, sampling=greedy, draft=oracle, draft_tokens=args.oracle_k)  # compiles
-    drafted = gen.generate([prompt], max_new_tokens=new, sampling=greedy, draft=oracle, draft_tokens=args.oracle_k)[0]
-    plain_rate, oracle_rate = plain.timings["decode_tokens_per_s"], drafted.timings["decode_tokens_per_s"]
-    share = drafted.timings["accepted_tokens"] / max(drafted.timings["drafted_tokens"], 1)
-    lookup = PromptLookup()
-    gen.generate([prompt], max_new_tokens=new, sampling=greedy, draft=lookup, draft_tokens=args.oracle_k)  # compiles
-    looked = gen.generate([prompt], max_new_tokens=new, sampling=greedy, draft=lookup, draft_tokens=args.oracle_k)[0]
-    lookup_rate = looked.timings["decode_tokens_per_s"]
+        plain, rates[b, "plain", 0] = run()
+        oracle = Replies(tuple(tuple(p + r.output_ids) for p, r in zip(prompts, plain)))
+        for k in oracle_ks:
+            for name, draft in (("oracle", oracle), ("prompt lookup", PromptLookup())):
+                results, rates[b, name, k] = run(draft=draft, draft_tokens=k)
+                accepted[b, name, k] = (sum(r.timings["accepted_tokens"] for r in results),
+                                        sum(r.timings["drafted_tokens"] for r in results))
+                print(f"batch {b}, {name}, k {k}: {rates[b, name, k]:.1f} tokens/s ({rates[b, 'plain', 0]:.1f} plain), "
+                      f"{accepted[b, name, k][0]} of {accepted[b, name, k][1]} drafted tokens accepted", flush=True)
+        del gen
     peer = None
     if args.peer:
-        del gen, params
+        del params
         proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-peer"], capture_output=True, text=True,
                               cwd=ROOT)
         peer = (json.loads(proc.stdout.split("RESULT ")[-1]) if proc.returncode == 0
                 else f"exit {proc.returncode}: {proc.stderr[-600:]}")
 
-    print(f"\n{args.preset} ({args.dtype}), {device}: verify cost, ms a step (k = 0: a decode step)")
-    print("| batch | " + " | ".join(f"k = {k}" for k in [0] + ks) + " |\n|---|" + "---:|" * (len(ks) + 1))
+    if cost:
+        print(f"\n{args.preset} ({args.dtype}), {device}: verify cost, ms a call waited for (k = 0: one position)")
+        print("| batch | " + " | ".join(f"k = {k}" for k in [0] + ks) + " |\n|---|" + "---:|" * (len(ks) + 1))
+        for b in batches:
+            print(f"| {b} | " + " | ".join(f"{cost[b, k]:.2f} ({cost[b, k] / cost[b, 0]:.2f}x)" for k in [0] + ks) + " |")
+    print(f"\n{args.preset} ({args.dtype}), {device}: decode tokens/s over the batch, {new} new tokens, drafts on the "
+          "devices (accepted of drafted)")
+    print("| batch | plain | " + " | ".join(f"{n}, k = {k}" for k in oracle_ks for n in ("oracle", "prompt lookup"))
+          + " |\n|---|---:|" + "---:|" * 2 * len(oracle_ks))
     for b in batches:
-        print(f"| {b} | " + " | ".join(f"{cost[b, k]:.2f} ({cost[b, k] / cost[b, 0]:.2f}x)" for k in [0] + ks) + " |")
-    print(f"\noracle draft, batch 1, k = {args.oracle_k}: {oracle_rate:.1f} tokens/s against {plain_rate:.1f} plain "
-          f"({oracle_rate / plain_rate:.2f}x); {share:.0%} of drafted tokens accepted")
-    print(f"prompt lookup, batch 1, k = {args.oracle_k}, random prompt: {lookup_rate:.1f} tokens/s "
-          f"({lookup_rate / plain_rate:.2f}x plain); {looked.timings['accepted_tokens']} of "
-          f"{looked.timings['drafted_tokens']} drafted tokens accepted")
+        cells = [f"{rates[b, n, k]:.1f} ({rates[b, n, k] / rates[b, 'plain', 0]:.2f}x; {accepted[b, n, k][0]} of "
+                 f"{accepted[b, n, k][1]})" for k in oracle_ks for n in ("oracle", "prompt lookup")]
+        print(f"| {b} | {rates[b, 'plain', 0]:.1f} | " + " | ".join(cells) + " |")
     if peer is not None:
         print(f"peer: {json.dumps(peer)}")
+    # A step of the oracle at k, every draft accepted, gives k + 1 tokens a sequence: its cost is
+    # batch x (k + 1) / rate. At a mean acceptance length tau, a step gives tau tokens, so the speedup
+    # is tau x (plain decode step) / (the step + k one-layer draft steps, an EAGLE-3 head's cost).
     taus = [float(t) for t in args.tau.split(",")]
-    print("\nprojected speedup (tau x decode / (verify at k + k one-layer draft steps)), best k per cell")
+    print("\nprojected speedup at acceptance length tau (from the oracle's step cost), best k per cell")
     print("| batch | " + " | ".join(f"tau {t}" for t in taus) + " |\n|---|" + "---:|" * len(taus))
     projections = {}
     for b in batches:
+        decode = b / rates[b, "plain", 0]
         cells = []
         for t in taus:
-            best = max(((t * cost[b, 0] / (cost[b, k] + k * cost[b, 0] / config.num_hidden_layers), k)
-                        for k in ks if k + 1 >= t), default=(float("nan"), 0))
+            best = max(((t * decode / (b * (k + 1) / rates[b, "oracle", k] + k * decode / config.num_hidden_layers), k)
+                        for k in oracle_ks if k + 1 >= t), default=(float("nan"), 0))
             projections[f"b{b}_tau{t}"] = best
             cells.append(f"{best[0]:.2f}x (k = {best[1]})")
         print(f"| {b} | " + " | ".join(cells) + " |")
-    print(json.dumps({"cost_ms": {f"b{b}_k{k}": v for (b, k), v in cost.items()}, "plain": plain_rate,
-                      "oracle": oracle_rate, "accepted_share": share, "prompt_lookup": lookup_rate,
-                      "lookup_accepted": [looked.timings["accepted_tokens"], looked.timings["drafted_tokens"]],
+    print(json.dumps({"cost_ms": {f"b{b}_k{k}": v for (b, k), v in cost.items()},
+                      "rates": {f"b{b}_{n}_k{k}": v for (b, n, k), v in rates.items()},
+                      "accepted": {f"b{b}_{n}_k{k}": v for (b, n, k), v in accepted.items()},
                       "projections": projections, "peer": peer}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replies:
+    """The oracle draft: what follows in each sequence's `full` (its prompt and greedy reply, computed
+    first) at the context's length; proposed on the devices (`propose`)."""
+
+    full: tuple  # of tuples of token ids, one a sequence
+
+    def __call__(self, context, k):  # the host form (a row found by its prompt)
+        row = next(f for f in self.full if list(f[:len(context)]) == list(context))
+        return list(row[len(context):len(context) + k])
+
+    def propose(self, history, lengths, k):
+        import jax.numpy as jnp
+
+        width = max(map(len, self.full))
+        full = jnp.asarray([list(f) + [0] * (width - len(f)) for f in self.full], jnp.int32)
+        at = jnp.clip(lengths[:, None] + jnp.arange(k)[None], 0, width - 1)
+        ends = jnp.asarray([len(f) for f in self.full])
+        return jnp.take_along_axis(full, at, axis=1), jnp.clip(ends - lengths, 0, k)
+
+
+def conditioned(params: dict, seed: int = 0) -> dict:
+    """The same weights with the embedding scaled by 50 and the unembedding a permutation of it:
+    the residual stream is then the last token's embedding, nearly, and the greedy token is the
+    permutation's image of the last by a wide margin, whatever rounding the path takes. Same
+    shapes and dtypes, so the same kernels and costs."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    embedding = params["embedding"]
+    perm = jnp.asarray(np.random.default_rng(seed).permutation(embedding.shape[0]))
+    return dict(params, embedding=(embedding.astype(jnp.float32) * 50).astype(embedding.dtype),
+                unembedding=embedding[perm].T.astype(params["unembedding"].dtype))
 
 
 def run_peer(args) -> None:
@@ -190,7 +246,7 @@ def run_peer(args) -> None:
 
     with torch.no_grad():
         out["plain_tokens_per_s"] = rate(args.new)
-        out["prompt_lookup_tokens_per_s"] = rate(args.new, prompt_lookup_num_tokens=args.oracle_k)
+        out["prompt_lookup_tokens_per_s"] = rate(args.new, prompt_lookup_num_tokens=int(args.oracle_k.split(",")[0]))
     print("RESULT " + json.dumps(out), flush=True)
 
 

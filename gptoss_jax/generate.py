@@ -30,7 +30,7 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .sampling import Sampling, sample
 from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
-from .speculative import Draft, check_step
+from .speculative import Draft, check_step, speculate_steps
 from .weight import Params
 
 
@@ -271,7 +271,10 @@ class Generator:
         # no output: a call may run steps that no sequence needs, and once every sequence has stopped
         # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
-        if draft is not None:
+        if draft is not None and hasattr(draft, "propose"):
+            drafted, accepted = self._speculate_on_devices(prompts, outputs, active, add, cache, draft, draft_tokens,
+                                                           max_new_tokens, sampling, seed_dev, is_stop_dev)
+        elif draft is not None:
             drafted, accepted = self._speculate(prompts, outputs, active, add, token, cache, draft, draft_tokens,
                                                 max_new_tokens, sampling, seed_dev)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
@@ -308,6 +311,48 @@ class Generator:
                 timings.update(drafted_tokens=int(drafted[b]), accepted_tokens=int(accepted[b]))
             results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
         return results
+
+    def _speculate_on_devices(self, prompts, outputs, active, add, cache, draft, k: int, max_new_tokens: int,
+                              sampling: Sampling, seed_dev, is_stop_dev):
+        """The decode loop with drafts proposed on the devices (`draft.propose`): `decode_steps`
+        checked steps per call (speculative.speculate_steps), the next call queued before this one's
+        tokens are read, as in plain decoding. -> (tokens drafted [B], accepted [B])."""
+        B = len(prompts)
+        put = functools.partial(on_every_device, mesh=self.mesh)
+        history = np.zeros((B, self.max_len), np.int32)
+        for b, p in enumerate(prompts):
+            history[b, :len(p) + len(outputs[b])] = [*p, *outputs[b]]
+        lengths = np.array([len(p) + len(o) for p, o in zip(prompts, outputs)], np.int32)
+        budget = np.array([max_new_tokens - len(o) for o in outputs], np.int32)
+        carry = (put(history), put(lengths), put(active), put(budget), cache, put(np.int32(1)))
+        statics = (self.config, self.kernels, self.mesh, sampling, draft, k, self.decode_steps)
+        drafted, accepted = np.zeros(B, int), np.zeros(B, int)
+
+        def queue_call(carry):
+            history, lengths, active_dev, budget, cache, step = carry
+            *out, history, lengths, active_dev, budget, cache, step = self._call(
+                speculate_steps, statics, self.params, history, lengths, active_dev, budget, is_stop_dev, cache,
+                seed_dev, step)
+            for x in out:
+                to_host_soon(x)
+            return out, (history, lengths, active_dev, budget, cache, step)
+
+        pending = queue_call(carry) if active.any() else None
+        while pending is not None:
+            out, carry = pending
+            pending = queue_call(carry)
+            new, counts, n, kept = (np.asarray(x) for x in out)
+            now = time.perf_counter()
+            for s in range(new.shape[0]):
+                for b in np.nonzero(counts[s])[0]:
+                    drafted[b] += n[s, b]
+                    accepted[b] += kept[s, b]
+                    for t in new[s, b, :counts[s, b]]:
+                        add(int(b), int(t), now)
+            if not active.any():
+                jax.block_until_ready(pending)
+                pending = None
+        return drafted, accepted
 
     def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,
                    sampling: Sampling, seed_dev):

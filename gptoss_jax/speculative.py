@@ -21,7 +21,9 @@ step's tokens follow the target's distribution (after the sampling filters) exac
 
 Draft sources are callables `draft(context, k) -> up to k token ids`, given the sequence so far
 (prompt and reply); `PromptLookup` proposes what followed the context's last n tokens where they
-occurred before (n-gram / prompt lookup drafting, no weights).
+occurred before (n-gram / prompt lookup drafting, no weights). A source that also has
+`propose(history, lengths, k)` drafts on the devices (`speculate_steps`: several checked steps per
+call, with no host round trip between them, which at batch 1 costs more than the step itself).
 
 Legend: B = batch, T = k + 1 positions checked a step, V = vocabulary, S = ring slots.
 """
@@ -70,6 +72,23 @@ class PromptLookup:
                 return h[follow:follow + k].tolist()
         return []
 
+    def propose(self, history: jax.Array, lengths: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """The same on the devices, for every row at once: history [B, L] of which the first
+        lengths [B] are each sequence's context -> (drafts [B, k], how many of each are proposed [B])."""
+        B, L = history.shape
+        j = jnp.arange(L)[None]  # [1, L] where an n-gram starts
+        follow = jnp.full((B,), -1, jnp.int32)  # where the draft starts: after the longest n's latest match
+        for n in range(self.max_n, self.min_n - 1, -1):
+            match = (j + n < lengths[:, None])  # a token follows the n-gram (so it is not the suffix itself)
+            for t in range(n):
+                suffix = jnp.take_along_axis(history, jnp.maximum(lengths - n + t, 0)[:, None], axis=1)  # [B, 1]
+                match &= history[:, jnp.minimum(jnp.arange(L) + t, L - 1)] == suffix
+            latest = jnp.max(jnp.where(match, j, -1), axis=1)  # [B]
+            follow = jnp.where((follow < 0) & (latest >= 0), latest + n, follow)
+        count = jnp.where(follow >= 0, jnp.minimum(k, lengths - follow), 0)
+        drafts = jnp.take_along_axis(history, jnp.clip(follow[:, None] + jnp.arange(k)[None], 0, L - 1), axis=1)
+        return drafts, count.astype(jnp.int32)
+
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
 def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step):
@@ -78,6 +97,12 @@ def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, se
     holding each sequence's last token and accepted drafts, nothing more). Greedy (temperature 0):
     a draft is accepted where it is the model's argmax; else by `accept_sampled`, with the key
     fold_in(key(seed), step)."""
+    accepted, nxt, cache = _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step)
+    return everywhere(accepted, mesh), everywhere(nxt, mesh), cache
+
+
+def _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step):
+    """check_step's computation, inside a jitted function."""
     logits, written = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
     B, T, V = logits.shape
     if sampling.temperature == 0:
@@ -90,8 +115,51 @@ def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, se
         key = jax.random.fold_in(jax.random.key(seed), step)
         accepted, nxt = accept_sampled(key, target, tokens[:, 1:], valid[:, 1:])
     kept = jnp.where(valid[:, 0], accepted + 1, 0)
-    cache = roll_back(config, cache, written, valid, kept)
-    return everywhere(accepted, mesh), everywhere(nxt, mesh), cache
+    return accepted, nxt, roll_back(config, cache, written, valid, kept)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "draft", "k", "steps"),
+                   donate_argnames=("cache", "history"))
+def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, history, lengths, active, budget,
+                    is_stop, cache, seed, step):
+    """`steps` checked steps in one call, each drafted on the devices by `draft.propose` (a draft
+    source that has it, such as `PromptLookup`): no host round trip between steps.
+
+    history [B, L]: each sequence's tokens so far, prompt and reply, the first lengths [B] of each
+    row (the last, history[b, lengths[b] - 1], not yet in the cache); active [B]; budget [B]: the
+    tokens each may still add; is_stop [V]: the stop tokens. A step drafts up to k tokens (no more
+    than the budget leaves after the step's own), checks them (`check_step`, key fold_in(key(seed),
+    step + i) for step i), and appends the accepted ones and the next token, cut after a stop
+    token (kept) or at the budget; a sequence ends there.
+    -> (tokens [steps, B, k + 1] of which the first counts [steps, B] are new, drafted [steps, B],
+    drafted tokens among the new [steps, B], history, lengths, active, budget, cache, step + steps)."""
+    B, L = history.shape
+    rows, at = jnp.arange(B), jnp.arange(k + 1)
+
+    def one(carry, i):
+        history, lengths, active, budget, cache = carry
+        proposed, n = draft.propose(history, lengths, k)  # [B, k], [B]
+        n = jnp.where(active, jnp.clip(n, 0, budget - 1), 0)
+        last = history[rows, lengths - 1]
+        tokens = jnp.concatenate([last[:, None], proposed.astype(jnp.int32)], axis=1)  # [B, T]
+        valid = active[:, None] & (at[None] <= n[:, None])
+        accepted, nxt, cache = _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step + i)
+        new = jnp.where(at[None] < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])  # [B, T]
+        count = jnp.where(active, accepted + 1, 0)
+        stops = is_stop[new] & (at[None] < count[:, None])
+        first_stop = jnp.where(stops.any(axis=1), jnp.argmax(stops, axis=1) + 1, count)
+        count = jnp.minimum(first_stop, count)
+        history = history.at[rows[:, None], jnp.where(at[None] < count[:, None], lengths[:, None] + at[None], L)].set(
+            new, mode="drop")
+        budget = budget - count
+        active = active & ~stops.any(axis=1) & (budget > 0)
+        return (history, lengths + count, active, budget, cache), (new, count, n, jnp.minimum(accepted, count))
+
+    carry, (new, counts, drafted, kept) = jax.lax.scan(one, (history, lengths, active, budget, cache),
+                                                 jnp.arange(steps, dtype=jnp.int32))
+    history, lengths, active, budget, cache = carry
+    return (*(everywhere(x, mesh) for x in (new, counts, drafted, kept, history, lengths, active, budget)), cache,
+            everywhere(step + steps, mesh))
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:

@@ -1,6 +1,8 @@
 """Speculative decoding (gptoss_jax/speculative.py): with any draft, greedy tokens are those of
 decoding one token a step; a step keeps nothing of the drafts it rejects in the cache."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +91,83 @@ def test_prompt_lookup_changes_no_token_and_stop_tokens_still_stop(gen, prompts,
     assert stopped[2].output_ids == plain[2][:plain[2].index(stop) + 1] and stopped[2].finish_reason == "stop"
     # Drafts accepted past the stop token are not counted: only kept tokens are.
     assert stopped[2].timings["accepted_tokens"] <= len(stopped[2].output_ids) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Replies:
+    """A draft proposing what follows in each sequence's `full` (its prompt and greedy reply) at the
+    context's length, every `wrong_every`-th position (counted over `full`) replaced by another
+    token; on the host (called) and on the devices (`propose`) alike."""
+
+    full: tuple  # of tuples
+    prompt_lengths: tuple
+    wrong_every: int = 0
+    vocab: int = 1024
+
+    def __call__(self, context, k):
+        b = next(b for b, (f, n) in enumerate(zip(self.full, self.prompt_lengths)) if list(f[:n]) == context[:n])
+        start = len(context)
+        return [(t + 1) % self.vocab if self.wrong_every and (start + i) % self.wrong_every == 0 else t
+                for i, t in enumerate(self.full[b][start:start + k])]
+
+    def propose(self, history, lengths, k):
+        width = max(map(len, self.full))
+        full = jnp.asarray([list(f) + [0] * (width - len(f)) for f in self.full], jnp.int32)
+        at = lengths[:, None] + jnp.arange(k)[None]
+        drafts = jnp.take_along_axis(full, jnp.clip(at, 0, width - 1), axis=1)
+        if self.wrong_every:
+            drafts = jnp.where(at % self.wrong_every == 0, (drafts + 1) % self.vocab, drafts)
+        return drafts, jnp.clip(jnp.asarray([len(f) for f in self.full]) - lengths, 0, k)
+
+
+def replies(prompts, plain, wrong_every=0):
+    return Replies(tuple(tuple(p + r) for p, r in zip(prompts, plain)), tuple(map(len, prompts)), wrong_every)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_drafts_made_on_the_devices_are_all_accepted_and_stop_tokens_stop(gen, prompts, plain, k):
+    draft = replies(prompts, plain)
+    results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=draft, draft_tokens=k)
+    assert [r.output_ids for r in results] == plain
+    for r in results:
+        assert r.timings["accepted_tokens"] == r.timings["drafted_tokens"] == NEW - 1 - -(-(NEW - 1) // (k + 1))
+    stop = plain[2][10]
+    stopped = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, stop_tokens=[stop], draft=draft,
+                           draft_tokens=8)
+    assert [r.output_ids for r in stopped] == [r[:r.index(stop) + 1] if stop in r else r for r in plain]
+    assert stopped[2].finish_reason == "stop"
+    # Steps of 9 tokens: the stop token (the 11th) ends the second step, which kept only its drafts.
+    assert stopped[2].timings["accepted_tokens"] == len(stopped[2].output_ids) - 1 - 1
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0)], ids=["greedy", "sampled"])
+def test_the_loop_on_the_devices_gives_what_the_host_loop_gives(gen, prompts, plain, sampling):
+    """Drafts made on the devices (several checked steps a call) against the same drafts made on the
+    host (a step a call): the same tokens, drafts and acceptances, with a stop token, and a budget
+    that ends inside a step."""
+    for draft in (replies(prompts, plain, wrong_every=3), PromptLookup()):
+        on_host = lambda context, k, draft=draft: draft(context, k)  # noqa: E731  (no `propose`)
+        runs = [gen.generate(prompts, max_new_tokens=NEW - 3, sampling=sampling, seed=3, draft=d, draft_tokens=4,
+                             stop_tokens=[plain[1][20]]) for d in (draft, on_host)]
+        got = [[(r.output_ids, r.finish_reason, r.timings["drafted_tokens"], r.timings["accepted_tokens"])
+                for r in run] for run in runs]
+        assert got[0] == got[1]
+        assert sum(r.timings["drafted_tokens"] for r in runs[0]) > 0
+        if isinstance(draft, Replies):
+            assert sum(r.timings["accepted_tokens"] for r in runs[0]) > 0
+
+
+def test_prompt_lookup_on_the_devices_proposes_as_on_the_host():
+    rng = np.random.default_rng(0)
+    for look in (PromptLookup(), PromptLookup(max_n=2, min_n=2), PromptLookup(max_n=4, min_n=1)):
+        for k in (1, 3, 6):
+            contexts = [rng.integers(0, 4, n).tolist() for n in (1, 2, 3, 5, 9, 17, 30)]
+            history = np.zeros((len(contexts), 32), np.int32)
+            for b, c in enumerate(contexts):
+                history[b, :len(c)] = c
+            drafts, counts = look.propose(jnp.asarray(history), jnp.asarray([len(c) for c in contexts]), k)
+            got = [d[:n].tolist() for d, n in zip(np.asarray(drafts), np.asarray(counts))]
+            assert got == [look(c, k) for c in contexts], (look, k)
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_match():
