@@ -115,7 +115,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         cost[b, k] = 1e3 * statistics.median(times[1:])
         print(f"batch {b}, k {k}: {cost[b, k]:.2f} ms a step", flush=True)
-    del cache, compiled
+    compiled.clear()
 
     # The oracle draft at batch 1.
     # The oracle and prompt lookup at each batch, over conditioned weights (see above), drafted on the
