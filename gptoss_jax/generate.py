@@ -172,7 +172,9 @@ class Generator:
         `draft`: speculative decoding (speculative.py): each step checks up to `draft_tokens` tokens
         that draft(context, k) proposes; greedy, the tokens are those without it (up to the rounding
         of a pass over several positions); sampled, they are drawn from the same distributions (with
-        other draws). The timings then count the drafted tokens and the accepted ones kept.
+        other draws). The timings then count the drafted tokens and the accepted ones kept. A draft
+        source that also has `propose(history, lengths, k)` (jittable; the source must be hashable,
+        as it is a static argument) drafts on the devices, several steps a call.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -337,21 +339,28 @@ class Generator:
                 to_host_soon(x)
             return out, (history, lengths, active_dev, budget, cache, step)
 
-        pending = queue_call(carry) if active.any() else None
+        # Each step gives every going sequence a token at least: so many calls finish every reply.
+        calls = -(-(max_new_tokens - 1) // self.decode_steps) if active.any() else 0
+        pending = queue_call(carry) if calls else None
         while pending is not None:
             out, carry = pending
-            pending = queue_call(carry)
+            calls -= 1
+            pending = queue_call(carry) if calls else None
             new, counts, n, kept = (np.asarray(x) for x in out)
             now = time.perf_counter()
             for s in range(new.shape[0]):
                 for b in np.nonzero(counts[s])[0]:
+                    if not active[b]:
+                        raise RuntimeError(f"sequence {b} got tokens on the devices after it ended on the host")
                     drafted[b] += n[s, b]
                     accepted[b] += kept[s, b]
                     for t in new[s, b, :counts[s, b]]:
                         add(int(b), int(t), now)
             if not active.any():
-                jax.block_until_ready(pending)
+                jax.block_until_ready(pending)  # a call queued past the last token: its steps run nothing
                 pending = None
+        if active.any():
+            raise RuntimeError("speculative decoding ended on the devices before the replies did")
         return drafted, accepted
 
     def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,

@@ -139,9 +139,12 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
     def one(carry, i):
         history, lengths, active, budget, cache = carry
         proposed, n = draft.propose(history, lengths, k)  # [B, k], [B]
-        n = jnp.where(active, jnp.clip(n, 0, budget - 1), 0)
+        proposed = proposed.astype(jnp.int32)
+        in_vocab = jnp.cumprod(((proposed >= 0) & (proposed < config.vocab_size)).astype(jnp.int32), axis=1).sum(1)
+        n = jnp.where(active, jnp.clip(jnp.minimum(n, in_vocab), 0, budget - 1), 0)  # cut at an id outside
+        proposed = jnp.where(at[None, :k] < n[:, None], proposed, 0)  # unchecked positions: any id in range
         last = history[rows, lengths - 1]
-        tokens = jnp.concatenate([last[:, None], proposed.astype(jnp.int32)], axis=1)  # [B, T]
+        tokens = jnp.concatenate([last[:, None], proposed], axis=1)  # [B, T]
         valid = active[:, None] & (at[None] <= n[:, None])
         accepted, nxt, cache = _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step + i)
         new = jnp.where(at[None] < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])  # [B, T]
@@ -155,7 +158,11 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         active = active & ~stops.any(axis=1) & (budget > 0)
         return (history, lengths + count, active, budget, cache), (new, count, n, jnp.minimum(accepted, count))
 
-    carry, (new, counts, drafted, kept) = jax.lax.scan(one, (history, lengths, active, budget, cache),
+    def step_if_any(carry, i):  # steps after every sequence has ended (a call's last ones) cost nothing
+        nothing = (jnp.zeros((B, k + 1), jnp.int32),) + (jnp.zeros((B,), jnp.int32),) * 3
+        return jax.lax.cond(carry[2].any(), one, lambda carry, i: (carry, nothing), carry, i)
+
+    carry, (new, counts, drafted, kept) = jax.lax.scan(step_if_any, (history, lengths, active, budget, cache),
                                                  jnp.arange(steps, dtype=jnp.int32))
     history, lengths, active, budget, cache = carry
     return (*(everywhere(x, mesh) for x in (new, counts, drafted, kept, history, lengths, active, budget)), cache,

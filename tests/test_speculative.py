@@ -132,6 +132,7 @@ def test_drafts_made_on_the_devices_are_all_accepted_and_stop_tokens_stop(gen, p
     for r in results:
         assert r.timings["accepted_tokens"] == r.timings["drafted_tokens"] == NEW - 1 - -(-(NEW - 1) // (k + 1))
     stop = plain[2][10]
+    assert plain[2].index(stop) == 10  # (the step count below assumes it)
     stopped = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, stop_tokens=[stop], draft=draft,
                            draft_tokens=8)
     assert [r.output_ids for r in stopped] == [r[:r.index(stop) + 1] if stop in r else r for r in plain]
@@ -140,11 +141,31 @@ def test_drafts_made_on_the_devices_are_all_accepted_and_stop_tokens_stop(gen, p
     assert stopped[2].timings["accepted_tokens"] == len(stopped[2].output_ids) - 1 - 1
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0)], ids=["greedy", "sampled"])
+class OutOfVocabulary(Replies):
+    """`Replies`, with an id outside the vocabulary at every third position (-1 or the vocabulary's size)."""
+
+    def propose(self, history, lengths, k):
+        drafts, counts = super().propose(history, lengths, k)
+        at = lengths[:, None] + jnp.arange(k)[None]
+        return jnp.where(at % 3 == 0, jnp.where(at % 2 == 0, -1, self.vocab), drafts), counts
+
+
+def test_drafts_made_on_the_devices_are_cut_at_an_id_outside_the_vocabulary(gen, prompts, plain):
+    draft = OutOfVocabulary(replies(prompts, plain).full, tuple(map(len, prompts)))
+    results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=draft, draft_tokens=4)
+    assert [r.output_ids for r in results] == plain
+    for r in results:  # what came before each bad id was proposed, and right
+        assert 0 < r.timings["accepted_tokens"] == r.timings["drafted_tokens"] < NEW - 1 - -(-(NEW - 1) // 5)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0, top_k=1), Sampling(temperature=1.0)],
+                         ids=["greedy", "sampled-top-k-1", "sampled"])
 def test_the_loop_on_the_devices_gives_what_the_host_loop_gives(gen, prompts, plain, sampling):
     """Drafts made on the devices (several checked steps a call) against the same drafts made on the
     host (a step a call): the same tokens, drafts and acceptances, with a stop token, and a budget
-    that ends inside a step."""
+    that ends inside a step. Sampled, the same draws (each step's key); with top-k 1 the greedy
+    reply's drafts are accepted by the sampling rule (sampled at 1.0 a reply leaves the greedy one
+    at once, and the drafts with it)."""
     for draft in (replies(prompts, plain, wrong_every=3), PromptLookup()):
         on_host = lambda context, k, draft=draft: draft(context, k)  # noqa: E731  (no `propose`)
         runs = [gen.generate(prompts, max_new_tokens=NEW - 3, sampling=sampling, seed=3, draft=d, draft_tokens=4,
@@ -153,7 +174,7 @@ def test_the_loop_on_the_devices_gives_what_the_host_loop_gives(gen, prompts, pl
                 for r in run] for run in runs]
         assert got[0] == got[1]
         assert sum(r.timings["drafted_tokens"] for r in runs[0]) > 0
-        if isinstance(draft, Replies):
+        if isinstance(draft, Replies) and (sampling.temperature == 0 or sampling.top_k == 1):
             assert sum(r.timings["accepted_tokens"] for r in runs[0]) > 0
 
 
