@@ -1,0 +1,199 @@
+"""EAGLE-3 draft heads (gptoss_jax/eagle3.py, eagle3_checkpoint.py): a head written in the published
+layout (safetensors and config.json, as SpecForge exports them for SGLang) loads beside a gpt-oss
+config and computes what the reference computes: the EAGLE-3 layer as SGLang's and vLLM's
+`LlamaForCausalLMEagle3` wire it, built from Hugging Face transformers' Llama attention, MLP,
+RMSNorm and rotary embedding, in float32 and float64 (tolerances from tests/noise.py). Its cache
+gives what one pass over the whole sequence gives; bad folders are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from noise import Exact
+from safetensors.numpy import save_file
+
+from gptoss_jax.config import ModelConfig
+from gptoss_jax.convert.sources import SourceError
+from gptoss_jax.eagle3 import Eagle3Config, Eagle3Head, captured, init_head_cache
+from gptoss_jax.eagle3_checkpoint import load_eagle3
+
+D, F, N, K, H, U = 64, 96, 4, 2, 16, 50  # a tiny head: hidden, MLP, heads, KV heads, head dim, draft vocab
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ModelConfig(num_hidden_layers=8, num_experts=4, vocab_size=300, hidden_size=D, intermediate_size=32,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+class Reference(torch.nn.Module):
+    """The EAGLE-3 layer from transformers' Llama pieces, q/k/v taking the 2D-wide input."""
+
+    def __init__(self, norm_before_fc: bool):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        super().__init__()
+        c = LlamaConfig(hidden_size=D, intermediate_size=F, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
+                        rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=300, max_position_embeddings=4096)
+        c._attn_implementation = "eager"
+        self.fc = torch.nn.Linear(3 * D, D, bias=False)
+        self.input_norm = LlamaRMSNorm(3 * D, eps=1e-5) if norm_before_fc else None
+        self.embed_norm, self.hidden_norm = LlamaRMSNorm(D, eps=1e-5), LlamaRMSNorm(D, eps=1e-5)
+        self.attn = LlamaAttention(c, layer_idx=0)
+        for name, out in (("q_proj", N * H), ("k_proj", K * H), ("v_proj", K * H)):
+            setattr(self.attn, name, torch.nn.Linear(2 * D, out, bias=False))
+        self.post_norm, self.norm = LlamaRMSNorm(D, eps=1e-5), LlamaRMSNorm(D, eps=1e-5)
+        self.mlp, self.lm_head, self.rotary = LlamaMLP(c), torch.nn.Linear(D, U, bias=False), LlamaRotaryEmbedding(c)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 2 else 0.2) + (1.0 if p.ndim == 1 else 0.0))
+
+    def forward(self, embedded, states):
+        h = self.fc(self.input_norm(states) if self.input_norm is not None else states)
+        x = torch.cat([self.embed_norm(embedded), self.hidden_norm(h)], dim=-1)
+        T = x.shape[1]
+        positions = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf"), dtype=x.dtype).triu(1)[None, None]
+        a, _ = self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=mask)
+        r = a + h
+        y = r + self.mlp(self.post_norm(r))
+        return self.lm_head(self.norm(y)), y
+
+    def published(self) -> dict[str, np.ndarray]:
+        """The tensors under the names SpecForge exports."""
+        names = {"fc": "fc", "embed_norm": "midlayer.input_layernorm", "hidden_norm": "midlayer.hidden_norm",
+                 "attn": "midlayer.self_attn", "post_norm": "midlayer.post_attention_layernorm",
+                 "mlp": "midlayer.mlp", "norm": "norm", "lm_head": "lm_head", "input_norm": "input_norm"}
+        out = {}
+        for name, p in self.state_dict().items():
+            head, _, rest = name.partition(".")
+            if head != "rotary":
+                out[f"{names[head]}.{rest}"] = p.detach().numpy().astype(np.float32)
+        return out
+
+
+def write_head(folder, reference: Reference, hot: np.ndarray, *, config_extra=None, tensors_extra=None, drop=()):
+    tensors = {**reference.published(), "d2t": (hot - np.arange(U)).astype(np.int64),
+               "t2d": np.isin(np.arange(300), hot), **(tensors_extra or {})}
+    for name in drop:
+        tensors.pop(name)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": D, "intermediate_size": F,
+              "num_attention_heads": N, "num_key_value_heads": K, "head_dim": H, "rms_norm_eps": 1e-5,
+              "vocab_size": 300, "draft_vocab_size": U, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
+              **(config_extra or {})}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("norm_before_fc", [False, True])
+def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc):
+    """Logits and outputs of 12 positions against the reference's, from the target's captured states
+    (first draft step) and from the head's own outputs fed back (later steps); float32 within 8x the
+    reference's float32 noise against float64."""
+    torch.manual_seed(0)
+    reference = Reference(norm_before_fc)
+    hot = np.sort(np.random.default_rng(0).choice(300, U, replace=False))
+    write_head(tmp_path, reference, hot, config_extra={"norm_before_fc": True} if norm_before_fc else None)
+    config, params, loaded_hot = load_eagle3(str(tmp_path), target, dtype=jnp.float32)
+    assert config.aux_layers == (1, 3, 5) and config.norm_before_fc == norm_before_fc
+    np.testing.assert_array_equal(loaded_hot, hot)
+    rng = np.random.default_rng(1)
+    embedded, states = rng.normal(size=(2, 12, D)), rng.normal(size=(2, 12, 3 * D)) * 3
+
+    def theirs(dtype):
+        ref = reference.to(dtype)
+        logits, y = ref(torch.tensor(embedded, dtype=dtype), torch.tensor(states, dtype=dtype))
+        return logits.detach().numpy(), y.detach().numpy()
+
+    (logits64, y64), (logits32, y32) = theirs(torch.float64), theirs(torch.float32)
+    head = Eagle3Head(config, param_dtype=jnp.float32)
+    cache = init_head_cache(config, 2, 32, jnp.float32)
+    logits, y, cache = head.apply(params, jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32),
+                                  cache, jnp.ones((2, 12), bool))
+    Exact.measure(logits32, logits64).check(logits, "draft logits")
+    Exact.measure(y32, y64).check(y, "draft outputs")
+    assert (np.asarray(cache["lengths"]) == 12).all()
+
+
+def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
+    """The head's cache: 5 positions, then 4, then 3 (a row with only 2 valid) give the logits of one
+    pass over the 12; a padding position writes nothing."""
+    torch.manual_seed(1)
+    write_head(tmp_path, Reference(False), np.arange(U) * 2)
+    config, params, _ = load_eagle3(str(tmp_path), target, dtype=jnp.float32)
+    head = Eagle3Head(config, param_dtype=jnp.float32)
+    rng = np.random.default_rng(2)
+    embedded = jnp.asarray(rng.normal(size=(2, 12, D)), jnp.float32)
+    states = jnp.asarray(rng.normal(size=(2, 12, 3 * D)), jnp.float32)
+    whole, _, _ = head.apply(params, embedded, states, init_head_cache(config, 2, 16, jnp.float32),
+                             jnp.ones((2, 12), bool))
+    cache = init_head_cache(config, 2, 16, jnp.float32)
+    parts = []
+    for a, b in ((0, 5), (5, 9), (9, 12)):
+        out, _, cache = head.apply(params, embedded[:, a:b], states[:, a:b], cache, jnp.ones((2, b - a), bool))
+        parts.append(out)
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, rtol=1e-5, atol=1e-5)
+    cache = init_head_cache(config, 2, 16, jnp.float32)
+    _, _, cache = head.apply(params, embedded[:, :5], states[:, :5], cache, jnp.array([[True] * 5, [True] * 3 + [False] * 2]))
+    assert list(np.asarray(cache["lengths"])) == [5, 3]
+    assert not np.asarray(cache["k"])[1, 3:].any()
+
+
+def test_the_target_captures_its_layers_outputs_as_transformers_gives_them(tiny, tiny_params, long_tokens):
+    """Transformer(capture=...) keeps the residual stream after the named blocks: transformers'
+    hidden_states[i + 1] (float32, within 8x its own noise against float64), with and without a cache."""
+    from refs import hf_model
+
+    import gptoss_jax as gj
+    from gptoss_jax.model import Transformer
+
+    tokens = torch.from_numpy(long_tokens[:, :40]).long()
+    with torch.no_grad():
+        h32, h64 = (hf_model(tiny, tiny_params, dtype).to(getattr(torch, dtype))(tokens, output_hidden_states=True)
+                    .hidden_states for dtype in ("float32", "float64"))
+    model = Transformer(tiny, param_dtype=jnp.float32, capture=(0, 2))
+    _, whole = model.apply({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]), mutable=["intermediates"])
+    (_, _), cached = model.apply({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]),
+                                 gj.init_cache(tiny, 1, 64, jnp.float32), mutable=["intermediates"])
+    D = tiny.hidden_size
+    for state in (whole, cached):
+        states = captured(state, (0, 2))
+        assert states.shape == (1, 40, 2 * D)
+        for j, i in enumerate((0, 2)):
+            Exact.measure(h32[i + 1][0].numpy(), h64[i + 1][0].numpy()).check(states[0, :, j * D:(j + 1) * D],
+                                                                              f"layer {i}")
+
+
+def test_layer_ids_are_read_as_sglang_reads_them():
+    base = {"hidden_size": D, "intermediate_size": F, "num_attention_heads": N, "vocab_size": 300,
+            "draft_vocab_size": U}
+    assert Eagle3Config.from_json({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 11, 21]}},
+                                  24).aux_layers == (1, 11, 21)  # SpecForge's gpt-oss-20b head: the layers' outputs
+    assert Eagle3Config.from_json({**base, "eagle_aux_hidden_state_layer_ids": [2, 12, 21]}, 24).aux_layers == (1, 11, 20)
+    assert Eagle3Config.from_json(base, 36).aux_layers == (1, 17, 32)  # the default [2, L/2, L-3], before those layers
+    for bad, match in (({"draft_vocab_size": None}, "draft_vocab_size"), ({"fc_norm": True}, "fc_norm"),
+                       ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state"),
+                       ({"eagle_aux_hidden_state_layer_ids": [1, 30, 40]}, "ascending layers")):
+        with pytest.raises(ValueError, match=match):
+            Eagle3Config.from_json({**base, **bad}, 24)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"drop": ["midlayer.mlp.up_proj.weight"]}, "missing midlayer.mlp.up_proj.weight"),
+    ({"tensors_extra": {"midlayer.extra.weight": np.zeros(3, np.float32)}}, "unknown midlayer.extra.weight"),
+    ({"tensors_extra": {"lm_head.weight": np.zeros((U, D + 1), np.float32)}}, r"lm_head.weight has shape \[50, 65\]"),
+    ({"tensors_extra": {"t2d": np.zeros(300, bool)}}, "t2d does not mark"),
+    ({"tensors_extra": {"d2t": np.full(U, 290, np.int64)}}, "d2t maps draft tokens outside"),
+    ({"config_extra": {"vocab_size": 301}}, "vocabulary 301"),
+])
+def test_a_folder_that_is_not_such_a_head_is_refused_by_name(tmp_path, target, change, match):
+    torch.manual_seed(2)
+    write_head(tmp_path, Reference(False), np.arange(U), **change)
+    with pytest.raises(SourceError, match=match):
+        load_eagle3(str(tmp_path), target)
