@@ -71,7 +71,7 @@ def main() -> None:
             times = []
             for i in range(args.calls + 1):  # the first compiles
                 start = time.perf_counter()
-                out = check_step(config, kernels, None, greedy, params, tokens, valid, cache, jnp.int32(0), jnp.int32(i))
+                out = check_step(config, kernels, None, greedy, (), params, tokens, valid, cache, jnp.int32(0), jnp.int32(i))
                 cache = jax.block_until_ready(out)[2]
                 times.append(time.perf_counter() - start)
             cost[b, k] = 1e3 * statistics.median(times[1:])

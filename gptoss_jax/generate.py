@@ -30,6 +30,8 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .sampling import Sampling, sample
 from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
+from .eagle3 import captured, init_head_cache
+from .eagle3_draft import Eagle3Draft, head_prefill, next_pairs, propose
 from .speculative import Draft, check_step
 from .weight import Params
 
@@ -65,19 +67,22 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
-def _prefill_chunk(config, kernels, mesh, params, tokens, cache, last, lengths, start):
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "capture"), donate_argnames=("cache",))
+def _prefill_chunk(config, kernels, mesh, capture, params, tokens, cache, last, lengths, start):
     """Prompt positions [start, start + T) of every sequence, tokens [B, T]; lengths [B]: the prompts'
     lengths (positions past them are padding). -> (logits of each prompt's last token [B, V], kept in
-    `last` until the chunk holding it, cache)."""
+    `last` until the chunk holding it, cache; with `capture`, those layers' outputs [B, T, G])."""
     T = tokens.shape[1]
     valid = (start + jnp.arange(T))[None] < lengths[:, None]  # [B, T]
     last_index = lengths - 1
     i = jnp.clip(last_index - start, 0, T - 1)
     here = (last_index >= start) & (last_index < start + T)
-    picked, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid,
-                                                                         logits_at=i)
-    return everywhere(jnp.where(here[:, None], picked, last), mesh), cache
+    model = Transformer(config, kernels=kernels, mesh=mesh, capture=capture)
+    if not capture:
+        picked, cache = model.apply({"params": params}, tokens, cache, valid, logits_at=i)
+        return everywhere(jnp.where(here[:, None], picked, last), mesh), cache
+    (picked, cache), state = model.apply({"params": params}, tokens, cache, valid, logits_at=i, mutable=["intermediates"])
+    return everywhere(jnp.where(here[:, None], picked, last), mesh), cache, captured(state, capture)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "steps"),
@@ -212,9 +217,24 @@ class Generator:
                                 None if self.mesh is None else replicated(self.mesh))
         model = (self.config, self.kernels, self.mesh)
         lengths_dev = put(lengths.astype(np.int32))
+        eagle = isinstance(draft, Eagle3Draft)
+        if eagle:  # the head's cache follows the prompt: its states at p with the token at p + 1
+            capture, following = draft.config.aux_layers, np.zeros_like(tokens)
+            following[:, :-1] = tokens[:, 1:]
+            head_cache = init_head_cache(draft.config, B, self.max_len, self.dtype)
+            pending = jnp.zeros((B, len(capture) * self.config.hidden_size), self.dtype)
         for start in range(0, padded, chunk):
-            last, cache = self._call(_prefill_chunk, model, self.params, put(tokens[:, start:start + chunk]), cache,
-                                     last, lengths_dev, put(np.int32(start)))
+            chunk_tokens = put(tokens[:, start:start + chunk])
+            if not eagle:
+                last, cache = self._call(_prefill_chunk, model + ((),), self.params, chunk_tokens, cache, last,
+                                         lengths_dev, put(np.int32(start)))
+                continue
+            last, cache, states = self._call(_prefill_chunk, model + (capture,), self.params, chunk_tokens, cache,
+                                             last, lengths_dev, put(np.int32(start)))
+            before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
+            head_cache, pending = self._call(head_prefill, (draft.config,), draft.params, self.params["embedding"],
+                                             put(following[:, start:start + chunk]), states, before_last, head_cache,
+                                             pending, put((lengths - 1).astype(np.int32)), put(np.int32(start)))
         # Stays on the devices as the next step's input.
         token_dev = self._call(_sample, (self.mesh, sampling), last, seed_dev)
         to_host_soon(token_dev)
@@ -273,7 +293,8 @@ class Generator:
         going = take(token)
         if draft is not None:
             drafted, accepted = self._speculate(prompts, outputs, active, add, token, cache, draft, draft_tokens,
-                                                max_new_tokens, sampling, seed_dev)
+                                                max_new_tokens, sampling, seed_dev,
+                                                (head_cache, pending) if eagle else None)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
         while pending is not None:
@@ -309,30 +330,49 @@ class Generator:
             results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
         return results
 
-    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,
-                   sampling: Sampling, seed_dev):
+    def _speculate(self, prompts, outputs, active, add, last, cache, draft, k: int, max_new_tokens: int,
+                   sampling: Sampling, seed_dev, head=None):
         """The decode loop with drafts: each step checks every active sequence's last token and the
         tokens `draft` proposes for it (up to k, and no more than its reply still needs) in one call
         (speculative.check_step), then adds what that step accepted and the model's next token.
-        -> (tokens drafted [B], accepted [B])."""
+        An EAGLE-3 head (eagle3_draft.py; head: its cache and the prompts' last states) drafts on the
+        devices from the states each check captures. -> (tokens drafted [B], accepted [B])."""
         B, T, vocab = len(prompts), k + 1, self.config.vocab_size
         put = functools.partial(on_every_device, mesh=self.mesh)
         last = np.array(last, np.int32)  # [B] each sequence's last token, not yet in the cache
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
+        capture = () if head is None else draft.config.aux_layers
+        if head is not None:  # the first pairs: each prompt's last states with the first token
+            head_cache, pending = head
+            pairs = (put(np.pad(last[:, None], ((0, 0), (0, k)))), jnp.pad(pending[:, None], ((0, 0), (0, k), (0, 0))),
+                     put(np.pad(active[:, None], ((0, 0), (0, k)))))
         step = 0  # check steps so far: step i samples with key fold_in(key(seed), i + 1) (0: the first token)
         while active.any():
             step += 1
             tokens, valid = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
+            if head is not None:
+                proposals, head_cache = self._call(propose, (draft.config, k), draft.params, self.params["embedding"],
+                                                   draft.hot, head_cache, *pairs)
+                proposals = np.asarray(proposals)
             for b in np.nonzero(active)[0]:
                 room = min(k, max_new_tokens - len(outputs[b]) - 1)  # the step's own token counts too
-                proposed = list(draft(list(prompts[b]) + outputs[b], room))[:room] if room > 0 else []
+                if room <= 0:
+                    proposed = []
+                elif head is not None:
+                    proposed = proposals[b, :room].tolist()
+                else:
+                    proposed = list(draft(list(prompts[b]) + outputs[b], room))[:room]
                 if any(not 0 <= t < vocab for t in proposed):
                     raise ValueError(f"the draft proposed token ids outside [0, {vocab}): {proposed}")
                 tokens[b, 0], tokens[b, 1:1 + len(proposed)] = last[b], proposed
                 valid[b, :1 + len(proposed)] = True
                 drafted[b] += len(proposed)
-            agreed, nxt, cache = self._call(check_step, (self.config, self.kernels, self.mesh, sampling), self.params,
-                                            put(tokens), put(valid), cache, seed_dev, put(np.int32(step)))
+            tokens_dev, valid_dev = put(tokens), put(valid)
+            agreed, nxt, cache, *states = self._call(check_step, (self.config, self.kernels, self.mesh, sampling, capture),
+                                                     self.params, tokens_dev, valid_dev, cache, seed_dev,
+                                                     put(np.int32(step)))
+            if head is not None:
+                pairs = self._call(next_pairs, (), tokens_dev, valid_dev, agreed, nxt, states[0])
             agreed, nxt = np.asarray(agreed), np.asarray(nxt)
             now = time.perf_counter()
             for b in np.nonzero(valid[:, 0])[0]:

@@ -71,14 +71,20 @@ class PromptLookup:
         return []
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling"), donate_argnames=("cache",))
-def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step):
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "capture"),
+                   donate_argnames=("cache",))
+def check_step(config, kernels, mesh, sampling, capture, params, tokens, valid, cache, seed, step):
     """tokens [B, T]: each sequence's last token then its draft; valid [B, T]: a prefix of each row
     (none: a sequence that has stopped) -> (accepted drafts [B], the token after them [B], the cache
-    holding each sequence's last token and accepted drafts, nothing more). Greedy (temperature 0):
-    a draft is accepted where it is the model's argmax; else by `accept_sampled`, with the key
+    holding each sequence's last token and accepted drafts, nothing more; with `capture`, those
+    layers' outputs at the T positions [B, T, G] too: an EAGLE-3 head's input). Greedy (temperature
+    0): a draft is accepted where it is the model's argmax; else by `accept_sampled`, with the key
     fold_in(key(seed), step)."""
-    logits, written = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
+    model = Transformer(config, kernels=kernels, mesh=mesh, capture=capture)
+    if capture:
+        (logits, written), state = model.apply({"params": params}, tokens, cache, valid, mutable=["intermediates"])
+    else:
+        logits, written = model.apply({"params": params}, tokens, cache, valid)
     B, T, V = logits.shape
     if sampling.temperature == 0:
         picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T], as sampling.sample's greedy pick
@@ -91,7 +97,9 @@ def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, se
         accepted, nxt = accept_sampled(key, target, tokens[:, 1:], valid[:, 1:])
     kept = jnp.where(valid[:, 0], accepted + 1, 0)
     cache = roll_back(config, cache, written, valid, kept)
-    return everywhere(accepted, mesh), everywhere(nxt, mesh), cache
+    out = everywhere(accepted, mesh), everywhere(nxt, mesh), cache
+    return out + (jnp.concatenate([state["intermediates"][f"layer_{i}"][0] for i in capture], axis=-1),) if capture \
+        else out
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
@@ -160,5 +168,5 @@ def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kern
     if np.shape(tokens)[1] > slots:
         raise ValueError(f"a step checks at most {slots - 1} drafted tokens with this cache (its smallest layer "
                          f"holds {slots} positions), got {np.shape(tokens)[1] - 1}")
-    return check_step(config, kernels, mesh, sampling, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool),
+    return check_step(config, kernels, mesh, sampling, (), params, jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool),
                       cache, jnp.int32(seed), jnp.int32(step))

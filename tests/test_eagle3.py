@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from gptoss_jax.config import ModelConfig
 from gptoss_jax.convert.sources import SourceError
 from gptoss_jax.eagle3 import Eagle3Config, Eagle3Head, captured, init_head_cache
 from gptoss_jax.eagle3_checkpoint import load_eagle3
+from gptoss_jax.eagle3_draft import Eagle3Draft
+from gptoss_jax.sampling import Sampling
 
 D, F, N, K, H, U = 64, 96, 4, 2, 16, 50  # a tiny head: hidden, MLP, heads, KV heads, head dim, draft vocab
 
@@ -197,3 +200,95 @@ def test_a_folder_that_is_not_such_a_head_is_refused_by_name(tmp_path, target, c
     write_head(tmp_path, Reference(False), np.arange(U), **change)
     with pytest.raises(SourceError, match=match):
         load_eagle3(str(tmp_path), target)
+
+
+def tiny_head(folder, target, seed: int = 3):
+    """A random head for the tiny target (its hidden size), written as published and loaded."""
+    torch.manual_seed(seed)
+    write_head(folder, Reference(False), np.sort(np.random.default_rng(seed).choice(300, U, replace=False)))
+    return Eagle3Draft.load(str(folder), target, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny300():
+    """The tiny config with a vocabulary of 300 (the heads' target) and its float32 parameters."""
+    from gptoss_jax.testing import random_params
+
+    config = ModelConfig(num_hidden_layers=8, num_experts=4, vocab_size=300, hidden_size=D, intermediate_size=32,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16)
+    return config, random_params(config, seed=4, dtype=jnp.float32)
+
+
+def test_greedy_tokens_with_an_eagle3_head_are_those_without(tmp_path, tiny300):
+    """Generator with a head drafting 3 tokens a step: the greedy tokens of 3 prompts (2 to 40 tokens, a
+    prefill of 16-token chunks) over 40 new tokens are those of one token a step."""
+    from gptoss_jax.generate import Generator
+
+    config, params = tiny300
+    draft = tiny_head(tmp_path, config)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (2, 17, 40)]
+    generator = Generator(config, params, max_len=128, prefill_chunk=16)
+    greedy = Sampling(temperature=0.0)
+    want = [r.output_ids for r in generator.generate(prompts, max_new_tokens=40, sampling=greedy)]
+    got = generator.generate(prompts, max_new_tokens=40, sampling=greedy, draft=draft, draft_tokens=3)
+    assert [r.output_ids for r in got] == want
+    assert all(r.timings["drafted_tokens"] > 0 for r in got)
+
+
+def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, tiny300, monkeypatch):
+    """The head's drafts at every step of Generator (its cache filled chunk by chunk at the prefill and
+    pair by pair after each check) are those of one pass of the head over the committed sequence's
+    pairs (the target's states at p, uncached, with the token at p + 1), then its own chain."""
+    import gptoss_jax.generate as generate_module
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.model import Transformer
+
+    config, params = tiny300
+    draft = tiny_head(tmp_path, config, seed=6)
+    prompt = np.random.default_rng(7).integers(0, 300, 21).tolist()
+    emitted, proposed = [], []
+    real = generate_module.propose
+
+    class Recording:  # `propose` as Generator compiles it, each call's drafts recorded
+        __name__ = "propose"
+
+        def lower(self, *args):
+            compiled = real.lower(*args).compile()
+
+            def run(*call):
+                out = compiled(*call)
+                proposed.append((len(emitted), np.asarray(out[0])[0].tolist()))
+                return out
+
+            return type("Lowered", (), {"compile": lambda _: run})()
+
+    monkeypatch.setattr(generate_module, "propose", Recording())
+    generator = Generator(config, params, max_len=128, prefill_chunk=16)
+    generator.generate([prompt], max_new_tokens=30, sampling=Sampling(temperature=0.0), draft=draft, draft_tokens=3,
+                       on_token=lambda b, t: emitted.append(t))
+    head = Eagle3Head(draft.config, param_dtype=jnp.float32)
+    target = Transformer(config, param_dtype=jnp.float32, capture=draft.config.aux_layers)
+    embedding, S = params["embedding"], 64  # sequences padded to S: one compilation
+
+    @jax.jit
+    def slow(tokens, following, n):  # x_0 .. x_(n-1) and x_1 .. x_n, padded [1, S] -> 3 greedy drafts
+        _, state = target.apply({"params": params}, tokens, mutable=["intermediates"])
+        cache = init_head_cache(draft.config, 1, S + 3, jnp.float32)
+        logits, y, cache = head.apply(draft.params, embedding[following], captured(state, draft.config.aux_layers),
+                                      cache, jnp.arange(S)[None] < n)
+        logits, y = logits[:, n - 1], jax.lax.dynamic_slice_in_dim(y, n - 1, 1, axis=1)
+        out = []
+        for _ in range(3):
+            out.append(draft.hot[jnp.argmax(logits[0])])
+            logits, y, cache = head.apply(draft.params, embedding[out[-1]][None, None], y, cache, jnp.ones((1, 1), bool))
+            logits = logits[:, 0]
+        return jnp.stack(out)
+
+    assert len(proposed) > 5
+    for n_emitted, drafts in proposed:
+        committed = prompt + emitted[:n_emitted]  # x_0 .. x_n, x_n not yet in the target's cache
+        n = len(committed) - 1
+        tokens, following = np.zeros((1, S), np.int32), np.zeros((1, S), np.int32)
+        tokens[0, :n], following[0, :n] = committed[:-1], committed[1:]
+        assert drafts == np.asarray(slow(tokens, following, n)).tolist(), (n_emitted, drafts)
