@@ -292,3 +292,19 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
         tokens, following = np.zeros((1, S), np.int32), np.zeros((1, S), np.int32)
         tokens[0, :n], following[0, :n] = committed[:-1], committed[1:]
         assert drafts == np.asarray(slow(tokens, following, n)).tolist(), (n_emitted, drafts)
+
+
+def test_a_checked_step_commits_its_accepted_drafts_and_next_token_as_pairs():
+    """next_pairs: row 0 accepted 2 of 3 drafts, row 1 none, row 2 was not checked: the pairs are the
+    states at positions 0 .. accepted with the tokens after them (the accepted drafts, then the
+    target's next token)."""
+    from gptoss_jax.eagle3_draft import next_pairs
+
+    tokens = jnp.asarray([[10, 11, 12, 13], [20, 21, 22, 23], [30, 0, 0, 0]], jnp.int32)
+    valid = jnp.asarray([[True] * 4, [True] * 4, [False] * 4])
+    states = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 2)
+    pair_tokens, pair_states, pair_valid = next_pairs(tokens, valid, jnp.asarray([2, 0, 0]), jnp.asarray([99, 98, 97]),
+                                                      states)
+    assert np.asarray(pair_valid).tolist() == [[True, True, True, False], [True, False, False, False], [False] * 4]
+    assert np.asarray(pair_tokens)[0, :3].tolist() == [11, 12, 99] and int(pair_tokens[1, 0]) == 98
+    np.testing.assert_array_equal(pair_states, states)
