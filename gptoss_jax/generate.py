@@ -218,6 +218,8 @@ class Generator:
         model = (self.config, self.kernels, self.mesh)
         lengths_dev = put(lengths.astype(np.int32))
         eagle = isinstance(draft, Eagle3Draft)
+        if eagle and self.mesh is not None:
+            raise ValueError("an EAGLE-3 head drafts on one device for now, not with parameters on a mesh")
         if eagle:  # the head's cache follows the prompt: its states at p with the token at p + 1
             capture, following = draft.config.aux_layers, np.zeros_like(tokens)
             following[:, :-1] = tokens[:, 1:]
