@@ -17,10 +17,13 @@ draft's speed, and the speedups that published acceptance lengths would give. Pr
    --peer: Hugging Face transformers on the same GPU in a process of its own, the same preset with
    random bf16 weights: greedy batch-1 decode plainly and with its prompt lookup
    (`prompt_lookup_num_tokens` = --oracle-k) on a random prompt of the same length.
+   --eagle3: an EAGLE-3 head too, random, of the published gpt-oss heads' shape, run as it would be
+   (its cache filled at the prefill, k drafts a step from the captured states), proposing the
+   oracle's tokens in its place (`steered_head`): the machinery's speed with the head's cost paid.
 3. Projection: at a mean acceptance length tau (tokens a step gives, the bonus token included, as
    EAGLE and SGLang count it; --tau), speedup = tau x decode step / (verify step at k + draft cost),
    the draft cost estimated as k one-layer steps (an EAGLE-3 head is one decoder layer): k x decode
-   step / layers.
+   step / layers; with --eagle3, also from the steered head's measured step (the head's cost in it).
 
     python bench/speculative.py --preset gpt-oss-20b --batches 1,8,64 --ks 1,2,3,4,5,6,7,8 --peer
 """
@@ -55,6 +58,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="timed calls per verify-cost cell (median)")
     ap.add_argument("--compile-threads", type=int, default=8, help="cells compiled at a time before the timings")
     ap.add_argument("--new", type=int, default=128, help="new tokens per batch-1 generation")
+    ap.add_argument("--eagle3", action="store_true", help="also the steered EAGLE-3 head (see above)")
     ap.add_argument("--peer", action="store_true", help="also time transformers' batch-1 decode (see above)")
     ap.add_argument("--only-peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -133,9 +137,12 @@ def main() -> None:
             return results, sum(r.timings["decode_tokens_per_s"] for r in results)
 
         plain, rates[b, "plain", 0] = run()
-        oracle = Replies(tuple(tuple(p + r.output_ids) for p, r in zip(prompts, plain)))
+        full = tuple(tuple(p + r.output_ids) for p, r in zip(prompts, plain))
+        drafts = [("oracle", Replies(full)), ("prompt lookup", PromptLookup())]
+        if args.eagle3:
+            drafts.append(("EAGLE-3 steered", steered_head(config, dtype, full)))
         for k in oracle_ks:
-            for name, draft in (("oracle", oracle), ("prompt lookup", PromptLookup())):
+            for name, draft in drafts:
                 results, rates[b, name, k] = run(draft=draft, draft_tokens=k)
                 accepted[b, name, k] = (sum(r.timings["accepted_tokens"] for r in results),
                                         sum(r.timings["drafted_tokens"] for r in results))
@@ -157,11 +164,12 @@ def main() -> None:
             print(f"| {b} | " + " | ".join(f"{cost[b, k]:.2f} ({cost[b, k] / cost[b, 0]:.2f}x)" for k in [0] + ks) + " |")
     print(f"\n{args.preset} ({args.dtype}), {device}: decode tokens/s over the batch, {new} new tokens, drafts on the "
           "devices (accepted of drafted)")
-    print("| batch | plain | " + " | ".join(f"{n}, k = {k}" for k in oracle_ks for n in ("oracle", "prompt lookup"))
-          + " |\n|---|---:|" + "---:|" * 2 * len(oracle_ks))
+    names = [n for n in ("oracle", "prompt lookup", "EAGLE-3 steered") if (batches[0], n, oracle_ks[0]) in rates]
+    print("| batch | plain | " + " | ".join(f"{n}, k = {k}" for k in oracle_ks for n in names)
+          + " |\n|---|---:|" + "---:|" * len(names) * len(oracle_ks))
     for b in batches:
         cells = [f"{rates[b, n, k]:.1f} ({rates[b, n, k] / rates[b, 'plain', 0]:.2f}x; {accepted[b, n, k][0]} of "
-                 f"{accepted[b, n, k][1]})" for k in oracle_ks for n in ("oracle", "prompt lookup")]
+                 f"{accepted[b, n, k][1]})" for k in oracle_ks for n in names]
         print(f"| {b} | {rates[b, 'plain', 0]:.1f} | " + " | ".join(cells) + " |")
     if peer is not None:
         print(f"peer: {json.dumps(peer)}")
@@ -181,6 +189,17 @@ def main() -> None:
             projections[f"b{b}_tau{t}"] = best
             cells.append(f"{best[0]:.2f}x (k = {best[1]})")
         print(f"| {b} | " + " | ".join(cells) + " |")
+    if args.eagle3:  # the step's cost measured with the head's own steps in it
+        print("\nprojected speedup at acceptance length tau (from the steered EAGLE-3 head's step cost), best k per cell")
+        print("| batch | " + " | ".join(f"tau {t}" for t in taus) + " |\n|---|" + "---:|" * len(taus))
+        for b in batches:
+            decode, cells = b / rates[b, "plain", 0], []
+            for t in taus:
+                best = max(((t * decode / (b * (k + 1) / rates[b, "EAGLE-3 steered", k]), k)
+                            for k in oracle_ks if k + 1 >= t), default=(float("nan"), 0))
+                projections[f"b{b}_tau{t}_eagle3"] = best
+                cells.append(f"{best[0]:.2f}x (k = {best[1]})")
+            print(f"| {b} | " + " | ".join(cells) + " |")
     print(json.dumps({"cost_ms": {f"b{b}_k{k}": v for (b, k), v in cost.items()},
                       "rates": {f"b{b}_{n}_k{k}": v for (b, n, k), v in rates.items()},
                       "accepted": {f"b{b}_{n}_k{k}": v for (b, n, k), v in accepted.items()},
@@ -206,6 +225,41 @@ class Replies:
         at = jnp.clip(lengths[:, None] + jnp.arange(k)[None], 0, width - 1)
         ends = jnp.asarray([len(f) for f in self.full])
         return jnp.take_along_axis(full, at, axis=1), jnp.clip(ends - lengths, 0, k)
+
+
+def steered_head(config, dtype, full: tuple):
+    """A random EAGLE-3 head of the published gpt-oss heads' shape (for presets other than the gpt-oss
+    ones, one scaled to the model), run as it would be (its cache filled at the prefill, k drafts a
+    step, the committed pairs), but proposing the oracle's tokens (`full`, as `Replies`) in place of
+    its own: every draft accepted, the head's whole cost paid."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gptoss_jax.eagle3 import Eagle3Head, init_head_cache
+    from gptoss_jax.eagle3_config import Eagle3Config
+    from gptoss_jax.eagle3_draft import Eagle3Draft
+
+    L, D = config.num_hidden_layers, config.hidden_size
+    shape = {} if D == 2880 else dict(hidden_size=D, intermediate_size=3 * D, num_attention_heads=config.num_attention_heads,
+                                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim)
+    head = Eagle3Config(**shape, vocab_size=config.vocab_size, draft_vocab_size=min(32000, config.vocab_size),
+                        target_hidden_size=D, aux_layers=(1, L // 2 - 1, L - 4) if L > 4 else (0, 1, 2))
+    states = jnp.zeros((1, 1, len(head.aux_layers) * D), dtype)
+    params = Eagle3Head(head, param_dtype=dtype).init(jax.random.key(1), jnp.zeros((1, 1, D), dtype), states,
+                                                      init_head_cache(head, 1, 8, dtype), jnp.ones((1, 1), bool))
+    hot = jnp.asarray(np.sort(np.random.default_rng(1).choice(config.vocab_size, head.draft_vocab_size, replace=False)))
+    oracle = Replies(full)
+
+    @dataclasses.dataclass(frozen=True, eq=False)
+    class Steered(Eagle3Draft):
+        def propose_from(self, arrays, embedding, state, k):
+            own, n, after = super().propose_from(arrays, embedding, state, k)
+            committed = state["cache"]["lengths"] + state["valid"].sum(axis=1) + 1  # tokens x_0 .. x_n
+            drafts, _ = oracle.propose(None, committed, k)
+            return jnp.where(own >= 0, drafts, own), n, after  # (the head's drafts are computed, not dropped)
+
+    return Steered(head, params, hot)
 
 
 def conditioned(params: dict, seed: int = 0) -> dict:

@@ -30,6 +30,8 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .sampling import Sampling, sample
 from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
+from .eagle3 import captured, init_head_cache
+from .eagle3_draft import Eagle3Draft, head_prefill
 from .speculative import Draft, check_step, speculate_steps
 from .weight import Params
 
@@ -65,19 +67,22 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
-def _prefill_chunk(config, kernels, mesh, params, tokens, cache, last, lengths, start):
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "capture"), donate_argnames=("cache",))
+def _prefill_chunk(config, kernels, mesh, capture, params, tokens, cache, last, lengths, start):
     """Prompt positions [start, start + T) of every sequence, tokens [B, T]; lengths [B]: the prompts'
     lengths (positions past them are padding). -> (logits of each prompt's last token [B, V], kept in
-    `last` until the chunk holding it, cache)."""
+    `last` until the chunk holding it, cache; with `capture`, those layers' outputs [B, T, G])."""
     T = tokens.shape[1]
     valid = (start + jnp.arange(T))[None] < lengths[:, None]  # [B, T]
     last_index = lengths - 1
     i = jnp.clip(last_index - start, 0, T - 1)
     here = (last_index >= start) & (last_index < start + T)
-    picked, cache = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid,
-                                                                         logits_at=i)
-    return everywhere(jnp.where(here[:, None], picked, last), mesh), cache
+    model = Transformer(config, kernels=kernels, mesh=mesh, capture=capture)
+    if not capture:
+        picked, cache = model.apply({"params": params}, tokens, cache, valid, logits_at=i)
+        return everywhere(jnp.where(here[:, None], picked, last), mesh), cache
+    (picked, cache), state = model.apply({"params": params}, tokens, cache, valid, logits_at=i, mutable=["intermediates"])
+    return everywhere(jnp.where(here[:, None], picked, last), mesh), cache, captured(state, capture)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "steps"),
@@ -157,12 +162,22 @@ class Generator:
             self._compile_s += time.perf_counter() - start
         return self.executables[key]
 
+    def _head_arrays(self, draft: Eagle3Draft) -> dict:
+        """An EAGLE-3 head's arrays where the parameters are (on their mesh: replicated), placed once."""
+        if getattr(self, "_head", (None,))[0] is not draft:
+            self._head = (draft, self._replicated(draft.arrays()))
+        return self._head[1]
+
+    def _replicated(self, tree):
+        """Arrays on this Generator's devices: on its mesh, a copy on every device; else as they are."""
+        return tree if self.mesh is None else jax.device_put(tree, replicated(self.mesh))
+
     def _call(self, fn, statics: tuple, *args):
         return self._compiled(fn, statics, args)(*args)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0, stop_tokens: Sequence[int] = (),
-                 on_token: Callable[[int, int], None] | None = None, draft: Draft | None = None,
+                 on_token: Callable[[int, int], None] | None = None, draft: Draft | Eagle3Draft | None = None,
                  draft_tokens: int = 4) -> list[Result]:
         """Generate for a batch of prompts (lists of token ids); on_token(sequence, token) streams.
 
@@ -174,7 +189,9 @@ class Generator:
         of a pass over several positions); sampled, they are drawn from the same distributions (with
         other draws). The timings then count the drafted tokens and the accepted ones kept. A draft
         source that also has `propose(history, lengths, k)` (jittable; the source must be hashable,
-        as it is a static argument) drafts on the devices, several steps a call.
+        as it is a static argument) drafts on the devices, several steps a call; so does an EAGLE-3
+        head (`eagle3_draft.Eagle3Draft`), from the hidden states the prefill and each checked step
+        capture.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -214,9 +231,25 @@ class Generator:
                                 None if self.mesh is None else replicated(self.mesh))
         model = (self.config, self.kernels, self.mesh)
         lengths_dev = put(lengths.astype(np.int32))
+        eagle = isinstance(draft, Eagle3Draft)
+        if eagle:  # the head's cache follows the prompt: its states at p with the token at p + 1
+            capture, following = draft.config.aux_layers, np.zeros_like(tokens)
+            following[:, :-1] = tokens[:, 1:]
+            arrays = self._head_arrays(draft)
+            head_cache = self._replicated(init_head_cache(draft.config, B, self.max_len, self.dtype))
+            pending = self._replicated(jnp.zeros((B, len(capture) * self.config.hidden_size), self.dtype))
         for start in range(0, padded, chunk):
-            last, cache = self._call(_prefill_chunk, model, self.params, put(tokens[:, start:start + chunk]), cache,
-                                     last, lengths_dev, put(np.int32(start)))
+            chunk_tokens = put(tokens[:, start:start + chunk])
+            if not eagle:
+                last, cache = self._call(_prefill_chunk, model + ((),), self.params, chunk_tokens, cache, last,
+                                         lengths_dev, put(np.int32(start)))
+                continue
+            last, cache, states = self._call(_prefill_chunk, model + (capture,), self.params, chunk_tokens, cache,
+                                             last, lengths_dev, put(np.int32(start)))
+            before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
+            head_cache, pending = self._call(head_prefill, (draft.config,), arrays["head"], self.params["embedding"],
+                                             put(following[:, start:start + chunk]), states, before_last, head_cache,
+                                             pending, put((lengths - 1).astype(np.int32)), put(np.int32(start)))
         # Stays on the devices as the next step's input.
         token_dev = self._call(_sample, (self.mesh, sampling), last, seed_dev)
         to_host_soon(token_dev)
@@ -273,9 +306,10 @@ class Generator:
         # no output: a call may run steps that no sequence needs, and once every sequence has stopped
         # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
-        if draft is not None and hasattr(draft, "propose"):
+        if draft is not None and (eagle or hasattr(draft, "propose")):
             drafted, accepted = self._speculate_on_devices(prompts, outputs, active, add, cache, draft, draft_tokens,
-                                                           max_new_tokens, sampling, seed_dev, is_stop_dev)
+                                                           max_new_tokens, sampling, seed_dev, is_stop_dev,
+                                                           (arrays, head_cache, pending) if eagle else None)
         elif draft is not None:
             drafted, accepted = self._speculate(prompts, outputs, active, add, token, cache, draft, draft_tokens,
                                                 max_new_tokens, sampling, seed_dev)
@@ -315,8 +349,9 @@ class Generator:
         return results
 
     def _speculate_on_devices(self, prompts, outputs, active, add, cache, draft, k: int, max_new_tokens: int,
-                              sampling: Sampling, seed_dev, is_stop_dev):
-        """The decode loop with drafts proposed on the devices (`draft.propose`): `decode_steps`
+                              sampling: Sampling, seed_dev, is_stop_dev, head=None):
+        """The decode loop with drafts proposed on the devices (`draft.propose`, or an EAGLE-3 head's
+        from its state; head: its arrays, its cache and the prompts' last states after the prefill): `decode_steps`
         checked steps per call (speculative.speculate_steps), the next call queued before this one's
         tokens are read, as in plain decoding. -> (tokens drafted [B], accepted [B])."""
         B = len(prompts)
@@ -329,15 +364,21 @@ class Generator:
         carry = (put(history), put(lengths), put(active), put(budget), cache, put(np.int32(1)))
         statics = (self.config, self.kernels, self.mesh, sampling, draft, k, self.decode_steps)
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
+        # An EAGLE-3 head's arrays and state (dicts: compiled once per head and batch size).
+        follows = () if head is None else (head[0], draft.start(*head[1:], put(history[np.arange(B), lengths - 1]),
+                                                                put(active), k))
 
         def queue_call(carry):
-            history, lengths, active_dev, budget, cache, step = carry
-            *out, history, lengths, active_dev, budget, cache, step = self._call(
+            history, lengths, active_dev, budget, cache, step, *state = carry
+            *out, history, lengths, active_dev, budget, cache, step, state = self._call(
                 speculate_steps, statics, self.params, history, lengths, active_dev, budget, is_stop_dev, cache,
-                seed_dev, step)
+                seed_dev, step, *follows[:1], *state)
             for x in out:
                 to_host_soon(x)
-            return out, (history, lengths, active_dev, budget, cache, step)
+            return out, (history, lengths, active_dev, budget, cache, step) + (() if state is None else (state,))
+
+        if follows:
+            carry += (follows[1],)
 
         # Each step gives every going sequence a token at least: so many calls finish every reply.
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if active.any() else 0

@@ -59,6 +59,9 @@ class Transformer(nn.Module):
     # Training: recompute each block's activations in the backward pass rather than keep them
     # (activation checkpointing: memory for one block's activations plus each block's input).
     remat: bool = False
+    # The layers whose outputs (the residual stream after them) are kept, as "intermediates"
+    # "layer_<i>" (apply with mutable=["intermediates"]): an EAGLE-3 draft head reads them (eagle3.py).
+    capture: tuple[int, ...] = ()
     WEIGHTS: ClassVar = {
         "embedding": Weight(("vocab", "embed")),
         "unembedding": Weight(("embed", "vocab")),
@@ -102,6 +105,8 @@ class Transformer(nn.Module):
                     new_cache["pages"][storage_of(cfg, i)] = storage
                 else:
                     x, new_cache[name] = block(x, positions, cache[name], lengths, valid)
+            if i in self.capture:
+                self.sow("intermediates", f"layer_{i}", x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
         x = RMSNorm(cfg, name="norm")(x)

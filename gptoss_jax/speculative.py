@@ -23,7 +23,9 @@ Draft sources are callables `draft(context, k) -> up to k token ids`, given the 
 (prompt and reply); `PromptLookup` proposes what followed the context's last n tokens where they
 occurred before (n-gram / prompt lookup drafting, no weights). A source that also has
 `propose(history, lengths, k)` drafts on the devices (`speculate_steps`: several checked steps per
-call, with no host round trip between them, which at batch 1 costs more than the step itself).
+call, with no host round trip between them, which at batch 1 costs more than the step itself). An
+EAGLE-3 head (eagle3_draft.py) drafts there too, from a state that follows the target's own hidden
+states: the checked steps capture the layers it reads.
 
 Legend: B = batch, T = k + 1 positions checked a step, V = vocabulary, S = ring slots.
 """
@@ -40,6 +42,7 @@ import numpy as np
 
 from .cache import ring_positions
 from .config import ModelConfig
+from .eagle3 import captured
 from .model import Transformer
 from .sampling import Sampling, filtered
 from .sharding import everywhere
@@ -101,9 +104,14 @@ def check_step(config, kernels, mesh, sampling, params, tokens, valid, cache, se
     return everywhere(accepted, mesh), everywhere(nxt, mesh), cache
 
 
-def _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step):
-    """check_step's computation, inside a jitted function."""
-    logits, written = Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
+def _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step, capture=()):
+    """check_step's computation, inside a jitted function; with `capture`, also those layers' outputs
+    at the T positions [B, T, G] (an EAGLE-3 head's input)."""
+    model = Transformer(config, kernels=kernels, mesh=mesh, capture=capture)
+    if capture:
+        (logits, written), state = model.apply({"params": params}, tokens, cache, valid, mutable=["intermediates"])
+    else:
+        logits, written = model.apply({"params": params}, tokens, cache, valid)
     B, T, V = logits.shape
     if sampling.temperature == 0:
         picks = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T], as sampling.sample's greedy pick
@@ -115,15 +123,21 @@ def _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, 
         key = jax.random.fold_in(jax.random.key(seed), step)
         accepted, nxt = accept_sampled(key, target, tokens[:, 1:], valid[:, 1:])
     kept = jnp.where(valid[:, 0], accepted + 1, 0)
-    return accepted, nxt, roll_back(config, cache, written, valid, kept)
+    cache = roll_back(config, cache, written, valid, kept)
+    if not capture:
+        return accepted, nxt, cache
+    return accepted, nxt, cache, captured(state, capture)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "draft", "k", "steps"),
-                   donate_argnames=("cache", "history"))
+                   donate_argnames=("cache", "history", "draft_state"))
 def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, history, lengths, active, budget,
-                    is_stop, cache, seed, step):
+                    is_stop, cache, seed, step, draft_params=None, draft_state=None):
     """`steps` checked steps in one call, each drafted on the devices by `draft.propose` (a draft
-    source that has it, such as `PromptLookup`): no host round trip between steps.
+    source that has it, such as `PromptLookup`): no host round trip between steps. A draft that
+    follows the target's states (an EAGLE-3 head, eagle3_draft.py) has a state instead (draft_state,
+    with its arrays draft_params): each step drafts from it (`draft.propose_from`) and gives it what
+    the step committed and the target's outputs of the layers in `draft.capture` (`draft.observe`).
 
     history [B, L]: each sequence's tokens so far, prompt and reply, the first lengths [B] of each
     row (the last, history[b, lengths[b] - 1], not yet in the cache); active [B]; budget [B]: the
@@ -132,13 +146,19 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
     step + i) for step i), and appends the accepted ones and the next token, cut after a stop
     token (kept) or at the budget; a sequence ends there.
     -> (tokens [steps, B, k + 1] of which the first counts [steps, B] are new, drafted [steps, B],
-    drafted tokens among the new [steps, B], history, lengths, active, budget, cache, step + steps)."""
+    drafted tokens among the new [steps, B], history, lengths, active, budget, cache, step + steps,
+    draft_state)."""
     B, L = history.shape
     rows, at = jnp.arange(B), jnp.arange(k + 1)
 
+    capture = getattr(draft, "capture", ()) if draft_state is not None else ()
+
     def one(carry, i):
-        history, lengths, active, budget, cache = carry
-        proposed, n = draft.propose(history, lengths, k)  # [B, k], [B]
+        history, lengths, active, budget, cache, state = carry
+        if state is None:
+            proposed, n = draft.propose(history, lengths, k)  # [B, k], [B]
+        else:
+            proposed, n, state = draft.propose_from(draft_params, params["embedding"], state, k)
         proposed = proposed.astype(jnp.int32)
         in_vocab = jnp.cumprod(((proposed >= 0) & (proposed < config.vocab_size)).astype(jnp.int32), axis=1).sum(1)
         n = jnp.where(active, jnp.clip(jnp.minimum(n, in_vocab), 0, budget - 1), 0)  # cut at an id outside
@@ -146,7 +166,10 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         last = history[rows, lengths - 1]
         tokens = jnp.concatenate([last[:, None], proposed], axis=1)  # [B, T]
         valid = active[:, None] & (at[None] <= n[:, None])
-        accepted, nxt, cache = _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, step + i)
+        accepted, nxt, cache, *states = _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed,
+                                               step + i, capture)
+        if state is not None:
+            state = draft.observe(state, tokens, valid, accepted, nxt, *states)
         new = jnp.where(at[None] < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])  # [B, T]
         count = jnp.where(active, accepted + 1, 0)
         stops = is_stop[new] & (at[None] < count[:, None])
@@ -156,17 +179,17 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
             new, mode="drop")
         budget = budget - count
         active = active & ~stops.any(axis=1) & (budget > 0)
-        return (history, lengths + count, active, budget, cache), (new, count, n, jnp.minimum(accepted, count))
+        return (history, lengths + count, active, budget, cache, state), (new, count, n, jnp.minimum(accepted, count))
 
     def step_if_any(carry, i):  # steps after every sequence has ended (a call's last ones) cost nothing
         nothing = (jnp.zeros((B, k + 1), jnp.int32),) + (jnp.zeros((B,), jnp.int32),) * 3
         return jax.lax.cond(carry[2].any(), one, lambda carry, i: (carry, nothing), carry, i)
 
-    carry, (new, counts, drafted, kept) = jax.lax.scan(step_if_any, (history, lengths, active, budget, cache),
-                                                 jnp.arange(steps, dtype=jnp.int32))
-    history, lengths, active, budget, cache = carry
+    carry, (new, counts, drafted, kept) = jax.lax.scan(
+        step_if_any, (history, lengths, active, budget, cache, draft_state), jnp.arange(steps, dtype=jnp.int32))
+    history, lengths, active, budget, cache, draft_state = carry
     return (*(everywhere(x, mesh) for x in (new, counts, drafted, kept, history, lengths, active, budget)), cache,
-            everywhere(step + steps, mesh))
+            everywhere(step + steps, mesh), draft_state)
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:

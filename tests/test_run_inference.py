@@ -131,6 +131,13 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
     (tmp_path / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     ckpt = str(checkpoint / "converted")
+    head = tmp_path / "head"  # an EAGLE-3 head's config.json for another model (vocabulary 300)
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "draft_vocab_size": 50,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}))
+    eagle = ["--checkpoint", ckpt, "--prompt-ids", "1", "--temperature", "0"]
     cases = [  # (argv, exit code, what the one error line says)
         (["--chat", "--prompt-ids", "1,2"], 2, "--chat needs text (--prompt, --prompt-file or --batch-file), not --prompt-ids"),
         (["--prompt-file", str(tmp_path / "missing.txt")], 1, f"--prompt-file {tmp_path}/missing.txt: no such file"),
@@ -145,6 +152,14 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
         (["--temperature", "0", "--draft", "prompt-lookup", "--draft-tokens", "16"], 2,
          "--draft-tokens must be less than 16 for this model"),
+        (eagle + ["--draft", "eagle3"], 2, "--draft eagle3 and --draft-model DIR go together"),
+        (eagle + ["--draft-model", str(head)], 2, "--draft eagle3 and --draft-model DIR go together"),
+        (eagle + ["--draft", "eagle3", "--draft-model", str(tmp_path / "nowhere")], 2,
+         f"--draft-model {tmp_path}/nowhere: no such folder"),
+        (eagle + ["--draft", "eagle3", "--draft-model", str(tmp_path)], 2,
+         f"--draft-model: {tmp_path}/config.json: config.json not found"),
+        (eagle + ["--draft", "eagle3", "--draft-model", str(head)], 2,
+         f"--draft-model {head}: a head for a model of vocabulary 300 and hidden size 64, not 1024 and 64"),
         (["--checkpoint", str(tmp_path / "nowhere"), "--prompt-ids", "1"], 1, "checkpoint directory not found"),
         (["--checkpoint", str(tmp_path), "--prompt-ids", "1"], 1, "not a gptoss-jax checkpoint"),
         (["--mesh", "gpus=2"], 2, "--mesh gpus=2: unknown mesh axis 'gpus'; the axes are data, expert, tensor"),
@@ -274,6 +289,25 @@ def test_prompt_lookup_drafts_give_the_same_tokens(checkpoint, capsys):
     plain, drafted = records
     assert drafted["output_ids"] == plain["output_ids"] and "drafted_tokens" not in plain["timings"]
     assert drafted["timings"]["accepted_tokens"] <= drafted["timings"]["drafted_tokens"]
+
+
+def test_eagle3_drafts_give_the_same_tokens(checkpoint, tmp_path, capsys):
+    """--draft eagle3 --draft-model DIR: a random head in the published layout for the tiny model
+    drafts 3 tokens a step; the greedy tokens are those without it."""
+    from eagle3_ref import U, Reference, write_head
+
+    torch.manual_seed(0)
+    write_head(tmp_path, Reference(False), np.sort(np.random.default_rng(0).choice(1024, U, replace=False)),
+               vocab=1024, layer_ids=(1, 2, 3))
+    common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "24",
+              "--json", "--max-context", "128", "--prompt-ids", "5,6,7,8,9"]
+    records = []
+    for extra in ([], ["--draft", "eagle3", "--draft-model", str(tmp_path), "--draft-tokens", "3"]):
+        assert run_inference.main(common + extra) == 0
+        (record,) = _json_lines(capsys.readouterr().out)
+        records.append(record)
+    plain, drafted = records
+    assert drafted["output_ids"] == plain["output_ids"] and drafted["timings"]["drafted_tokens"] >= 3 * 8
 
 
 @pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 0.0), (signal.SIGINT, 1.0), (signal.SIGINT, 3.0),

@@ -12,6 +12,7 @@ import jax
 
 from .. import tokenizer as tk
 from ..generate import batch_timings
+from ..eagle3_draft import Eagle3Draft
 from ..speculative import PromptLookup
 from .display import ChatPrinter, timing_line
 
@@ -39,6 +40,8 @@ def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, pri
             printer.feed(token)
 
     draft = PromptLookup() if args.draft == "prompt-lookup" else None
+    if args.draft == "eagle3":
+        draft = Eagle3Draft.load(args.draft_model, generator.config, generator.dtype)
     results = generator.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                                  stop_tokens=stops, on_token=on_token, draft=draft, draft_tokens=args.draft_tokens)
     if stream:

@@ -121,7 +121,26 @@ def max_context(args, config: ModelConfig) -> int:
 
 
 def check_draft(args, config: ModelConfig, max_len: int) -> None:
-    """--draft-tokens against the model: a step's drafted positions must not wrap the sliding ring."""
+    """--draft-tokens against the model (a step's drafted positions must not wrap the sliding ring), and
+    --draft-model's head against the model, from its config.json alone."""
+    if (args.draft == "eagle3") != (args.draft_model is not None):
+        raise UsageError("--draft eagle3 and --draft-model DIR go together")
+    if args.draft_model is not None:
+        from ..convert.sources import SourceError, read_config_json
+
+        if not os.path.isdir(args.draft_model):
+            raise UsageError(f"--draft-model {args.draft_model}: no such folder")
+        from ..eagle3_config import Eagle3Config
+
+        try:
+            head = Eagle3Config.from_json(read_config_json(args.draft_model), config.num_hidden_layers,
+                                          f"{args.draft_model}/config.json")
+        except (SourceError, ValueError, KeyError) as e:
+            raise UsageError(f"--draft-model: {e}") from None
+        if head.vocab_size != config.vocab_size or head.target_hidden_size != config.hidden_size:
+            raise UsageError(f"--draft-model {args.draft_model}: a head for a model of vocabulary {head.vocab_size} "
+                             f"and hidden size {head.target_hidden_size}, not {config.vocab_size} and "
+                             f"{config.hidden_size}")
     ring = min(config.sliding_window, max_len)
     if args.draft != "none" and args.draft_tokens >= ring:
         raise UsageError(f"--draft-tokens must be less than {ring} for this model (its sliding window, or "

@@ -1,0 +1,252 @@
+"""EAGLE-3 draft heads (gptoss_jax/eagle3.py, eagle3_checkpoint.py): a head written in the published
+layout (safetensors and config.json, as SpecForge exports them for SGLang) loads beside a gpt-oss
+config and computes what the reference computes: the EAGLE-3 layer as SGLang's and vLLM's
+`LlamaForCausalLMEagle3` wire it, built from Hugging Face transformers' Llama attention, MLP,
+RMSNorm and rotary embedding, in float32 and float64 (tolerances from tests/noise.py). Its cache
+gives what one pass over the whole sequence gives; bad folders are refused by name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from eagle3_ref import D, F, N, U, Reference, write_head
+from noise import Exact
+
+from gptoss_jax.config import ModelConfig
+from gptoss_jax.convert.sources import SourceError
+from gptoss_jax.eagle3 import Eagle3Head, captured, init_head_cache
+from gptoss_jax.eagle3_config import Eagle3Config
+from gptoss_jax.eagle3_checkpoint import load_eagle3
+from gptoss_jax.eagle3_draft import Eagle3Draft
+from gptoss_jax.sampling import Sampling
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ModelConfig(num_hidden_layers=8, num_experts=4, vocab_size=300, hidden_size=D, intermediate_size=32,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("norm_before_fc", [False, True])
+def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc):
+    """Logits and outputs of 12 positions against the reference's, from the target's captured states
+    (first draft step) and from the head's own outputs fed back (later steps); float32 within 8x the
+    reference's float32 noise against float64."""
+    torch.manual_seed(0)
+    reference = Reference(norm_before_fc)
+    hot = np.sort(np.random.default_rng(0).choice(300, U, replace=False))
+    write_head(tmp_path, reference, hot, config_extra={"norm_before_fc": True} if norm_before_fc else None)
+    config, params, loaded_hot = load_eagle3(str(tmp_path), target, dtype=jnp.float32)
+    assert config.aux_layers == (1, 3, 5) and config.norm_before_fc == norm_before_fc
+    np.testing.assert_array_equal(loaded_hot, hot)
+    rng = np.random.default_rng(1)
+    embedded, states = rng.normal(size=(2, 12, D)), rng.normal(size=(2, 12, 3 * D)) * 3
+
+    def theirs(dtype):
+        ref = reference.to(dtype)
+        logits, y = ref(torch.tensor(embedded, dtype=dtype), torch.tensor(states, dtype=dtype))
+        return logits.detach().numpy(), y.detach().numpy()
+
+    (logits64, y64), (logits32, y32) = theirs(torch.float64), theirs(torch.float32)
+    head = Eagle3Head(config, param_dtype=jnp.float32)
+    cache = init_head_cache(config, 2, 32, jnp.float32)
+    logits, y, cache = head.apply(params, jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32),
+                                  cache, jnp.ones((2, 12), bool))
+    Exact.measure(logits32, logits64).check(logits, "draft logits")
+    Exact.measure(y32, y64).check(y, "draft outputs")
+    assert (np.asarray(cache["lengths"]) == 12).all()
+
+
+def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
+    """The head's cache: 5 positions, then 4, then 3 (a row with only 2 valid) give the logits of one
+    pass over the 12; a padding position writes nothing."""
+    torch.manual_seed(1)
+    write_head(tmp_path, Reference(False), np.arange(U) * 2)
+    config, params, _ = load_eagle3(str(tmp_path), target, dtype=jnp.float32)
+    head = Eagle3Head(config, param_dtype=jnp.float32)
+    rng = np.random.default_rng(2)
+    embedded = jnp.asarray(rng.normal(size=(2, 12, D)), jnp.float32)
+    states = jnp.asarray(rng.normal(size=(2, 12, 3 * D)), jnp.float32)
+    whole, _, _ = head.apply(params, embedded, states, init_head_cache(config, 2, 16, jnp.float32),
+                             jnp.ones((2, 12), bool))
+    cache = init_head_cache(config, 2, 16, jnp.float32)
+    parts = []
+    for a, b in ((0, 5), (5, 9), (9, 12)):
+        out, _, cache = head.apply(params, embedded[:, a:b], states[:, a:b], cache, jnp.ones((2, b - a), bool))
+        parts.append(out)
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, rtol=1e-5, atol=1e-5)
+    cache = init_head_cache(config, 2, 16, jnp.float32)
+    _, _, cache = head.apply(params, embedded[:, :5], states[:, :5], cache, jnp.array([[True] * 5, [True] * 3 + [False] * 2]))
+    assert list(np.asarray(cache["lengths"])) == [5, 3]
+    assert not np.asarray(cache["k"])[1, 3:].any()
+
+
+def test_the_target_captures_its_layers_outputs_as_transformers_gives_them(tiny, tiny_params, long_tokens):
+    """Transformer(capture=...) keeps the residual stream after the named blocks: transformers'
+    hidden_states[i + 1] (float32, within 8x its own noise against float64), with and without a cache."""
+    from refs import hf_model
+
+    import gptoss_jax as gj
+    from gptoss_jax.model import Transformer
+
+    tokens = torch.from_numpy(long_tokens[:, :40]).long()
+    with torch.no_grad():
+        h32, h64 = (hf_model(tiny, tiny_params, dtype).to(getattr(torch, dtype))(tokens, output_hidden_states=True)
+                    .hidden_states for dtype in ("float32", "float64"))
+    model = Transformer(tiny, param_dtype=jnp.float32, capture=(0, 2))
+    _, whole = model.apply({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]), mutable=["intermediates"])
+    (_, _), cached = model.apply({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]),
+                                 gj.init_cache(tiny, 1, 64, jnp.float32), mutable=["intermediates"])
+    D = tiny.hidden_size
+    for state in (whole, cached):
+        states = captured(state, (0, 2))
+        assert states.shape == (1, 40, 2 * D)
+        for j, i in enumerate((0, 2)):
+            Exact.measure(h32[i + 1][0].numpy(), h64[i + 1][0].numpy()).check(states[0, :, j * D:(j + 1) * D],
+                                                                              f"layer {i}")
+
+
+def test_layer_ids_are_read_as_sglang_reads_them():
+    base = {"hidden_size": D, "intermediate_size": F, "num_attention_heads": N, "vocab_size": 300,
+            "draft_vocab_size": U}
+    assert Eagle3Config.from_json({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 11, 21]}},
+                                  24).aux_layers == (1, 11, 21)  # SpecForge's gpt-oss-20b head: the layers' outputs
+    assert Eagle3Config.from_json({**base, "eagle_aux_hidden_state_layer_ids": [2, 12, 21]}, 24).aux_layers == (1, 11, 20)
+    assert Eagle3Config.from_json(base, 36).aux_layers == (1, 17, 32)  # the default [2, L/2, L-3], before those layers
+    for bad, match in (({"draft_vocab_size": None}, "draft_vocab_size"), ({"fc_norm": True}, "fc_norm"),
+                       ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state"),
+                       ({"eagle_aux_hidden_state_layer_ids": [1, 30, 40]}, "ascending layers")):
+        with pytest.raises(ValueError, match=match):
+            Eagle3Config.from_json({**base, **bad}, 24)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"drop": ["midlayer.mlp.up_proj.weight"]}, "missing midlayer.mlp.up_proj.weight"),
+    ({"tensors_extra": {"midlayer.extra.weight": np.zeros(3, np.float32)}}, "unknown midlayer.extra.weight"),
+    ({"tensors_extra": {"lm_head.weight": np.zeros((U, D + 1), np.float32)}}, r"lm_head.weight has shape \[50, 65\]"),
+    ({"tensors_extra": {"t2d": np.zeros(300, bool)}}, "t2d does not mark"),
+    ({"tensors_extra": {"d2t": np.full(U, 290, np.int64)}}, "d2t maps draft tokens outside"),
+    ({"config_extra": {"vocab_size": 301}}, "vocabulary 301"),
+])
+def test_a_folder_that_is_not_such_a_head_is_refused_by_name(tmp_path, target, change, match):
+    torch.manual_seed(2)
+    write_head(tmp_path, Reference(False), np.arange(U), **change)
+    with pytest.raises(SourceError, match=match):
+        load_eagle3(str(tmp_path), target)
+
+
+def tiny_head(folder, target, seed: int = 3):
+    """A random head for the tiny target (its hidden size), written as published and loaded."""
+    torch.manual_seed(seed)
+    write_head(folder, Reference(False), np.sort(np.random.default_rng(seed).choice(300, U, replace=False)))
+    return Eagle3Draft.load(str(folder), target, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny300():
+    """The tiny config with a vocabulary of 300 (the heads' target) and its float32 parameters."""
+    from gptoss_jax.testing import random_params
+
+    config = ModelConfig(num_hidden_layers=8, num_experts=4, vocab_size=300, hidden_size=D, intermediate_size=32,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16)
+    return config, random_params(config, seed=4, dtype=jnp.float32)
+
+
+def test_greedy_tokens_with_an_eagle3_head_are_those_without(tmp_path, tiny300):
+    """Generator with a head drafting 3 tokens a step: the greedy tokens of 3 prompts (2 to 40 tokens, a
+    prefill of 16-token chunks) over 40 new tokens are those of one token a step."""
+    from gptoss_jax.generate import Generator
+
+    config, params = tiny300
+    draft = tiny_head(tmp_path, config)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (2, 17, 40)]
+    generator = Generator(config, params, max_len=128, prefill_chunk=16)
+    greedy = Sampling(temperature=0.0)
+    want = [r.output_ids for r in generator.generate(prompts, max_new_tokens=40, sampling=greedy)]
+    got = generator.generate(prompts, max_new_tokens=40, sampling=greedy, draft=draft, draft_tokens=3)
+    assert [r.output_ids for r in got] == want
+    assert all(r.timings["drafted_tokens"] > 0 for r in got)
+
+
+@pytest.mark.parametrize("steered", [False, True], ids=["its own drafts", "the target's reply proposed"])
+def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, tiny300, steered):
+    """The head's drafts at every step of Generator (its cache filled chunk by chunk at the prefill and
+    by the pairs each checked step commits) are those of one pass of the head over the committed
+    sequence's pairs (the target's states at p, uncached, with the token at p + 1), then its own
+    chain. A random head's drafts are never accepted (one pair a step); steered, the head still runs
+    but the target's own greedy reply is proposed in its place, so steps accept several drafts and
+    commit several pairs at once."""
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.model import Transformer
+
+    config, params = tiny300
+    loaded = tiny_head(tmp_path, config, seed=6)
+    prompt = np.random.default_rng(7).integers(0, 300, 21).tolist()
+    emitted, proposed = [], []
+
+    generator = Generator(config, params, max_len=128, prefill_chunk=16, decode_steps=4)
+    greedy = Sampling(temperature=0.0)
+    reply = jnp.asarray(prompt + generator.generate([prompt], max_new_tokens=40, sampling=greedy)[0].output_ids)
+
+    class Recording(Eagle3Draft):  # each step's drafts on the devices, with the pairs committed before them
+        def propose_from(self, arrays, embedding, state, k):
+            drafts, n, after = super().propose_from(arrays, embedding, state, k)
+            pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)
+            jax.debug.callback(lambda p, d: proposed.append((int(p[0]), np.asarray(d)[0].tolist())), pairs, drafts)
+            if steered:  # x_0 .. x_pairs are committed: propose x_(pairs + 1) ..
+                drafts = reply[jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], len(reply) - 1)]
+            return drafts, n, after
+
+    # fc scaled down: the first draft's hidden state is mostly what its attention reads from the cache
+    # (the norm after fc undoes the scale), so a pair mispaired there changes the drafts.
+    leaning = jax.tree_util.tree_map_with_path(lambda path, x: x * 1e-3 if path[-1].key == "fc" else x, loaded.params)
+    draft = Recording(loaded.config, leaning, loaded.hot)
+    result, = generator.generate([prompt], max_new_tokens=30, sampling=greedy, draft=draft, draft_tokens=3,
+                                 on_token=lambda b, t: emitted.append(t))
+    assert emitted == reply[len(prompt):len(prompt) + 30].tolist()
+    assert (result.timings["accepted_tokens"] >= 20) == steered, result.timings
+    head = Eagle3Head(draft.config, param_dtype=jnp.float32)
+    target = Transformer(config, param_dtype=jnp.float32, capture=draft.config.aux_layers)
+    embedding, S = params["embedding"], 64  # sequences padded to S: one compilation
+
+    @jax.jit
+    def slow(tokens, following, n):  # x_0 .. x_(n-1) and x_1 .. x_n, padded [1, S] -> 3 greedy drafts
+        _, state = target.apply({"params": params}, tokens, mutable=["intermediates"])
+        cache = init_head_cache(draft.config, 1, S + 3, jnp.float32)
+        logits, y, cache = head.apply(draft.params, embedding[following], captured(state, draft.config.aux_layers),
+                                      cache, jnp.arange(S)[None] < n)
+        logits, y = logits[:, n - 1], jax.lax.dynamic_slice_in_dim(y, n - 1, 1, axis=1)
+        out = []
+        for _ in range(3):
+            out.append(draft.hot[jnp.argmax(logits[0])])
+            logits, y, cache = head.apply(draft.params, embedding[out[-1]][None, None], y, cache, jnp.ones((1, 1), bool))
+            logits = logits[:, 0]
+        return jnp.stack(out)
+
+    assert len(proposed) > 5
+    for n, drafts in proposed:  # n pairs committed: x_0 .. x_n, x_n not yet in the target's cache
+        committed = (prompt + emitted)[:n + 1]
+        tokens, following = np.zeros((1, S), np.int32), np.zeros((1, S), np.int32)
+        tokens[0, :n], following[0, :n] = committed[:-1], committed[1:]
+        assert drafts == np.asarray(slow(tokens, following, n)).tolist(), (n, drafts)
+
+
+def test_a_checked_step_commits_its_accepted_drafts_and_next_token_as_pairs():
+    """next_pairs: row 0 accepted 2 of 3 drafts, row 1 none, row 2 was not checked: the pairs are the
+    states at positions 0 .. accepted with the tokens after them (the accepted drafts, then the
+    target's next token)."""
+    from gptoss_jax.eagle3_draft import next_pairs
+
+    tokens = jnp.asarray([[10, 11, 12, 13], [20, 21, 22, 23], [30, 0, 0, 0]], jnp.int32)
+    valid = jnp.asarray([[True] * 4, [True] * 4, [False] * 4])
+    states = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 2)
+    pair_tokens, pair_states, pair_valid = next_pairs(tokens, valid, jnp.asarray([2, 0, 0]), jnp.asarray([99, 98, 97]),
+                                                      states)
+    assert np.asarray(pair_valid).tolist() == [[True, True, True, False], [True, False, False, False], [False] * 4]
+    assert np.asarray(pair_tokens)[0, :3].tolist() == [11, 12, 99] and int(pair_tokens[1, 0]) == 98
+    np.testing.assert_array_equal(pair_states, states)
