@@ -241,8 +241,9 @@ def steered_head(config, dtype, full: tuple):
     from gptoss_jax.eagle3_draft import Eagle3Draft
 
     L, D = config.num_hidden_layers, config.hidden_size
-    shape = {} if D == 2880 else dict(hidden_size=D, intermediate_size=3 * D, num_attention_heads=config.num_attention_heads,
-                                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim)
+    shape = {} if D == 2880 else dict(hidden_size=D, intermediate_size=3 * D, head_dim=config.head_dim,
+                                      num_attention_heads=config.num_attention_heads,
+                                      num_key_value_heads=config.num_key_value_heads)
     head = Eagle3Config(**shape, vocab_size=config.vocab_size, draft_vocab_size=min(32000, config.vocab_size),
                         target_hidden_size=D, aux_layers=(1, L // 2 - 1, L - 4) if L > 4 else (0, 1, 2))
     states = jnp.zeros((1, 1, len(head.aux_layers) * D), dtype)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .eagle3_config import Eagle3Config
+from .kernels import attention_blockwise
 from .layers import RMSNorm, apply_rope
 from .weight import Weight, declare
 
@@ -52,6 +53,9 @@ def _rope(config: Eagle3Config, positions: jax.Array) -> tuple[jax.Array, jax.Ar
     inv_freq = 1.0 / config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, H/2]
     return jnp.cos(angles), jnp.sin(angles)
+
+
+DENSE_UP_TO = 16  # positions a call that the head attends to densely (drafting); more: blockwise (prompts)
 
 
 class Eagle3Head(nn.Module):
@@ -97,11 +101,16 @@ class Eagle3Head(nn.Module):
                  "lengths": lengths + valid.sum(axis=1).astype(jnp.int32)}
         N, K = cfg.num_attention_heads, cfg.num_key_value_heads
         q = q.reshape(B, T, K, N // K, cfg.head_dim)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, cache["k"].astype(q.dtype),
-                            preferred_element_type=jnp.float32) / np.sqrt(cfg.head_dim)
-        seen = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal over the cache
-        probs = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
-        attended = jnp.einsum("bkgts,bskh->btkgh", probs.astype(q.dtype), cache["v"].astype(q.dtype))
+        if T > DENSE_UP_TO:  # a prompt chunk: key blocks, never the [B, N, T, S] scores (no sinks: -1e30)
+            attended = attention_blockwise(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype),
+                                           jnp.full((K, N // K), -1e30, jnp.float32), window=None, q_pos=positions,
+                                           kv_len=cache["lengths"])
+        else:
+            scores = jnp.einsum("btkgh,bskh->bkgts", q, cache["k"].astype(q.dtype),
+                                preferred_element_type=jnp.float32) / np.sqrt(cfg.head_dim)
+            seen = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal over the cache
+            probs = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
+            attended = jnp.einsum("bkgts,bskh->btkgh", probs.astype(q.dtype), cache["v"].astype(q.dtype))
         r = hidden + jnp.einsum("btnh,nhd->btd", attended.reshape(B, T, N, cfg.head_dim), declare(self, "o"))
         n = RMSNorm(cfg, name="post_norm")(r)
         gated = jax.nn.silu(n @ declare(self, "gate")) * (n @ declare(self, "up"))  # [B, T, F]

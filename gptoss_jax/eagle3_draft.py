@@ -10,8 +10,11 @@ For a sequence whose committed tokens are x_0 .. x_n (x_n not yet in the target'
   prompt position's with the first token; after a checked step, its positions 0 .. a: the
   target's states there with the accepted drafts and the target's next token, `next_pairs`) go
   in, the last of them gives the first draft token, and each later one comes from the head's own
-  output at the one before (k - 1 single-position passes). The head's cache keeps the committed
-  pairs only: the drafted positions past them are written over by the next step's pairs.
+  output at the one before (k - 1 single-position passes). The head's cache counts the committed
+  pairs only: what the drafting passes wrote past them is written over before it is read.
+
+The head attends densely over its cache while drafting and by key blocks over a prompt chunk
+(eagle3.py), reading its whole cache (max_len positions) in each drafting pass.
 
 Drafts are the head's greedy picks, proposed with certainty, so greedy and sampled checks take
 them as they take prompt lookup's (speculative.accept_sampled with no draft probabilities).
@@ -28,8 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .eagle3 import Eagle3Config, Eagle3Head
+from .eagle3 import Eagle3Head
+from .eagle3_config import Eagle3Config
 from .eagle3_checkpoint import load_eagle3
+from .sharding import everywhere
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,13 +46,25 @@ class Eagle3Draft:
     params: dict
     hot: jax.Array
 
+    # A static argument of the steps that draft with it, its arrays their arguments: heads alike in
+    # kind, shape and dtypes share compiled steps (and a head in another dtype gets its own).
+    def __post_init__(self):
+        dtypes = tuple(str(x.dtype) for x in jax.tree.leaves((self.params, self.hot)))
+        object.__setattr__(self, "_key", (type(self), self.config, dtypes))
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, Eagle3Draft) and self._key == other._key
+
     @classmethod
     def load(cls, folder: str, target: ModelConfig, dtype=jnp.bfloat16) -> "Eagle3Draft":
         config, params, hot = load_eagle3(folder, target, dtype)
         return cls(config, params, jnp.asarray(hot))
 
-    # Drafting inside speculative.speculate_steps: the head (hashed as itself) is a static argument,
-    # its arrays and its state are arguments (never constants of the compiled steps).
+    # Drafting inside speculative.speculate_steps: the head is a static argument, its arrays and its
+    # state are arguments (never constants of the compiled steps).
     @property
     def capture(self) -> tuple[int, ...]:
         """The target layers whose outputs each checked step keeps for the head."""
@@ -60,8 +77,8 @@ class Eagle3Draft:
         """The state after the prefill (`head_prefill`'s cache and each prompt's last states, pending
         [B, G]; last [B] the first new token): the pairs not yet in the head's cache, padded to k + 1."""
         pad = ((0, 0), (0, k))
-        return {"cache": cache, "tokens": jnp.pad(last[:, None], pad), "states": jnp.pad(pending[:, None], pad + ((0, 0),)),
-                "valid": jnp.pad(active[:, None], pad)}
+        return {"cache": cache, "tokens": jnp.pad(last[:, None], pad),
+                "states": jnp.pad(pending[:, None], pad + ((0, 0),)), "valid": jnp.pad(active[:, None], pad)}
 
     def propose_from(self, arrays: dict, embedding: jax.Array, state: dict, k: int):
         """k drafts for every row from the state -> (drafts [B, k], how many are proposed [B]: all, state)."""
@@ -79,19 +96,20 @@ def _head(config: Eagle3Config, embedding):
     return Eagle3Head(config, param_dtype=embedding.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def head_prefill(config, head_params, embedding, next_tokens, states, valid, cache, pending, last_index, start):
+@functools.partial(jax.jit, static_argnames=("draft", "mesh"), donate_argnames=("cache",))
+def head_prefill(draft, mesh, head_params, embedding, next_tokens, states, valid, cache, pending, last_index, start):
     """A prompt chunk's pairs into the head's cache: states [B, T, G] at positions start .. start + T - 1,
     next_tokens [B, T] the tokens after them, valid [B, T] (positions before each prompt's last);
     pending [B, G]: the states at each prompt's last position (last_index [B]) once this chunk holds
-    it -> (cache, pending)."""
-    _, _, cache = _head(config, embedding).apply(head_params, jnp.take(embedding, next_tokens, axis=0), states,
-                                                 cache, valid)
+    it -> (cache, pending), on every device of `mesh` (None: one device)."""
+    _, _, cache = _head(draft.config, embedding).apply(head_params, jnp.take(embedding, next_tokens, axis=0), states,
+                                                       cache, valid)
     T = states.shape[1]
     here = (last_index >= start) & (last_index < start + T)
     at = jnp.clip(last_index - start, 0, T - 1)
     picked = jnp.take_along_axis(states, at[:, None, None], axis=1)[:, 0]
-    return cache, jnp.where(here[:, None], picked.astype(pending.dtype), pending)
+    out = cache, jnp.where(here[:, None], picked.astype(pending.dtype), pending)
+    return jax.tree.map(lambda x: everywhere(x, mesh), out)  # one layout, call after call
 
 
 @functools.partial(jax.jit, static_argnames=("config", "k"), donate_argnames=("cache",))

@@ -247,9 +247,10 @@ class Generator:
             last, cache, states = self._call(_prefill_chunk, model + (capture,), self.params, chunk_tokens, cache,
                                              last, lengths_dev, put(np.int32(start)))
             before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
-            head_cache, pending = self._call(head_prefill, (draft.config,), arrays["head"], self.params["embedding"],
-                                             put(following[:, start:start + chunk]), states, before_last, head_cache,
-                                             pending, put((lengths - 1).astype(np.int32)), put(np.int32(start)))
+            head_cache, pending = self._call(head_prefill, (draft, self.mesh), arrays["head"],
+                                             self.params["embedding"], put(following[:, start:start + chunk]), states,
+                                             before_last, head_cache, pending, put((lengths - 1).astype(np.int32)),
+                                             put(np.int32(start)))
         # Stays on the devices as the next step's input.
         token_dev = self._call(_sample, (self.mesh, sampling), last, seed_dev)
         to_host_soon(token_dev)

@@ -166,8 +166,13 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         last = history[rows, lengths - 1]
         tokens = jnp.concatenate([last[:, None], proposed], axis=1)  # [B, T]
         valid = active[:, None] & (at[None] <= n[:, None])
-        accepted, nxt, cache, *states = _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed,
-                                               step + i, capture)
+        def check(width):  # the step over the first `width` positions, the captured states padded to T
+            out = _check(config, kernels, mesh, sampling, params, tokens[:, :width], valid[:, :width], cache, seed,
+                         step + i, capture)
+            return out[:3] + tuple(jnp.pad(x, ((0, 0), (0, k + 1 - width), (0, 0))) for x in out[3:])
+
+        # A step where no sequence has a draft is a decode step: one position, not k + 1.
+        accepted, nxt, cache, *states = jax.lax.cond((n > 0).any(), lambda: check(k + 1), lambda: check(1))
         if state is not None:
             state = draft.observe(state, tokens, valid, accepted, nxt, *states)
         new = jnp.where(at[None] < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])  # [B, T]
@@ -189,7 +194,7 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         step_if_any, (history, lengths, active, budget, cache, draft_state), jnp.arange(steps, dtype=jnp.int32))
     history, lengths, active, budget, cache, draft_state = carry
     return (*(everywhere(x, mesh) for x in (new, counts, drafted, kept, history, lengths, active, budget)), cache,
-            everywhere(step + steps, mesh), draft_state)
+            everywhere(step + steps, mesh), jax.tree.map(lambda x: everywhere(x, mesh), draft_state))
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
@@ -230,10 +235,13 @@ def accept_sampled(key: jax.Array, target: jax.Array, drafted: jax.Array, valid:
     min(1, p_i(d_i) / q_i(d_i)); at the first rejection the next token is drawn from max(p_i - q_i, 0)
     renormalized, and after k acceptances from p_k. -> (accepted [B], the next token [B])."""
     B, T, V = target.shape
+    key_accept, key_next = jax.random.split(key)
+    if T == 1:  # nothing drafted: the next token drawn from p_0 (the same draw as with drafts all invalid)
+        nxt = jax.random.categorical(key_next, jnp.log(target[:, 0]), axis=-1).astype(jnp.int32)
+        return jnp.zeros((B,), jnp.int32), nxt
     p = jnp.take_along_axis(target[:, :-1], drafted[..., None], axis=-1)[..., 0]  # [B, T - 1]
     q = (jnp.ones_like(p) if draft_probs is None
          else jnp.take_along_axis(draft_probs, drafted[..., None], axis=-1)[..., 0])
-    key_accept, key_next = jax.random.split(key)
     u = jax.random.uniform(key_accept, p.shape)
     ok = (u * q < p) & valid  # u < p / q, as q > 0 where drafted
     accepted = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)  # [B]

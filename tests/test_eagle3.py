@@ -31,11 +31,23 @@ def target():
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
+def reference_outputs(reference, embedded, states):
+    """The reference's (logits, outputs) over the whole sequence in float64 and float32."""
+    def theirs(dtype):
+        ref = reference.to(dtype)
+        logits, y = ref(torch.tensor(embedded, dtype=dtype), torch.tensor(states, dtype=dtype))
+        return logits.detach().numpy(), y.detach().numpy()
+
+    return theirs(torch.float64), theirs(torch.float32)
+
+
+@pytest.mark.parametrize("T", [12, 40], ids=["dense", "blockwise"])
 @pytest.mark.parametrize("norm_before_fc", [False, True])
-def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc):
-    """Logits and outputs of 12 positions against the reference's, from the target's captured states
+def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc, T):
+    """Logits and outputs of T positions against the reference's, from the target's captured states
     (first draft step) and from the head's own outputs fed back (later steps); float32 within 8x the
-    reference's float32 noise against float64."""
+    reference's float32 noise against float64. Past eagle3.DENSE_UP_TO positions a call the head
+    attends by key blocks (a prompt chunk), else densely."""
     torch.manual_seed(0)
     reference = Reference(norm_before_fc)
     hot = np.sort(np.random.default_rng(0).choice(300, U, replace=False))
@@ -44,41 +56,37 @@ def test_a_published_head_computes_what_the_reference_computes(tmp_path, target,
     assert config.aux_layers == (1, 3, 5) and config.norm_before_fc == norm_before_fc
     np.testing.assert_array_equal(loaded_hot, hot)
     rng = np.random.default_rng(1)
-    embedded, states = rng.normal(size=(2, 12, D)), rng.normal(size=(2, 12, 3 * D)) * 3
-
-    def theirs(dtype):
-        ref = reference.to(dtype)
-        logits, y = ref(torch.tensor(embedded, dtype=dtype), torch.tensor(states, dtype=dtype))
-        return logits.detach().numpy(), y.detach().numpy()
-
-    (logits64, y64), (logits32, y32) = theirs(torch.float64), theirs(torch.float32)
+    embedded, states = rng.normal(size=(2, T, D)), rng.normal(size=(2, T, 3 * D)) * 3
+    (logits64, y64), (logits32, y32) = reference_outputs(reference, embedded, states)
     head = Eagle3Head(config, param_dtype=jnp.float32)
-    cache = init_head_cache(config, 2, 32, jnp.float32)
+    cache = init_head_cache(config, 2, 48, jnp.float32)
     logits, y, cache = head.apply(params, jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32),
-                                  cache, jnp.ones((2, 12), bool))
+                                  cache, jnp.ones((2, T), bool))
     Exact.measure(logits32, logits64).check(logits, "draft logits")
     Exact.measure(y32, y64).check(y, "draft outputs")
-    assert (np.asarray(cache["lengths"]) == 12).all()
+    assert (np.asarray(cache["lengths"]) == T).all()
 
 
 def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
-    """The head's cache: 5 positions, then 4, then 3 (a row with only 2 valid) give the logits of one
-    pass over the 12; a padding position writes nothing."""
+    """The head's cache: 20 positions (key blocks), then 4, then 3, then 1 (dense) give the reference's
+    logits of one pass over the 28 (float32 within 8x its own noise against float64); a padding
+    position writes nothing."""
     torch.manual_seed(1)
-    write_head(tmp_path, Reference(False), np.arange(U) * 2)
+    reference = Reference(False)
+    write_head(tmp_path, reference, np.arange(U) * 2)
     config, params, _ = load_eagle3(str(tmp_path), target, dtype=jnp.float32)
     head = Eagle3Head(config, param_dtype=jnp.float32)
     rng = np.random.default_rng(2)
-    embedded = jnp.asarray(rng.normal(size=(2, 12, D)), jnp.float32)
-    states = jnp.asarray(rng.normal(size=(2, 12, 3 * D)), jnp.float32)
-    whole, _, _ = head.apply(params, embedded, states, init_head_cache(config, 2, 16, jnp.float32),
-                             jnp.ones((2, 12), bool))
-    cache = init_head_cache(config, 2, 16, jnp.float32)
+    embedded, states = rng.normal(size=(2, 28, D)), rng.normal(size=(2, 28, 3 * D))
+    (logits64, _), (logits32, _) = reference_outputs(reference, embedded, states)
+    cache = init_head_cache(config, 2, 32, jnp.float32)
     parts = []
-    for a, b in ((0, 5), (5, 9), (9, 12)):
-        out, _, cache = head.apply(params, embedded[:, a:b], states[:, a:b], cache, jnp.ones((2, b - a), bool))
+    for a, b in ((0, 20), (20, 24), (24, 27), (27, 28)):
+        out, _, cache = head.apply(params, jnp.asarray(embedded[:, a:b], jnp.float32),
+                                   jnp.asarray(states[:, a:b], jnp.float32), cache, jnp.ones((2, b - a), bool))
         parts.append(out)
-    np.testing.assert_allclose(np.concatenate(parts, axis=1), whole, rtol=1e-5, atol=1e-5)
+    Exact.measure(logits32, logits64).check(np.concatenate(parts, axis=1), "cached logits")
+    embedded, states = jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32)
     cache = init_head_cache(config, 2, 16, jnp.float32)
     _, _, cache = head.apply(params, embedded[:, :5], states[:, :5], cache, jnp.array([[True] * 5, [True] * 3 + [False] * 2]))
     assert list(np.asarray(cache["lengths"])) == [5, 3]
@@ -250,3 +258,41 @@ def test_a_checked_step_commits_its_accepted_drafts_and_next_token_as_pairs():
     assert np.asarray(pair_valid).tolist() == [[True, True, True, False], [True, False, False, False], [False] * 4]
     assert np.asarray(pair_tokens)[0, :3].tolist() == [11, 12, 99] and int(pair_tokens[1, 0]) == 98
     np.testing.assert_array_equal(pair_states, states)
+
+
+def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, tiny300):
+    """Parameters on a mesh of data=2, expert=2, tensor=2 (8 CPU devices), two prompts of several
+    prefill chunks and a stop token: the tokens, drafts and acceptances of one device. The head is
+    steered (it runs, the target's reply is proposed in its place), so steps accept drafts."""
+    import gptoss_jax as gj
+    from gptoss_jax.generate import Generator
+    from gptoss_jax.params import param_shardings
+
+    config, params = tiny300
+    loaded = tiny_head(tmp_path, config, seed=8)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (30, 45)]
+    one = Generator(config, params, max_len=128, prefill_chunk=16, decode_steps=4)
+    greedy = Sampling(temperature=0.0)
+    plain = [r.output_ids for r in one.generate(prompts, max_new_tokens=24, sampling=greedy)]
+    width = max(len(p) + len(r) for p, r in zip(prompts, plain))
+    full = jnp.asarray([p + r + [0] * (width - len(p) - len(r)) for p, r in zip(prompts, plain)], jnp.int32)
+
+    class Steered(Eagle3Draft):
+        def propose_from(self, arrays, embedding, state, k):
+            own, n, after = super().propose_from(arrays, embedding, state, k)
+            pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)  # x_0 .. x_pairs committed
+            at = jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], width - 1)
+            return jnp.where(own >= 0, jnp.take_along_axis(full, at, axis=1), own), n, after
+
+    draft = Steered(loaded.config, loaded.params, loaded.hot)
+    mesh = gj.make_mesh(data=2, expert=2, tensor=2)
+    sharded = Generator(config, jax.device_put(params, param_shardings(config, mesh)), max_len=128, prefill_chunk=16,
+                        decode_steps=4)
+    stop = plain[1][12]
+    runs = [[(r.output_ids, r.finish_reason, r.timings["drafted_tokens"], r.timings["accepted_tokens"])
+             for r in g.generate(prompts, max_new_tokens=24, sampling=greedy, stop_tokens=[stop], draft=draft,
+                                 draft_tokens=3)] for g in (one, sharded)]
+    assert runs[0] == runs[1]
+    assert [r[0] for r in runs[0]] == [p[:p.index(stop) + 1] if stop in p else p for p in plain]
+    assert all(r[3] > 0 for r in runs[0])

@@ -120,6 +120,17 @@ class Replies:
         return drafts, jnp.clip(jnp.asarray([len(f) for f in self.full]) - lengths, 0, k)
 
 
+@dataclasses.dataclass(frozen=True)
+class Silent:
+    """A draft that never proposes anything: every step on the devices is a decode step (one position)."""
+
+    def __call__(self, context, k):
+        return []
+
+    def propose(self, history, lengths, k):
+        return jnp.zeros((history.shape[0], k), jnp.int32), jnp.zeros(history.shape[:1], jnp.int32)
+
+
 def replies(prompts, plain, wrong_every=0):
     return Replies(tuple(tuple(p + r) for p, r in zip(prompts, plain)), tuple(map(len, prompts)), wrong_every)
 
@@ -163,17 +174,20 @@ def test_drafts_made_on_the_devices_are_cut_at_an_id_outside_the_vocabulary(gen,
 def test_the_loop_on_the_devices_gives_what_the_host_loop_gives(gen, prompts, plain, sampling):
     """Drafts made on the devices (several checked steps a call) against the same drafts made on the
     host (a step a call): the same tokens, drafts and acceptances, with a stop token, and a budget
-    that ends inside a step. Sampled, the same draws (each step's key); with top-k 1 the greedy
+    that ends inside a step; with no draft at all (a step with none is a one-position decode step on
+    the devices, k + 1 positions with nothing valid on the host), the same too. Sampled, the same draws (each step's key); with top-k 1 the greedy
     reply's drafts are accepted by the sampling rule (sampled at 1.0 a reply leaves the greedy one
     at once, and the drafts with it)."""
-    for draft in (replies(prompts, plain, wrong_every=3), PromptLookup()):
+    for draft in (replies(prompts, plain, wrong_every=3), PromptLookup(), Silent()):
         on_host = lambda context, k, draft=draft: draft(context, k)  # noqa: E731  (no `propose`)
         runs = [gen.generate(prompts, max_new_tokens=NEW - 3, sampling=sampling, seed=3, draft=d, draft_tokens=4,
                              stop_tokens=[plain[1][20]]) for d in (draft, on_host)]
         got = [[(r.output_ids, r.finish_reason, r.timings["drafted_tokens"], r.timings["accepted_tokens"])
                 for r in run] for run in runs]
         assert got[0] == got[1]
-        assert sum(r.timings["drafted_tokens"] for r in runs[0]) > 0
+        assert (sum(r.timings["drafted_tokens"] for r in runs[0]) > 0) == (not isinstance(draft, Silent))
+        if sampling == GREEDY:
+            assert [r.output_ids for r in runs[0]] == [p[:len(r.output_ids)] for p, r in zip(plain, runs[0])]
         if isinstance(draft, Replies) and (sampling.temperature == 0 or sampling.top_k == 1):
             assert sum(r.timings["accepted_tokens"] for r in runs[0]) > 0
 
