@@ -36,10 +36,12 @@ class Eagle3Config:
         """A published head's config.json (SpecForge's and SGLang's layout, or vLLM speculators' with
         `transformer_layer_config`), for a target of `target_layers` layers.
 
-        The layer ids are read as SGLang reads them: ids starting at 1 name the layers whose outputs
-        are taken (SpecForge's gpt-oss heads: [1, 11, 21] for the 20b); others, and the default
-        [2, L // 2, L - 3], name the layers before which the residual stream is taken, i.e. the
-        outputs of the layers before them."""
+        The layer ids (`eagle_aux_hidden_state_layer_ids`, under `eagle_config` as SGLang reads it,
+        or at the top level as vLLM's speculators format has it) are read as SGLang's gpt-oss and
+        Llama models read them: id k takes the output of layer k, counted from 0 (the residual
+        stream before layer k + 1; SpecForge's gpt-oss-20b heads: [1, 11, 21]). With none given,
+        SGLang's default takes the stream before layers 2, L // 2 and L - 3, i.e. the outputs of
+        layers 1, L // 2 - 1 and L - 4."""
         layer = data.get("transformer_layer_config", data)
         eagle = data.get("eagle_config") or {}
         for unsupported in ("fc_norm", "norm_output"):
@@ -51,11 +53,11 @@ class Eagle3Config:
         if data.get("draft_vocab_size") is None:
             raise ValueError(f"{source}: draft_vocab_size is null (a head that uses the target's own lm_head) "
                              f"is not supported")
-        ids = data.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or data.get("eagle_aux_hidden_state_layer_ids")
         if ids is None:
             layers = (1, target_layers // 2 - 1, target_layers - 4)
         else:
-            layers = tuple(int(i) if int(ids[0]) == 1 else int(i) - 1 for i in ids)
+            layers = tuple(int(i) for i in ids)
         if sorted(layers) != list(layers) or not all(0 <= i < target_layers for i in layers):
             raise ValueError(f"{source}: eagle_aux_hidden_state_layer_ids {ids} name layers {list(layers)}, not "
                              f"ascending layers of a {target_layers}-layer target")

@@ -123,8 +123,11 @@ def test_layer_ids_are_read_as_sglang_reads_them():
             "draft_vocab_size": U}
     assert Eagle3Config.from_json({**base, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 11, 21]}},
                                   24).aux_layers == (1, 11, 21)  # SpecForge's gpt-oss-20b head: the layers' outputs
-    assert Eagle3Config.from_json({**base, "eagle_aux_hidden_state_layer_ids": [2, 12, 21]}, 24).aux_layers == (1, 11, 20)
+    assert Eagle3Config.from_json({**base, "eagle_aux_hidden_state_layer_ids": [2, 12, 21]}, 24).aux_layers == (2, 12, 21)
     assert Eagle3Config.from_json(base, 36).aux_layers == (1, 17, 32)  # the default [2, L/2, L-3], before those layers
+    both = {**base, "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 4, 5]}}
+    assert Eagle3Config.from_json(both, 24).aux_layers == (3, 4, 5)  # eagle_config's, as SGLang reads them
     for bad, match in (({"draft_vocab_size": None}, "draft_vocab_size"), ({"fc_norm": True}, "fc_norm"),
                        ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state"),
                        ({"eagle_aux_hidden_state_layer_ids": [1, 30, 40]}, "ascending layers")):
