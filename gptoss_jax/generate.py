@@ -146,6 +146,7 @@ class Generator:
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self._compile_s = 0.0
+        self._head: tuple = (None, None)  # the last EAGLE-3 head drafted with, and its arrays placed here
 
     def _compiled(self, fn, statics: tuple, args: tuple):
         """fn's executable for these static arguments and argument shapes, compiled once.
@@ -164,7 +165,7 @@ class Generator:
 
     def _head_arrays(self, draft: Eagle3Draft) -> dict:
         """An EAGLE-3 head's arrays where the parameters are (on their mesh: replicated), placed once."""
-        if getattr(self, "_head", (None,))[0] is not draft:
+        if self._head[0] is not draft:
             self._head = (draft, self._replicated(draft.arrays()))
         return self._head[1]
 
@@ -352,8 +353,8 @@ class Generator:
     def _speculate_on_devices(self, prompts, outputs, active, add, cache, draft, k: int, max_new_tokens: int,
                               sampling: Sampling, seed_dev, is_stop_dev, head=None):
         """The decode loop with drafts proposed on the devices (`draft.propose`, or an EAGLE-3 head's
-        from its state; head: its arrays, its cache and the prompts' last states after the prefill): `decode_steps`
-        checked steps per call (speculative.speculate_steps), the next call queued before this one's
+        from its state; head: its arrays, its cache and the prompts' last states after the prefill):
+        `decode_steps` checked steps per call (speculative.speculate_steps), the next call queued before this one's
         tokens are read, as in plain decoding. -> (tokens drafted [B], accepted [B])."""
         B = len(prompts)
         put = functools.partial(on_every_device, mesh=self.mesh)
