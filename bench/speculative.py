@@ -21,9 +21,11 @@ draft's speed, and the speedups that published acceptance lengths would give. Pr
    (its cache filled at the prefill, k drafts a step from the captured states), proposing the
    oracle's tokens in its place (`steered_head`): the machinery's speed with the head's cost paid.
 3. Projection: at a mean acceptance length tau (tokens a step gives, the bonus token included, as
-   EAGLE and SGLang count it; --tau), speedup = tau x decode step / (verify step at k + draft cost),
-   the draft cost estimated as k one-layer steps (an EAGLE-3 head is one decoder layer): k x decode
-   step / layers; with --eagle3, also from the steered head's measured step (the head's cost in it).
+   EAGLE and SGLang count it; --tau), speedup = tau x decode step / (verify step at k + draft cost):
+   from the oracle's step, without a draft's cost (the machinery's ceiling), and with --eagle3 from
+   the steered head's measured step (the head's cost in it: the projection for a real head). An
+   EAGLE-3 head of gpt-oss's published shape reads about 566 MB a pass (a 17,280-wide dense MLP and
+   a 32,000-token LM head), so it costs far more than a layer of the target, which reads 4 experts.
 
     python bench/speculative.py --preset gpt-oss-20b --batches 1,8,64 --ks 1,2,3,4,5,6,7,8 --peer
 """
@@ -175,16 +177,17 @@ def main() -> None:
         print(f"peer: {json.dumps(peer)}")
     # A step of the oracle at k, every draft accepted, gives k + 1 tokens a sequence: its cost is
     # batch x (k + 1) / rate. At a mean acceptance length tau, a step gives tau tokens, so the speedup
-    # is tau x (plain decode step) / (the step + k one-layer draft steps, an EAGLE-3 head's cost).
+    # is tau x (plain decode step) / (the step + the draft's cost): without a draft's cost (the
+    # oracle's step), the machinery's ceiling; with the steered head's step, the head's cost in it.
     taus = [float(t) for t in args.tau.split(",")]
-    print("\nprojected speedup at acceptance length tau (from the oracle's step cost), best k per cell")
+    print("\nceiling of the speedup at acceptance length tau (the oracle's step: no draft cost), best k per cell")
     print("| batch | " + " | ".join(f"tau {t}" for t in taus) + " |\n|---|" + "---:|" * len(taus))
     projections = {}
     for b in batches:
         decode = b / rates[b, "plain", 0]
         cells = []
         for t in taus:
-            best = max(((t * decode / (b * (k + 1) / rates[b, "oracle", k] + k * decode / config.num_hidden_layers), k)
+            best = max(((t * decode / (b * (k + 1) / rates[b, "oracle", k]), k)
                         for k in oracle_ks if k + 1 >= t), default=(float("nan"), 0))
             projections[f"b{b}_tau{t}"] = best
             cells.append(f"{best[0]:.2f}x (k = {best[1]})")
