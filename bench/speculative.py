@@ -257,8 +257,8 @@ def steered_head(config, dtype, full: tuple):
 
     @dataclasses.dataclass(frozen=True, eq=False)
     class Steered(Eagle3Draft):
-        def propose_from(self, arrays, embedding, state, k):
-            own, n, after = super().propose_from(arrays, embedding, state, k)
+        def propose_from(self, arrays, embedding, state, k, **kw):
+            own, n, after = super().propose_from(arrays, embedding, state, k, **kw)
             committed = state["cache"]["lengths"] + state["valid"].sum(axis=1) + 1  # tokens x_0 .. x_n
             drafts, _ = oracle.propose(None, committed, k)
             return jnp.where(own >= 0, drafts, own), n, after  # (the head's drafts are computed, not dropped)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .eagle3_config import Eagle3Config
-from .kernels import attention_blockwise
+from .kernels import Kernels, fold_sinks
 from .layers import RMSNorm, apply_rope
 from .weight import Weight, declare
 
@@ -55,12 +55,10 @@ def _rope(config: Eagle3Config, positions: jax.Array) -> tuple[jax.Array, jax.Ar
     return jnp.cos(angles), jnp.sin(angles)
 
 
-DENSE_UP_TO = 16  # positions a call that the head attends to densely (drafting); more: blockwise (prompts)
-
-
 class Eagle3Head(nn.Module):
     config: Eagle3Config
     param_dtype: jnp.dtype = jnp.bfloat16
+    kernels: Kernels = Kernels()  # the attention variants (the target's, where the head drafts for one)
     WEIGHTS: ClassVar = {
         "fc": Weight(("aux_embed", "embed")),
         "fc_norm": Weight(("aux_embed",), init="ones", float32=True),  # with norm_before_fc only
@@ -94,23 +92,19 @@ class Eagle3Head(nn.Module):
         k = apply_rope(jnp.einsum("bta,akh->btkh", x, declare(self, "k")), cos, sin)
         v = jnp.einsum("bta,akh->btkh", x, declare(self, "v"))
         B, T, S = x.shape[0], x.shape[1], cache["k"].shape[1]
-        at = jnp.where(valid, positions, S)  # padding: dropped
-        rows = jnp.arange(B)[:, None]
-        cache = {"k": cache["k"].at[rows, at].set(k.astype(cache["k"].dtype), mode="drop"),
-                 "v": cache["v"].at[rows, at].set(v.astype(cache["v"].dtype), mode="drop"),
-                 "lengths": lengths + valid.sum(axis=1).astype(jnp.int32)}
         N, K = cfg.num_attention_heads, cfg.num_key_value_heads
         q = q.reshape(B, T, K, N // K, cfg.head_dim)
-        if T > DENSE_UP_TO:  # a prompt chunk: key blocks, never the [B, N, T, S] scores (no sinks: -1e30)
-            attended = attention_blockwise(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype),
-                                           jnp.full((K, N // K), -1e30, jnp.float32), window=None, q_pos=positions,
-                                           kv_len=cache["lengths"])
-        else:
-            scores = jnp.einsum("btkgh,bskh->bkgts", q, cache["k"].astype(q.dtype),
-                                preferred_element_type=jnp.float32) / np.sqrt(cfg.head_dim)
-            seen = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal over the cache
-            probs = jax.nn.softmax(jnp.where(seen[:, None, None], scores, -jnp.inf), axis=-1)
-            attended = jnp.einsum("bkgts,bskh->btkgh", probs.astype(q.dtype), cache["v"].astype(q.dtype))
+        k, v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
+        # As the target's full layers attend (attention.py): the cache's first `lengths` positions
+        # (the GPU kernels read those only, not all S) and the new positions among themselves
+        # (padding follows the real ones), folded without sinks; the cache written after the read.
+        ops = self.kernels.attention_ops(T, q.dtype)
+        attended = fold_sinks([ops.prefix(q, cache["k"], cache["v"], lengths), ops.causal(q, k, v, None)],
+                              jnp.full((K, N // K), -1e30, jnp.float32), q.dtype)
+        at = jnp.where(valid, positions, S)  # padding: dropped
+        rows = jnp.arange(B)[:, None]
+        cache = {"k": cache["k"].at[rows, at].set(k, mode="drop"), "v": cache["v"].at[rows, at].set(v, mode="drop"),
+                 "lengths": lengths + valid.sum(axis=1).astype(jnp.int32)}
         r = hidden + jnp.einsum("btnh,nhd->btd", attended.reshape(B, T, N, cfg.head_dim), declare(self, "o"))
         n = RMSNorm(cfg, name="post_norm")(r)
         gated = jax.nn.silu(n @ declare(self, "gate")) * (n @ declare(self, "up"))  # [B, T, F]

@@ -13,8 +13,9 @@ For a sequence whose committed tokens are x_0 .. x_n (x_n not yet in the target'
   output at the one before (k - 1 single-position passes). The head's cache counts the committed
   pairs only: what the drafting passes wrote past them is written over before it is read.
 
-The head attends densely over its cache while drafting and by key blocks over a prompt chunk
-(eagle3.py), reading its whole cache (max_len positions) in each drafting pass.
+The head attends as the target's full layers do, with the target's kernels (eagle3.py): over
+its cache's committed positions and the pass's own, so a drafting pass reads the positions a
+sequence has, not the whole cache.
 
 Drafts are the head's greedy picks, proposed with certainty, so greedy and sampled checks take
 them as they take prompt lookup's (speculative.accept_sampled with no draft probabilities).
@@ -34,6 +35,7 @@ from .config import ModelConfig
 from .eagle3 import Eagle3Head
 from .eagle3_config import Eagle3Config
 from .eagle3_checkpoint import load_eagle3
+from .kernels import Kernels
 from .sharding import everywhere
 
 
@@ -80,9 +82,10 @@ class Eagle3Draft:
         return {"cache": cache, "tokens": jnp.pad(last[:, None], pad),
                 "states": jnp.pad(pending[:, None], pad + ((0, 0),)), "valid": jnp.pad(active[:, None], pad)}
 
-    def propose_from(self, arrays: dict, embedding: jax.Array, state: dict, k: int):
-        """k drafts for every row from the state -> (drafts [B, k], how many are proposed [B]: all, state)."""
-        drafts, cache = propose(self.config, k, arrays["head"], embedding, arrays["hot"], state["cache"],
+    def propose_from(self, arrays: dict, embedding: jax.Array, state: dict, k: int, kernels: Kernels = Kernels()):
+        """k drafts for every row from the state (attending with `kernels`' variants)
+        -> (drafts [B, k], how many are proposed [B]: all, state)."""
+        drafts, cache = propose(self.config, k, kernels, arrays["head"], embedding, arrays["hot"], state["cache"],
                                 state["tokens"], state["states"], state["valid"])
         return drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "cache": cache}
 
@@ -92,17 +95,18 @@ class Eagle3Draft:
         return {**state, "tokens": tokens, "states": states.astype(state["states"].dtype), "valid": valid}
 
 
-def _head(config: Eagle3Config, embedding):
-    return Eagle3Head(config, param_dtype=embedding.dtype)
+def _head(config: Eagle3Config, embedding, kernels: Kernels):
+    return Eagle3Head(config, param_dtype=embedding.dtype, kernels=kernels)
 
 
-@functools.partial(jax.jit, static_argnames=("draft", "mesh"), donate_argnames=("cache",))
-def head_prefill(draft, mesh, head_params, embedding, next_tokens, states, valid, cache, pending, last_index, start):
+@functools.partial(jax.jit, static_argnames=("draft", "mesh", "kernels"), donate_argnames=("cache",))
+def head_prefill(draft, mesh, kernels, head_params, embedding, next_tokens, states, valid, cache, pending, last_index,
+                 start):
     """A prompt chunk's pairs into the head's cache: states [B, T, G] at positions start .. start + T - 1,
     next_tokens [B, T] the tokens after them, valid [B, T] (positions before each prompt's last);
     pending [B, G]: the states at each prompt's last position (last_index [B]) once this chunk holds
     it -> (cache, pending), on every device of `mesh` (None: one device)."""
-    _, _, cache = _head(draft.config, embedding).apply(head_params, jnp.take(embedding, next_tokens, axis=0), states,
+    _, _, cache = _head(draft.config, embedding, kernels).apply(head_params, jnp.take(embedding, next_tokens, axis=0), states,
                                                        cache, valid)
     T = states.shape[1]
     here = (last_index >= start) & (last_index < start + T)
@@ -112,12 +116,12 @@ def head_prefill(draft, mesh, head_params, embedding, next_tokens, states, valid
     return jax.tree.map(lambda x: everywhere(x, mesh), out)  # one layout, call after call
 
 
-@functools.partial(jax.jit, static_argnames=("config", "k"), donate_argnames=("cache",))
-def propose(config, k, head_params, embedding, hot, cache, pair_tokens, pair_states, pair_valid):
+@functools.partial(jax.jit, static_argnames=("config", "k", "kernels"), donate_argnames=("cache",))
+def propose(config, k, kernels, head_params, embedding, hot, cache, pair_tokens, pair_states, pair_valid):
     """The pairs not yet in the head's cache (tokens [B, T], states [B, T, G], valid [B, T]: a prefix)
     into it, then k draft tokens from the last of them on -> (drafts [B, k] target ids, the cache
     holding the committed pairs only)."""
-    head = _head(config, embedding)
+    head = _head(config, embedding, kernels)
     logits, y, cache = head.apply(head_params, jnp.take(embedding, pair_tokens, axis=0), pair_states, cache,
                                   pair_valid)
     last = jnp.maximum(pair_valid.sum(axis=1) - 1, 0)[:, None, None]

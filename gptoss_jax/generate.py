@@ -248,7 +248,7 @@ class Generator:
             last, cache, states = self._call(_prefill_chunk, model + (capture,), self.params, chunk_tokens, cache,
                                              last, lengths_dev, put(np.int32(start)))
             before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
-            head_cache, pending = self._call(head_prefill, (draft, self.mesh), arrays["head"],
+            head_cache, pending = self._call(head_prefill, (draft, self.mesh, self.kernels), arrays["head"],
                                              self.params["embedding"], put(following[:, start:start + chunk]), states,
                                              before_last, head_cache, pending, put((lengths - 1).astype(np.int32)),
                                              put(np.int32(start)))

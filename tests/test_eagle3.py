@@ -41,13 +41,13 @@ def reference_outputs(reference, embedded, states):
     return theirs(torch.float64), theirs(torch.float32)
 
 
-@pytest.mark.parametrize("T", [12, 40], ids=["dense", "blockwise"])
+@pytest.mark.parametrize("T", [12, 40], ids=["drafting-sized", "prompt-chunk-sized"])
 @pytest.mark.parametrize("norm_before_fc", [False, True])
 def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc, T):
     """Logits and outputs of T positions against the reference's, from the target's captured states
     (first draft step) and from the head's own outputs fed back (later steps); float32 within 8x the
-    reference's float32 noise against float64. Past eagle3.DENSE_UP_TO positions a call the head
-    attends by key blocks (a prompt chunk), else densely."""
+    reference's float32 noise against float64. The attention variants "auto" picks differ by the
+    queries a call (16 or fewer: decode-sized) on GPUs; both sizes are checked."""
     torch.manual_seed(0)
     reference = Reference(norm_before_fc)
     hot = np.sort(np.random.default_rng(0).choice(300, U, replace=False))
@@ -68,7 +68,7 @@ def test_a_published_head_computes_what_the_reference_computes(tmp_path, target,
 
 
 def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
-    """The head's cache: 20 positions (key blocks), then 4, then 3, then 1 (dense) give the reference's
+    """The head's cache: 20 positions (a prompt chunk), then 4, then 3, then 1 (drafting) give the reference's
     logits of one pass over the 28 (float32 within 8x its own noise against float64); a padding
     position writes nothing."""
     torch.manual_seed(1)
@@ -205,8 +205,8 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
     reply = jnp.asarray(prompt + generator.generate([prompt], max_new_tokens=40, sampling=greedy)[0].output_ids)
 
     class Recording(Eagle3Draft):  # each step's drafts on the devices, with the pairs committed before them
-        def propose_from(self, arrays, embedding, state, k):
-            drafts, n, after = super().propose_from(arrays, embedding, state, k)
+        def propose_from(self, arrays, embedding, state, k, **kw):
+            drafts, n, after = super().propose_from(arrays, embedding, state, k, **kw)
             pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)
             jax.debug.callback(lambda p, d: proposed.append((int(p[0]), np.asarray(d)[0].tolist())), pairs, drafts)
             if steered:  # x_0 .. x_pairs are committed: propose x_(pairs + 1) ..
@@ -282,8 +282,8 @@ def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, ti
     full = jnp.asarray([p + r + [0] * (width - len(p) - len(r)) for p, r in zip(prompts, plain)], jnp.int32)
 
     class Steered(Eagle3Draft):
-        def propose_from(self, arrays, embedding, state, k):
-            own, n, after = super().propose_from(arrays, embedding, state, k)
+        def propose_from(self, arrays, embedding, state, k, **kw):
+            own, n, after = super().propose_from(arrays, embedding, state, k, **kw)
             pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)  # x_0 .. x_pairs committed
             at = jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], width - 1)
             return jnp.where(own >= 0, jnp.take_along_axis(full, at, axis=1), own), n, after
