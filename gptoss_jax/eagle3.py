@@ -96,11 +96,12 @@ class Eagle3Head(nn.Module):
         q = q.reshape(B, T, K, N // K, cfg.head_dim)
         k, v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
         # As the target's full layers attend (attention.py): the cache's first `lengths` positions
-        # (the GPU kernels read those only, not all S) and the new positions among themselves
-        # (padding follows the real ones), folded without sinks; the cache written after the read.
+        # (the Hopper decode kernel reads those only, not all S) and the new positions among
+        # themselves (padding follows the real ones), folded without sinks; the cache written after
+        # the read. Drafting past the cache's end (drafts the budget then cuts) reads S positions.
         ops = self.kernels.attention_ops(T, q.dtype)
-        attended = fold_sinks([ops.prefix(q, cache["k"], cache["v"], lengths), ops.causal(q, k, v, None)],
-                              jnp.full((K, N // K), -1e30, jnp.float32), q.dtype)
+        before = ops.prefix(q, cache["k"], cache["v"], jnp.minimum(lengths, S))
+        attended = fold_sinks([before, ops.causal(q, k, v, None)], jnp.full((K, N // K), -1e30, jnp.float32), q.dtype)
         at = jnp.where(valid, positions, S)  # padding: dropped
         rows = jnp.arange(B)[:, None]
         cache = {"k": cache["k"].at[rows, at].set(k, mode="drop"), "v": cache["v"].at[rows, at].set(v, mode="drop"),

@@ -82,11 +82,12 @@ class Eagle3Draft:
         return {"cache": cache, "tokens": jnp.pad(last[:, None], pad),
                 "states": jnp.pad(pending[:, None], pad + ((0, 0),)), "valid": jnp.pad(active[:, None], pad)}
 
-    def propose_from(self, arrays: dict, embedding: jax.Array, state: dict, k: int, kernels: Kernels = Kernels()):
-        """k drafts for every row from the state (attending with `kernels`' variants)
-        -> (drafts [B, k], how many are proposed [B]: all, state)."""
-        drafts, cache = propose(self.config, k, kernels, arrays["head"], embedding, arrays["hot"], state["cache"],
-                                state["tokens"], state["states"], state["valid"])
+    def propose_from(self, arrays: dict, embedding: jax.Array, state: dict, k: int, kernels: Kernels = Kernels(),
+                     mesh=None):
+        """k drafts for every row from the state (attending with `kernels`' variants; the model's
+        `mesh`, None for one device) -> (drafts [B, k], how many are proposed [B]: all, state)."""
+        drafts, cache = propose(self.config, k, _attending(kernels, mesh), arrays["head"], embedding, arrays["hot"],
+                                state["cache"], state["tokens"], state["states"], state["valid"])
         return drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "cache": cache}
 
     def observe(self, state: dict, tokens, valid, accepted, nxt, states) -> dict:
@@ -99,6 +100,13 @@ def _head(config: Eagle3Config, embedding, kernels: Kernels):
     return Eagle3Head(config, param_dtype=embedding.dtype, kernels=kernels)
 
 
+def _attending(kernels: Kernels, mesh) -> Kernels:
+    """The kernels the head attends with beside a model on `mesh`: the model's on one device; on a
+    mesh the jnp variant, which XLA partitions (the head's arrays are whole on every device, and the
+    fused variants, which see one device's part, would need them split as the model's cache is)."""
+    return kernels if mesh is None else dataclasses.replace(kernels, attention="blockwise")
+
+
 @functools.partial(jax.jit, static_argnames=("draft", "mesh", "kernels"), donate_argnames=("cache",))
 def head_prefill(draft, mesh, kernels, head_params, embedding, next_tokens, states, valid, cache, pending, last_index,
                  start):
@@ -106,8 +114,8 @@ def head_prefill(draft, mesh, kernels, head_params, embedding, next_tokens, stat
     next_tokens [B, T] the tokens after them, valid [B, T] (positions before each prompt's last);
     pending [B, G]: the states at each prompt's last position (last_index [B]) once this chunk holds
     it -> (cache, pending), on every device of `mesh` (None: one device)."""
-    _, _, cache = _head(draft.config, embedding, kernels).apply(head_params, jnp.take(embedding, next_tokens, axis=0), states,
-                                                       cache, valid)
+    head = _head(draft.config, embedding, _attending(kernels, mesh))
+    _, _, cache = head.apply(head_params, jnp.take(embedding, next_tokens, axis=0), states, cache, valid)
     T = states.shape[1]
     here = (last_index >= start) & (last_index < start + T)
     at = jnp.clip(last_index - start, 0, T - 1)

@@ -158,7 +158,8 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         if state is None:
             proposed, n = draft.propose(history, lengths, k)  # [B, k], [B]
         else:
-            proposed, n, state = draft.propose_from(draft_params, params["embedding"], state, k, kernels=kernels)
+            proposed, n, state = draft.propose_from(draft_params, params["embedding"], state, k, kernels=kernels,
+                                                    mesh=mesh)
         proposed = proposed.astype(jnp.int32)
         in_vocab = jnp.cumprod(((proposed >= 0) & (proposed < config.vocab_size)).astype(jnp.int32), axis=1).sum(1)
         n = jnp.where(active, jnp.clip(jnp.minimum(n, in_vocab), 0, budget - 1), 0)  # cut at an id outside

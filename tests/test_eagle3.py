@@ -46,8 +46,8 @@ def reference_outputs(reference, embedded, states):
 def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc, T):
     """Logits and outputs of T positions against the reference's, from the target's captured states
     (first draft step) and from the head's own outputs fed back (later steps); float32 within 8x the
-    reference's float32 noise against float64. The attention variants "auto" picks differ by the
-    queries a call (16 or fewer: decode-sized) on GPUs; both sizes are checked."""
+    reference's float32 noise against float64. Both sizes of call: on CPU the jnp attention takes
+    one dense pass up to 16 queries and key blocks beyond (on GPUs "auto" picks by the same size)."""
     torch.manual_seed(0)
     reference = Reference(norm_before_fc)
     hot = np.sort(np.random.default_rng(0).choice(300, U, replace=False))
@@ -299,3 +299,16 @@ def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, ti
     assert runs[0] == runs[1]
     assert [r[0] for r in runs[0]] == [p[:p.index(stop) + 1] if stop in p else p for p in plain]
     assert all(r[3] > 0 for r in runs[0])
+
+
+def test_beside_a_model_on_a_mesh_the_head_attends_with_the_jnp_path():
+    """The fused attention variants see one device's part of their arrays (the model's cache, split
+    by shard_map); the head's arrays are whole on every device, so on a mesh it takes the jnp
+    variant, which XLA partitions, and on one device the model's own kernels."""
+    import gptoss_jax as gj
+    from gptoss_jax.eagle3_draft import _attending
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    named = gj.Kernels(attention="mosaic", moe="gather")
+    assert _attending(named, None) is named
+    assert _attending(named, mesh) == gj.Kernels(attention="blockwise", moe="gather")
