@@ -14,9 +14,10 @@ draft's speed, and the speedups that published acceptance lengths would give. Pr
    with the embedding scaled up and the unembedding a permutation of it, so that each greedy token
    follows from the last by a wide margin (the accepted share is printed beside it). Prompt lookup (the draft that needs no
    weights) on the same random prompt is timed too: what it costs where it rarely finds a draft.
-   --peer: Hugging Face transformers on the same GPU in a process of its own, the same preset with
-   random bf16 weights: greedy batch-1 decode plainly and with its prompt lookup
-   (`prompt_lookup_num_tokens` = --oracle-k) on a random prompt of the same length.
+   --peer: Hugging Face transformers on the same GPU in a process of its own, first (alone on the
+   GPU, before this process starts JAX), the same preset with random bf16 weights: greedy batch-1
+   decode plainly and with its prompt lookup (`prompt_lookup_num_tokens` = --oracle-k) on a random
+   prompt of the same length.
    --eagle3: an EAGLE-3 head too, random, of the published gpt-oss heads' shape, run as it would be
    (its cache filled at the prefill, k drafts a step from the captured states), proposing the
    oracle's tokens in its place (`steered_head`): the machinery's speed with the head's cost paid.
@@ -66,6 +67,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.only_peer:
         return run_peer(args)
+    peer = None
+    if args.peer:  # first, alone on the GPU, and so measured even where a time limit stops the run later
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-peer"], capture_output=True, text=True,
+                              cwd=ROOT)
+        peer = (json.loads(proc.stdout.split("RESULT ")[-1]) if proc.returncode == 0
+                else f"exit {proc.returncode}: {proc.stderr[-600:]}")
+        print(f"peer: {json.dumps(peer)}", flush=True)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -151,13 +159,6 @@ def main() -> None:
                 print(f"batch {b}, {name}, k {k}: {rates[b, name, k]:.1f} tokens/s ({rates[b, 'plain', 0]:.1f} plain), "
                       f"{accepted[b, name, k][0]} of {accepted[b, name, k][1]} drafted tokens accepted", flush=True)
         del gen
-    peer = None
-    if args.peer:
-        del params
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-peer"], capture_output=True, text=True,
-                              cwd=ROOT)
-        peer = (json.loads(proc.stdout.split("RESULT ")[-1]) if proc.returncode == 0
-                else f"exit {proc.returncode}: {proc.stderr[-600:]}")
 
     if cost:
         print(f"\n{args.preset} ({args.dtype}), {device}: verify cost, ms a call waited for (k = 0: one position)")
