@@ -87,7 +87,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "with. prompt-lookup proposes what followed the latest earlier occurrence of the last tokens "
                         "(pays off on edits, code, quoting). Greedy replies are unchanged; sampled ones keep their "
                         "distribution, not their draws. Requests with logprobs, a logit bias, penalties or a grammar "
-                        "are not speculated (default: none)")
+                        "are not speculated. EAGLE-3 draft heads run in run_inference.py (--draft eagle3), not in "
+                        "the server (default: none)")
     p.add_argument("--draft-tokens", type=int, default=3, metavar="K",
                    help="with --draft: tokens proposed per request and step, less than --prefill-chunk "
                         "(default: %(default)s)")
