@@ -13,9 +13,10 @@ For a sequence whose committed tokens are x_0 .. x_n (x_n not yet in the target'
   output at the one before (k - 1 single-position passes). The head's cache counts the committed
   pairs only: what the drafting passes wrote past them is written over before it is read.
 
-The head attends as the target's full layers do, with the target's kernels (eagle3.py): over
-its cache's committed positions and the pass's own, so a drafting pass reads the positions a
-sequence has, not the whole cache.
+The head attends as the target's full layers do (eagle3.py): over its cache's committed positions
+and the pass's own; on one device with the target's kernels (Hopper's decode kernel reads the
+positions a sequence has, not the whole cache), beside a model on a mesh with the jnp path
+(`_attending`).
 
 Drafts are the head's greedy picks, proposed with certainty, so greedy and sampled checks take
 them as they take prompt lookup's (speculative.accept_sampled with no draft probabilities).

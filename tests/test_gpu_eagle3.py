@@ -29,11 +29,11 @@ def _on_gpu():
 
 def run(kernels, dtype, params, calls, max_len=256):
     """The head over `calls` (embedded, hidden, valid) one after the other on one cache -> logits of each."""
-    head = Eagle3Head(HEAD, param_dtype=dtype, kernels=kernels)
+    apply = jax.jit(Eagle3Head(HEAD, param_dtype=dtype, kernels=kernels).apply)  # compiled once a call shape
     params = jax.tree.map(lambda a: a.astype(dtype), params)
     cache, out = init_head_cache(HEAD, 2, max_len, dtype), []
     for embedded, hidden, valid in calls:
-        logits, _, cache = jax.jit(head.apply)(params, embedded.astype(dtype), hidden.astype(dtype), cache, valid)
+        logits, _, cache = apply(params, embedded.astype(dtype), hidden.astype(dtype), cache, valid)
         out.append(np.asarray(logits, np.float32))
     return out
 
@@ -68,12 +68,12 @@ def test_the_head_on_the_gpu_kernels_reads_no_position_past_a_sequence():
              jnp.asarray(rng.normal(size=(2, 12, G)), jnp.bfloat16),
              jnp.asarray(np.arange(12)[None] < np.array([[12], [5]])))
     params = head.init(jax.random.key(1), *first[:2], init_head_cache(HEAD, 2, 128, jnp.bfloat16), first[2])
-    _, _, cache = jax.jit(head.apply)(params, *first[:2], init_head_cache(HEAD, 2, 128, jnp.bfloat16), first[2])
+    apply = jax.jit(head.apply)
+    _, _, cache = apply(params, *first[:2], init_head_cache(HEAD, 2, 128, jnp.bfloat16), first[2])
     beyond = (jnp.arange(128)[None] >= cache["lengths"][:, None])[..., None, None]
     filled = {**cache, "k": jnp.where(beyond, 3e4, cache["k"]).astype(jnp.bfloat16),
               "v": jnp.where(beyond, -3e4, cache["v"]).astype(jnp.bfloat16)}
     step = (jnp.asarray(rng.normal(size=(2, 1, D)), jnp.bfloat16),
             jnp.asarray(rng.normal(size=(2, 1, D)), jnp.bfloat16), jnp.ones((2, 1), bool))
-    clean = jax.jit(head.apply)(params, *step[:2], cache, step[2])[0]
-    np.testing.assert_array_equal(np.asarray(jax.jit(head.apply)(params, *step[:2], filled, step[2])[0]),
-                                  np.asarray(clean))
+    clean = apply(params, *step[:2], cache, step[2])[0]
+    np.testing.assert_array_equal(np.asarray(apply(params, *step[:2], filled, step[2])[0]), np.asarray(clean))
