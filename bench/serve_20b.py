@@ -24,12 +24,15 @@ Each framework runs in a process of its own, one after the other, each alone on 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -185,7 +188,11 @@ def run_jax(args) -> dict:
                           flush=True)
             sys.setswitchinterval(0.005)
         engine.stop()
-        del engine
+        # Nothing may keep this engine (its pool takes most of the free memory) into the next one's sizing.
+        kept = weakref.ref(engine)
+        del engine, submit, speculation, drafts
+        gc.collect()
+        assert kept() is None, "an engine outlived its run (its pool would shrink the next one's)"
     return out
 
 
@@ -433,12 +440,20 @@ def main() -> None:
     runs += [] if args.skip_peer else [("peer", "bf16")]
     results = {}
     for only, form in runs:
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", only, "--experts", form],
-                              capture_output=True, text=True, cwd=ROOT)
-        print(proc.stderr[-4000:], file=sys.stderr, flush=True)
+        # The child's progress lines pass straight through (a run cut by a time limit keeps them).
+        with tempfile.TemporaryFile("w+") as result:
+            proc = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--only", only, "--experts", form],
+                                    stdout=result, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            tail = []
+            for line in proc.stderr:
+                print(line, end="", file=sys.stderr, flush=True)
+                tail = (tail + [line])[-20:]
+            proc.wait()
+            result.seek(0)
+            stdout = result.read()
         name = f"gptoss-jax, {form} experts" if only == "jax" else "transformers (bf16)"
-        results[name] = (json.loads(proc.stdout.split("RESULT ")[-1]) if proc.returncode == 0
-                         else f"exit {proc.returncode}: {proc.stderr[-300:]}")
+        results[name] = (json.loads(stdout.split("RESULT ")[-1]) if proc.returncode == 0
+                         else f"exit {proc.returncode}: {''.join(tail)[-300:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
