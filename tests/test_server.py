@@ -246,6 +246,8 @@ def test_metrics_are_prometheus_text(url, client, engine):
     assert samples["gptoss_preemptions_total"] == stats["preemptions"]
     assert samples["gptoss_kv_pages_evicted_total"] == stats["pages_evicted"]
     assert samples["gptoss_generated_tokens_total"] == stats["generated_tokens"] > 0
+    for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
+        assert samples[f"gptoss_{key}_total"] == stats[key]
     assert samples['gptoss_finished_requests_total{reason="length"}'] == stats["finished"]["length"]
     assert 'gptoss_inter_token_latency_seconds{quantile="0.5"}' in samples
 

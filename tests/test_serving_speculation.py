@@ -19,6 +19,7 @@ from gptoss_jax.sampling import Sampling, filtered, rows_mode
 from gptoss_jax.serving import Engine, Settings
 from gptoss_jax.serving.request import Request
 from gptoss_jax.serving.scheduler import Seq
+from gptoss_jax.serving import speculation as speculation_module
 from gptoss_jax.serving.speculation import Speculation, accept_rows, row_probabilities
 from gptoss_jax.speculative import PromptLookup
 
@@ -185,6 +186,48 @@ def test_each_rows_key_draws_the_targets_distribution():
         assert chisquare(np.bincount(tokens, minlength=V), len(tokens) * p).pvalue > 1e-4
     again = accept_rows(seeds[:50], steps[:50], probs[:50], drafted[:50], jnp.ones((50, k), bool))
     np.testing.assert_array_equal(np.asarray(again[1]), nxt[:50])
+
+
+@pytest.mark.parametrize("drafts", ["none", "always wrong", "always right"])
+def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic, drafts):
+    """A step that drafts reads the step before's tokens first (its pipelining given up): with drafts
+    that are never found or never accepted, a sequence drafts at most once in MOST_WAIT steps once it
+    has backed off; with drafts always right, every step drafts. The tokens stay each request's alone."""
+    prompts, budgets, want = traffic
+    config = tiny_f32[0]
+    new = 80
+    want = Generator(config, tiny_f32[1], max_len=MAX_LEN).generate([prompts[1]], max_new_tokens=new,
+                                                                   sampling=GREEDY)[0].output_ids
+    source = {"none": lambda context, k: [], "always wrong": Oracle([prompts[1]], [want], config.vocab_size, 1),
+              "always right": Oracle([prompts[1]], [want], config.vocab_size)}[drafts]
+    engine = engine_with(tiny_f32, source)
+    assert run(engine, prompts[1:2], [Settings(max_new_tokens=new, sampling=GREEDY)]) == [want]
+    stats = engine.stats()
+    if drafts == "always right":
+        assert stats["drafting_steps"] == stats["speculative_steps"] > 0
+        assert stats["accepted_draft_tokens"] == stats["draft_tokens"] >= new / 2
+    else:  # drafting after 1, 2, 4, 8 steps, then every 16 (MOST_WAIT)
+        assert stats["accepted_draft_tokens"] == 0
+        assert 0 < stats["drafting_steps"] <= 5 + new // speculation_module.MOST_WAIT
+
+
+def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
+    """A sequence's drafting steps after misses: 2, 4, 8, then MOST_WAIT steps apart, each wait ending
+    on a multiple of its length (sequences waiting as long come due together); an accepted token makes
+    it due the next step."""
+    speculation = Speculation(PromptLookup(), 3, 8, [8], 64)
+    request = Request(0, [1], Settings(max_new_tokens=500), None)
+    seq = Seq(request, 0, [1], [], {}, length=1, queued=0)
+    drafted = []
+    for _ in range(70):
+        if speculation.wanted([seq]):
+            drafted.append(speculation.clock)
+            speculation._score(seq, 1 if speculation.clock == 40 else 0)
+    most = speculation_module.MOST_WAIT
+    assert most == 16 and drafted[:6] == [1, 2, 4, 8, 16, 32]
+    assert drafted[6:] == [48, 64]  # (clock 40 was not due: nothing was scored there)
+    speculation._score(seq, 1)
+    assert seq.draft_due == speculation.clock + 1 and seq.draft_misses == 0
 
 
 def test_sampled_speculation(tiny_f32, traffic):

@@ -36,7 +36,8 @@ class _EngineCollector:
         yield CounterMetricFamily("gptoss_generated_tokens", "tokens generated", value=s["generated_tokens"])
         for key, doc in (("draft_tokens", "drafted tokens checked by speculative steps"),
                          ("accepted_draft_tokens", "drafted tokens the model agreed with"),
-                         ("speculative_steps", "steps that checked drafts")):
+                         ("speculative_steps", "steps that checked drafts"),
+                         ("drafting_steps", "steps that waited for the step before's tokens to draft")):
             yield CounterMetricFamily(f"gptoss_{key}", doc, value=s[key])
         yield CounterMetricFamily("gptoss_rejected_requests", "requests refused with a full queue",
                                   value=s["rejected"])

@@ -19,6 +19,7 @@ class Metrics:
         self.preemptions = 0  # sequences sent back to waiting when the KV cache ran out of pages
         self.generated_tokens = 0
         self.draft_tokens = self.accepted_draft_tokens = self.speculative_steps = 0  # speculation.py
+        self.drafting_steps = 0  # steps that read the step before's tokens to draft (checked or not)
         self.finished = collections.Counter()  # finish reason -> requests
         self.rejected = 0  # submissions refused because the queue was full
         self.time_to_first_token = collections.deque(maxlen=WINDOW)
@@ -56,7 +57,7 @@ class Metrics:
                 "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
                 "preemptions": self.preemptions, "generated_tokens": self.generated_tokens,
                 "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
-                "speculative_steps": self.speculative_steps,
+                "speculative_steps": self.speculative_steps, "drafting_steps": self.drafting_steps,
                 "generated_tokens_per_s": self.generated_tokens / elapsed if elapsed > 0 else 0.0,
                 "finished": dict(self.finished), "rejected": self.rejected,
                 "time_to_first_token_s": percentiles(self.time_to_first_token),

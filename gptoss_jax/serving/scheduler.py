@@ -44,6 +44,8 @@ class Seq:
     queued: int = 0  # tokens sampled so far, read or not (the next one's sampling step)
     named: int = 0  # its first pages that carry their names, those found in the cache included
     released: int = 0  # its sliding pages before this one are released (out of the window)
+    draft_due: int = 0  # speculation.py: the engine step from which it drafts again
+    draft_misses: int = 0  # speculation.py: its drafting steps since one accepted a drafted token
 
     @property
     def prefilling(self) -> bool:

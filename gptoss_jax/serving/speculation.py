@@ -4,18 +4,22 @@ the rule), and a sequence gains every drafted token the model agrees with, then 
 
     engine = Engine(config, params, draft=PromptLookup(), draft_tokens=3, speculate_rows=8)
 
-A step speculates when at most `speculate_rows` sequences decode and none of them asks for
+A step speculates when at most `speculate_rows` sequences decode, none of them asks for
 log-probabilities or adjusted logits (logit bias, penalties, a grammar: those need the counts and
-masks of every token picked, one step at a time); otherwise, and when no sequence has a draft, the
-step decodes one token each as usual. Past that many rows a step's work grows with its positions
-(the GPU's compute, not the weights' reading, bounds it), which is where vLLM's and SGLang's users
-found speculation costs throughput.
+masks of every token picked, one step at a time), and one of them is due to draft; otherwise, and
+when no sequence has a draft, the step decodes one token each as usual. Past that many rows a
+step's work grows with its positions (the GPU's compute, not the weights' reading, bounds it),
+which is where vLLM's and SGLang's users found speculation costs throughput.
 
 Nothing of a rejected draft needs undoing in the paged cache: attention never reads a position at
 or past a sequence's length (paged_cache.py), and the next step writes its own tokens over the
 rejected ones before anything reads them. The step is synchronous: the drafts follow the tokens of
 the step before, so those are read first (the decode steps' pipelining is given up for the step,
-also where no sequence then has a draft and the step decodes one token each).
+also where no sequence then has a draft and the step decodes one token each). So a sequence whose
+draft was empty or wholly rejected waits before it drafts again, 2, 4, 8, then `MOST_WAIT` steps
+(each wait ends on a multiple of its length, so the waiting sequences come due together); one
+accepted drafted token makes it draft every step again. Over text that repeats nothing, at most one
+step in `MOST_WAIT` then waits for its tokens.
 
 Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
 accepts exactly the drafts equal to it, and then takes it), so a greedy request's tokens are those
@@ -89,6 +93,9 @@ def accept_rows(seeds, sample_steps, target, drafted, valid):
     return accepted[:, 0], nxt[:, 0]
 
 
+MOST_WAIT = 16  # engine steps at most between a sequence's drafts after a run of misses
+
+
 class Speculation:
     """An engine's speculative decoding (see the module): drafts from `draft`, k = `tokens` a step, for
     steps of at most `rows` decoding sequences, checked `sizes` rows at a time (the engine's decode
@@ -100,10 +107,23 @@ class Speculation:
                              f"speculate_rows >= 1, got {tokens} and {rows}")
         self.draft, self.k, self.rows = draft, tokens, min(rows, decode_sizes[-1])
         self.sizes = [b for b in decode_sizes if b < self.rows] + [next(b for b in decode_sizes if b >= self.rows)]
+        self.clock = 0  # engine steps so far (`wanted` is asked once a step)
 
     def wanted(self, decoding) -> bool:
         """Whether this step of these decoding sequences speculates (their tokens not read yet)."""
-        return 0 < len(decoding) <= self.rows and all(speculable(s.request.settings) for s in decoding)
+        self.clock += 1
+        return (0 < len(decoding) <= self.rows and all(speculable(s.request.settings) for s in decoding)
+                and any(self._due(s) for s in decoding))
+
+    def _due(self, seq) -> bool:
+        return seq.draft_due <= self.clock
+
+    def _score(self, seq, accepted: int) -> None:
+        """After a step that drafted for the sequence: draft again next step where a drafted token was
+        accepted, else wait (see the module)."""
+        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+        wait = min(2 ** seq.draft_misses, MOST_WAIT) if seq.draft_misses else 1
+        seq.draft_due = (self.clock // wait + 1) * wait
 
     def ahead(self, seq) -> int:
         """Positions a speculated step of the sequence may write: its latest token and its draft."""
@@ -145,8 +165,12 @@ class Speculation:
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if any(len(s.request.output_ids) != s.queued for s in live):
             raise RuntimeError("a speculated step needs every token sampled before it read")
-        drafts = [self._draft(s, engine.config.vocab_size) for s in live]
+        due = [self._due(s) for s in live]
+        drafts = [self._draft(s, engine.config.vocab_size) if d else [] for s, d in zip(live, due)]
+        engine.metrics.drafting_steps += 1
         if not any(drafts):
+            for seq in [s for s, d in zip(live, due) if d]:
+                self._score(seq, 0)
             decoded = engine._decode(live) if live else None
             for seq in live:
                 engine.scheduler.after_step(seq)
@@ -163,6 +187,8 @@ class Speculation:
         metrics.speculative_steps += 1
         for i, (seq, draft) in enumerate(zip(live, drafts)):
             a = int(accepted[i])
+            if due[i]:
+                self._score(seq, a)
             metrics.draft_tokens += len(draft)
             metrics.accepted_draft_tokens += a
             seq.length, seq.queued = seq.length + a + 1, seq.queued + a + 1
