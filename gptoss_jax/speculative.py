@@ -66,12 +66,16 @@ class PromptLookup:
 
     def __call__(self, context: Sequence[int], k: int) -> list[int]:
         h = np.asarray(context, dtype=np.int64)
-        for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
-            # Each n-gram starting at j <= len - 1 - n (one token follows it; the suffix itself is not one).
-            grams = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-            starts = np.flatnonzero((grams == h[-n:]).all(axis=1))
-            if starts.size:
-                follow = starts[-1] + n
+        L = len(h)
+        # Where a match of the last n tokens can end: an earlier occurrence of the last token, with one
+        # token after it (the suffix itself is not a match). One pass over the context, for every n.
+        ends = np.flatnonzero(h[:-1] == h[-1])
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            match = ends[ends >= n - 1]
+            for t in range(1, n):
+                match = match[h[match - t] == h[L - 1 - t]]
+            if match.size:
+                follow = match[-1] + 1
                 return h[follow:follow + k].tolist()
         return []
 

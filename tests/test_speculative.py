@@ -205,6 +205,24 @@ def test_prompt_lookup_on_the_devices_proposes_as_on_the_host():
             assert got == [look(c, k) for c in contexts], (look, k)
 
 
+def test_prompt_lookup_matches_a_plain_search():
+    """The host's lookup (one pass for the last token's recurrences, then narrowed n by n) against the
+    plain search: each n from the longest, each earlier start from the latest."""
+    def plain(look, context, k):
+        for n in range(min(look.max_n, len(context) - 1), look.min_n - 1, -1):
+            for j in range(len(context) - 1 - n, -1, -1):
+                if context[j:j + n] == context[-n:]:
+                    return context[j + n:j + n + k]
+        return []
+
+    rng = np.random.default_rng(1)
+    for look in (PromptLookup(), PromptLookup(max_n=2, min_n=2), PromptLookup(max_n=5, min_n=1)):
+        for _ in range(500):
+            context = rng.integers(0, rng.integers(1, 6), rng.integers(1, 40)).tolist()
+            k = int(rng.integers(1, 6))
+            assert look(context, k) == plain(look, context, k), (look, context, k)
+
+
 def test_prompt_lookup_proposes_what_followed_the_longest_match():
     look = PromptLookup(max_n=3)
     assert look([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # "2 3" matched; "9 2 3" did not occur before
