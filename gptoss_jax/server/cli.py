@@ -85,7 +85,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="speculative decoding while few requests decode (--speculate-rows): each step checks up to "
                         "--draft-tokens proposed tokens per request in one pass and keeps those the model agrees "
                         "with. prompt-lookup proposes what followed the latest earlier occurrence of the last tokens "
-                        "(pays off on edits, code, quoting). Greedy replies are unchanged; sampled ones keep their "
+                        "(pays off on edits, code, quoting); a request whose drafts miss drafts again after 2, 4, "
+                        "8, then 16 steps. Greedy replies are unchanged; sampled ones keep their "
                         "distribution, not their draws. Requests with logprobs, a logit bias, penalties or a grammar "
                         "are not speculated. EAGLE-3 draft heads run in run_inference.py (--draft eagle3), not in "
                         "the server (default: none)")
