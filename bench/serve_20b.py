@@ -172,7 +172,7 @@ def run_jax(args) -> dict:
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
             s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft)
             after = engine.metrics.snapshot()
-            for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps"):
+            for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
                 s[key] = after.get(key, 0) - before.get(key, 0)
             out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}" + ("" if draft == "none" else f"_{draft}")] = s
             print(f"c={c} {arrivals} draft {draft}: {json.dumps(s)}", file=sys.stderr, flush=True)
@@ -445,10 +445,14 @@ def main() -> None:
             proc = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--only", only, "--experts", form],
                                     stdout=result, stderr=subprocess.PIPE, text=True, cwd=ROOT)
             tail = []
-            for line in proc.stderr:
-                print(line, end="", file=sys.stderr, flush=True)
-                tail = (tail + [line])[-20:]
-            proc.wait()
+            try:
+                for line in proc.stderr:
+                    print(line, end="", file=sys.stderr, flush=True)
+                    tail = (tail + [line])[-20:]
+                proc.wait()
+            finally:  # stopped here (a signal, an error): the child must not keep the GPU
+                if proc.poll() is None:
+                    proc.kill()
             result.seek(0)
             stdout = result.read()
         name = f"gptoss-jax, {form} experts" if only == "jax" else "transformers (bf16)"

@@ -67,6 +67,8 @@ class PromptLookup:
     def __call__(self, context: Sequence[int], k: int) -> list[int]:
         h = np.asarray(context, dtype=np.int64)
         L = len(h)
+        if L < 2:
+            return []
         # Where a match of the last n tokens can end: an earlier occurrence of the last token, with one
         # token after it (the suffix itself is not a match). One pass over the context, for every n.
         ends = np.flatnonzero(h[:-1] == h[-1])

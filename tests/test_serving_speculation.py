@@ -188,25 +188,29 @@ def test_each_rows_key_draws_the_targets_distribution():
     np.testing.assert_array_equal(np.asarray(again[1]), nxt[:50])
 
 
-@pytest.mark.parametrize("drafts", ["none", "always wrong", "always right"])
+@pytest.mark.parametrize("drafts", ["none", "always wrong", "always right", "wrong, then right"])
 def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic, drafts):
     """A step that drafts reads the step before's tokens first (its pipelining given up): with drafts
-    that are never found or never accepted, a sequence drafts at most once in MOST_WAIT steps once it
-    has backed off; with drafts always right, every step drafts. The tokens stay each request's alone."""
-    prompts, budgets, want = traffic
-    config = tiny_f32[0]
-    new = 80
-    want = Generator(config, tiny_f32[1], max_len=MAX_LEN).generate([prompts[1]], max_new_tokens=new,
-                                                                   sampling=GREEDY)[0].output_ids
-    source = {"none": lambda context, k: [], "always wrong": Oracle([prompts[1]], [want], config.vocab_size, 1),
-              "always right": Oracle([prompts[1]], [want], config.vocab_size)}[drafts]
+    never found or never accepted, three sequences draft at most once in MOST_WAIT steps once backed
+    off, together; with drafts always right, every step drafts; drafts that turn right after 20
+    tokens make the sequence draft every step again. The tokens stay each request's alone."""
+    prompts, _, _ = traffic
+    config, params = tiny_f32
+    new, chosen = 80, [prompts[i] for i in ((1, 3, 5) if drafts == "none" else (1,))]
+    generator = Generator(config, params, max_len=MAX_LEN)
+    want = [generator.generate([p], max_new_tokens=new, sampling=GREEDY)[0].output_ids for p in chosen]
+    wrong, right = (Oracle(chosen, want, config.vocab_size, n) for n in (1, 0))
+    source = {"none": lambda context, k: [], "always wrong": wrong, "always right": right,
+              "wrong, then right": lambda c, k: (wrong if len(c) - len(chosen[0]) < 20 else right)(c, k)}[drafts]
     engine = engine_with(tiny_f32, source)
-    assert run(engine, prompts[1:2], [Settings(max_new_tokens=new, sampling=GREEDY)]) == [want]
+    assert run(engine, chosen, [Settings(max_new_tokens=new, sampling=GREEDY)] * len(chosen)) == want
     stats = engine.stats()
-    if drafts == "always right":
-        assert stats["drafting_steps"] == stats["speculative_steps"] > 0
+    if drafts == "always right":  # (a last step may leave no room for a draft: not checked)
+        assert stats["speculative_steps"] <= stats["drafting_steps"] <= stats["speculative_steps"] + 1
         assert stats["accepted_draft_tokens"] == stats["draft_tokens"] >= new / 2
-    else:  # drafting after 1, 2, 4, 8 steps, then every 16 (MOST_WAIT)
+    elif drafts == "wrong, then right":  # back to every step within MOST_WAIT steps of the turn
+        assert stats["accepted_draft_tokens"] >= (new - 20 - speculation_module.MOST_WAIT) * 3 / 4
+    else:  # drafting after at most 1, 2, 4, 8 steps, then every 16 (MOST_WAIT), the sequences together
         assert stats["accepted_draft_tokens"] == 0
         assert 0 < stats["drafting_steps"] <= 5 + new // speculation_module.MOST_WAIT
 
@@ -226,8 +230,11 @@ def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     most = speculation_module.MOST_WAIT
     assert most == 16 and drafted[:6] == [1, 2, 4, 8, 16, 32]
     assert drafted[6:] == [48, 64]  # (clock 40 was not due: nothing was scored there)
+    assert speculation.ahead(seq) == 1  # not due: a step reserves no room for its draft
     speculation._score(seq, 1)
     assert seq.draft_due == speculation.clock + 1 and seq.draft_misses == 0
+    speculation.wanted([seq])
+    assert speculation.ahead(seq) == 4
 
 
 def test_sampled_speculation(tiny_f32, traffic):

@@ -228,7 +228,7 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
     assert look([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]  # "2 3" matched; "9 2 3" did not occur before
     assert look([7, 2, 3, 8, 1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]  # the latest of two matches
     assert look([5, 6, 7, 5, 6], 4) == [7, 5, 6]  # up to what the context holds
-    assert look([1, 2, 3], 4) == [] and look([4], 4) == []
+    assert look([1, 2, 3], 4) == [] and look([4], 4) == [] and look([], 4) == []
     with pytest.raises(ValueError, match="min_n"):
         PromptLookup(max_n=1, min_n=2)
 

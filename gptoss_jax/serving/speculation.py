@@ -16,10 +16,11 @@ or past a sequence's length (paged_cache.py), and the next step writes its own t
 rejected ones before anything reads them. The step is synchronous: the drafts follow the tokens of
 the step before, so those are read first (the decode steps' pipelining is given up for the step,
 also where no sequence then has a draft and the step decodes one token each). So a sequence whose
-draft was empty or wholly rejected waits before it drafts again, 2, 4, 8, then `MOST_WAIT` steps
-(each wait ends on a multiple of its length, so the waiting sequences come due together); one
-accepted drafted token makes it draft every step again. Over text that repeats nothing, at most one
-step in `MOST_WAIT` then waits for its tokens.
+draft was empty or wholly rejected waits before it drafts again, at most 2, 4, 8, then `MOST_WAIT`
+steps (each wait ends on a multiple of its length, so the waiting sequences come due together); one
+accepted drafted token makes it draft every step again. Over text that repeats nothing, once its
+sequences have backed off that far, at most one step in `MOST_WAIT` waits for its tokens. A new
+sequence (and one taken back after a preemption) drafts at once.
 
 Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
 accepts exactly the drafts equal to it, and then takes it), so a greedy request's tokens are those
@@ -126,8 +127,9 @@ class Speculation:
         seq.draft_due = (self.clock // wait + 1) * wait
 
     def ahead(self, seq) -> int:
-        """Positions a speculated step of the sequence may write: its latest token and its draft."""
-        return min(self.k + 1, seq.request.settings.max_new_tokens - seq.queued)
+        """Positions a speculated step of the sequence may write: its latest token and, where it is due
+        to draft, its draft."""
+        return min(self.k + 1 if self._due(seq) else 1, seq.request.settings.max_new_tokens - seq.queued)
 
     def warm_up(self, engine) -> str:
         """Compile the checked steps (padding rows only: nothing changes) -> what was compiled."""
