@@ -122,6 +122,22 @@ def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, tra
         assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]
 
 
+def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic):
+    """Sequences over `data`, experts over `expert`, heads over `tensor` (8 CPU devices), drafts right
+    but for every 3rd token: each request's tokens alone, drafts accepted and rejected."""
+    import gptoss_jax as gj
+    from gptoss_jax.params import param_shardings
+
+    prompts, budgets, want = traffic
+    config, params = tiny_f32
+    mesh = gj.make_mesh(data=2, expert=2, tensor=2)
+    engine = engine_with((config, jax.device_put(params, param_shardings(config, mesh))),
+                         Oracle(prompts, want, config.vocab_size, wrong_every=3))
+    assert engine.mesh is mesh
+    assert run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets]) == want
+    assert 0 < engine.stats()["accepted_draft_tokens"] < engine.stats()["draft_tokens"]
+
+
 def test_prompt_lookup_and_stops(tiny_f32, traffic):
     """Prompt lookup drafts from the repetitive prompt; a stop token ends a reply at it even where it
     was accepted inside a draft (the tokens after it are dropped)."""

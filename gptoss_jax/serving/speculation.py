@@ -63,18 +63,28 @@ def row_probabilities(logits, temperature, top_k, top_p, min_p, mode: str):
     return jnp.where((temperature > 0)[:, None], drawn, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "mode"), donate_argnames=("pool",),
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
                    compiler_options=steps._STEP_OPTIONS)
-def check_rows(config, kernels, mesh, mode, params, pool, tables, last, tokens, plan, settings):
-    """tokens [B, T]: each row's latest token, then its draft; plan [4, B]: rows, lengths (positions
-    cached), counts (1 + its drafted tokens; 0: padding, nothing written), sampling steps; settings:
-    every row's (steps.sampling_arrays, on the devices) -> (accepted drafts [B], the token after them
-    [B], last [R] with the checked rows' set to it, pool)."""
-    rows, lengths, counts, sample_steps = plan
+def check_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
+    """The model's pass of a checked step: tokens [B, T]: each row's latest token, then its draft; plan
+    [4, B]: rows, lengths (positions cached), counts (1 + its drafted tokens; 0: padding, nothing
+    written), sampling steps -> (logits [B, T, V], pool). One program for every sampling mode (the
+    picks, `accept_checked`, are compiled per mode)."""
+    rows, lengths, counts = plan[0], plan[1], plan[2]
+    valid = jnp.arange(tokens.shape[1])[None] < counts[:, None]  # [B, T]
+    logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
+        {"params": params}, tokens, steps.paged_view(pool, tables, rows, lengths), valid)
+    return logits, {"pages": view["pages"]}
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
+def accept_checked(mesh, mode, logits, last, tokens, plan, settings):
+    """A checked step's picks: logits [B, T, V] (check_rows'), tokens and plan as there, settings: every
+    row's (steps.sampling_arrays, on the devices) -> (accepted drafts [B], the token after them [B],
+    last [R] with the checked rows' set to it)."""
+    rows, counts, sample_steps = plan[0], plan[2], plan[3]
     B, T = tokens.shape
     valid = jnp.arange(T)[None] < counts[:, None]  # [B, T]
-    logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
-        {"params": params}, tokens, steps.paged_view(pool, tables, rows, lengths), valid)  # [B, T, V]
     seeds, temperature, top_k, top_p, min_p = (jnp.take(x, rows, mode="clip") for x in settings[:5])
     each = functools.partial(jnp.repeat, repeats=T)  # a row's settings at each of its positions
     target = row_probabilities(logits.reshape(B * T, -1), each(temperature), each(top_k), each(top_p), each(min_p),
@@ -82,7 +92,7 @@ def check_rows(config, kernels, mesh, mode, params, pool, tables, last, tokens, 
     accepted, nxt = accept_rows(seeds, sample_steps, target, tokens[:, 1:], valid[:, 1:])
     at = jnp.where(counts > 0, rows, last.shape[0])  # padding: dropped
     last = last.at[at].set(nxt, mode="drop")
-    return everywhere(accepted, mesh), everywhere(nxt, mesh), everywhere(last, mesh), {"pages": view["pages"]}
+    return everywhere(accepted, mesh), everywhere(nxt, mesh), everywhere(last, mesh)
 
 
 def accept_rows(seeds, sample_steps, target, drafted, valid):
@@ -137,7 +147,8 @@ class Speculation:
             for mode in MODES:
                 jax.block_until_ready(self._check(engine, [None] * B, np.zeros((B, self.k + 1), np.int32), [0] * B,
                                                   mode))
-        return f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions ({', '.join(MODES)})"
+        return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions, their picks "
+                f"({', '.join(MODES)})")
 
     def _check(self, engine, seqs, tokens, counts, mode=None):
         """check_rows over these rows (None: padding) in `mode` (None: the running rows') -> (accepted,
@@ -147,10 +158,10 @@ class Speculation:
                          [0 if s is None else s.queued for s in seqs]], np.int32)
         settings, running_mode, _ = engine._picks.rows([s and s.request for s in engine.scheduler.rows],
                                                        engine.scheduler.changes)
-        mode = mode or running_mode
-        accepted, nxt, engine._last, engine._pool = check_rows(
-            *engine._model, mode, engine.params, engine._pool, engine._tables, engine._last, engine._put(tokens),
-            engine._put(plan), settings)
+        tokens, plan = engine._put(tokens), engine._put(plan)
+        logits, engine._pool = check_rows(*engine._model, engine.params, engine._pool, engine._tables, tokens, plan)
+        accepted, nxt, engine._last = accept_checked(engine.mesh, mode or running_mode, logits, engine._last, tokens,
+                                                     plan, settings)
         return accepted, nxt
 
     def _draft(self, seq, vocab: int) -> list[int]:
