@@ -24,6 +24,7 @@ Each framework runs in a process of its own, one after the other, each alone on 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -444,11 +445,11 @@ def main() -> None:
         with tempfile.TemporaryFile("w+") as result:
             proc = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--only", only, "--experts", form],
                                     stdout=result, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            tail = []
+            tail = collections.deque(maxlen=20)
             try:
                 for line in proc.stderr:
                     print(line, end="", file=sys.stderr, flush=True)
-                    tail = (tail + [line])[-20:]
+                    tail.append(line)
                 proc.wait()
             finally:  # stopped here (a signal, an error): the child must not keep the GPU
                 if proc.poll() is None:

@@ -17,9 +17,9 @@ import pytest
 from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling, filtered, rows_mode
 from gptoss_jax.serving import Engine, Settings
+from gptoss_jax.serving import speculation as speculation_module
 from gptoss_jax.serving.request import Request
 from gptoss_jax.serving.scheduler import Seq
-from gptoss_jax.serving import speculation as speculation_module
 from gptoss_jax.serving.speculation import Speculation, accept_rows, row_probabilities
 from gptoss_jax.speculative import PromptLookup
 
