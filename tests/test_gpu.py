@@ -222,9 +222,9 @@ def test_auto_picks_the_gpu_kernels():
     assert k.attention_for(1, jnp.float32) == "blockwise"  # the Mosaic GPU kernel takes 16-bit inputs
 
 
-@pytest.mark.parametrize("impl", ["auto", "mosaic_decode", "mosaic_pair", "mosaic_slots", "mosaic_pair_slots",
-                                  "mosaic_gpu", "triton_grouped", "mosaic_grouped"])
-@pytest.mark.parametrize("tokens", [1, 4, 16, 300])
+@pytest.mark.parametrize("impl", ["auto", "mosaic_decode", "mosaic_pair", "mosaic_slots", "mosaic_gpu", "triton_grouped",
+                                  "mosaic_grouped"])
+@pytest.mark.parametrize("tokens", [1, 16, 300])
 def test_packed_experts_decode_on_the_gpu(impl, tokens):
     """MXFP4 experts decoded inside the step on the GPU (bits assembled with integer operations, so
     no flush of tiny values), and the same experts decoded ahead of time: the experts' definition for

@@ -82,29 +82,7 @@ def test_pair_matvec_of_mxfp4_experts(settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:, cols], str(cols))
 
 
-@pytest.mark.parametrize("settings, shared", [({}, True), ({"block_f": 128, "gs": 2, "splits": 2}, False)])
-def test_slot_matvec_of_mxfp4_experts(settings, shared):
-    """Each expert in use a slot, its weights decoded once for 3 rows (kernels/mosaic_pair.py's
-    `slot_matvec_mxfp4`), the same rows for every slot or each slot's own; 4 slots of which 3 are
-    used (the last, skipped, is never read): each slot's rows against its expert in float64,
-    within the noise of the same product in bfloat16."""
-    rng = np.random.default_rng(5)
-    E, F, D, R = 5, 320, 128, 3
-    blocks, scales = packed_with_extreme_scales(rng, E, F, D)
-    slot_expert = jnp.asarray([0, 2, 4, 4], jnp.int32)
-    rows = jax.random.normal(jax.random.key(5), (1 if shared else 4, R, D), jnp.bfloat16)
-    got = np.asarray(jax.jit(lambda r, b, s: mosaic_pair.slot_matvec_mxfp4(
-        r, slot_expert, 3, b, s, interpret=True, **settings))(rows, blocks, scales))[:3]  # [3, R, F]
-    w = decode_mxfp4(np.asarray(blocks), np.asarray(scales), "float32")[np.asarray(slot_expert)[:3]]  # [3, F, D]
-    x = np.broadcast_to(np.asarray(rows, np.float32), (4, R, D))[:3]
-    low = np.asarray(jnp.einsum("srd,sfd->srf", jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
-                                preferred_element_type=jnp.float32).astype(jnp.bfloat16), np.float64)
-    exact = np.einsum("srd,sfd->srf", x.astype(np.float64), w.astype(np.float64))
-    for cols in EXTREME_ROWS:
-        Exact.measure(low[..., cols], exact[..., cols], precision="bfloat16").check(got[..., cols], str(cols))
-
-
-@pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair", "mosaic_slots", "mosaic_pair_slots"])
+@pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair", "mosaic_slots"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 3, 9])
 def test_the_kernels_switch_runs_it(dtype, tokens, impl):

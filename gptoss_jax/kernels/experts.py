@@ -106,9 +106,6 @@ EXPERTS = {v.name: v for v in (
     # percent of the fused Triton block at a batch of one, below it in most runs).
     Variant("mosaic_pair", mosaic_pair.experts, needs=HOPPER,
             auto=lambda c: c.packed and c.bf16 and c.mosaic and c.pair),
-    # A few tokens' MXFP4 pairs on Hopper (a speculative step's check of a sequence's k + 1
-    # positions), each expert in use read once and multiplied by every token's row: by name only.
-    Variant("mosaic_pair_slots", mosaic_pair.slot_experts, needs=HOPPER),
     # Decode's experts on Hopper, each selected expert read once, in place; MXFP4 experts up to
     # `moe_mosaic_min_pairs` pairs; 16-bit ones at decode, and without tokamax up to that many pairs
     # (one NVIDIA H200, gpt-oss-20b's decode step at batch 256, 1,024 pairs: 19.7 ms against 79.3 on

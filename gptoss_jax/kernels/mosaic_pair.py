@@ -32,10 +32,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..mxfp4 import packed
-from . import mosaic_decode, mosaic_mxfp4, mosaic_slots, pairs
+from . import mosaic_decode, mosaic_mxfp4, pairs
 from .mosaic import interpret_params, supported
 
-__all__ = ["pair_matvec_mxfp4", "pair_settings", "slot_matvec_mxfp4", "supported"]
+__all__ = ["pair_matvec_mxfp4", "pair_settings", "supported"]
 
 
 def pair_settings(G: int, *, gs: int = 6, stages: int = 3) -> dict:
@@ -56,44 +56,23 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
     """rows [P, D] bfloat16 (a row per pair), pair_expert [P] (each pair's expert, in [0, E)),
     blocks uint8 [E, F, G, 16], scales uint8 [E, F, G] -> [P, F] bfloat16: row p times its expert's
     weights decoded, float32 sums. block_f: a multiple of 64 (F need not be one: the last tile is
-    cut); gs: even; `splits` divides the cdiv(G, gs) steps; F: a multiple of the `r` rows whose
-    scales make a multiple of 16 bytes (r = 16 / gcd(G, 16): 8 for gpt-oss's G = 90). Settings:
+    cut);
+    gs: even; `splits` divides the cdiv(G, gs) steps; F: a multiple of the `r` rows whose scales
+    make a multiple of 16 bytes (r = 16 / gcd(G, 16): 8 for gpt-oss's G = 90). Settings:
     `pair_settings(G)`."""
-    out = _matvec(rows[:, None], pair_expert, jnp.full((1,), pair_expert.shape[0], jnp.int32), blocks, scales,
-                  block_f=block_f, gs=gs, stages=stages, splits=splits, interpret=interpret, decoder=decoder)
-    return out[:, 0].astype(rows.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("block_f", "gs", "stages", "splits", "interpret", "decoder"))
-def slot_matvec_mxfp4(rows, slot_expert, used, blocks, scales, *, block_f: int = 64, gs: int = 6, stages: int = 3,
-                      splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
-    """rows [S, R, D] (each slot's R rows) or [1, R, D] (the same R rows for every slot) bfloat16,
-    slot_expert [S] (each slot's expert), used (int32 scalar: slots from `used` on are skipped) ->
-    [S, R, F] float32: each slot's rows times its expert's weights, the weights decoded once for
-    all R rows; the outputs of skipped slots are undefined. Settings as `pair_matvec_mxfp4`'s."""
-    return _matvec(rows, slot_expert, jnp.reshape(used, (1,)).astype(jnp.int32), blocks, scales, block_f=block_f,
-                   gs=gs, stages=stages, splits=splits, interpret=interpret, decoder=decoder)
-
-
-def _matvec(rows, slot_expert, used, blocks, scales, *, block_f, gs, stages, splits, interpret, decoder):
-    """rows [S or 1, R, D], slot_expert [S], used [1] -> [S, R, F] float32 (slots past used[0]:
-    undefined): a program per (slot, tile of block_f outputs, range of inputs)."""
-    S, (Sx, R, D) = slot_expert.shape[0], rows.shape
+    P = rows.shape[0]
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
     r = 16 // math.gcd(G, 16)
     if block_f % 64 or gs % 2 or steps % splits or F % r:
         raise ValueError(f"output tiles of {block_f} (of 64), {steps} steps of {gs} (an even number of) scale "
                          f"blocks split {splits} ways, {F} outputs (a multiple of {r})")
-    if Sx not in (1, S):
-        raise ValueError(f"rows for {Sx} slots, {S} slots")
     per = steps // splits
-    x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows.reshape(Sx * R, D), blocks)
-    # [Sx, R, 2, D / 2]: a step's even and odd inputs in one buffer of 64 gs bytes a row. The TMA
-    # engine writes shared memory at multiples of 128 bytes; two buffers of 32 gs bytes each (gs = 6
-    # at gpt-oss's shapes) put the second stage's off that and failed on one H100 80GB (misaligned
-    # address).
-    x = jnp.stack([x_even, x_odd], axis=1).reshape(Sx, R, 2, D // 2)
+    x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks)
+    # [P, 2, D / 2]: a step's even and odd inputs in one buffer of 64 gs bytes. The TMA engine writes
+    # shared memory at multiples of 128 bytes; two buffers of 32 gs bytes each (gs = 6 at gpt-oss's
+    # shapes) put the second stage's off that and failed on one H100 80GB (misaligned address).
+    x = jnp.stack([x_even, x_odd], axis=1)
     K = 16 * gs
     column = plgpu.Layout.WGMMA.reduce(0)  # [16]: one value per column of a [rows, 16] tile
     # The scales as stored, [F, G] an expert, rows of G bytes: the TMA engine needs strides of
@@ -104,62 +83,53 @@ def _matvec(rows, slot_expert, used, blocks, scales, *, block_f, gs, stages, spl
     c = max(d for d in range(16, min(row_bytes, 256) + 1, 16) if row_bytes % d == 0)
     n = row_bytes // c
     scales = scales.reshape(E, F // r, n, c)
-    shared = Sx == 1
 
-    def body(se_ref, used_ref, x_ref, b_ref, s_ref, o_ref, o_smem, s_smem, s_arrived):
+    def body(pe_ref, x_ref, b_ref, s_ref, o_ref, o_smem, s_smem, s_arrived):
         p, j, part = lax.axis_index("p"), lax.axis_index("n"), lax.axis_index("k")
+        first = part * per
+        e = pe_ref[p]
+        plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds(j * block_f // r, block_f // r)], s_smem, s_arrived)
+        plgpu.barrier_wait(s_arrived)
+        rows = pl.ds(0, block_f)
 
-        @pl.when(p < used_ref[0])
-        def _():
-            first = part * per
-            e = se_ref[p]
-            plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds(j * block_f // r, block_f // r)], s_smem, s_arrived)
-            plgpu.barrier_wait(s_arrived)
-            tile = pl.ds(0, block_f)
+        def step(index, x, packed, acc):  # [1, 2, K] [block_f, K] in shared memory; acc [block_f, 16]
+            for g in range(gs):
+                col = (first + index[0]) * gs + g
+                if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
+                    col = jnp.minimum(col, G - 1)
+                if interpret:  # (the interpreter reshapes values, not refs)
+                    sc = s_smem[...].reshape(block_f, G)[:, col]
+                else:  # column col of the table [block_f, G], row-major
+                    table = s_smem.reshape(block_f * G)
+                    sc = mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
+                low, high = mosaic_mxfp4.decode_group(packed, sc, rows, g, interpret, decoder)
+                x_low, x_high = (mosaic_mxfp4.load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
+                                 .astype(jnp.float32) for h in (0, 1))
+                acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
+            return acc
 
-            def step(index, x, packed, acc):  # [1, R, 2, K] [block_f, K] in shared memory; acc R x [block_f, 16]
-                acc = list(acc)
-                for g in range(gs):
-                    col = (first + index[0]) * gs + g
-                    if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
-                        col = jnp.minimum(col, G - 1)
-                    if interpret:  # (the interpreter reshapes values, not refs)
-                        sc = s_smem[...].reshape(block_f, G)[:, col]
-                    else:  # column col of the table [block_f, G], row-major
-                        table = s_smem.reshape(block_f * G)
-                        sc = mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
-                    low, high = mosaic_mxfp4.decode_group(packed, sc, tile, g, interpret, decoder)
-                    low, high = low.astype(jnp.float32), high.astype(jnp.float32)
-                    for t in range(R):
-                        x_low, x_high = (mosaic_mxfp4.load(x, (0, t, h, pl.ds(16 * g, 16)), column, interpret)
-                                         .astype(jnp.float32) for h in (0, 1))
-                        acc[t] = acc[t] + low * x_low[None, :] + high * x_high[None, :]
-                return tuple(acc)
-
-            zero = plgpu.layout_cast(jnp.zeros((block_f, 16), jnp.float32), plgpu.Layout.WGMMA)
-            acc = plgpu.emit_pipeline(
-                step, grid=(per,), max_concurrent_steps=stages,
-                in_specs=[plgpu.BlockSpec((1, R, 2, K), lambda k: (0 if shared else p, 0, 0, first + k)),
-                          plgpu.BlockSpec((block_f, K), lambda k: (j, first + k))],
-                init_carry=(zero,) * R,
-            )(x_ref, b_ref.at[e])
-            for t in range(R):
-                o_smem[t] = acc[t].sum(axis=1)  # [block_f]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[part, p, :, pl.ds(j * block_f, block_f)])
-            plgpu.wait_smem_to_gmem(0)
+        acc = plgpu.emit_pipeline(
+            step, grid=(per,), max_concurrent_steps=stages,
+            in_specs=[plgpu.BlockSpec((1, 2, K), lambda k: (p, 0, first + k)),
+                      plgpu.BlockSpec((block_f, K), lambda k: (j, first + k))],
+            init_carry=plgpu.layout_cast(jnp.zeros((block_f, 16), jnp.float32), plgpu.Layout.WGMMA),
+        )(x_ref, b_ref.at[e])
+        o_smem[...] = acc.sum(axis=1)  # [block_f]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[part, p, pl.ds(j * block_f, block_f)])
+        plgpu.wait_smem_to_gmem(0)
 
     # Outputs padded to whole tiles: a row's copy back is one contiguous run, which the copy engine
     # does not clip at the row's end (on one H100 80GB a cut last tile's outputs landed in the next
     # row's first columns).
     tiles = pl.cdiv(F, block_f)
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits, S, R, tiles * block_f), jnp.float32),
-        grid=(S, tiles, splits), grid_names=("p", "n", "k"), interpret=interpret_params(interpret),
-        scratch_types=dict(o_smem=plgpu.SMEM((R, block_f), jnp.float32),
+        body, out_type=jax.ShapeDtypeStruct((splits, P, tiles * block_f), jnp.float32),
+        grid=(P, tiles, splits), grid_names=("p", "n", "k"), interpret=interpret_params(interpret),
+        scratch_types=dict(o_smem=plgpu.SMEM((block_f,), jnp.float32),
                            s_smem=plgpu.SMEM((block_f // r, n, c), jnp.uint8), s_arrived=plgpu.Barrier()))
-    out = kernel(slot_expert.astype(jnp.int32), used, x, flat, scales)
-    return out[..., :F].sum(axis=0)
+    out = kernel(pair_expert.astype(jnp.int32), x, flat, scales)
+    return out[:, :, :F].sum(axis=0).astype(rows.dtype)
 
 
 def experts(x, idx, w, act, *, kernels):
@@ -176,34 +146,3 @@ def experts(x, idx, w, act, *, kernels):
                                  **pair_settings(weight.blocks.shape[2]))
 
     return pairs.blocked(x, idx, w, act, block=1, matmul=matmul)
-
-
-# Tokens up to which "mosaic_pair_slots" multiplies each slot's weights by every token's row (its
-# registers hold a [64, 16] float32 sum per token); more as "mosaic_decode".
-MAX_SLOT_TOKENS = 8
-
-
-def slot_experts(x, idx, w, act, *, kernels):
-    """The experts' variant "mosaic_pair_slots" (kernels/experts.py): a few tokens' pairs over
-    MXFP4-packed experts, each expert in use read once (a slot each, kernels/mosaic_slots.py's
-    numbering) and its weights, decoded once, multiplied by every token's row, as
-    `pair_matvec_mxfp4` multiplies one (no tensor cores, no padding rows). A slot's products for
-    tokens that did not pick its expert are computed and never read. More than `MAX_SLOT_TOKENS`
-    tokens, or 16-bit experts: as "mosaic_decode". x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
-    N, A = idx.shape
-    if N > MAX_SLOT_TOKENS or not (packed(w["mlp1_weight"]) and packed(w["mlp2_weight"])):
-        return mosaic_decode.experts(x, idx, w, act, kernels=kernels)
-    slot_expert, used, pair_slot, valid = mosaic_slots.slots(idx, pairs.num_experts(w["mlp1_weight"]))
-    S = slot_expert.shape[0]
-
-    def project(rows, name):  # rows [S or 1, N, in] -> [S, N, out], the bias added
-        weight = w[name]
-        out = slot_matvec_mxfp4(rows, slot_expert, used, weight.blocks, weight.scales, interpret=kernels.interpret,
-                                **pair_settings(weight.blocks.shape[2]))
-        return out.astype(x.dtype) + w[name.replace("weight", "bias")][slot_expert][:, None]
-
-    h = project(x[None], "mlp1_weight")  # [S, N, 2F]: every token's row for every slot
-    h = act(h.reshape(S * N, -1)).astype(x.dtype).reshape(S, N, -1)  # [S, N, F]
-    y = project(h, "mlp2_weight")  # [S, N, D]
-    out = y[pair_slot, jnp.arange(N)[:, None]]  # [N, A, D]: each pair's slot, its token's row
-    return jnp.where(valid[..., None], out, 0)
