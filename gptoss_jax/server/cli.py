@@ -93,7 +93,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=3, metavar="K",
                    help="with --draft: tokens proposed per request and step, less than --prefill-chunk "
                         "(default: %(default)s)")
-    p.add_argument("--speculate-rows", type=int, default=8, metavar="N",
+    p.add_argument("--speculate-rows", type=int, default=16, metavar="N",
                    help="with --draft: steps speculate only while at most N requests decode; past that a step's "
                         "work grows with its positions and speculation costs throughput (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=1024,

@@ -82,7 +82,7 @@ class Engine:
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
                  tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
                  decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True, draft: Draft | None = None,
-                 draft_tokens: int = 3, speculate_rows: int = 8):
+                 draft_tokens: int = 3, speculate_rows: int = 16):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:

@@ -2,7 +2,7 @@
 of up to k tokens per sequence in one pass of the model over k + 1 positions (speculative.py has
 the rule), and a sequence gains every drafted token the model agrees with, then one of its own.
 
-    engine = Engine(config, params, draft=PromptLookup(), draft_tokens=3, speculate_rows=8)
+    engine = Engine(config, params, draft=PromptLookup(), draft_tokens=3, speculate_rows=16)
 
 A step speculates when at most `speculate_rows` sequences decode, none of them asks for
 log-probabilities or adjusted logits (logit bias, penalties, a grammar: those need the counts and
