@@ -3,7 +3,7 @@ engine (gptoss_jax.serving.Engine) against Hugging Face transformers' continuous
 (ContinuousBatchingManager) on the same GPU in the same run, on the same requests.
 
     python bench/serve_20b.py [--experts bf16,mxfp4] [--concurrency 1,16,64,256] [--arrivals all,poisson]
-        [--prompt 1024] [--new 1024] [--prefill 8x512] [--skip-peer] [--skip-jax]
+        [--prompt 1024] [--new 1024] [--prefill 8x512] [--skip-peer] [--skip-jax] [--profile DIR]
 
 For each concurrency c: c requests of `--prompt` random token ids each (the same ids for both), each
 asking for exactly `--new` tokens (greedy, no stop token), into an engine of c slots;
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -156,9 +157,12 @@ def run_jax(args) -> dict:
             def submit(i, engine=engine):
                 requests[i] = engine.submit(prompts[i], settings)
 
-            submitted = drive(submit, prompts, at)
-            for r in requests:
-                r.result()
+            name = f"{arrivals}_c{c}_{rows}x{chunk}" + ("" if draft == "none" else f"_{draft}")
+            with (jax.profiler.trace(os.path.join(args.profile, name), create_perfetto_trace=True) if args.profile
+                  else contextlib.nullcontext()):
+                submitted = drive(submit, prompts, at)
+                for r in requests:
+                    r.result()
             assert all(len(r.output_ids) == args.new for r in requests)
             if draft == "none":
                 replies.update((tuple(p), list(r.output_ids)) for p, r in zip(prompts, requests))
@@ -175,7 +179,7 @@ def run_jax(args) -> dict:
             after = engine.metrics.snapshot()
             for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
                 s[key] = after.get(key, 0) - before.get(key, 0)
-            out["runs"][f"{arrivals}_c{c}_{rows}x{chunk}" + ("" if draft == "none" else f"_{draft}")] = s
+            out["runs"][name] = s
             print(f"c={c} {arrivals} draft {draft}: {json.dumps(s)}", file=sys.stderr, flush=True)
         engine.speculation = speculation
         if args.http:
@@ -403,6 +407,9 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-jax", action="store_true")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="trace each engine run into DIR/<run> (bench/profile_summary.py reads it; with few "
+                             "--new tokens: a trace of 1k/1k is large)")
     parser.add_argument("--http", action="store_true",
                         help="also run each workload through the OpenAI-compatible server (gptoss-serve's app) over "
                              "the same engine, with the openai client in another process")
