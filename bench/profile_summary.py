@@ -1,5 +1,5 @@
 """Where a profiled run's GPU time goes: kernels summed by name and by kind, from the Perfetto
-traces that `bench/generate_20b.py --profile DIR` writes.
+traces that `bench/generate_20b.py --profile DIR` (or `bench/serve_20b.py --profile DIR`) writes.
 
     python bench/profile_summary.py DIR/decode_b1 [--steps 63] [--top 15] [--after flash_attention]
         [--gaps 5] [--timeline 40]

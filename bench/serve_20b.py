@@ -135,7 +135,8 @@ def run_jax(args) -> dict:
         speculating = [d for d in args.draft if d != "none"]
         engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
                         max_waiting=c, kernels=kernels, draft=drafts[speculating[0]] if speculating else None,
-                        draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c)
+                        draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c,
+                        prefix_reuse=len(args.draft) == 1)
         speculation = engine.speculation
         t = time.perf_counter()
         engine.warm_up()
@@ -158,8 +159,8 @@ def run_jax(args) -> dict:
                 requests[i] = engine.submit(prompts[i], settings)
 
             name = f"{arrivals}_c{c}_{rows}x{chunk}" + ("" if draft == "none" else f"_{draft}")
-            with (jax.profiler.trace(os.path.join(args.profile, name), create_perfetto_trace=True) if args.profile
-                  else contextlib.nullcontext()):
+            folder = args.profile and os.path.join(args.profile, f"{args.experts}_{name}")
+            with jax.profiler.trace(folder, create_perfetto_trace=True) if folder else contextlib.nullcontext():
                 submitted = drive(submit, prompts, at)
                 for r in requests:
                     r.result()
@@ -175,7 +176,8 @@ def run_jax(args) -> dict:
                 out[f"{arrivals}_c1_tokens_equal_to_cli"] = _agree(cli_tokens, requests[0].output_ids)
                 out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
-            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft)
+            s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft,
+                     prefix_reuse=len(args.draft) == 1, profile=folder)
             after = engine.metrics.snapshot()
             for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
                 s[key] = after.get(key, 0) - before.get(key, 0)
@@ -395,7 +397,9 @@ def main() -> None:
                              "each per step; several (comma-separated) run one after the other")
     parser.add_argument("--draft", default="none",
                         help="speculative decoding, one run each over the same engine: none, oracle (each prompt's "
-                             "reply without speculation, proposed back: needs none first), prompt-lookup")
+                             "reply without speculation, proposed back: needs none first), prompt-lookup; with "
+                             "several, prefix reuse is off (each run sends the same prompts: a later run would find "
+                             "them in the cache and prefill less)")
     parser.add_argument("--conditioned", action="store_true",
                         help="weights whose greedy tokens have wide margins (speculative.py's `conditioned`): random "
                              "weights' near-ties part a speculated reply from the plain one at its first step")
@@ -433,6 +437,8 @@ def main() -> None:
             "oracle" in args.draft and args.draft[0] != "none"):
         parser.error(f"--draft takes none, oracle, prompt-lookup (oracle after none), not {','.join(args.draft)!r}")
     args.switch_interval = [float(x) for x in args.switch_interval.split(",")]
+    if args.profile:  # the children run from the repository's root
+        args.profile = os.path.abspath(args.profile)
     try:
         args.prefill = [tuple(int(n) for n in shape.split("x")) for shape in args.prefill.split(",")]
         assert all(len(shape) == 2 and min(shape) > 0 for shape in args.prefill)

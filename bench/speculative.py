@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="new tokens per batch-1 generation")
     ap.add_argument("--eagle3", action="store_true", help="also the steered EAGLE-3 head (see above)")
     ap.add_argument("--peer", action="store_true", help="also time transformers' batch-1 decode (see above)")
-    ap.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=mosaic_pair_slots (as generate_20b.py's)")
+    ap.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=mosaic_pair,moe_pair_max_pairs=64 (as generate_20b.py's)")
     ap.add_argument("--only-peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_peer:
