@@ -76,7 +76,7 @@ def run_jax(args) -> dict:
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
-    kernels = gj.Kernels(**{k: _field(v) for k, v in (kv.split("=") for kv in args.kernels.split(",") if kv)})
+    kernels = kernels_from(args.kernels)
     t = time.perf_counter()
     params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.experts or "bfloat16"))
     init_s = time.perf_counter() - t
@@ -201,6 +201,13 @@ def run_startup(args) -> dict:
 def _field(value: str):
     """A --kernels value: true/false, an integer, or a name."""
     return {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+
+
+def kernels_from(spec: str):
+    """gj.Kernels from a --kernels value, FIELD=VALUE,FIELD=VALUE (e.g. moe=gather,moe_block=32)."""
+    import gptoss_jax as gj
+
+    return gj.Kernels(**{k: _field(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)})
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from generate_20b import _field
+    from generate_20b import kernels_from
 
     import gptoss_jax as gj
     from gptoss_jax.moe import MLPBlock
@@ -40,10 +40,7 @@ def main() -> None:
 
     config = gj.ModelConfig.preset(args.preset).replace(num_hidden_layers=1)
     params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype="mxfp4"))["block_0"]["mlp"]
-    variants = {}
-    for spec in args.variants:
-        name, _, fields = spec.partition("=")
-        variants[name] = gj.Kernels(**{k: _field(v) for k, v in (kv.split("=") for kv in fields.split(",") if kv)})
+    variants = {name: kernels_from(fields) for name, _, fields in (spec.partition("=") for spec in args.variants)}
     print(f"{args.preset} MoE block on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     rows = []
     for n in [int(t) for t in args.tokens.split(",")]:

@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="new tokens per batch-1 generation")
     ap.add_argument("--eagle3", action="store_true", help="also the steered EAGLE-3 head (see above)")
     ap.add_argument("--peer", action="store_true", help="also time transformers' batch-1 decode (see above)")
-    ap.add_argument("--kernels", default="", help="gj.Kernels fields, e.g. moe=mosaic_pair,moe_pair_max_pairs=64 (as generate_20b.py's)")
+    ap.add_argument("--kernels", default="",
+                    help="gj.Kernels fields, e.g. moe=mosaic_pair,moe_pair_max_pairs=64 (as generate_20b.py's)")
     ap.add_argument("--only-peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_peer:
@@ -90,10 +91,9 @@ def main() -> None:
     config = gj.ModelConfig.preset(args.preset)
     params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.dtype))
     dtype = params["embedding"].dtype
-    from generate_20b import _field
+    from generate_20b import kernels_from
 
-    kernels = gj.Kernels(**{k: _field(v) for k, v in (kv.split("=") for kv in args.kernels.split(",") if kv)})
-    greedy = Sampling(temperature=0)
+    kernels, greedy = kernels_from(args.kernels), Sampling(temperature=0)
     device = jax.devices()[0].device_kind
     print(f"{args.preset} ({args.dtype}) on {device}, jax {jax.__version__}", flush=True)
     batches, ks = [int(b) for b in args.batches.split(",")], [int(k) for k in args.ks.split(",")]
