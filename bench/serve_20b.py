@@ -92,7 +92,7 @@ def run_jax(args) -> dict:
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, Settings
     from gptoss_jax.speculative import PromptLookup
-    from gptoss_jax.testing import random_params_on_device
+    from gptoss_jax.testing import KnownReplies, random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
     dtype = "mxfp4" if args.experts == "mxfp4" else "bfloat16"
@@ -127,20 +127,24 @@ def run_jax(args) -> dict:
     for c, shape in [(c, shape) for c in args.concurrency for shape in args.prefill]:
         rows, chunk = min(shape[0], c), shape[1]
         replies = {}  # the oracle draft's: each prompt's greedy reply without speculation
-
-        def oracle(context, k):
-            return replies.get(tuple(context[:args.prompt]), [])[len(context) - args.prompt:][:k]
-
-        drafts = {"oracle": oracle, "prompt-lookup": PromptLookup()}
+        # Drafted on the devices; the oracle's replies are an argument of its steps: these stand in (of
+        # their shape) for the warm-up, the run without speculation's replace them.
+        drafts = {"oracle": KnownReplies([[0] * args.prompt] * c, [[0] * args.new] * c, config.vocab_size,
+                                         by_position=True),
+                  "prompt-lookup": PromptLookup()}
         speculating = [d for d in args.draft if d != "none"]
         reuse = len(args.draft) == 1  # several runs send the same prompts: a later one would find them cached
         engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
                         max_waiting=c, kernels=kernels, draft=drafts[speculating[0]] if speculating else None,
                         draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c,
+                        speculate_steps=args.speculate_steps,
                         prefix_reuse=reuse)
         speculation = engine.speculation
         t = time.perf_counter()
         engine.warm_up()
+        for draft in speculating[1:]:  # each draft's checked steps (the first's are the engine's)
+            speculation.use(drafts[draft])
+            speculation.warm_up(engine)
         warm = time.perf_counter() - t
         # One request end to end, outside the timings (the first steps' host paths).
         engine.submit(prompt[0], Settings(max_new_tokens=4))
@@ -150,7 +154,7 @@ def run_jax(args) -> dict:
             # Speculation is switched per run over one engine (compiled once): off, or this draft.
             engine.speculation = None if draft == "none" else speculation
             if draft != "none":
-                speculation.draft = drafts[draft]
+                speculation.use(drafts[draft])
             before = engine.metrics.snapshot()
             prompts, at = workload(config.vocab_size, c, arrivals, args)
             requests = [None] * c
@@ -168,6 +172,8 @@ def run_jax(args) -> dict:
             assert all(len(r.output_ids) == args.new for r in requests)
             if draft == "none":
                 replies.update((tuple(p), list(r.output_ids)) for p, r in zip(prompts, requests))
+                drafts["oracle"] = KnownReplies(prompts, [r.output_ids for r in requests], config.vocab_size,
+                                                by_position=True)
             elif "none" in args.draft:  # greedy: the same tokens, but for bf16 near-ties over k + 1 positions
                 outs = [replies[tuple(p)] for p in prompts]
                 agree = [_agree(o, r.output_ids) for o, r in zip(outs, requests)]
@@ -178,6 +184,7 @@ def run_jax(args) -> dict:
                 out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
             s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft,
+                     speculate_steps=speculation and speculation.most,
                      prefix_reuse=reuse, profile=folder)
             after = engine.metrics.snapshot()
             for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
@@ -405,6 +412,8 @@ def main() -> None:
                         help="weights whose greedy tokens have wide margins (speculative.py's `conditioned`): random "
                              "weights' near-ties part a speculated reply from the plain one at its first step")
     parser.add_argument("--draft-tokens", type=int, default=3, help="drafted tokens a step")
+    parser.add_argument("--speculate-steps", type=int, default=4,
+                        help="checked steps a call at most, drafted on the device (1: a call each step)")
     parser.add_argument("--speculate-rows", type=int, default=0,
                         help="speculate in steps of at most this many decoding sequences (0: every step, up to c)")
     parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")

@@ -216,3 +216,67 @@ def _draw(key, *, shape, offset, scale, dtype, sharding):
     """offset + scale * N(0, 1), drawn in the layout `sharding` (None: the default device)."""
     x = (offset + scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+class KnownReplies:
+    """A draft source for tests and benchmarks that knows each prompt's reply (computed beforehand): it
+    proposes the reply's next tokens where the context is a known prompt followed by a prefix of its
+    reply, and nothing elsewhere; with `wrong_every` n, every n-th token of a reply (by its position
+    there) is proposed off by one; `by_position`: the reply's tokens at the context's position once
+    the prompt matches, whatever the reply so far (an oracle that survives a near-tie's swap in
+    bfloat16). On the host (`draft(context, k)`) and on the devices (`propose`),
+    alike. On the devices its table of replies is an argument of the steps (`arrays`), so that two
+    sources of the same shapes share their compiled steps."""
+
+    def __init__(self, prompts, replies, vocab: int, wrong_every: int = 0, by_position: bool = False):
+        self.known = [(list(p), list(r)) for p, r in zip(prompts, replies)]
+        self.vocab, self.wrong_every, self.by_position = vocab, wrong_every, by_position
+        width = max(len(p) + len(r) for p, r in self.known)
+        table = np.full((len(self.known), width), -1, np.int32)  # [N, W] prompt then reply
+        for i, (p, r) in enumerate(self.known):
+            table[i, :len(p) + len(r)] = p + r
+        self._arrays = {"table": table, "starts": np.array([len(p) for p, _ in self.known], np.int32),
+                        "ends": np.array([len(p) + len(r) for p, r in self.known], np.int32)}
+        self._key = (type(self), table.shape, vocab, wrong_every, by_position)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, KnownReplies) and self._key == other._key
+
+    def arrays(self) -> dict:
+        """The table of prompts and replies [N, W], where each reply starts and ends [N]."""
+        return self._arrays
+
+    def _wrong(self, xp, tokens, at):
+        """Tokens at these positions of their replies, every `wrong_every`-th off by one (xp: np or jnp)."""
+        n = self.wrong_every
+        return xp.where(at % n == n - 1, (tokens + 1) % self.vocab, tokens) if n else tokens
+
+    def __call__(self, context, k: int) -> list[int]:
+        context = list(context)
+        for prompt, reply in self.known:
+            j = len(context) - len(prompt)
+            compared = len(prompt) if self.by_position else len(context)
+            if j >= 0 and context[:compared] == (prompt + reply)[:compared]:
+                draft = np.asarray(reply[j:j + k], np.int64)
+                return self._wrong(np, draft, np.arange(j, j + len(draft))).tolist()
+        return []
+
+    def propose(self, history: jax.Array, lengths: jax.Array, k: int, arrays: dict | None = None):
+        """history [B, L] of which the first lengths [B] are each row's context; arrays: `arrays()`, on
+        the devices (None: these) -> (drafts [B, k], how many are proposed [B])."""
+        arrays = arrays or self._arrays
+        table, starts, ends = (jnp.asarray(arrays[x]) for x in ("table", "starts", "ends"))
+        N, W = table.shape
+        P = min(W, history.shape[1])
+        seen = jnp.minimum(lengths[:, None], starts[None]) if self.by_position else lengths[:, None]  # [B, N]
+        before = jnp.arange(P)[None, None] < seen[..., None]  # [B, N, P]: the positions compared
+        same = ((table[None, :, :P] == history[:, None, :P]) | ~before).all(axis=-1)  # [B, N]
+        ok = same & (lengths[:, None] >= starts[None]) & (lengths[:, None] <= ends[None])
+        n = jnp.argmax(ok, axis=1)  # the first known sequence the context follows
+        at = lengths[:, None] + jnp.arange(k)[None]  # [B, k]
+        drafts = self._wrong(jnp, table[n[:, None], jnp.clip(at, 0, W - 1)], at - starts[n][:, None])
+        count = jnp.where(ok.any(axis=1), jnp.clip(ends[n] - lengths, 0, k), 0)
+        return drafts, count.astype(jnp.int32)

@@ -22,6 +22,7 @@ from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, Settings
 from gptoss_jax.serving import pages as pages_module
 from gptoss_jax.serving.pages import Pages, chain, extend_hashes
+from gptoss_jax.testing import KnownReplies
 
 MAX_LEN = 256
 GREEDY = Sampling(temperature=0.0)
@@ -314,11 +315,12 @@ def test_a_pool_too_small_for_everything_running_preempts_and_every_request_comp
     assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
 
 
-def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model, alone):
+@pytest.mark.parametrize("where", ["host", "devices"])
+def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model, alone, where):
     """As above, with every step of up to four sequences checking 3 drafted tokens (right but for every
-    third): a step's drafted positions take pages, preempting where the pool runs out; sliding pages
-    leave as the window passes; every request still gets its tokens alone, and every page is given
-    back."""
+    third), drafted on the host or on the devices (four checked steps a call: a chunk's positions): a
+    step's drafted positions take pages, preempting where the pool runs out; sliding pages leave as
+    the window passes; every request still gets its tokens alone, and every page is given back."""
     config, params = model
     prompts = [_tokens(config, 500 + i, 40 + 10 * i) for i in range(4)]
     replies = {tuple(p): alone(p, 40) for p in prompts}
@@ -330,7 +332,11 @@ def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model,
                 return [t if (j + i) % 3 else (t + 1) % config.vocab_size for i, t in enumerate(reply[j:j + k])]
         return []
 
+    if where == "devices":
+        draft = KnownReplies(prompts, [replies[tuple(p)] for p in prompts], config.vocab_size, wrong_every=3,
+                             by_position=True)
     engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, draft=draft)
+    assert engine.speculation.most == (4 if where == "devices" else 1)
     requests = [engine.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]
     most = 0
     while engine.step():  # the sliding pages out of the window are released after speculated steps too

@@ -9,6 +9,8 @@ The model is the tiny config in float32 (a 16-token window), replies run past th
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +22,10 @@ from gptoss_jax.serving import Engine, Settings
 from gptoss_jax.serving import speculation as speculation_module
 from gptoss_jax.serving.request import Request
 from gptoss_jax.serving.scheduler import Seq
-from gptoss_jax.serving.speculation import Speculation, accept_rows, row_probabilities
+from gptoss_jax.serving.checked_steps import MOST_WAIT, accept_rows, row_probabilities
+from gptoss_jax.serving.speculation import Speculation
 from gptoss_jax.speculative import PromptLookup
+from gptoss_jax.testing import KnownReplies
 
 MAX_LEN = 512  # the engine and Generator as tests/test_serving.py has them: their steps compile once
 GREEDY = Sampling(temperature=0.0)
@@ -40,22 +44,33 @@ def traffic(tiny_f32):
     return prompts, budgets, want
 
 
-class Oracle:
-    """Drafts the reply each prompt gives alone; with `wrong_every` n, every n-th drafted token (by its
-    position in the reply) is off by one."""
+def Oracle(prompts, want, vocab: int, wrong_every: int = 0, where: str = "host"):
+    """Drafts the reply each prompt gives alone (testing.KnownReplies); with `wrong_every` n, every n-th
+    drafted token (by its position in the reply) is off by one. where: "host" (drafts read from the
+    host each step, speculation.py) or "devices" (several checked steps a call, checked_steps.py)."""
+    known = KnownReplies(prompts, want, vocab, wrong_every)
+    return on_host(known) if where == "host" else known
 
-    def __init__(self, prompts, want, vocab: int, wrong_every: int = 0):
-        self.known, self.vocab, self.wrong_every = list(zip(prompts, want)), vocab, wrong_every
 
-    def __call__(self, context, k):
-        context = list(context)
-        for prompt, reply in self.known:
-            j = len(context) - len(prompt)
-            if j >= 0 and context == prompt + reply[:j]:
-                draft = reply[j:j + k]
-                n = self.wrong_every
-                return [(t + 1) % self.vocab if n and (j + i) % n == n - 1 else t for i, t in enumerate(draft)]
-        return []
+def on_host(draft):
+    """The draft source without its `propose`: the engine drafts with it on the host."""
+    return lambda context, k: draft(context, k)
+
+
+@contextlib.contextmanager
+def compile_events():
+    """The durations of JAX's compilations while the block runs."""
+    compiles, listening = [], [True]
+
+    def listen(event, duration, **_):
+        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        listening[0] = False
 
 
 def engine_with(model, draft, **kw):
@@ -71,22 +86,16 @@ def run(engine, prompts, settings):
     return [r.output_ids for r in requests]
 
 
-def test_nothing_compiles_after_warm_up(tiny_f32):
+@pytest.mark.parametrize("where", ["devices", "host"])
+def test_nothing_compiles_after_warm_up(tiny_f32, where):
     """Greedy and sampled requests, some with log-probabilities or a logit bias (not speculated), one to
-    eight decoding at once, drafts found and not: no compile event after warm_up. (First: the steps
-    it compiles serve the tests below.)"""
+    eight decoding at once, drafts found and not, drafted on the devices and on the host: no compile
+    event after warm_up. (First: the steps it compiles serve the tests below.)"""
     config, _ = tiny_f32
-    engine = engine_with(tiny_f32, PromptLookup())
+    engine = engine_with(tiny_f32, PromptLookup() if where == "devices" else on_host(PromptLookup()))
     engine.warm_up()
-    compiles, listening = [], [True]
-
-    def listen(event, duration, **_):
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
     rng = np.random.default_rng(1)
-    try:
+    with compile_events() as compiles:
         for i in range(24):
             sampling = [GREEDY, Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=20, top_p=0.9)][i % 3]
             prompt = ([int(x) for x in rng.integers(0, 50, 4)] * 6) if i % 2 else rng.integers(
@@ -97,18 +106,18 @@ def test_nothing_compiles_after_warm_up(tiny_f32):
             if i % 4 == 3:
                 engine.run_until_idle()
         engine.run_until_idle()
-    finally:
-        listening[0] = False
     assert compiles == []
     assert engine.stats()["speculative_steps"] > 0
 
 
+@pytest.mark.parametrize("where", ["host", "devices"])
 @pytest.mark.parametrize("wrong_every, k", [(0, 3), (0, 1), (2, 3), (3, 3), (1, 3)])
-def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, traffic, wrong_every, k):
-    """Drafts always right (every draft accepted), partly right, always wrong (none accepted): the
-    tokens are those of each request alone, 7 requests at once, then 2 (decode sizes 8 and 2)."""
+def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, traffic, wrong_every, k, where):
+    """Drafts always right (every draft accepted), partly right, always wrong (none accepted), drafted on
+    the host or on the devices: the tokens are those of each request alone, 7 requests at once, then 2
+    (decode sizes 8 and 2)."""
     prompts, budgets, want = traffic
-    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size, wrong_every), draft_tokens=k)
+    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size, wrong_every, where), draft_tokens=k)
     got = run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets])
     assert got == want
     stats = engine.stats()
@@ -122,9 +131,11 @@ def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, tra
         assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]
 
 
-def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic):
+@pytest.mark.parametrize("where", ["host", "devices"])
+def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic, where):
     """Sequences over `data`, experts over `expert`, heads over `tensor` (8 CPU devices), drafts right
-    but for every 3rd token: each request's tokens alone, drafts accepted and rejected."""
+    but for every 3rd token, on the host or the devices: each request's tokens alone, drafts accepted
+    and rejected."""
     import gptoss_jax as gj
     from gptoss_jax.params import param_shardings
 
@@ -132,25 +143,31 @@ def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic):
     config, params = tiny_f32
     mesh = gj.make_mesh(data=2, expert=2, tensor=2)
     engine = engine_with((config, jax.device_put(params, param_shardings(config, mesh))),
-                         Oracle(prompts, want, config.vocab_size, wrong_every=3))
+                         Oracle(prompts, want, config.vocab_size, 3, where))
     assert engine.mesh is mesh
-    assert run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets]) == want
+    engine.warm_up()
+    with compile_events() as compiles:
+        assert run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets]) == want
+    assert compiles == []  # the steps keep their layouts on the mesh, call after call
     assert 0 < engine.stats()["accepted_draft_tokens"] < engine.stats()["draft_tokens"]
 
 
-def test_prompt_lookup_and_stops(tiny_f32, traffic):
+@pytest.mark.parametrize("where", ["host", "devices"])
+def test_prompt_lookup_and_stops(tiny_f32, traffic, where):
     """Prompt lookup drafts from the repetitive prompt; a stop token ends a reply at it even where it
-    was accepted inside a draft (the tokens after it are dropped)."""
+    was accepted inside a draft (the tokens after it are dropped), or, drafted on the devices, where
+    the call ran on past it."""
     prompts, budgets, want = traffic
     config, params = tiny_f32
-    engine = engine_with(tiny_f32, PromptLookup())
+    engine = engine_with(tiny_f32, PromptLookup() if where == "devices" else on_host(PromptLookup()))
     assert run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets]) == want
     assert engine.stats()["draft_tokens"] > 0
-    oracle = engine_with(tiny_f32, Oracle(prompts, want, config.vocab_size), draft_tokens=5)
+    oracle = engine_with(tiny_f32, Oracle(prompts, want, config.vocab_size, where=where), draft_tokens=5)
     stop = want[0][12]
     request = oracle.submit(prompts[0], Settings(max_new_tokens=budgets[0], sampling=GREEDY, stop_ids=(stop,)))
     oracle.run_until_idle()
     assert request.finish_reason == "stop" and request.output_ids == want[0][:want[0].index(stop) + 1]
+    assert oracle.stats()["pages_in_use"] == 0
 
 
 def test_rows_past_the_bound_decode_one_token_a_step(tiny_f32, traffic):
@@ -231,11 +248,74 @@ def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic, drafts):
         assert 0 < stats["drafting_steps"] <= 5 + new // speculation_module.MOST_WAIT
 
 
+class Steered:
+    """Drafts on the devices from `wrong` until a row's context reaches `turn` tokens, then from `right`;
+    `cut`: the second drafted token of each draft replaced by an id outside the vocabulary."""
+
+    def __init__(self, wrong, right, turn: int, cut: bool = False):
+        self.wrong, self.right, self.turn, self.cut = wrong, right, turn, cut
+
+    def propose(self, history, lengths, k):
+        (w, nw), (r, nr) = self.wrong.propose(history, lengths, k), self.right.propose(history, lengths, k)
+        late = lengths >= self.turn
+        drafts, n = jnp.where(late[:, None], r, w), jnp.where(late, nr, nw)
+        return (drafts.at[:, 1].set(self.right.vocab) if self.cut else drafts), n
+
+
+def test_on_the_devices_a_call_runs_several_steps_and_backs_off(tiny_f32, traffic):
+    """Drafted on the devices, a call runs up to speculate_steps checked steps (so the engine steps are
+    fewer than the checked ones); a sequence whose drafts are all rejected drafts after 1, 2, 4, 8, then
+    every MOST_WAIT steps, and every step again once they are accepted; a draft is cut at its first id
+    outside the vocabulary. The tokens stay the request's alone."""
+    prompts, _, _ = traffic
+    config, params = tiny_f32
+    new, prompt = 80, prompts[1]
+    want = Generator(config, params, max_len=MAX_LEN).generate([prompt], max_new_tokens=new,
+                                                               sampling=GREEDY)[0].output_ids
+    wrong, right = (KnownReplies([prompt], [want], config.vocab_size, n) for n in (1, 0))
+
+    def serve(draft, steps):
+        engine = engine_with(tiny_f32, draft, speculate_steps=steps)
+        request = engine.submit(prompt, Settings(max_new_tokens=new, sampling=GREEDY))
+        calls = 0
+        while engine.step():
+            calls += 1
+        assert request.output_ids == want
+        return calls, engine.stats()
+
+    calls, stats = serve(right, 4)
+    assert stats["accepted_draft_tokens"] == stats["draft_tokens"] >= new * 3 / 4 - 3
+    assert calls < stats["drafting_steps"] / 2, (calls, stats)
+    calls_one, stats_one = serve(right, 1)
+    assert calls_one >= stats_one["drafting_steps"] >= stats["drafting_steps"]
+    _, stats = serve(wrong, 4)  # drafting steps about 1, 2, 4, 8, 16, 32, 48, 64, 80: 3 tokens each at most
+    assert stats["accepted_draft_tokens"] == 0 and 0 < stats["draft_tokens"] <= 3 * (5 + new // MOST_WAIT)
+    assert 0 < stats["speculative_steps"] <= 5 + new // MOST_WAIT
+    _, stats = serve(Steered(wrong, right, len(prompt) + 20), 4)
+    assert stats["accepted_draft_tokens"] >= (new - 20 - MOST_WAIT) * 3 / 4
+    _, stats = serve(Steered(right, right, 0, cut=True), 4)  # one token a draft, accepted
+    assert stats["accepted_draft_tokens"] == stats["draft_tokens"] == stats["speculative_steps"] >= new / 2 - 1
+
+
+def test_on_the_devices_a_call_runs_only_where_a_sequence_comes_due_within_it():
+    """Drafted on the devices, a step speculates where a sequence is due within the steps its call may
+    run: four while nothing else waits, one otherwise; else it decodes as usual (pipelined)."""
+    speculation = Speculation(PromptLookup(), 3, 8, [8], 64, steps=4)
+    assert speculation.on_devices and speculation.most == 4
+    request = Request(0, [1], Settings(max_new_tokens=500), None)
+    seq = Seq(request, 0, [1], [], {}, length=1, queued=0, draft_due=10)
+    assert [speculation.wanted([seq]) for _ in range(8)] == [False] * 6 + [True] * 2  # clocks 1 .. 8
+    assert speculation.ahead(seq) == 16
+    speculation.clock = 0
+    assert [speculation.wanted([seq], alone=False) for _ in range(10)] == [False] * 9 + [True]
+    assert speculation.ahead(seq) == 4
+
+
 def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     """A sequence's drafting steps after misses: 2, 4, 8, then MOST_WAIT steps apart, each wait ending
     on a multiple of its length (sequences waiting as long come due together); an accepted token makes
     it due the next step."""
-    speculation = Speculation(PromptLookup(), 3, 8, [8], 64)
+    speculation = Speculation(on_host(PromptLookup()), 3, 8, [8], 64)
     request = Request(0, [1], Settings(max_new_tokens=500), None)
     seq = Seq(request, 0, [1], [], {}, length=1, queued=0)
     drafted = []
@@ -253,23 +333,25 @@ def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     assert speculation.ahead(seq) == 4
 
 
-def test_sampled_speculation(tiny_f32, traffic):
+@pytest.mark.parametrize("where", ["host", "devices"])
+def test_sampled_speculation(tiny_f32, traffic, where):
     """top-k 1 sampling accepts what greedy does and gives its tokens; a seeded sampled request repeats
     its tokens."""
     prompts, budgets, want = traffic
-    oracle = Oracle(prompts, want, tiny_f32[0].vocab_size, wrong_every=3)
+    oracle = Oracle(prompts, want, tiny_f32[0].vocab_size, 3, where)
     engine = engine_with(tiny_f32, oracle)
     top1 = Sampling(temperature=0.8, top_k=1)
     assert run(engine, prompts[:3], [Settings(max_new_tokens=m, sampling=top1, seed=i) for i, m in
                                      enumerate(budgets[:3])]) == want[:3]
     assert 0 < engine.stats()["accepted_draft_tokens"] < engine.stats()["draft_tokens"]
     sampled = Settings(max_new_tokens=30, sampling=Sampling(temperature=1.0), seed=7)
-    first, again = (run(engine_with(tiny_f32, PromptLookup()), prompts[-1:], [sampled])[0] for _ in range(2))
+    lookup = PromptLookup() if where == "devices" else on_host(PromptLookup())
+    first, again = (run(engine_with(tiny_f32, lookup), prompts[-1:], [sampled])[0] for _ in range(2))
     assert first == again
 
 
 def test_bad_settings(tiny_f32):
-    for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}):
+    for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}, {"speculate_steps": 0}):
         with pytest.raises(ValueError, match="draft_tokens"):
             engine_with(tiny_f32, PromptLookup(), **kw)
 

@@ -96,6 +96,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--speculate-rows", type=int, default=16, metavar="N",
                    help="with --draft: steps speculate only while at most N requests decode; past that a step's "
                         "work grows with its positions and speculation costs throughput (default: %(default)s)")
+    p.add_argument("--speculate-steps", type=int, default=4, metavar="S",
+                   help="with --draft: while no prompt is being prefilled or waits, run up to S checked steps in one "
+                        "call on the device (drafts made there), so that the host's work is paid once a call; no "
+                        "more than --prefill-chunk / (K + 1). A request that stops mid-call has its later tokens "
+                        "dropped; a request that arrives waits at most for the call (default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
                         "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
@@ -145,7 +150,8 @@ def check_flags(args) -> None:
                                ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
                                ("--max-connections", args.max_connections, 1),
                                ("--stored-responses", args.stored_responses, 0),
-                               ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1)):
+                               ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1),
+                               ("--speculate-steps", args.speculate_steps, 1)):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= args.port < 65536:
@@ -360,7 +366,8 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
                     prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer,
                     page_size=args.page_size, kv_memory=kv_memory, prefix_reuse=not args.no_prefix_cache,
                     draft=PromptLookup() if args.draft == "prompt-lookup" else None,
-                    draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows)
+                    draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows,
+                    speculate_steps=args.speculate_steps)
     if main_process:
         _say(kv_cache_line(engine))
     check_pool(engine, max_len)

@@ -37,7 +37,8 @@ class _EngineCollector:
         for key, doc in (("draft_tokens", "drafted tokens checked by speculative steps"),
                          ("accepted_draft_tokens", "drafted tokens the model agreed with"),
                          ("speculative_steps", "steps that checked drafts"),
-                         ("drafting_steps", "steps that waited for the step before's tokens to draft")):
+                         ("drafting_steps", "steps that drafted (on the host: that waited for the step "
+                                            "before's tokens; on the device: every step of a call)")):
             yield CounterMetricFamily(f"gptoss_{key}", doc, value=s[key])
         yield CounterMetricFamily("gptoss_rejected_requests", "requests refused with a full queue",
                                   value=s["rejected"])

@@ -74,15 +74,15 @@ class Engine:
     smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
     where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
-    prefix_reuse=False: every prompt is computed whole (for comparison). draft (a draft source:
-    speculative.py): steps of at most `speculate_rows` decoding sequences check `draft_tokens`
-    drafted tokens each (speculation.py)."""
+    prefix_reuse=False: every prompt is computed whole (for comparison). draft (speculative.py): steps
+    of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, up to
+    `speculate_steps` such steps a call where drafted on the devices (speculation.py)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
                  tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
                  decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True, draft: Draft | None = None,
-                 draft_tokens: int = 3, speculate_rows: int = 16):
+                 draft_tokens: int = 3, speculate_rows: int = 16, speculate_steps: int = 4):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:
@@ -97,7 +97,7 @@ class Engine:
         if self.decode_sizes[-1] != slots or self.decode_sizes[0] < 1:
             raise ValueError(f"decode sizes {self.decode_sizes} must lie in [1, {slots}] and include {slots}")
         self.speculation = None if draft is None else Speculation(draft, draft_tokens, speculate_rows,
-                                                                  self.decode_sizes, prefill_chunk)
+                                                                  self.decode_sizes, prefill_chunk, speculate_steps)
         self.mesh = mesh_of(params)
         self.dtype = params["embedding"].dtype
         self.width = table_width(max_len, page_size)
@@ -291,7 +291,8 @@ class Engine:
         prefilling = [s for s in self.scheduler.admitted if s.prefilling][:self.prefill_shapes[-1]]
         decoding = [s for s in self.scheduler.admitted
                     if not s.prefilling and s.queued < s.request.settings.max_new_tokens]
-        speculate = self.speculation is not None and self.speculation.wanted(decoding)
+        alone = not (prefilling or self._waiting or self.scheduler.preempted)  # a call may run several steps
+        speculate = self.speculation is not None and self.speculation.wanted(decoding, alone)
         prefilling, decoding = self.scheduler.make_room(prefilling, decoding,
                                                         self.speculation.ahead if speculate else None)
         self._send_table_writes()

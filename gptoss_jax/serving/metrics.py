@@ -19,7 +19,8 @@ class Metrics:
         self.preemptions = 0  # sequences sent back to waiting when the KV cache ran out of pages
         self.generated_tokens = 0
         self.draft_tokens = self.accepted_draft_tokens = self.speculative_steps = 0  # speculation.py
-        self.drafting_steps = 0  # steps that read the step before's tokens to draft (checked or not)
+        self.drafting_steps = 0  # steps that drafted: on the host, reading the step before's tokens; on the
+        # devices, every step of a call (checked or not)
         self.finished = collections.Counter()  # finish reason -> requests
         self.rejected = 0  # submissions refused because the queue was full
         self.time_to_first_token = collections.deque(maxlen=WINDOW)

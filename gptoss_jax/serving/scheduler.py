@@ -46,6 +46,7 @@ class Seq:
     released: int = 0  # its sliding pages before this one are released (out of the window)
     draft_due: int = 0  # speculation.py: the engine step from which it drafts again
     draft_misses: int = 0  # speculation.py: its drafting steps since one accepted a drafted token
+    drafted_from: int = 0  # speculation.py: its tokens (prompt and reply) in the history on the devices
 
     @property
     def prefilling(self) -> bool:

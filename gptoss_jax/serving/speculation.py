@@ -6,20 +6,26 @@ the rule), and a sequence gains every drafted token the model agrees with, then 
 
 A step speculates when at most `speculate_rows` sequences decode, none of them asks for
 log-probabilities or adjusted logits (logit bias, penalties, a grammar: those need the counts and
-masks of every token picked, one step at a time), and one of them is due to draft; otherwise, and
-when no sequence has a draft, the step decodes one token each as usual. Past that many rows a
+masks of every token picked, one step at a time), and one of them is due to draft (drafted on the
+devices: within the steps the call may run); otherwise, and when no sequence has a draft, the step
+decodes one token each as usual. Past that many rows a
 step's work grows with its positions (the GPU's compute, not the weights' reading, bounds it),
 which is where vLLM's and SGLang's users found speculation costs throughput.
 
 Nothing of a rejected draft needs undoing in the paged cache: attention never reads a position at
 or past a sequence's length (paged_cache.py), and the next step writes its own tokens over the
-rejected ones before anything reads them. The step is synchronous: the drafts follow the tokens of
-the step before, so those are read first (the decode steps' pipelining is given up for the step,
-also where no sequence then has a draft and the step decodes one token each). So a sequence whose
-draft was empty or wholly rejected waits before it drafts again, at most 2, 4, 8, then `MOST_WAIT`
-steps (each wait ends on a multiple of its length, so the waiting sequences come due together); one
-accepted drafted token makes it draft every step again. Over text that repeats nothing, once its
-sequences have backed off that far, at most one step in `MOST_WAIT` waits for its tokens. A new
+rejected ones before anything reads them.
+
+A draft source that proposes on the devices (`propose(history, lengths, k)`, as `PromptLookup`
+has) runs up to `steps` checked steps a call there while nothing else waits to run
+(checked_steps.py): the host reads the call's tokens once. A source on the host makes each step
+synchronous: the drafts follow the tokens of the step before, so those are read first (the decode
+steps' pipelining is given up for the step, also where no sequence then has a draft and the step
+decodes one token each). On either path a sequence whose draft was empty or wholly rejected waits
+before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps (each wait ends on a multiple of
+its length, so the waiting sequences come due together); one accepted drafted token makes it draft
+every step again. Over text that repeats nothing, once its sequences have backed off that far, at
+most one step in `MOST_WAIT` waits for its tokens (on the host) or checks k + 1 positions. A new
 sequence (and one taken back after a preemption) drafts at once.
 
 Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
@@ -41,26 +47,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..model import Transformer
-from ..sampling import MODES, filtered_rows
+from ..sampling import MODES
 from ..sharding import everywhere
-from ..speculative import Draft, accept_sampled
+from ..speculative import Draft
 from . import steps
+from .checked_steps import MOST_WAIT, accept_rows, check_steps, row_probabilities, write_history
 
 
 def speculable(settings) -> bool:
     """Whether a request's steps may be speculated: no log-probabilities, nothing adjusting its logits."""
     return settings.logprobs is None and not steps.adjusted(settings)
-
-
-def row_probabilities(logits, temperature, top_k, top_p, min_p, mode: str):
-    """logits [N, V], each row's settings [N] -> the probabilities [N, V] its token is drawn from
-    (`sample_rows`'s); a greedy row's are 1 at its argmax."""
-    V = logits.shape[-1]
-    greedy = jax.nn.one_hot(jnp.argmax(logits.astype(jnp.float32), axis=-1), V, dtype=jnp.float32)
-    if mode == "greedy":
-        return greedy
-    drawn = jax.nn.softmax(filtered_rows(logits, temperature, top_k, top_p, min_p, mode), axis=-1)
-    return jnp.where((temperature > 0)[:, None], drawn, greedy)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
@@ -95,36 +91,49 @@ def accept_checked(mesh, mode, logits, last, tokens, plan, settings):
     return everywhere(accepted, mesh), everywhere(nxt, mesh), everywhere(last, mesh)
 
 
-def accept_rows(seeds, sample_steps, target, drafted, valid):
-    """`accept_sampled` row by row, row b with the key fold_in(key(seeds[b]), sample_steps[b]): target
-    [B, T, V], drafted and valid [B, T - 1] -> (accepted [B], the next token [B])."""
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, sample_steps)
-    accepted, nxt = jax.vmap(lambda k, p, d, v: accept_sampled(k, p[None], d[None], v[None]))(
-        keys, target, drafted, valid)  # [B, 1] each
-    return accepted[:, 0], nxt[:, 0]
-
-
-MOST_WAIT = 16  # engine steps at most between a sequence's drafts after a run of misses
+HISTORY_WRITES = 4096  # history entries set by one call (a long prompt takes several)
 
 
 class Speculation:
     """An engine's speculative decoding (see the module): drafts from `draft`, k = `tokens` a step, for
     steps of at most `rows` decoding sequences, checked `sizes` rows at a time (the engine's decode
-    sizes up to the first that holds `rows`)."""
+    sizes up to the first that holds `rows`). A draft that proposes on the devices runs up to `steps`
+    checked steps a call while nothing else waits to run (no more than prefill_chunk // (k + 1):
+    the positions a call may write), checked_steps.py."""
 
-    def __init__(self, draft: Draft, tokens: int, rows: int, decode_sizes: list[int], prefill_chunk: int):
-        if not (1 <= tokens < prefill_chunk and rows >= 1):  # (the pool's bound on a sequence's sliding pages)
-            raise ValueError(f"speculation takes 1 <= draft_tokens < prefill_chunk ({prefill_chunk}) and "
-                             f"speculate_rows >= 1, got {tokens} and {rows}")
-        self.draft, self.k, self.rows = draft, tokens, min(rows, decode_sizes[-1])
+    def __init__(self, draft: Draft, tokens: int, rows: int, decode_sizes: list[int], prefill_chunk: int,
+                 steps: int = 4):
+        if not (1 <= tokens < prefill_chunk and rows >= 1 and steps >= 1):
+            # (the pool's bound on a sequence's sliding pages)
+            raise ValueError(f"speculation takes 1 <= draft_tokens < prefill_chunk ({prefill_chunk}), "
+                             f"speculate_rows >= 1 and speculate_steps >= 1, got {tokens}, {rows} and {steps}")
+        self.k, self.rows = tokens, min(rows, decode_sizes[-1])
         self.sizes = [b for b in decode_sizes if b < self.rows] + [next(b for b in decode_sizes if b >= self.rows)]
-        self.clock = 0  # engine steps so far (`wanted` is asked once a step)
+        self._steps = max(1, min(steps, prefill_chunk // (tokens + 1)))
+        self.use(draft)
+        self.now = 1  # checked steps the coming call may run
+        self.history = None  # [slots, max_len] each row's tokens so far, on the devices (drafted there)
+        self.clock = 0  # engine steps so far (`wanted` is asked once a step; a call of several counts them all)
 
-    def wanted(self, decoding) -> bool:
-        """Whether this step of these decoding sequences speculates (their tokens not read yet)."""
+    @property
+    def draft(self) -> Draft:
+        return self._source
+
+    def use(self, draft: Draft) -> None:
+        """Draft with this source from the next step on (a source that proposes on the devices, of
+        another kind or shape than the last warmed up, compiles its steps at its first call)."""
+        self._source = draft
+        self.on_devices = callable(getattr(draft, "propose", None))
+        self.most = self._steps if self.on_devices else 1
+        self._arrays = None  # (the draft, its arrays on the devices) once placed
+
+    def wanted(self, decoding, alone: bool = True) -> bool:
+        """Whether this step of these decoding sequences speculates (their tokens not read yet); alone:
+        nothing else waits to run, so that a call may run several checked steps."""
         self.clock += 1
+        self.now = self.most if alone else 1
         return (0 < len(decoding) <= self.rows and all(speculable(s.request.settings) for s in decoding)
-                and any(self._due(s) for s in decoding))
+                and any(s.draft_due < self.clock + self.now for s in decoding))  # one is due within the call
 
     def _due(self, seq) -> bool:
         return seq.draft_due <= self.clock
@@ -138,11 +147,20 @@ class Speculation:
 
     def ahead(self, seq) -> int:
         """Positions a speculated step of the sequence may write: its latest token and, where it is due
-        to draft, its draft."""
+        to draft, its draft (drafted on the devices: those of every step the call may run)."""
+        if self.on_devices:  # any of the call's steps may draft
+            return min(self.now * (self.k + 1), seq.request.settings.max_new_tokens - seq.queued)
         return min(self.k + 1 if self._due(seq) else 1, seq.request.settings.max_new_tokens - seq.queued)
 
     def warm_up(self, engine) -> str:
         """Compile the checked steps (padding rows only: nothing changes) -> what was compiled."""
+        if self.on_devices:
+            for B in self.sizes:
+                jax.block_until_ready(self._check_steps(engine, [None] * B, 0))
+            padding = engine._put(np.full((3, HISTORY_WRITES), engine.slots, np.int32))  # dropped
+            self.history = write_history(self._history(engine), padding)
+            return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions (or 1), up to "
+                    f"{self.most} a call, drafted on the devices")
         for B in self.sizes:
             for mode in MODES:
                 jax.block_until_ready(self._check(engine, [None] * B, np.zeros((B, self.k + 1), np.int32), [0] * B,
@@ -174,10 +192,13 @@ class Speculation:
 
     def step(self, engine, decoding) -> None:
         """Check the drafts of these sequences (the step before's tokens read: those that ended are
-        left out) and hand out their tokens; where none has a draft, queue a decode step instead."""
+        left out) and hand out their tokens; drafted on the host, where none has a draft, queue a
+        decode step instead; drafted on the devices, run the call's steps (`_step_on_devices`)."""
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if any(len(s.request.output_ids) != s.queued for s in live):
             raise RuntimeError("a speculated step needs every token sampled before it read")
+        if self.on_devices:
+            return self._step_on_devices(engine, live)
         due = [self._due(s) for s in live]
         drafts = [self._draft(s, engine.config.vocab_size) if d else [] for s, d in zip(live, due)]
         engine.metrics.drafting_steps += 1
@@ -209,4 +230,79 @@ class Speculation:
                 if engine.scheduler.rows[seq.row] is seq:
                     engine._emit(seq, token)
             if engine.scheduler.rows[seq.row] is seq:
+                engine.scheduler.after_step(seq)
+
+    # Drafted on the devices, several checked steps a call (checked_steps.py) ------------------------------
+
+    def _check_steps(self, engine, seqs, steps: int, mode: str = "greedy"):
+        """check_steps over these rows (None: padding), at most `steps` -> its outputs, on the devices."""
+        plan = np.array([[engine.slots if s is None else s.row for s in seqs],
+                         [0 if s is None else s.length for s in seqs],
+                         [0 if s is None else s.request.settings.max_new_tokens - s.queued for s in seqs],
+                         [0 if s is None else s.queued for s in seqs],
+                         [0 if s is None else s.draft_misses for s in seqs],
+                         [0 if s is None else s.draft_due for s in seqs]], np.int32)
+        settings = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[0]
+        run = np.array([steps, self.clock, MODES.index(mode)], np.int32)
+        has_arrays = callable(getattr(self.draft, "arrays", None))
+        if has_arrays and (self._arrays is None or self._arrays[0] is not self.draft):
+            self._arrays = (self.draft, jax.tree.map(engine._put, self.draft.arrays()))
+        *out, engine._pool, self.history, engine._last = check_steps(
+            *engine._model, self.draft, self.k, self.most, engine.params, engine._pool, engine._tables,
+            self._history(engine), engine._last, engine._put(plan), settings, engine._put(run),
+            None if self._arrays is None else self._arrays[1])
+        return out
+
+    def _history(self, engine):
+        """The history on the devices: made at the first call, and again after a failed call consumed it
+        (the engine's rows were reset then, so each sequence's tokens are written again)."""
+        if self.history is None or self.history.is_deleted():
+            self.history = engine._put(np.zeros((engine.slots, engine.max_len), np.int32))
+        return self.history
+
+    def _sync_history(self, engine, live) -> None:
+        """Each sequence's tokens that the history on the devices lacks (a new one's prompt, the tokens
+        of steps outside these calls) written there."""
+        writes = []
+        for seq in live:
+            prompt, reply = seq.request.prompt_ids, seq.request.output_ids
+            at = seq.drafted_from
+            new = prompt[at:] + reply[max(at - len(prompt), 0):]  # (the tokens after the last call's: few)
+            writes += [(seq.row, p, t) for p, t in enumerate(new, at)]
+            seq.drafted_from = at + len(new)
+        for at in range(0, len(writes), HISTORY_WRITES):
+            part = np.full((3, HISTORY_WRITES), engine.slots, np.int32)  # row `slots`: padding, dropped
+            part[:, :len(writes[at:at + HISTORY_WRITES])] = np.array(writes[at:at + HISTORY_WRITES], np.int32).T
+            self.history = write_history(self._history(engine), engine._put(part))
+
+    def _step_on_devices(self, engine, live) -> None:
+        """Up to `now` checked steps of these sequences in one call, then their tokens handed out."""
+        if not live:
+            return
+        self._sync_history(engine, live)
+        B = next(b for b in self.sizes if b >= len(live))
+        mode = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[1]
+        out = self._check_steps(engine, live + [None] * (B - len(live)), self.now, mode)
+        try:
+            new, counts, drafted, accepted, misses, due, ran = (np.asarray(x) for x in out)
+        except Exception:  # a failed call's outputs carry its error: the engine resets its rows
+            self.history = None
+            raise
+        ran = int(ran)
+        metrics = engine.metrics
+        metrics.drafting_steps += ran
+        metrics.speculative_steps += int((drafted[:ran] > 0).any(axis=1).sum())
+        self.clock += ran - 1
+        for i, seq in enumerate(live):
+            total = int(counts[:ran, i].sum())
+            metrics.draft_tokens += int(drafted[:ran, i].sum())
+            metrics.accepted_draft_tokens += int(accepted[:ran, i].sum())
+            seq.length, seq.queued = seq.length + total, seq.queued + total
+            seq.draft_misses, seq.draft_due = int(misses[i]), int(due[i])
+            for token in new[:ran, i][np.arange(self.k + 1)[None] < counts[:ran, i, None]]:
+                if engine.scheduler.rows[seq.row] is not seq:
+                    break
+                engine._emit(seq, int(token))
+            if engine.scheduler.rows[seq.row] is seq:
+                seq.drafted_from = len(seq.request.prompt_ids) + len(seq.request.output_ids)
                 engine.scheduler.after_step(seq)
