@@ -166,10 +166,7 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         else:
             proposed, n, state = draft.propose_from(draft_params, params["embedding"], state, k, kernels=kernels,
                                                     mesh=mesh)
-        proposed = proposed.astype(jnp.int32)
-        in_vocab = jnp.cumprod(((proposed >= 0) & (proposed < config.vocab_size)).astype(jnp.int32), axis=1).sum(1)
-        n = jnp.where(active, jnp.clip(jnp.minimum(n, in_vocab), 0, budget - 1), 0)  # cut at an id outside
-        proposed = jnp.where(at[None, :k] < n[:, None], proposed, 0)  # unchecked positions: any id in range
+        proposed, n = fit_drafts(proposed, n, active, budget, config.vocab_size)
         last = history[rows, lengths - 1]
         tokens = jnp.concatenate([last[:, None], proposed], axis=1)  # [B, T]
         valid = active[:, None] & (at[None] <= n[:, None])
@@ -182,7 +179,7 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
         accepted, nxt, cache, *states = jax.lax.cond((n > 0).any(), lambda: check(k + 1), lambda: check(1))
         if state is not None:
             state = draft.observe(state, tokens, valid, accepted, nxt, *states)
-        new = jnp.where(at[None] < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])  # [B, T]
+        new = step_tokens(tokens, accepted, nxt)
         count = jnp.where(active, accepted + 1, 0)
         stops = is_stop[new] & (at[None] < count[:, None])
         first_stop = jnp.where(stops.any(axis=1), jnp.argmax(stops, axis=1) + 1, count)
@@ -202,6 +199,24 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
     history, lengths, active, budget, cache, draft_state = carry
     return (*(everywhere(x, mesh) for x in (new, counts, drafted, kept, history, lengths, active, budget)), cache,
             everywhere(step + steps, mesh), jax.tree.map(lambda x: everywhere(x, mesh), draft_state))
+
+
+def fit_drafts(proposed, n, allowed, budget, vocab: int):
+    """Drafts [B, k] of which a source proposes the first n [B] -> (drafts [B, k] int32, how many are
+    checked [B]): none where not `allowed` [B], cut at the first id outside the vocabulary (a source's
+    bug must not reach the cache) and to what the budget [B] leaves after the step's own token; the
+    positions past them 0 (any id in range: they are not checked)."""
+    proposed = proposed.astype(jnp.int32)
+    in_vocab = jnp.cumprod(((proposed >= 0) & (proposed < vocab)).astype(jnp.int32), axis=1).sum(1)
+    n = jnp.where(allowed, jnp.clip(jnp.minimum(n, in_vocab), 0, budget - 1), 0)
+    return jnp.where(jnp.arange(proposed.shape[1])[None] < n[:, None], proposed, 0), n
+
+
+def step_tokens(tokens, accepted, nxt):
+    """tokens [B, T]: each row's last token then its draft; accepted [B], nxt [B] -> the step's new
+    tokens [B, T]: the accepted drafts then the model's next token (the first accepted + 1 are new)."""
+    at = jnp.arange(tokens.shape[1])[None]
+    return jnp.where(at < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])
 
 
 def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:

@@ -224,9 +224,9 @@ class KnownReplies:
     reply, and nothing elsewhere; with `wrong_every` n, every n-th token of a reply (by its position
     there) is proposed off by one; `by_position`: the reply's tokens at the context's position once
     the prompt matches, whatever the reply so far (an oracle that survives a near-tie's swap in
-    bfloat16). On the host (`draft(context, k)`) and on the devices (`propose`),
-    alike. On the devices its table of replies is an argument of the steps (`arrays`), so that two
-    sources of the same shapes share their compiled steps."""
+    bfloat16). On the host (`draft(context, k)`) and on the devices (`propose`), alike. On the
+    devices its table of replies is an argument of the steps (`arrays`), so that two sources of the
+    same shapes share their compiled steps."""
 
     def __init__(self, prompts, replies, vocab: int, wrong_every: int = 0, by_position: bool = False):
         self.known = [(list(p), list(r)) for p, r in zip(prompts, replies)]

@@ -324,17 +324,9 @@ def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model,
     config, params = model
     prompts = [_tokens(config, 500 + i, 40 + 10 * i) for i in range(4)]
     replies = {tuple(p): alone(p, 40) for p in prompts}
-
-    def draft(context, k):
-        for prompt, reply in replies.items():
-            j = len(context) - len(prompt)
-            if j >= 0 and tuple(context[:len(prompt)]) == prompt:
-                return [t if (j + i) % 3 else (t + 1) % config.vocab_size for i, t in enumerate(reply[j:j + k])]
-        return []
-
-    if where == "devices":
-        draft = KnownReplies(prompts, [replies[tuple(p)] for p in prompts], config.vocab_size, wrong_every=3,
-                             by_position=True)
+    known = KnownReplies(prompts, [replies[tuple(p)] for p in prompts], config.vocab_size, wrong_every=3,
+                         by_position=True)
+    draft = known if where == "devices" else (lambda context, k: known(context, k))  # (no `propose`: the host)
     engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, draft=draft)
     assert engine.speculation.most == (4 if where == "devices" else 1)
     requests = [engine.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]

@@ -287,7 +287,7 @@ def test_on_the_devices_a_call_runs_several_steps_and_backs_off(tiny_f32, traffi
     assert stats["accepted_draft_tokens"] == stats["draft_tokens"] >= new * 3 / 4 - 3
     assert calls < stats["drafting_steps"] / 2, (calls, stats)
     calls_one, stats_one = serve(right, 1)
-    assert calls_one >= stats_one["drafting_steps"] >= stats["drafting_steps"]
+    assert calls_one >= stats_one["drafting_steps"] > 0  # one checked step a call
     _, stats = serve(wrong, 4)  # drafting steps about 1, 2, 4, 8, 16, 32, 48, 64, 80: 3 tokens each at most
     assert stats["accepted_draft_tokens"] == 0 and 0 < stats["draft_tokens"] <= 3 * (5 + new // MOST_WAIT)
     assert 0 < stats["speculative_steps"] <= 5 + new // MOST_WAIT

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from ..model import Transformer
 from ..sampling import MODES, filtered_rows
 from ..sharding import everywhere
-from ..speculative import accept_sampled
+from ..speculative import accept_sampled, fit_drafts, step_tokens
 from . import steps
 
 MOST_WAIT = 16  # engine steps at most between a sequence's drafts after a run of misses
@@ -100,7 +100,7 @@ def check_steps(config, kernels, mesh, draft, k, most, params, pool, tables, his
         seen = jnp.take(history, rows, axis=0, mode="clip")
         proposed, n = (draft.propose(seen, context, k) if draft_arrays is None
                        else draft.propose(seen, context, k, draft_arrays))  # [B, k], [B]
-        return proposed.astype(jnp.int32), n.astype(jnp.int32)
+        return proposed.astype(jnp.int32), n.astype(jnp.int32)  # (one type for both branches of the cond)
 
     def one(carry):
         i, pool, history, last, lengths, budget, sample_steps, misses, due_at, out = carry
@@ -109,16 +109,14 @@ def check_steps(config, kernels, mesh, draft, k, most, params, pool, tables, his
         context = lengths + 1  # the history's tokens of each row
         proposed, n = jax.lax.cond(due.any(), propose, lambda *_: (jnp.zeros((B, k), jnp.int32),
                                                                      jnp.zeros((B,), jnp.int32)), history, context)
-        in_vocab = jnp.cumprod(((proposed >= 0) & (proposed < config.vocab_size)).astype(jnp.int32), axis=1).sum(1)
-        n = jnp.where(due, jnp.clip(jnp.minimum(n, in_vocab), 0, budget - 1), 0)  # cut at an id outside
-        proposed = jnp.where(at[:, :k] < n[:, None], proposed, 0)
+        proposed, n = fit_drafts(proposed, n, due, budget, config.vocab_size)
         tokens = jnp.concatenate([jnp.take(last, rows, mode="clip")[:, None], proposed], axis=1)  # [B, T]
         counts = jnp.where(active, n + 1, 0)
         # A step where no row drafts checks one position, not k + 1.
         accepted, nxt, pool = jax.lax.cond(
             (n > 0).any(), functools.partial(check, T), functools.partial(check, 1),
             tokens, counts, pool, lengths, sample_steps)
-        new = jnp.where(at < accepted[:, None], jnp.roll(tokens, -1, axis=1), nxt[:, None])  # [B, T]
+        new = step_tokens(tokens, accepted, nxt)  # [B, T]
         count = jnp.where(active, accepted + 1, 0)
         where = jnp.where(at < count[:, None], context[:, None] + at, L)  # past the end: dropped
         history = history.at[jnp.where(active, rows, history.shape[0])[:, None], where].set(new, mode="drop")

@@ -234,15 +234,17 @@ class Speculation:
 
     # Drafted on the devices, several checked steps a call (checked_steps.py) ------------------------------
 
-    def _check_steps(self, engine, seqs, steps: int, mode: str = "greedy"):
-        """check_steps over these rows (None: padding), at most `steps` -> its outputs, on the devices."""
+    def _check_steps(self, engine, seqs, steps: int):
+        """check_steps over these rows (None: padding), at most `steps`, in the running rows' sampling
+        mode -> its outputs, on the devices."""
         plan = np.array([[engine.slots if s is None else s.row for s in seqs],
                          [0 if s is None else s.length for s in seqs],
                          [0 if s is None else s.request.settings.max_new_tokens - s.queued for s in seqs],
                          [0 if s is None else s.queued for s in seqs],
                          [0 if s is None else s.draft_misses for s in seqs],
                          [0 if s is None else s.draft_due for s in seqs]], np.int32)
-        settings = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[0]
+        settings, mode, _ = engine._picks.rows([s and s.request for s in engine.scheduler.rows],
+                                               engine.scheduler.changes)
         run = np.array([steps, self.clock, MODES.index(mode)], np.int32)
         has_arrays = callable(getattr(self.draft, "arrays", None))
         if has_arrays and (self._arrays is None or self._arrays[0] is not self.draft):
@@ -281,10 +283,9 @@ class Speculation:
             return
         self._sync_history(engine, live)
         B = next(b for b in self.sizes if b >= len(live))
-        mode = engine._picks.rows([s and s.request for s in engine.scheduler.rows], engine.scheduler.changes)[1]
-        out = self._check_steps(engine, live + [None] * (B - len(live)), self.now, mode)
+        out = self._check_steps(engine, live + [None] * (B - len(live)), self.now)
         try:
-            new, counts, drafted, accepted, misses, due, ran = (np.asarray(x) for x in out)
+            new, counts, drafted, accepted, misses, due, ran = jax.device_get(out)  # one wait for all
         except Exception:  # a failed call's outputs carry its error: the engine resets its rows
             self.history = None
             raise
