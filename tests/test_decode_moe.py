@@ -52,8 +52,9 @@ def check_route(config, params, tokens, interpret):
     np.testing.assert_array_equal(np.asarray(t, np.float32), want_t)
 
 
-def check_expert_kernels(E, F, D, pairs, interpret, seed=0):
-    """up_swiglu, then down on its output: each against the experts decoded and its definition in float64."""
+def check_expert_kernels(E, F, D, pairs, interpret, seed=0, chunk=None):
+    """up_swiglu, then down on its output: each against the experts decoded and its definition in float64
+    (chunk: the blocks each load of a row spans, None: the whole row)."""
     rng = np.random.default_rng(seed)
     cfg = CONFIG
     b1, s1 = packed_with_extreme_scales(rng, E, 2 * F, D)
@@ -67,7 +68,7 @@ def check_expert_kernels(E, F, D, pairs, interpret, seed=0):
     experts = jnp.asarray(rng.integers(0, E, pairs), jnp.int32)
     pair_w = jnp.asarray(rng.random(pairs), jnp.float32)
     a = decode_moe.up_swiglu(t16, m, experts, b1, s1, bias1, tokens_per_pair=cfg.experts_per_token,
-                             alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, interpret=interpret)
+                             alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, interpret=interpret, chunk=chunk)
     # Against the definition in float64 (refs.swiglu_torch), within NOISE_FACTOR x the noise of that
     # definition run in bfloat16 (the model's precision; the kernels multiply in float16 and sum 8 at
     # a time in float16, then in float32). Rows of tiny scales round to zero in float16: errors are
@@ -85,7 +86,7 @@ def check_expert_kernels(E, F, D, pairs, interpret, seed=0):
     got_a = np.asarray(a, np.float32) * bound / 2.0 ** 14  # in pair order
     act = got_a.reshape(pairs, F // 8, 2, 4).swapaxes(-1, -2).reshape(pairs, F)  # natural order
     exact_a.check(act, "up_swiglu")
-    y = decode_moe.down(a, experts, pair_w, b2, s2, bias2, limit=cfg.swiglu_limit, interpret=interpret)
+    y = decode_moe.down(a, experts, pair_w, b2, s2, bias2, limit=cfg.swiglu_limit, interpret=interpret, chunk=chunk)
 
     def down(dtype):
         y = torch.einsum("pf,pdf->pd", refs.t(act, dtype), refs.t(w2[e], dtype)) + refs.t(bias2, dtype)[e]
@@ -144,8 +145,14 @@ def test_a_token_that_is_not_finite_picks_real_experts(num_experts):
     assert int(jnp.max(experts)) < num_experts
 
 
-def test_expert_kernels_with_extreme_scales():
-    check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True)
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+def test_expert_kernels_with_extreme_scales(chunk):
+    """Rows read whole (padded to a power of two), or `chunk` blocks a load: 2 and 3 blocks a row (up's
+    and down's) in chunks of 1, and of 2 with down's last chunk masked past the row."""
+    check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True, chunk=chunk)
+    if chunk is not None:
+        with pytest.raises(ValueError, match="power of two"):
+            check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True, chunk=3)
 
 
 def test_expert_kernel_check_catches_a_wrong_order():

@@ -455,12 +455,14 @@ def test_fused_decode_moe_on_the_gpu(tokens):
         check_block(CONFIG, packed, tokens, interpret=False)
 
 
-def test_fused_decode_expert_kernels_with_extreme_scales_on_the_gpu():
-    """The two fused expert kernels at gpt-oss's widths (90 blocks a row), with tiny and large scales."""
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_fused_decode_expert_kernels_with_extreme_scales_on_the_gpu(chunk):
+    """The two fused expert kernels at gpt-oss's widths (90 blocks a row), with tiny and large scales;
+    rows read whole (padded to 128 blocks) or 32 blocks a load (the last masked past 90)."""
     from test_decode_moe import check_expert_kernels
 
     with named_triton():
-        check_expert_kernels(E=8, F=2880, D=2880, pairs=8, interpret=False)
+        check_expert_kernels(E=8, F=2880, D=2880, pairs=8, interpret=False, chunk=chunk)
 
 
 @pytest.mark.parametrize("E, F, D, M", [(8, 640, 256, 1200), (8, 256, 320, 1200), (32, 5760, 2880, 4096)])

@@ -241,20 +241,45 @@ def _block_sums(words, scales, regs, interpret: bool):
     return jnp.sum(per_block, axis=-1) * (1.0 / HALF_ONE)
 
 
-@functools.partial(jax.jit, static_argnames=("tokens_per_pair", "alpha", "limit", "interpret", "groups", "num_warps"))
+def _spans(G: int, chunk: int | None, program_id):
+    """The loads along a row's G blocks: (slice, blocks it spans, blocks of it that exist). chunk None:
+    one load of G padded to a power of two; else loads of `chunk` blocks (a power of two), the last
+    masked past G (less padding: 96 for 90 blocks with chunks of 32, against 128)."""
+    if chunk is None:
+        return [(padded_span(_pow2(G), program_id), _pow2(G), G)]
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    return [(pl.ds(program_id * 0 + c, chunk), chunk, G - c) for c in range(0, G, chunk)]
+
+
+def _row_sums(r_ref, r_at, w_ref, s_ref, e, rows, R: int, G: int, chunk: int | None, program_id, interpret: bool):
+    """float32 [R]: rows `rows` of expert e's blocks (w_ref, s_ref) against the input r_ref.at[r_at]'s
+    half2 registers, over every span of the row (`_spans`)."""
+    total = 0.0
+    for gs, width, bound in _spans(G, chunk, program_id):
+        xr = [_masked(r_ref.at[r_at, gs, :, _i(r)], (width, 4), 0, bound)[None] for r in range(4)]  # [1, width, W]
+        w = _masked(w_ref.at[e, rows, gs, :], (R, width, 4), 1, bound)
+        s = _masked(s_ref.at[e, rows, gs], (R, width), 1, bound)
+        total = total + _block_sums(w, s, xr, interpret)
+    return total
+
+
+@functools.partial(jax.jit, static_argnames=("tokens_per_pair", "alpha", "limit", "interpret", "groups", "num_warps",
+                                             "chunk"))
 def up_swiglu(t, m, experts, blocks, scales, bias, *, tokens_per_pair: int, alpha: float, limit: float,
-              interpret: bool = False, groups: int = 1, num_warps: int = 4):
+              interpret: bool = False, groups: int = 1, num_warps: int = 4, chunk: int | None = None):
     """t [N, D] float16 (pair order, route's), m [N], experts [P] (pair p is token p // tokens_per_pair),
     mlp1 blocks uint8 [E, 2F, G, 16], scales [E, 2F, G], bias [E, 2F]
     -> SwiGLU activations [P, F] float16 in pair order, scaled by 2^14 / swiglu_bound(limit).
 
     Rows 2f and 2f + 1 of mlp1 are unit f's gate and linear halves. A program reads 16 * groups
     consecutive rows (8 * groups units) in one load, and picks each output's gate and linear sums
-    out of the row sums (unit 8q + 2i + h goes to position 8q + 4h + i of the pair order).
+    out of the row sums (unit 8q + 2i + h goes to position 8q + 4h + i of the pair order). chunk:
+    blocks a load spans (`_spans`; None: the whole row at once).
     """
     P = experts.shape[0]
     E, F2, G, _ = blocks.shape
-    R, width = 16 * groups, _pow2(G)
+    R = 16 * groups
     if F2 % R:
         raise ValueError(f"up_swiglu: {F2 // 2} units are not whole groups of 8 * {groups}")
     words = _words(blocks)  # [E, 2F, G, W]
@@ -264,11 +289,9 @@ def up_swiglu(t, m, experts, blocks, scales, bias, *, tokens_per_pair: int, alph
     def kernel(e_ref, m_ref, r_ref, w_ref, s_ref, b_ref, o_ref):
         p, j = pl.program_id(0), pl.program_id(1)
         e, n = e_ref[p], p // tokens_per_pair
-        rs, gs = pl.ds(j * R, R), padded_span(width, p)
-        xr = [_masked(r_ref.at[n, gs, :, _i(r)], (width, 4), 0, G)[None] for r in range(4)]  # [1, width, W]
-        w = _masked(w_ref.at[e, rs, gs, :], (R, width, 4), 1, G)
-        s = _masked(s_ref.at[e, rs, gs], (R, width), 1, G)
-        sums = _block_sums(w, s, xr, interpret) * m_ref[n] + b_ref[e, rs].astype(jnp.float32)  # [R]
+        rs = pl.ds(j * R, R)
+        sums = (_row_sums(r_ref, n, w_ref, s_ref, e, rs, R, G, chunk, p, interpret) * m_ref[n]
+                + b_ref[e, rs].astype(jnp.float32))  # [R]
         o = jax.lax.broadcasted_iota(jnp.int32, (R // 2, R), 0)  # output position in pair order
         gate_row = 16 * (o // 8) + 4 * (o % 4) + 2 * ((o // 4) % 2)
         row = jax.lax.broadcasted_iota(jnp.int32, (R // 2, R), 1)
@@ -283,14 +306,14 @@ def up_swiglu(t, m, experts, blocks, scales, bias, *, tokens_per_pair: int, alph
         experts.astype(jnp.int32), m.astype(jnp.float32), regs, words, scales, bias)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "interpret", "block_f", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("limit", "interpret", "block_f", "num_warps", "chunk"))
 def down(a, experts, pair_weights, blocks, scales, bias, *, limit: float, interpret: bool = False,
-         block_f: int = 8, num_warps: int = 2):
+         block_f: int = 8, num_warps: int = 2, chunk: int | None = None):
     """a [P, F] float16 (up_swiglu's), experts [P], pair_weights [P] float32, mlp2 blocks uint8
-    [E, D, G, 16], scales [E, D, G], bias [E, D] -> (mlp2 product + bias) * weight, [P, D] float32."""
+    [E, D, G, 16], scales [E, D, G], bias [E, D] -> (mlp2 product + bias) * weight, [P, D] float32.
+    chunk: as up_swiglu's."""
     P = experts.shape[0]
     E, D, G, _ = blocks.shape
-    width = _pow2(G)
     if D % block_f:
         raise ValueError(f"down: block_f={block_f} does not divide {D}")
     regs = _pairs_of(a)
@@ -300,11 +323,9 @@ def down(a, experts, pair_weights, blocks, scales, bias, *, limit: float, interp
     def kernel(e_ref, pw_ref, r_ref, w_ref, s_ref, b_ref, o_ref):
         p, j = pl.program_id(0), pl.program_id(1)
         e = e_ref[p]
-        fs, gs = pl.ds(j * block_f, block_f), padded_span(width, p)
-        xr = [_masked(r_ref.at[p, gs, :, _i(r)], (width, 4), 0, G)[None] for r in range(4)]
-        w = _masked(w_ref.at[e, fs, gs, :], (block_f, width, 4), 1, G)
-        s = _masked(s_ref.at[e, fs, gs], (block_f, width), 1, G)
-        y = _block_sums(w, s, xr, interpret) * factor + b_ref[e, fs].astype(jnp.float32)
+        fs = pl.ds(j * block_f, block_f)
+        y = (_row_sums(r_ref, p, w_ref, s_ref, e, fs, block_f, G, chunk, p, interpret) * factor
+             + b_ref[e, fs].astype(jnp.float32))
         o_ref[p, fs] = y * pw_ref[p]
 
     return pl.pallas_call(kernel, grid=(P, D // block_f), out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32),
