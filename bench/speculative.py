@@ -7,7 +7,8 @@ draft's speed, and the speedups that published acceptance lengths would give. Pr
    for every k of a batch): milliseconds per call, the median of --calls. Every cell is compiled
    first, --compile-threads at a time (ahead of time; compilation is not timed).
 2. The oracle draft at each of --batches: the model's own greedy reply, computed first, proposed back (k =
-   --oracle-k, drafted on the devices): decode tokens/s against plain decoding (8 steps a call). Random weights put
+   --oracle-k, drafted on the devices): decode tokens/s against plain decoding (8 steps a call), the median of
+   --repeats generations (batch 1's rate varies from one generation to the next). Random weights put
    near-ties in every step's logits, so a pass over k + 1 positions picks otherwise than one
    position at a time and the reply parts from the oracle's at its first step (none accepted
    after). The oracle therefore runs over `conditioned` weights: the same shapes, kernels and costs,
@@ -61,10 +62,16 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="timed calls per verify-cost cell (median)")
     ap.add_argument("--compile-threads", type=int, default=8, help="cells compiled at a time before the timings")
     ap.add_argument("--new", type=int, default=128, help="new tokens per batch-1 generation")
+    ap.add_argument("--repeats", type=int, default=3, help="timed generations per line (their median)")
     ap.add_argument("--eagle3", action="store_true", help="also the steered EAGLE-3 head (see above)")
     ap.add_argument("--peer", action="store_true", help="also time transformers' batch-1 decode (see above)")
     ap.add_argument("--kernels", default="",
                     help="gj.Kernels fields, e.g. moe=mosaic_pair,moe_pair_max_pairs=64 (as generate_20b.py's)")
+    ap.add_argument("--moe-settings", default="",
+                    help="a JSON object of settings for the fused Triton decode MoE (kernels/decode_moe.py's moe, "
+                         "as bench/decode_moe.py's --settings), in place of its defaults")
+    ap.add_argument("--drafts", default="oracle,prompt-lookup", help="the drafts timed beside plain decoding "
+                                                                     "(oracle, prompt-lookup; --eagle3 adds the head)")
     ap.add_argument("--only-peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_peer:
@@ -88,6 +95,11 @@ def main() -> None:
     from gptoss_jax.speculative import PromptLookup, check_step
     from gptoss_jax.testing import random_params_on_device
 
+    if args.moe_settings:  # the fused block's settings for every call that traces it in this process
+        import functools
+
+        from gptoss_jax.kernels import decode_moe
+        decode_moe.moe = functools.partial(decode_moe.moe, settings=json.loads(args.moe_settings))
     config = gj.ModelConfig.preset(args.preset)
     params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.dtype))
     dtype = params["embedding"].dtype
@@ -95,7 +107,8 @@ def main() -> None:
 
     kernels, greedy = kernels_from(args.kernels), Sampling(temperature=0)
     device = jax.devices()[0].device_kind
-    print(f"{args.preset} ({args.dtype}) on {device}, jax {jax.__version__}", flush=True)
+    print(f"{args.preset} ({args.dtype}) on {device}, jax {jax.__version__}"
+          + (f", fused decode MoE settings {args.moe_settings}" if args.moe_settings else ""), flush=True)
     batches, ks = [int(b) for b in args.batches.split(",")], [int(k) for k in args.ks.split(",")]
     rng = np.random.default_rng(0)
 
@@ -145,14 +158,16 @@ def main() -> None:
         prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(b)]
         gen = Generator(config, params, max_len=128 + new + 16, kernels=kernels)
 
-        def run(gen=gen, **kw):
-            gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw)  # compiles
-            results = gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw)
-            return results, sum(r.timings["decode_tokens_per_s"] for r in results)
+        def run(gen=gen, **kw):  # the median of --repeats generations, after one that compiles
+            gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw)
+            runs = [gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw) for _ in range(args.repeats)]
+            rates = [sum(r.timings["decode_tokens_per_s"] for r in results) for results in runs]
+            return runs[rates.index(statistics.median_high(rates))], statistics.median_high(rates)
 
         plain, rates[b, "plain", 0] = run()
         full = tuple(tuple(p + r.output_ids) for p, r in zip(prompts, plain))
-        drafts = [("oracle", Replies(full)), ("prompt lookup", PromptLookup())]
+        drafts = [(name, draft) for name, draft in (("oracle", Replies(full)), ("prompt lookup", PromptLookup()))
+                  if name.replace(" ", "-") in args.drafts.split(",")]
         if args.eagle3:
             drafts.append(("EAGLE-3 steered", steered_head(config, dtype, full)))
         for k in oracle_ks:
