@@ -51,6 +51,11 @@ from .triton import _pow2_at_least, compiler_params, padded_span
 from .triton_mxfp4 import _scale
 
 HALF_ONE = 2.0 ** 14  # a code decoded as float16 is its value times 2^-14
+# Blocks of 32 values a load of a row spans in up_swiglu and down (`_spans`): gpt-oss's rows of 90
+# blocks read as 3 loads of 32 (96, the last masked) rather than one padded to 128. On one NVIDIA
+# H200 (2026-11-28, bench/decode_moe.py, 8 layers of gpt-oss-20b's MoE) the block took 0.319 ms
+# against 0.374 at 1 token and 0.747 against 0.914 at 4 (docs/benchmarks.md).
+CHUNK = 32
 
 # One word (8 codes) against its 8 inputs as 4 half2 registers ($2-$5) -> float32 sum ($0).
 # Bytes permuted to (b0, b2, b1, b3), so that each 16-bit half holds a byte of each pair; per pair
@@ -245,10 +250,10 @@ def _spans(G: int, chunk: int | None, program_id):
     """The loads along a row's G blocks: (slice, blocks it spans, blocks of it that exist). chunk None:
     one load of G padded to a power of two; else loads of `chunk` blocks (a power of two), the last
     masked past G (less padding: 96 for 90 blocks with chunks of 32, against 128)."""
-    if chunk is None:
-        return [(padded_span(_pow2(G), program_id), _pow2(G), G)]
-    if chunk < 1 or chunk & (chunk - 1):
+    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be a power of two, got {chunk}")
+    if chunk is None or chunk >= _pow2(G):  # one load: as many blocks as chunks would read, or fewer
+        return [(padded_span(_pow2(G), program_id), _pow2(G), G)]
     return [(pl.ds(program_id * 0 + c, chunk), chunk, G - c) for c in range(0, G, chunk)]
 
 
@@ -267,7 +272,7 @@ def _row_sums(r_ref, r_at, w_ref, s_ref, e, rows, R: int, G: int, chunk: int | N
 @functools.partial(jax.jit, static_argnames=("tokens_per_pair", "alpha", "limit", "interpret", "groups", "num_warps",
                                              "chunk"))
 def up_swiglu(t, m, experts, blocks, scales, bias, *, tokens_per_pair: int, alpha: float, limit: float,
-              interpret: bool = False, groups: int = 1, num_warps: int = 4, chunk: int | None = None):
+              interpret: bool = False, groups: int = 1, num_warps: int = 4, chunk: int | None = CHUNK):
     """t [N, D] float16 (pair order, route's), m [N], experts [P] (pair p is token p // tokens_per_pair),
     mlp1 blocks uint8 [E, 2F, G, 16], scales [E, 2F, G], bias [E, 2F]
     -> SwiGLU activations [P, F] float16 in pair order, scaled by 2^14 / swiglu_bound(limit).
@@ -308,7 +313,7 @@ def up_swiglu(t, m, experts, blocks, scales, bias, *, tokens_per_pair: int, alph
 
 @functools.partial(jax.jit, static_argnames=("limit", "interpret", "block_f", "num_warps", "chunk"))
 def down(a, experts, pair_weights, blocks, scales, bias, *, limit: float, interpret: bool = False,
-         block_f: int = 8, num_warps: int = 2, chunk: int | None = None):
+         block_f: int = 8, num_warps: int = 2, chunk: int | None = CHUNK):
     """a [P, F] float16 (up_swiglu's), experts [P], pair_weights [P] float32, mlp2 blocks uint8
     [E, D, G, 16], scales [E, D, G], bias [E, D] -> (mlp2 product + bias) * weight, [P, D] float32.
     chunk: as up_swiglu's."""
