@@ -291,20 +291,22 @@ def test_on_the_devices_a_call_runs_several_steps_and_backs_off(tiny_f32, traffi
     _, stats = serve(wrong, 4)  # drafting steps about 1, 2, 4, 8, 16, 32, 48, 64, 80: 3 tokens each at most
     assert stats["accepted_draft_tokens"] == 0 and 0 < stats["draft_tokens"] <= 3 * (5 + new // MOST_WAIT)
     assert 0 < stats["speculative_steps"] <= 5 + new // MOST_WAIT
+    assert stats["drafting_steps"] <= 5 + new // MOST_WAIT  # a call ends once no row is due: decoded as usual
     _, stats = serve(Steered(wrong, right, len(prompt) + 20), 4)
     assert stats["accepted_draft_tokens"] >= (new - 20 - MOST_WAIT) * 3 / 4
     _, stats = serve(Steered(right, right, 0, cut=True), 4)  # one token a draft, accepted
     assert stats["accepted_draft_tokens"] == stats["draft_tokens"] == stats["speculative_steps"] >= new / 2 - 1
 
 
-def test_on_the_devices_a_call_runs_only_where_a_sequence_comes_due_within_it():
-    """Drafted on the devices, a step speculates where a sequence is due within the steps its call may
-    run: four while nothing else waits, one otherwise; else it decodes as usual (pipelined)."""
+def test_on_the_devices_a_call_runs_only_where_a_sequence_is_due():
+    """Drafted on the devices, a step speculates where a sequence is due to draft, and its call may run
+    four steps while nothing else waits, one otherwise (room for each step's draft); before the
+    sequence is due it decodes as usual (pipelined)."""
     speculation = Speculation(PromptLookup(), 3, 8, [8], 64, steps=4)
     assert speculation.on_devices and speculation.most == 4
     request = Request(0, [1], Settings(max_new_tokens=500), None)
     seq = Seq(request, 0, [1], [], {}, length=1, queued=0, draft_due=10)
-    assert [speculation.wanted([seq]) for _ in range(8)] == [False] * 6 + [True] * 2  # clocks 1 .. 8
+    assert [speculation.wanted([seq]) for _ in range(10)] == [False] * 9 + [True]  # clocks 1 .. 10
     assert speculation.ahead(seq) == 16
     speculation.clock = 0
     assert [speculation.wanted([seq], alone=False) for _ in range(10)] == [False] * 9 + [True]

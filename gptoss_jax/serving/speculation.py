@@ -128,12 +128,13 @@ class Speculation:
         self._arrays = None  # (the draft, its arrays on the devices) once placed
 
     def wanted(self, decoding, alone: bool = True) -> bool:
-        """Whether this step of these decoding sequences speculates (their tokens not read yet); alone:
-        nothing else waits to run, so that a call may run several checked steps."""
+        """Whether this step of these decoding sequences speculates (their tokens not read yet): where
+        one of them is due to draft; alone: nothing else waits to run, so that a call may run several
+        checked steps (while one is due, checked_steps.py)."""
         self.clock += 1
         self.now = self.most if alone else 1
         return (0 < len(decoding) <= self.rows and all(speculable(s.request.settings) for s in decoding)
-                and any(s.draft_due < self.clock + self.now for s in decoding))  # one is due within the call
+                and any(self._due(s) for s in decoding))
 
     def _due(self, seq) -> bool:
         return seq.draft_due <= self.clock
