@@ -184,7 +184,7 @@ def run_jax(args) -> dict:
                 out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
             s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft,
-                     speculate_steps=speculation and speculation.most,
+                     speculate_steps=speculation and speculation.on_devices and speculation.most,
                      prefix_reuse=reuse, profile=folder)
             after = engine.metrics.snapshot()
             for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
@@ -412,8 +412,9 @@ def main() -> None:
                         help="weights whose greedy tokens have wide margins (speculative.py's `conditioned`): random "
                              "weights' near-ties part a speculated reply from the plain one at its first step")
     parser.add_argument("--draft-tokens", type=int, default=3, help="drafted tokens a step")
-    parser.add_argument("--speculate-steps", type=int, default=4,
-                        help="checked steps a call at most, drafted on the device (1: a call each step)")
+    parser.add_argument("--speculate-steps", type=int, default=0,
+                        help="checked steps a call at most, drafted on the device (0: drafted on the host, a step at "
+                             "a time, the engine's default)")
     parser.add_argument("--speculate-rows", type=int, default=0,
                         help="speculate in steps of at most this many decoding sequences (0: every step, up to c)")
     parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")

@@ -238,6 +238,10 @@ class KnownReplies:
         self._arrays = {"table": table, "starts": np.array([len(p) for p, _ in self.known], np.int32),
                         "ends": np.array([len(p) + len(r) for p, r in self.known], np.int32)}
         self._key = (type(self), table.shape, vocab, wrong_every, by_position)
+        self._index: dict = {}  # the known sequences by prompt: on the host, a few lookups a draft, not one a prompt
+        for i, (prompt, _) in enumerate(self.known):
+            self._index.setdefault((len(prompt), tuple(prompt)), []).append(i)
+        self._lengths = sorted({len(prompt) for prompt, _ in self.known})
 
     def __hash__(self):
         return hash(self._key)
@@ -256,7 +260,9 @@ class KnownReplies:
 
     def __call__(self, context, k: int) -> list[int]:
         context = list(context)
-        for prompt, reply in self.known:
+        candidates = [self._index.get((n, tuple(context[:n])), []) for n in self._lengths if n <= len(context)]
+        for i in sorted(i for c in candidates for i in c):
+            prompt, reply = self.known[i]
             j = len(context) - len(prompt)
             compared = len(prompt) if self.by_position else len(context)
             if j >= 0 and context[:compared] == (prompt + reply)[:compared]:

@@ -327,7 +327,8 @@ def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model,
     known = KnownReplies(prompts, [replies[tuple(p)] for p in prompts], config.vocab_size, wrong_every=3,
                          by_position=True)
     draft = known if where == "devices" else (lambda context, k: known(context, k))  # (no `propose`: the host)
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, draft=draft)
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, draft=draft,
+                    speculate_steps=4)
     assert engine.speculation.most == (4 if where == "devices" else 1)
     requests = [engine.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]
     most = 0

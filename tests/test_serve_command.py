@@ -397,7 +397,7 @@ def test_allowed_hosts():
     (["--draft", "prompt-lookup", "--prefill-chunk", "64", "--draft-tokens", "64"],
      r"--draft-tokens must be less than --prefill-chunk \(64\), got 64"),
     (["--draft", "prompt-lookup", "--speculate-rows", "0"], "--speculate-rows must be at least 1, got 0"),
-    (["--draft", "prompt-lookup", "--speculate-steps", "0"], "--speculate-steps must be at least 1, got 0"),
+    (["--draft", "prompt-lookup", "--speculate-steps", "-1"], "--speculate-steps must be at least 0, got -1"),
 ])
 def test_the_new_flags_are_checked(flags, message):
     with pytest.raises(cli.UsageError, match=message):

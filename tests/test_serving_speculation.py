@@ -74,7 +74,10 @@ def compile_events():
 
 
 def engine_with(model, draft, **kw):
+    """The tests' engine; a draft source with `propose` drafts on the devices (speculate_steps 4), one
+    without on the host."""
     config, params = model
+    kw.setdefault("speculate_steps", 4)
     return Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(2, 8),
                   draft=draft, **kw)
 
@@ -302,6 +305,7 @@ def test_on_the_devices_a_call_runs_only_where_a_sequence_is_due():
     """Drafted on the devices, a step speculates where a sequence is due to draft, and its call may run
     four steps while nothing else waits, one otherwise (room for each step's draft); before the
     sequence is due it decodes as usual (pipelined)."""
+    assert not Speculation(PromptLookup(), 3, 8, [8], 64).on_devices  # by default drafted on the host
     speculation = Speculation(PromptLookup(), 3, 8, [8], 64, steps=4)
     assert speculation.on_devices and speculation.most == 4
     request = Request(0, [1], Settings(max_new_tokens=500), None)
@@ -353,7 +357,7 @@ def test_sampled_speculation(tiny_f32, traffic, where):
 
 
 def test_bad_settings(tiny_f32):
-    for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}, {"speculate_steps": 0}):
+    for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}, {"speculate_steps": -1}):
         with pytest.raises(ValueError, match="draft_tokens"):
             engine_with(tiny_f32, PromptLookup(), **kw)
 

@@ -96,11 +96,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--speculate-rows", type=int, default=16, metavar="N",
                    help="with --draft: steps speculate only while at most N requests decode; past that a step's "
                         "work grows with its positions and speculation costs throughput (default: %(default)s)")
-    p.add_argument("--speculate-steps", type=int, default=4, metavar="S",
-                   help="with --draft: while no prompt is being prefilled or waits, run up to S checked steps in one "
-                        "call on the device (drafts made there), so that the host's work is paid once a call; no "
-                        "more than --prefill-chunk / (K + 1). A request that stops mid-call has its later tokens "
-                        "dropped; a request that arrives waits at most for the call (default: %(default)s)")
+    p.add_argument("--speculate-steps", type=int, default=0, metavar="S",
+                   help="with --draft: 0 drafts on the host, a step at a time; S > 0 drafts on the device and, while "
+                        "no prompt is being prefilled or waits, runs up to S checked steps in one call, no more than "
+                        "--prefill-chunk / (K + 1) (experimental: measured far slower than drafting on the host on "
+                        "one NVIDIA H200 with gpt-oss-20b, see docs/serving.md). A request that stops mid-call has "
+                        "its later tokens dropped; a request that arrives waits at most for the call "
+                        "(default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
                         "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
@@ -151,7 +153,7 @@ def check_flags(args) -> None:
                                ("--max-connections", args.max_connections, 1),
                                ("--stored-responses", args.stored_responses, 0),
                                ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1),
-                               ("--speculate-steps", args.speculate_steps, 1)):
+                               ("--speculate-steps", args.speculate_steps, 0)):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= args.port < 65536:

@@ -3,16 +3,12 @@ draft source that proposes there (`PromptLookup`, or anything with `propose(hist
 
 A call runs up to `steps` checked steps of its rows with no host round trip between them: each step
 drafts from every row's tokens so far (`history`, kept on the devices), checks the drafts over k + 1
-positions of the paged cache, keeps the longest agreeing prefix and the model's next token, and
-appends them to the history. The host reads the call's tokens once it ends, so its work (scheduling,
-reading, handing out tokens) is paid once a call, not once a step: at one request a synchronous step
-pays it in full (speculation.py). A call starts where a row is due to draft (`Speculation.wanted`)
-and goes on while one is: once every row has backed off (below), the engine decodes as usual.
-
-Every step of a call checks k + 1 positions, also one where no row found a draft: the model's pass
-is not a branch (`lax.cond`) between k + 1 positions and one, because XLA gives a conditional's
-output buffers of their own, so a branch that writes the paged pool copies all of it, at every step
-(on one NVIDIA H200 with gpt-oss-20b's pool of some 100 GB, about 85 ms a step).
+positions of the paged cache (or over one, where no row found a draft), keeps the longest agreeing
+prefix and the model's next token, and appends them to the history. The host reads the call's tokens
+once it ends, so its work (scheduling, reading, handing out tokens) is paid once a call, not once a
+step: at one request a synchronous step pays it in full (speculation.py). A call starts where a row
+is due to draft (`Speculation.wanted`) and goes on while one is: once every row has backed off
+(below), the engine decodes as usual.
 
 A row ends within the call at its budget (the tokens it may still add); stop tokens and strings are
 found on the host as its tokens are handed out, and the tokens a row made after its stop are
@@ -95,10 +91,11 @@ def check_steps(config, kernels, mesh, draft, k, most, params, pool, tables, his
     at = jnp.arange(T)[None]  # [1, T]
     model = Transformer(config, kernels=kernels, mesh=mesh)
 
-    def check(tokens, counts, pool, lengths, sample_steps):
-        valid = at < counts[:, None]  # [B, T]
-        logits, view = model.apply({"params": params}, tokens, steps.paged_view(pool, tables, rows, lengths), valid)
-        accepted, nxt = picks(run[2], logits, tokens, valid, settings, rows, sample_steps)
+    def check(width, tokens, counts, pool, lengths, sample_steps):
+        valid = at[:, :width] < counts[:, None]  # [B, width]
+        logits, view = model.apply({"params": params}, tokens[:, :width],
+                                   steps.paged_view(pool, tables, rows, lengths), valid)
+        accepted, nxt = picks(run[2], logits, tokens[:, :width], valid, settings, rows, sample_steps)
         return accepted, nxt, {"pages": view["pages"]}
 
     def propose(history, context):
@@ -115,7 +112,10 @@ def check_steps(config, kernels, mesh, draft, k, most, params, pool, tables, his
         proposed, n = fit_drafts(*propose(history, context), due, budget, config.vocab_size)
         tokens = jnp.concatenate([jnp.take(last, rows, mode="clip")[:, None], proposed], axis=1)  # [B, T]
         counts = jnp.where(active, n + 1, 0)
-        accepted, nxt, pool = check(tokens, counts, pool, lengths, sample_steps)  # (no branch: see the module)
+        # A step where no row found a draft checks one position, not k + 1.
+        accepted, nxt, pool = jax.lax.cond(
+            (n > 0).any(), functools.partial(check, T), functools.partial(check, 1),
+            tokens, counts, pool, lengths, sample_steps)
         new = step_tokens(tokens, accepted, nxt)  # [B, T]
         count = jnp.where(active, accepted + 1, 0)
         where = jnp.where(at < count[:, None], context[:, None] + at, L)  # past the end: dropped

@@ -75,14 +75,15 @@ class Engine:
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
     where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
     prefix_reuse=False: every prompt is computed whole (for comparison). draft (speculative.py): steps
-    of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, up to
-    `speculate_steps` such steps a call where drafted on the devices (speculation.py)."""
+    of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, drafted
+    on the host a step at a time (speculate_steps 0), or up to `speculate_steps` such steps a call
+    drafted on the devices where the source can (speculation.py)."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
                  tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
                  decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True, draft: Draft | None = None,
-                 draft_tokens: int = 3, speculate_rows: int = 16, speculate_steps: int = 4):
+                 draft_tokens: int = 3, speculate_rows: int = 16, speculate_steps: int = 0):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:

@@ -97,19 +97,20 @@ HISTORY_WRITES = 4096  # history entries set by one call (a long prompt takes se
 class Speculation:
     """An engine's speculative decoding (see the module): drafts from `draft`, k = `tokens` a step, for
     steps of at most `rows` decoding sequences, checked `sizes` rows at a time (the engine's decode
-    sizes up to the first that holds `rows`). A draft that proposes on the devices runs up to `steps`
-    checked steps a call while nothing else waits to run (no more than prefill_chunk // (k + 1):
-    the positions a call may write), checked_steps.py."""
+    sizes up to the first that holds `rows`). steps 0: drafts made on the host, a step at a time;
+    else a draft that proposes on the devices runs up to `steps` checked steps a call there while
+    nothing else waits to run (no more than prefill_chunk // (k + 1): the positions a call may
+    write), checked_steps.py."""
 
     def __init__(self, draft: Draft, tokens: int, rows: int, decode_sizes: list[int], prefill_chunk: int,
-                 steps: int = 4):
-        if not (1 <= tokens < prefill_chunk and rows >= 1 and steps >= 1):
+                 steps: int = 0):
+        if not (1 <= tokens < prefill_chunk and rows >= 1 and steps >= 0):
             # (the pool's bound on a sequence's sliding pages)
             raise ValueError(f"speculation takes 1 <= draft_tokens < prefill_chunk ({prefill_chunk}), "
-                             f"speculate_rows >= 1 and speculate_steps >= 1, got {tokens}, {rows} and {steps}")
+                             f"speculate_rows >= 1 and speculate_steps >= 0, got {tokens}, {rows} and {steps}")
         self.k, self.rows = tokens, min(rows, decode_sizes[-1])
         self.sizes = [b for b in decode_sizes if b < self.rows] + [next(b for b in decode_sizes if b >= self.rows)]
-        self._steps = max(1, min(steps, prefill_chunk // (tokens + 1)))
+        self._steps = min(steps, prefill_chunk // (tokens + 1))  # (0: drafts on the host)
         self.use(draft)
         self.now = 1  # checked steps the coming call may run
         self.history = None  # [slots, max_len] each row's tokens so far, on the devices (drafted there)
@@ -123,7 +124,7 @@ class Speculation:
         """Draft with this source from the next step on (a source that proposes on the devices, of
         another kind or shape than the last warmed up, compiles its steps at its first call)."""
         self._source = draft
-        self.on_devices = callable(getattr(draft, "propose", None))
+        self.on_devices = self._steps > 0 and callable(getattr(draft, "propose", None))
         self.most = self._steps if self.on_devices else 1
         self._arrays = None  # (the draft, its arrays on the devices) once placed
 
