@@ -137,8 +137,8 @@ def run_jax(args) -> dict:
         engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
                         max_waiting=c, kernels=kernels, draft=drafts[speculating[0]] if speculating else None,
                         draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c,
-                        speculate_steps=args.speculate_steps,
-                        prefix_reuse=reuse)
+                        speculate_steps=args.speculate_steps, prefix_reuse=reuse,
+                        kv_memory=int(args.kv_gib * 2 ** 30) if args.kv_gib else None)
         speculation = engine.speculation
         t = time.perf_counter()
         engine.warm_up()
@@ -184,7 +184,7 @@ def run_jax(args) -> dict:
                 out[f"{arrivals}_c1_tokens_equal_to_cli_chunked"] = _agree(chunked_tokens, requests[0].output_ids)
             s = summary([len(p) for p in prompts], submitted, [r.token_times for r in requests])
             s.update(peak_gib=peak(), warm_up_s=warm, prefill=f"{rows}x{chunk}", draft=draft,
-                     speculate_steps=speculation and speculation.on_devices and speculation.most,
+                     speculate_steps=speculation.most if speculation and speculation.on_devices else 0,
                      prefix_reuse=reuse, profile=folder)
             after = engine.metrics.snapshot()
             for key in ("draft_tokens", "accepted_draft_tokens", "speculative_steps", "drafting_steps"):
@@ -415,6 +415,8 @@ def main() -> None:
     parser.add_argument("--speculate-steps", type=int, default=0,
                         help="checked steps a call at most, drafted on the device (0: drafted on the host, a step at "
                              "a time, the engine's default)")
+    parser.add_argument("--kv-gib", type=float, default=0,
+                        help="the engine's pool of KV pages in GiB (0: the engine's default share of the free memory)")
     parser.add_argument("--speculate-rows", type=int, default=0,
                         help="speculate in steps of at most this many decoding sequences (0: every step, up to c)")
     parser.add_argument("--peer-batch-tokens", type=int, default=1024, help="transformers' max_batch_tokens")

@@ -70,12 +70,16 @@ def main() -> None:
     ap.add_argument("--moe-settings", default="",
                     help="a JSON object of settings for the fused Triton decode MoE (kernels/decode_moe.py's moe, "
                          "as bench/decode_moe.py's --settings), in place of its defaults")
-    ap.add_argument("--drafts", default="oracle,prompt-lookup", help="the drafts timed beside plain decoding "
-                                                                     "(oracle, prompt-lookup; --eagle3 adds the head)")
+    ap.add_argument("--drafts", default="oracle,prompt-lookup", help="the drafts timed beside plain decoding: "
+                                                                     "oracle, and prompt-lookup (--eagle3 adds the head)")
     ap.add_argument("--only-peer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only_peer:
         return run_peer(args)
+    wanted = args.drafts.split(",")
+    if "oracle" not in wanted or not set(wanted) <= {"oracle", "prompt-lookup"}:
+        ap.error(f"--drafts takes oracle and optionally prompt-lookup (the projections need the oracle), not "
+                 f"{args.drafts!r}")
     peer = None
     if args.peer:  # first, alone on the GPU, and so measured even where a time limit stops the run later
         proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-peer"], capture_output=True, text=True,
@@ -161,13 +165,13 @@ def main() -> None:
         def run(gen=gen, **kw):  # the median of --repeats generations, after one that compiles
             gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw)
             runs = [gen.generate(prompts, max_new_tokens=new, sampling=greedy, **kw) for _ in range(args.repeats)]
-            rates = [sum(r.timings["decode_tokens_per_s"] for r in results) for results in runs]
-            return runs[rates.index(statistics.median_high(rates))], statistics.median_high(rates)
+            each = [sum(r.timings["decode_tokens_per_s"] for r in results) for results in runs]
+            return runs[each.index(statistics.median_high(each))], statistics.median_high(each)
 
         plain, rates[b, "plain", 0] = run()
         full = tuple(tuple(p + r.output_ids) for p, r in zip(prompts, plain))
         drafts = [(name, draft) for name, draft in (("oracle", Replies(full)), ("prompt lookup", PromptLookup()))
-                  if name.replace(" ", "-") in args.drafts.split(",")]
+                  if name.replace(" ", "-") in wanted]
         if args.eagle3:
             drafts.append(("EAGLE-3 steered", steered_head(config, dtype, full)))
         for k in oracle_ks:

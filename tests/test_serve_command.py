@@ -404,6 +404,10 @@ def test_the_new_flags_are_checked(flags, message):
         cli.check_flags(cli.build_parser().parse_args(flags))
 
 
+def test_drafts_are_made_on_the_host_unless_asked():
+    assert cli.build_parser().parse_args(["--draft", "prompt-lookup"]).speculate_steps == 0
+
+
 # The transport alone, for each HTTP implementation -----------------------------------------------------
 
 def implementations():

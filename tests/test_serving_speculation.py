@@ -356,6 +356,15 @@ def test_sampled_speculation(tiny_f32, traffic, where):
     assert first == again
 
 
+def test_by_default_the_engine_drafts_on_the_host(tiny_f32):
+    """A source that could propose on the devices (prompt lookup) drafts on the host unless
+    speculate_steps asks otherwise."""
+    config, params = tiny_f32
+    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=64, page_size=16, draft=PromptLookup())
+    assert not engine.speculation.on_devices and engine.speculation.most == 1
+    assert engine_with(tiny_f32, PromptLookup()).speculation.on_devices  # (the tests' engine: speculate_steps 4)
+
+
 def test_bad_settings(tiny_f32):
     for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}, {"speculate_steps": -1}):
         with pytest.raises(ValueError, match="draft_tokens"):

@@ -6,9 +6,8 @@ the rule), and a sequence gains every drafted token the model agrees with, then 
 
 A step speculates when at most `speculate_rows` sequences decode, none of them asks for
 log-probabilities or adjusted logits (logit bias, penalties, a grammar: those need the counts and
-masks of every token picked, one step at a time), and one of them is due to draft (drafted on the
-devices: within the steps the call may run); otherwise, and when no sequence has a draft, the step
-decodes one token each as usual. Past that many rows a
+masks of every token picked, one step at a time), and one of them is due to draft; otherwise, and
+when no sequence has a draft, the step decodes one token each as usual. Past that many rows a
 step's work grows with its positions (the GPU's compute, not the weights' reading, bounds it),
 which is where vLLM's and SGLang's users found speculation costs throughput.
 
@@ -16,9 +15,10 @@ Nothing of a rejected draft needs undoing in the paged cache: attention never re
 or past a sequence's length (paged_cache.py), and the next step writes its own tokens over the
 rejected ones before anything reads them.
 
-A draft source that proposes on the devices (`propose(history, lengths, k)`, as `PromptLookup`
-has) runs up to `steps` checked steps a call there while nothing else waits to run
-(checked_steps.py): the host reads the call's tokens once. A source on the host makes each step
+By default the drafts are made on the host. With `steps` > 0, a draft source that proposes on the
+devices (`propose(history, lengths, k)`, as `PromptLookup` has) runs up to `steps` checked steps a
+call there while nothing else waits to run and a sequence is due (checked_steps.py): the host reads
+the call's tokens once. A source on the host makes each step
 synchronous: the drafts follow the tokens of the step before, so those are read first (the decode
 steps' pipelining is given up for the step, also where no sequence then has a draft and the step
 decodes one token each). On either path a sequence whose draft was empty or wholly rejected waits
@@ -194,17 +194,19 @@ class Speculation:
 
     def step(self, engine, decoding) -> None:
         """Check the drafts of these sequences (the step before's tokens read: those that ended are
-        left out) and hand out their tokens; drafted on the host, where none has a draft, queue a
-        decode step instead; drafted on the devices, run the call's steps (`_step_on_devices`)."""
+        left out) and hand out their tokens; where none has a draft (drafted on the host) or none of
+        them is due (on the devices: the due ones ended meanwhile), queue a decode step instead;
+        drafted on the devices, run the call's steps (`_step_on_devices`)."""
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if any(len(s.request.output_ids) != s.queued for s in live):
             raise RuntimeError("a speculated step needs every token sampled before it read")
-        if self.on_devices:
-            return self._step_on_devices(engine, live)
         due = [self._due(s) for s in live]
-        drafts = [self._draft(s, engine.config.vocab_size) if d else [] for s, d in zip(live, due)]
-        engine.metrics.drafting_steps += 1
-        if not any(drafts):
+        if self.on_devices and any(due):
+            return self._step_on_devices(engine, live)
+        drafts = [] if self.on_devices else [self._draft(s, engine.config.vocab_size) if d else []
+                                              for s, d in zip(live, due)]
+        engine.metrics.drafting_steps += not self.on_devices
+        if not any(drafts):  # (on the devices: the due sequences ended or were preempted meanwhile)
             for seq in [s for s, d in zip(live, due) if d]:
                 self._score(seq, 0)
             decoded = engine._decode(live) if live else None
@@ -280,9 +282,8 @@ class Speculation:
             self.history = write_history(self._history(engine), engine._put(part))
 
     def _step_on_devices(self, engine, live) -> None:
-        """Up to `now` checked steps of these sequences in one call, then their tokens handed out."""
-        if not live:
-            return
+        """Up to `now` checked steps of these sequences (one of them due to draft) in one call, then
+        their tokens handed out."""
         self._sync_history(engine, live)
         B = next(b for b in self.sizes if b >= len(live))
         out = self._check_steps(engine, live + [None] * (B - len(live)), self.now)
