@@ -150,9 +150,15 @@ def test_expert_kernels_with_extreme_scales(chunk):
     """Rows read whole (padded to a power of two), or `chunk` blocks a load: 2 and 3 blocks a row (up's
     and down's) in chunks of 1, and of 2 with down's last chunk masked past the row."""
     check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True, chunk=chunk)
-    if chunk is not None:
-        with pytest.raises(ValueError, match="power of two"):
-            check_expert_kernels(E=4, F=96, D=64, pairs=8, interpret=True, chunk=3)
+
+
+def test_a_chunk_is_a_power_of_two_and_spans_the_row():
+    """Loads of 32 blocks over gpt-oss's 90: three, the last masked past the row; a chunk that covers
+    the padded row is one load; a chunk that is not a power of two is refused."""
+    assert [(width, bound) for _, width, bound in decode_moe._spans(90, 32, 0)] == [(32, 90), (32, 58), (32, 26)]
+    assert [(width, bound) for _, width, bound in decode_moe._spans(90, 128, 0)] == [(128, 90)]
+    with pytest.raises(ValueError, match="power of two"):
+        decode_moe._spans(90, 3, 0)
 
 
 def test_expert_kernel_check_catches_a_wrong_order():

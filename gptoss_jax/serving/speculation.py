@@ -201,12 +201,14 @@ class Speculation:
         if any(len(s.request.output_ids) != s.queued for s in live):
             raise RuntimeError("a speculated step needs every token sampled before it read")
         due = [self._due(s) for s in live]
-        if self.on_devices and any(due):
-            return self._step_on_devices(engine, live)
-        drafts = [] if self.on_devices else [self._draft(s, engine.config.vocab_size) if d else []
-                                              for s, d in zip(live, due)]
-        engine.metrics.drafting_steps += not self.on_devices
-        if not any(drafts):  # (on the devices: the due sequences ended or were preempted meanwhile)
+        if self.on_devices:
+            if any(due):
+                return self._step_on_devices(engine, live)
+            drafts = []  # the due sequences ended or were preempted since `wanted`: a decode step
+        else:
+            drafts = [self._draft(s, engine.config.vocab_size) if d else [] for s, d in zip(live, due)]
+            engine.metrics.drafting_steps += 1
+        if not any(drafts):
             for seq in [s for s, d in zip(live, due) if d]:
                 self._score(seq, 0)
             decoded = engine._decode(live) if live else None
