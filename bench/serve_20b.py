@@ -133,9 +133,13 @@ def run_jax(args) -> dict:
                                          by_position=True),
                   "prompt-lookup": PromptLookup()}
         speculating = [d for d in args.draft if d != "none"]
+
+        def source(draft):  # NAME@host: the same source as a plain callable, so drafted on the host
+            base = drafts[draft.removesuffix("@host")]
+            return (lambda context, k: base(context, k)) if draft.endswith("@host") else base
         reuse = len(args.draft) == 1  # several runs send the same prompts: a later one would find them cached
         engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
-                        max_waiting=c, kernels=kernels, draft=drafts[speculating[0]] if speculating else None,
+                        max_waiting=c, kernels=kernels, draft=source(speculating[0]) if speculating else None,
                         draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c,
                         speculate_steps=args.speculate_steps, prefix_reuse=reuse,
                         kv_memory=int(args.kv_gib * 2 ** 30) if args.kv_gib else None)
@@ -143,7 +147,7 @@ def run_jax(args) -> dict:
         t = time.perf_counter()
         engine.warm_up()
         for draft in speculating[1:]:  # each draft's checked steps (the first's are the engine's)
-            speculation.use(drafts[draft])
+            speculation.use(source(draft))
             speculation.warm_up(engine)
         warm = time.perf_counter() - t
         # One request end to end, outside the timings (the first steps' host paths).
@@ -154,7 +158,7 @@ def run_jax(args) -> dict:
             # Speculation is switched per run over one engine (compiled once): off, or this draft.
             engine.speculation = None if draft == "none" else speculation
             if draft != "none":
-                speculation.use(drafts[draft])
+                speculation.use(source(draft))
             before = engine.metrics.snapshot()
             prompts, at = workload(config.vocab_size, c, arrivals, args)
             requests = [None] * c
@@ -405,7 +409,8 @@ def main() -> None:
                              "each per step; several (comma-separated) run one after the other")
     parser.add_argument("--draft", default="none",
                         help="speculative decoding, one run each over the same engine: none, oracle (each prompt's "
-                             "reply without speculation, proposed back: needs none first), prompt-lookup; with "
+                             "reply without speculation, proposed back: needs none first), prompt-lookup; NAME@host "
+                             "drafts on the host where --speculate-steps puts NAME on the device; with "
                              "several, prefix reuse is off (each run sends the same prompts: a later run would find "
                              "them in the cache and prefill less)")
     parser.add_argument("--conditioned", action="store_true",
@@ -446,9 +451,10 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.arrivals = args.arrivals.split(",")
     args.draft = args.draft.split(",")
-    if any(d not in ("none", "oracle", "prompt-lookup") for d in args.draft) or (
-            "oracle" in args.draft and args.draft[0] != "none"):
-        parser.error(f"--draft takes none, oracle, prompt-lookup (oracle after none), not {','.join(args.draft)!r}")
+    if any(d.removesuffix("@host") not in ("none", "oracle", "prompt-lookup") or d == "none@host" for d in args.draft) or (
+            any(d.startswith("oracle") for d in args.draft) and args.draft[0] != "none"):
+        parser.error(f"--draft takes none, oracle, prompt-lookup, each but none also as NAME@host (oracle after "
+                     f"none), not {','.join(args.draft)!r}")
     args.switch_interval = [float(x) for x in args.switch_interval.split(",")]
     if args.profile:  # the children run from the repository's root
         args.profile = os.path.abspath(args.profile)
