@@ -293,7 +293,9 @@ def test_gptoss_serve_command(tmp_path):
 
 
 # A KV cache of 36 pages of 16 positions (the float32 demo model's page: 8,192 bytes): one request of
-# the whole context needs 33 at most, so four running at once run out and the latest is preempted.
+# the whole context needs 33 at most. With it the test's requests have short prompts (61 to 85
+# tokens) and replies of 154 to 190 (some 16 pages each at their end), so any three running at once
+# run out and the latest is preempted, whatever order they arrive in.
 SMALL_POOL = ["--page-size", "16", "--kv-memory-gb", str(36 * 8192 / 2**30)]
 
 
@@ -318,9 +320,9 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
         line = procs[0].stdout.readline()
         assert line.startswith("gptoss-serve: ready at http://127.0.0.1:"), (line, procs[0].stderr.read())
         two = openai.OpenAI(base_url=line.split()[3], api_key="unused", max_retries=0, timeout=60)
-        kws = [dict(model=MODEL, messages=[{"role": "user", "content": "Tell me more. " * (1 + 7 * i)}], temperature=0,
-                    max_tokens=60 - 6 * i if kv_flags else 4 + 3 * i)  # longer replies outgrow the small pool
-               for i in range(7)]  # prompts of 20 to ~230 tokens, past the window
+        kws = [dict(model=MODEL, messages=[{"role": "user", "content": "Tell me more. " * (1 + (i if kv_flags else 7 * i))}],
+                    temperature=0, max_tokens=190 - 6 * i if kv_flags else 4 + 3 * i)  # long replies outgrow the small pool
+               for i in range(7)]  # prompts past the window: 61 to ~230 tokens (to 85 with the small pool)
 
         def ask(kw):
             return two.chat.completions.create(**kw).choices[0].message.content
