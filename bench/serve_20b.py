@@ -451,7 +451,8 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.arrivals = args.arrivals.split(",")
     args.draft = args.draft.split(",")
-    if any(d.removesuffix("@host") not in ("none", "oracle", "prompt-lookup") or d == "none@host" for d in args.draft) or (
+    known = ("none", "oracle", "prompt-lookup", "oracle@host", "prompt-lookup@host")
+    if any(d not in known for d in args.draft) or (
             any(d.startswith("oracle") for d in args.draft) and args.draft[0] != "none"):
         parser.error(f"--draft takes none, oracle, prompt-lookup, each but none also as NAME@host (oracle after "
                      f"none), not {','.join(args.draft)!r}")

@@ -31,8 +31,8 @@ def _on_gpu():
 def test_checked_steps_on_the_device_update_the_pool_in_place(monkeypatch):
     """The engine's device-drafted calls (a loop over checked steps, a branch per step) write each
     storage of the pool in place. Without the order attention.py imposes (its write after its read),
-    XLA copied every storage before writing it, in each step: 48 copies of a storage in this very
-    program on one NVIDIA H200 (24 storages, two branches), the whole pool a step."""
+    XLA copied every storage before writing it, in each step: 48 copies of a storage in this program
+    on one NVIDIA H200 with the oracle as the draft (24 storages, two branches), the whole pool a step."""
     config = gj.ModelConfig.preset("gpt-oss-20b")
     params = random_params_on_device(config, seed=0, dtype="mxfp4")
     engine = Engine(config, params, slots=1, max_len=2048, prefill_chunk=512, page_size=64, pages=PAGES,

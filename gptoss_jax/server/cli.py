@@ -100,8 +100,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="with --draft: 0 drafts on the host, a step at a time; S > 0 drafts on the device and, while "
                         "no prompt is being prefilled or waits, runs up to S checked steps in one call, no more than "
                         "--prefill-chunk / (K + 1) (measured faster than drafting on the host where drafts are "
-                        "mostly right, slower where they are mostly wrong: docs/serving.md). A request that stops mid-call has "
-                        "its later tokens dropped; a request that arrives waits at most for the call "
+                        "mostly right, slower where they are mostly wrong: docs/serving.md). A request that stops "
+                        "mid-call has its later tokens dropped; a request that arrives waits at most for the call "
                         "(default: %(default)s)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
