@@ -317,6 +317,38 @@ def test_on_the_devices_a_call_runs_only_where_a_sequence_is_due():
     assert speculation.ahead(seq) == 4
 
 
+def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read(tiny_f32, traffic, monkeypatch):
+    """Drafted on the devices, a call of checked steps is queued without waiting for the decode step
+    before it (the call takes that step's token from the devices): the host reads that step's tokens
+    while the call runs. A reply that stops at such a step's token ends there, the call's tokens for
+    it dropped and its pages freed, whichever step that is; the tokens stay the request's alone."""
+    prompts, _, _ = traffic
+    config, params = tiny_f32
+    new, prompt = 40, prompts[1]
+    want = Generator(config, params, max_len=MAX_LEN).generate([prompt], max_new_tokens=new,
+                                                               sampling=GREEDY)[0].output_ids
+    wrong = KnownReplies([prompt], [want], config.vocab_size, 1)  # backs off: decode steps between calls
+    events = []
+    check_steps, read, step = Speculation._check_steps, Engine._read, Engine.step
+    monkeypatch.setattr(Speculation, "_check_steps", lambda self, engine, seqs, steps: (
+        events.append("call") if any(seqs) else None, check_steps(self, engine, seqs, steps))[1])
+    monkeypatch.setattr(Engine, "_read", lambda self, *a: (events.append("read"), read(self, *a))[0])
+    monkeypatch.setattr(Engine, "step", lambda self: (events.append("step"), step(self))[1])
+    engine = engine_with(tiny_f32, wrong)
+    assert run(engine, [prompt], [Settings(max_new_tokens=new, sampling=GREEDY)]) == [want]
+    assert engine.stats()["speculative_steps"] >= 3
+    in_steps = " ".join(events).split("step")
+    assert sum(s.split() == ["call", "read"] for s in in_steps) >= 3, in_steps  # (a step: the call, then the read)
+    assert not any(s.split() == ["read", "call"] for s in in_steps), in_steps
+    firsts = [j for j, t in enumerate(want) if t not in want[:j]]
+    for j in firsts[:12]:  # each early step's token as a stop: decode steps and calls alike
+        engine = engine_with(tiny_f32, wrong)
+        request = engine.submit(prompt, Settings(max_new_tokens=new, sampling=GREEDY, stop_ids=(want[j],)))
+        engine.run_until_idle()
+        assert request.finish_reason == "stop" and request.output_ids == want[:j + 1], j
+        assert engine.stats()["pages_in_use"] == 0
+
+
 def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     """A sequence's drafting steps after misses: 2, 4, 8, then MOST_WAIT steps apart, each wait ending
     on a multiple of its length (sequences waiting as long come due together); an accepted token makes

@@ -79,9 +79,10 @@ def check_steps(config, kernels, mesh, draft, k, most, params, pool, tables, his
     """Up to `most` checked steps of the call's rows (see the module); draft_arrays: the draft source's
     arrays (its `arrays()`, placed on the devices), given to its `propose`, where it has them.
 
-    history [R, L]: each row's tokens so far (prompt and reply; the last not in the cache yet); last [R]:
-    each row's latest token; plan [5, B]: rows (R: padding), lengths (positions cached), budgets (tokens
-    each may still add; 0: padding), sampling steps, draft misses, the step each drafts from (due);
+    history [R, L]: each row's tokens so far (prompt and reply; the last not in the cache yet, and
+    perhaps not in the history either); last [R]: each row's latest token; plan [6, B]: rows (R:
+    padding), lengths (positions cached), budgets (tokens each may still add; 0: padding), sampling
+    steps, draft misses, the step each drafts from (due);
     settings: every row's (steps.sampling_arrays); run [3]: the steps to run (<= most), the first
     step's clock, the mode (an index into MODES).
     -> (tokens [most, B, T] of which the first counts [most, B] are new, drafted [most, B], accepted
@@ -90,6 +91,9 @@ def check_steps(config, kernels, mesh, draft, k, most, params, pool, tables, his
     B, T, L = rows.shape[0], k + 1, history.shape[1]
     at = jnp.arange(T)[None]  # [1, T]
     model = Transformer(config, kernels=kernels, mesh=mesh)
+    # Each row's latest token, at its length: the call is queued before the host reads the step
+    # before's tokens (speculation.py), so the history may lack it; `last` holds it.
+    history = history.at[rows, lengths].set(jnp.take(last, rows, mode="clip"), mode="drop")
 
     def check(width, tokens, counts, pool, lengths, sample_steps):
         valid = at[:, :width] < counts[:, None]  # [B, width]

@@ -75,9 +75,8 @@ class Engine:
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
     where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
     prefix_reuse=False: every prompt is computed whole (for comparison). draft (speculative.py): steps
-    of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, drafted
-    on the host a step at a time (speculate_steps 0), or up to `speculate_steps` such steps a call
-    drafted on the devices where the source can (speculation.py)."""
+    of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, drafted on
+    the host a step at a time (speculate_steps 0), or up to `speculate_steps` a call on the devices."""
 
     def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
                  prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
@@ -304,13 +303,14 @@ class Engine:
             queued.append(self._prefill(prefilling))
         if decoding and not speculate:
             decoded = self._decode(decoding)
+        call = self.speculation.queue(self, decoding) if speculate else None  # (drafted on the devices)
         for seq in prefilling + ([] if speculate else decoding):
             self.scheduler.after_step(seq)
         before, self._in_flight = self._in_flight, queued
         for tokens, rows, logprobs in before:  # read while the device runs this step's model
             self._read(tokens, rows, logprobs)
-        if speculate:  # drafted from the tokens just read
-            self.speculation.step(self, decoding)
+        if speculate:  # drafted from the tokens just read, or the call's tokens read
+            self.speculation.step(self, decoding, call)
         elif decoding:  # picked once the step before's tokens are read: the grammars' masks follow them
             queued.append(self._pick(*decoded))
         return bool(queued or before or speculate or self._waiting or self.scheduler.preempted)

@@ -17,11 +17,12 @@ rejected ones before anything reads them.
 
 By default the drafts are made on the host. With `steps` > 0, a draft source that proposes on the
 devices (`propose(history, lengths, k)`, as `PromptLookup` has) runs up to `steps` checked steps a
-call there while nothing else waits to run and a sequence is due (checked_steps.py): the host reads
-the call's tokens once. A source on the host makes each step
-synchronous: the drafts follow the tokens of the step before, so those are read first (the decode
-steps' pipelining is given up for the step, also where no sequence then has a draft and the step
-decodes one token each). On either path a sequence whose draft was empty or wholly rejected waits
+call there while nothing else waits to run and a sequence is due (checked_steps.py): the call is
+queued before the host reads the tokens of the decode step before it (it takes each row's latest
+token from the devices), and the host reads the call's tokens once. A source on the host makes
+each step synchronous: the drafts follow the tokens of the step before, so those are read first
+(the decode steps' pipelining is given up for the step, also where no sequence then has a draft
+and the step decodes one token each). On either path a sequence whose draft was empty or wholly rejected waits
 before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps (each wait ends on a multiple of
 its length, so the waiting sequences come due together); one accepted drafted token makes it draft
 every step again. Over text that repeats nothing, once its sequences have backed off that far, at
@@ -192,19 +193,31 @@ class Speculation:
         ok = [0 <= int(t) < vocab for t in draft[:room]]
         return [int(t) for t in draft[:ok.index(False) if False in ok else len(ok)]]
 
-    def step(self, engine, decoding) -> None:
+    def queue(self, engine, decoding):
+        """Drafted on the devices: queue the call of these sequences' checked steps before the step
+        before's tokens are read, so that the host reads them while the call runs (the call takes each
+        row's latest token from the devices) -> (the sequences, the call's outputs); None drafted on the
+        host, or where none of them is due any more (preempted since `wanted`)."""
+        live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
+        if not (self.on_devices and any(self._due(s) for s in live)):
+            return None
+        self._sync_history(engine, live)  # (but the tokens not read yet: the call writes the latest)
+        B = next(b for b in self.sizes if b >= len(live))
+        return live, self._check_steps(engine, live + [None] * (B - len(live)), self.now)
+
+    def step(self, engine, decoding, queued=None) -> None:
         """Check the drafts of these sequences (the step before's tokens read: those that ended are
         left out) and hand out their tokens; where none has a draft (drafted on the host) or none of
-        them is due (on the devices: the due ones ended meanwhile), queue a decode step instead;
-        drafted on the devices, run the call's steps (`_step_on_devices`)."""
+        them is due (on the devices), queue a decode step instead; drafted on the devices, hand out
+        the tokens of the call `queue` queued (`_read_call`)."""
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if any(len(s.request.output_ids) != s.queued for s in live):
             raise RuntimeError("a speculated step needs every token sampled before it read")
+        if queued is not None:
+            return self._read_call(engine, *queued)
         due = [self._due(s) for s in live]
         if self.on_devices:
-            if any(due):
-                return self._step_on_devices(engine, live)
-            drafts = []  # the due sequences ended or were preempted since `wanted`: a decode step
+            drafts = []  # no sequence due (preempted since `wanted`): a decode step
         else:
             drafts = [self._draft(s, engine.config.vocab_size) if d else [] for s, d in zip(live, due)]
             engine.metrics.drafting_steps += 1
@@ -283,12 +296,9 @@ class Speculation:
             part[:, :len(writes[at:at + HISTORY_WRITES])] = np.array(writes[at:at + HISTORY_WRITES], np.int32).T
             self.history = write_history(self._history(engine), engine._put(part))
 
-    def _step_on_devices(self, engine, live) -> None:
-        """Up to `now` checked steps of these sequences (one of them due to draft) in one call, then
-        their tokens handed out."""
-        self._sync_history(engine, live)
-        B = next(b for b in self.sizes if b >= len(live))
-        out = self._check_steps(engine, live + [None] * (B - len(live)), self.now)
+    def _read_call(self, engine, live, out) -> None:
+        """Hand out the tokens of a call of checked steps (`queue`) to its sequences (those that ended
+        meanwhile, at the step before's tokens, are left out: their tokens are dropped)."""
         try:
             new, counts, drafted, accepted, misses, due, ran = jax.device_get(out)  # one wait for all
         except Exception:  # a failed call's outputs carry its error: the engine resets its rows
@@ -300,6 +310,8 @@ class Speculation:
         metrics.speculative_steps += int((drafted[:ran] > 0).any(axis=1).sum())
         self.clock += ran - 1
         for i, seq in enumerate(live):
+            if engine.scheduler.rows[seq.row] is not seq:
+                continue
             total = int(counts[:ran, i].sum())
             metrics.draft_tokens += int(drafted[:ran, i].sum())
             metrics.accepted_draft_tokens += int(accepted[:ran, i].sum())
