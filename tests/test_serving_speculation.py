@@ -347,6 +347,16 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
         engine.run_until_idle()
         assert request.finish_reason == "stop" and request.output_ids == want[:j + 1], j
         assert engine.stats()["pages_in_use"] == 0
+    # Beside other rows of the same calls, which go on to their own tokens.
+    others, budgets, replies = [prompts[0], prompts[2]], traffic[1][:3:2], traffic[2][:3:2]
+    wrong = KnownReplies([prompt, *others], [want, *replies], config.vocab_size, 1)
+    for j in firsts[:4]:
+        engine = engine_with(tiny_f32, wrong)
+        stopped = engine.submit(prompt, Settings(max_new_tokens=new, sampling=GREEDY, stop_ids=(want[j],)))
+        going = [engine.submit(p, Settings(max_new_tokens=m, sampling=GREEDY)) for p, m in zip(others, budgets)]
+        engine.run_until_idle()
+        assert stopped.output_ids == want[:j + 1] and [r.output_ids for r in going] == replies, j
+        assert engine.stats()["pages_in_use"] == 0
 
 
 def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
