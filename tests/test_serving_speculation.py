@@ -348,7 +348,7 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
         assert request.finish_reason == "stop" and request.output_ids == want[:j + 1], j
         assert engine.stats()["pages_in_use"] == 0
     # Beside other rows of the same calls, which go on to their own tokens.
-    others, budgets, replies = [prompts[0], prompts[2]], traffic[1][:3:2], traffic[2][:3:2]
+    others, budgets, replies = ([x[i] for i in (0, 2)] for x in traffic)
     wrong = KnownReplies([prompt, *others], [want, *replies], config.vocab_size, 1)
     for j in firsts[:4]:
         engine = engine_with(tiny_f32, wrong)

@@ -22,12 +22,12 @@ queued before the host reads the tokens of the decode step before it (it takes e
 token from the devices), and the host reads the call's tokens once. A source on the host makes
 each step synchronous: the drafts follow the tokens of the step before, so those are read first
 (the decode steps' pipelining is given up for the step, also where no sequence then has a draft
-and the step decodes one token each). On either path a sequence whose draft was empty or wholly rejected waits
-before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps (each wait ends on a multiple of
-its length, so the waiting sequences come due together); one accepted drafted token makes it draft
-every step again. Over text that repeats nothing, once its sequences have backed off that far, at
-most one step in `MOST_WAIT` waits for its tokens (on the host) or checks k + 1 positions. A new
-sequence (and one taken back after a preemption) drafts at once.
+and the step decodes one token each). On either path a sequence whose draft was empty or wholly
+rejected waits before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps (each wait ends on
+a multiple of its length, so the waiting sequences come due together); one accepted drafted token
+makes it draft every step again. Over text that repeats nothing, once its sequences have backed
+off that far, at most one step in `MOST_WAIT` waits for its tokens (on the host) or checks k + 1
+positions. A new sequence (and one taken back after a preemption) drafts at once.
 
 Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
 accepts exactly the drafts equal to it, and then takes it), so a greedy request's tokens are those
