@@ -35,8 +35,8 @@ class Sampling:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0 (0 is off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top-k must be >= 0 (0 is off) and a 32-bit integer, got {self.top_k}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
 

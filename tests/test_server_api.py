@@ -332,7 +332,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 @pytest.mark.parametrize("path, body, param, code", [
     ("/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", None),  # needs logprobs: true
     ("/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
-    ("/chat/completions", {**CHAT, "logit_bias": {"hello": 1}}, "logit_bias", None),
+    ("/chat/completions", {**CHAT, "logit_bias": {"hello": 1}}, "logit_bias.hello", None),
     ("/chat/completions", {**CHAT, "logit_bias": {"5": 101}}, "logit_bias", None),
     ("/chat/completions", {**CHAT, "logit_bias": {"201088": 1}}, "logit_bias", None),
     ("/completions", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", None),
@@ -341,7 +341,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, "response_format.type", None),
     ("/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
-     "response_format", None),  # a schema the grammar engine refuses
+     "response_format.json_schema.schema", "invalid_schema"),  # a schema the grammar engine refuses
     ("/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format.json_schema.schema", None),
     ("/chat/completions", {**CHAT, "functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions", None),
@@ -351,8 +351,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     ("/chat/completions", {**CHAT, "n": 129}, "n", None),
     ("/chat/completions", {**CHAT, "repetition_penalty": 1.1}, "repetition_penalty", "unknown_parameter"),
     ("/completions", {**COMPLETION, "max_tokens": 0}, "max_tokens", None),
-    ("/completions", {**COMPLETION, "prompt": [-1], "echo": True}, "prompt", None),
-    ("/completions", {**COMPLETION, "prompt": [201088], "echo": True, "logprobs": 1}, "prompt", None),
+    ("/completions", {**COMPLETION, "prompt": [-1], "echo": True}, "prompt[0]", None),
+    ("/completions", {**COMPLETION, "prompt": [201088], "echo": True, "logprobs": 1}, "prompt[0]", None),
     ("/chat/completions", {**CHAT, "ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos", None),
     ("/completions", {**COMPLETION, "echo": 1}, "echo", None),
     ("/completions", {**COMPLETION, "n": 2, "best_of": 1}, "best_of", None),
@@ -572,7 +572,7 @@ def test_the_tokenizer_endpoints_answer_as_vllms(url):
     assert raw_post(root, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": text}
     assert raw_post(root, "/tokenize", {"model": "other", "prompt": text}).status_code == 404
     bad = raw_post(root, "/detokenize", {"tokens": [tokenizer.n_vocab]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[0]"
     request = urllib.request.Request(root + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=30) as info:
         info = json.loads(info.read())

@@ -148,6 +148,39 @@ def chat_raw(**fields) -> bytes:
     pytest.param("/chat/completions", chat_raw(temperature="NaN"), 400, None, id="NaN"),
     pytest.param("/chat/completions", b'{"model": "x", "messages": \xff}', 400, None, id="not UTF-8"),
     pytest.param("/chat/completions", chat_raw(max_tokens="1" * 5000), 400, None, id="a 5000-digit number"),
+    # Bounds declared at the door: what the engine cannot hold never reaches it (each was a 500 before).
+    *[pytest.param(path, json.dumps({**body, "top_k": value}).encode(), 400, "top_k", id=f"top_k {value} {path}")
+      for value in (2**31, 2**63, 201089) for path, body in (("/chat/completions", {"model": MODEL, "messages": HI}),
+                                                              ("/completions", {"model": MODEL, "prompt": "x"}),
+                                                              ("/responses", {"model": MODEL, "input": "x"}))],
+    *[pytest.param("/chat/completions", json.dumps({"model": MODEL, "messages": HI, "logit_bias": {key: 1}}).encode(),
+                   400, "logit_bias", id=f"logit_bias key {key[:8]!r}")
+      for key in ("\u00b2", "\u2460", "\u0663", "\uff10", "1" * 5000, "-1", " 1")],
+    *[pytest.param("/chat/completions", json.dumps({"model": MODEL, "messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}).encode(), 400,
+        "response_format.json_schema.schema" + suffix, id=name)
+      for name, schema, suffix in (
+          ("x-guidance a number", {"type": "object", "x-guidance": 5}, ".x-guidance"),
+          ("x-guidance a list", {"type": "object", "x-guidance": [1, 2]}, ".x-guidance"),
+          ("a $ref loop", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, ""),
+          ("a pattern of 100000 repeats", {"type": "string", "pattern": "^a{100000}$"}, ""))],
+    pytest.param("/chat/completions", json.dumps({"model": MODEL, "messages": HI, "tool_choice": "required", "tools": [
+        TOOL, {"type": "function", "function": {"name": "g", "strict": True, "parameters": {
+            "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}).encode(), 400,
+        "tools[1].function.parameters", id="an invalid strict tool's schema names its field"),
+    *[pytest.param(path, json.dumps(body).encode(), 400, param, id=f"a long name in {param}")
+      for path, body, param in (
+          ("/chat/completions", {"model": MODEL, "messages": HI, "tools": [
+              {"type": "function", "function": {"name": "a" * 50_000}}]}, "tools[0].function.name"),
+          ("/chat/completions", {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [
+              {"id": "c", "function": {"name": "a" * 50_000, "arguments": "{}"}}]}]},
+           "messages[0].tool_calls[0].function.name"),
+          ("/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "name": "a" * 50_000, "content": "x"}]},
+           "messages[0].name"),
+          ("/responses", {"model": MODEL, "input": [{"type": "function_call", "name": "a" * 50_000, "call_id": "c"}]},
+           "input[0].name"),
+          ("/responses", {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f g"}]},
+           "tools[0].name"))],
 ])
 def test_bad_input_is_a_4xx_and_the_connection_stays(conn, path, raw, status, param):
     error_of(conn.send("POST", path, raw=raw), status, param)
@@ -346,7 +379,7 @@ def test_a_long_prompts_tokens_are_written_off_the_event_loop(url, large_json):
 
 def test_stop_strings_have_a_length_cap(conn):
     error = error_of(conn.send("POST", "/chat/completions", {"model": MODEL, "messages": HI,
-                                                              "stop": ["x" * 100_000] * 4}), 400, "stop")
+                                                              "stop": ["x" * 100_000] * 4}), 400, "stop[0]")
     assert "1000" in error["message"]
 
 
@@ -627,3 +660,74 @@ def test_health_is_503_once_the_engines_thread_has_stopped(monkeypatch):
         error_of(c.send("POST", "/chat/completions", {"model": MODEL, "messages": HI}), 503)
         c.close()
     engine.stop()
+
+
+# 4. One bad request harms only itself ----------------------------------------------------------------
+
+def test_six_streams_finish_normally_beside_a_request_the_engine_cannot_hold(real):
+    """The attack that once ended every stream in flight (a top_k past int32 raised inside the engine's
+    step, which ended every running request): now a 400 at the door on every endpoint, while six
+    streams beside it finish with all their tokens."""
+    engine, url = real
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    results = [None] * 6
+
+    def victim(i):
+        chunks = list(client.completions.create(model=MODEL, prompt=f"Victim {i}", max_tokens=24, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        results[i] = ("".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].choices[0].finish_reason)
+
+    threads = [threading.Thread(target=victim, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    c = Connection(url)
+    for path, body in (("/chat/completions", {"model": MODEL, "messages": HI}),
+                       ("/completions", {"model": MODEL, "prompt": "x"}), ("/responses", {"model": MODEL, "input": "x"})):
+        error_of(c.send("POST", path, {**body, "top_k": 2147483648, "max_tokens" if path != "/responses" else
+                                       "max_output_tokens": 4}), 400, "top_k")
+    c.close()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None and r[1] == "length" for r in results), results
+    assert engine.stats()["finished"].get("error", 0) == 0
+
+
+def test_the_stored_responses_are_bounded_in_bytes_and_metrics_say_how_many(engine):
+    """Responses echoing 1 MB of tools each, under a 3 MiB store: the oldest are forgotten (404) as the
+    newest come, /metrics reports the bytes held, and a text.format's unknown keys are not echoed."""
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL,
+                    limits=Limits(max_body_bytes=4 * 2**20, stored_bytes=3 * 2**20))
+    server.ready.set()
+    tools = [{"type": "function", "name": "f", "description": "d" * 2**20}]
+    with serving(create_app(server)) as base:
+        c = Connection(base)
+        ids = []
+        for _ in range(6):
+            status, _, payload = c.send("POST", "/responses", {
+                "model": MODEL, "input": "Hi", "tools": tools, "tool_choice": "none", "max_output_tokens": 1,
+                "text": {"format": {"type": "text", "junk": "j" * 1000}}})
+            assert status == 200, payload
+            ids.append(json.loads(payload)["id"])
+            assert "junk" not in json.loads(payload)["text"]["format"]
+        kept = [c.send("GET", f"/responses/{i}")[0] for i in ids]
+        _, _, metrics = c.send("GET", "/metrics")
+        c.close()
+    held = {line.split()[0]: float(line.split()[1]) for line in metrics.decode().splitlines()
+            if line.startswith("gptoss_stored_response")}
+    assert kept == [404] * 4 + [200] * 2, kept
+    assert held["gptoss_stored_responses"] == 2 and 2 * 2**20 < held["gptoss_stored_response_bytes"] <= 3 * 2**20
+
+
+def test_a_client_that_leaves_mid_body_is_one_line_in_the_log(url, caplog):
+    parts = urllib.parse.urlsplit(url)
+    with caplog.at_level("INFO", "gptoss_jax.server"):
+        s = socket.create_connection((parts.hostname, parts.port))
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: 1000\r\n\r\n".encode() + b'{"model": ')
+        time.sleep(0.2)  # (the server reads the part sent: then the client leaves)
+        s.close()
+        deadline = time.monotonic() + 10
+        while "the client left" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "the client left before its request's body was read" in caplog.text
+    assert "Traceback" not in caplog.text and "failed" not in caplog.text

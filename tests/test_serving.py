@@ -388,3 +388,45 @@ def test_a_tokens_count_stops_at_32767_and_special_tokens_are_not_counted():
     np.testing.assert_array_equal(np.asarray(counts), want)
     counts = count(counts, jnp.array([1], jnp.int32), jnp.array([7], jnp.int32), 8)
     assert int(counts[1, 7]) == 1
+
+
+def test_a_row_whose_settings_raise_in_the_step_fails_alone(engine, traffic, caplog):
+    """A request whose settings cannot become its row's (a top-k past int32, set after the checks at
+    submit, as a bug would) ends with an error at admission; the requests beside it, admitted in the
+    same step, get their exact greedy tokens and the engine goes on. With the failure not kept to its
+    row (the step's exception reaching `_fail_running`), every request here would end with the error."""
+    settings, prompts, want = traffic
+    bad = Settings(max_new_tokens=8, sampling=Sampling(temperature=0.5, top_k=5), seed=1)
+    object.__setattr__(bad.sampling, "top_k", 2**31)  # frozen: what no check at submit would let through
+    requests = [engine.submit(p, s) for p, s in zip(prompts[:3], settings[:3])]
+    failing = engine.submit(prompts[3], bad)
+    requests += [engine.submit(p, s) for p, s in zip(prompts[4:7], settings[4:7])]
+    with caplog.at_level("ERROR", "gptoss_jax.serving"):
+        engine.run_until_idle()
+    assert failing.finish_reason == "error" and "OverflowError" in failing.error and not failing.invalid
+    assert failing.output_ids == []
+    for i, r in zip([0, 1, 2, 4, 5, 6], requests):
+        assert r.output_ids == want[i] and r.finish_reason in ("stop", "length"), i
+    assert f"request {failing.id} failed alone" in caplog.text
+    assert engine.stats()["slots_in_use"] == 0
+
+
+def test_a_grammar_that_fails_as_it_goes_ends_its_request_alone_as_its_own_error(model, traffic):
+    """llguidance finds a `$ref` loop only when it first computes what may follow: that request ends
+    as the client's error (`invalid`), the greedy requests beside it get their exact tokens."""
+    from gptoss_jax import tokenizer as tk
+    from gptoss_jax.server.structured import _json
+
+    config, params = model
+    settings, prompts, want = traffic
+    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(4,),
+                    tokenizer=tk.load_tokenizer(VOCAB))
+    loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    grammar = "start: " + _json(loop)
+    engine.grammars.check(grammar)  # it compiles: the fault shows only later
+    failing = engine.submit(prompts[1], Settings(max_new_tokens=6, sampling=GREEDY, grammar=grammar))
+    others = [engine.submit(p, s) for p, s in zip(prompts[4:7], settings[4:7])]
+    engine.run_until_idle()
+    assert failing.finish_reason == "error" and failing.invalid and "NoExtensionBias" in failing.error
+    for i, r in zip([4, 5, 6], others):
+        assert r.output_ids == want[i], i

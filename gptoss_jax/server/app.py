@@ -41,13 +41,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import tokenizer as tk
 from ..version import __version__
 from . import body, logprobs, openapi, protocol
-from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, server_error, unauthorized,
+from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, unauthorized,
                      unavailable)
 from . import choices
 from .choices import Failed, sse
 from ..serving.score import prompt_logprobs
 from .generation import Generation, Server, settings_of
-from .structured import grammar_for
+from .structured import grammar_for, schema_probes
 from .guard import Guard
 from .harmony import ReplyStream, chat_prompt, context_exceeded, responses_prompt
 from .metrics import prometheus_text
@@ -118,7 +118,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(prometheus_text(server.engine.stats()), media_type="text/plain; version=0.0.4")
+        return Response(prometheus_text({**server.engine.stats(), **server.responses.stats()}),
+                        media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "gptoss-jax"}
@@ -196,7 +197,9 @@ def create_app(server: Server) -> FastAPI:
         tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools or []]
         grammar = (lambda budget: grammar_for(req.response_format, "response_format", tools, req.tool_choice,
                                               bool(prompt.reply_start), budget),
-                   "response_format" if req.response_format is not None else "tools")
+                   "response_format" if req.response_format is not None else "tools",
+                   schema_probes(req.response_format, "response_format", tools, req.tool_choice,
+                                 "functions[{}].parameters" if legacy else "tools[{}].function.parameters"))
         return req, prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop,
                                         (req.top_logprobs or 0) if req.logprobs else None, grammar), legacy
 
@@ -205,7 +208,7 @@ def create_app(server: Server) -> FastAPI:
         _, (req, prompt, settings, legacy) = await prepared(http, protocol.ChatCompletionRequest, chat_prepare)
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         generations = choices.start(server, http, prompt.tokens, [choices.seeded(settings, i) for i in range(req.n)],
-                                    rid)
+                                    rid, "response_format" if req.response_format is not None else "tools")
 
         def chunk(choice: dict) -> str:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
@@ -347,13 +350,18 @@ def create_app(server: Server) -> FastAPI:
         tools = [(t.name, t.parameters, t.strict) for t in req.tools or []]
         fmt = req.text.format if req.text is not None else None
         grammar = (lambda budget: grammar_for(fmt, "text.format", tools, req.tool_choice, bool(prompt.reply_start),
-                                              budget), "text.format" if fmt is not None else "tools")
+                                              budget), "text.format" if fmt is not None else "tools",
+                   schema_probes(fmt, "text.format", tools, req.tool_choice, "tools[{}].parameters"))
         return req, prompt, settings_of(server, prompt.tokens, req.max_output_tokens, req, None,
                                         (req.top_logprobs or 0) if wanted else None, grammar), items
 
-    def keep(req, builder, items) -> None:
+    async def keep(req, builder, items) -> None:
+        """Store a finished response (written as JSON on a worker thread: it can be megabytes long)."""
         if req.store and builder.final is not None and builder.final["status"] != "failed":
-            server.responses.put(builder.final, items)
+            await server.prepare(server.responses.put, builder.final, items)
+
+    def stored(found) -> Response:
+        return Response(found.response, media_type="application/json")  # its JSON, as it was stored
 
     def unknown_response(name: str) -> APIError:
         return APIError(404, f"No response with id {name!r} (responses are kept for {server.limits.stored_seconds:g} "
@@ -365,7 +373,7 @@ def create_app(server: Server) -> FastAPI:
         check(http)
         if (found := server.responses.get(name)) is None:
             raise unknown_response(name)
-        return await written_json(found.response)
+        return stored(found)
 
     @app.post("/v1/responses/{name}/cancel")
     async def cancel_response(http: HTTPRequest, name: str):
@@ -379,7 +387,7 @@ def create_app(server: Server) -> FastAPI:
         found = server.responses.get(name)
         if found is None:
             raise unknown_response(name)
-        return await written_json(found.response)
+        return stored(found)
 
     @app.delete("/v1/responses/{name}")
     async def delete_response(http: HTTPRequest, name: str):
@@ -392,7 +400,8 @@ def create_app(server: Server) -> FastAPI:
     async def responses(http: HTTPRequest):
         _, (req, prompt, settings, items) = await prepared(http, protocol.ResponsesRequest, responses_prepare)
         rid = "resp_" + secrets.token_hex(12)
-        generation = Generation(server, http, prompt.tokens, settings, rid, watch=not req.background)
+        generation = Generation(server, http, prompt.tokens, settings, rid, watch=not req.background,
+                                grammar_param="text.format" if req.text is not None and req.text.format else "tools")
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
         builder = ResponseBuilder(req, server.model_name, generation, rid)
         answer = None if settings.logprobs is None else logprobs.Answer(server.tokenizer, generation.request, reply,
@@ -418,15 +427,15 @@ def create_app(server: Server) -> FastAPI:
                 async for batch in generation.batches():
                     if text := "".join(event(kind, data) for token in batch for kind, data in events_of(token)):
                         yield text
-                if generation.failed:
-                    raise Failed()
+                if (error := generation.failure) is not None:
+                    raise Failed(error)
                 for kind, data in events_of(None):
                     yield event(kind, data)
                 yield await written(lambda: builder.end(reply))
-                keep(req, builder, items)
+                await keep(req, builder, items)
 
-            def failure(message: str) -> list[str]:
-                return [event(kind, data) for kind, data in builder.fail(message)]
+            def failure(error: APIError) -> list[str]:
+                return [event(kind, data) for kind, data in builder.fail(error)]
 
             return StreamingResponse(event_stream(events(), [generation], failure), media_type="text/event-stream")
 
@@ -443,27 +452,27 @@ def create_app(server: Server) -> FastAPI:
             async def finish():
                 try:
                     entries = await whole()
-                    if generation.failed:
-                        final = builder.fail(server_error(rid).message)[-1][1]["response"]
+                    if (error := generation.failure) is not None:
+                        final = builder.fail(error)[-1][1]["response"]
                     else:
                         final = await server.prepare(builder.response, reply, entries)
-                    server.responses.put(final, items)
+                    await server.prepare(server.responses.put, final, items)
                 finally:
                     server.background.pop(rid, None)
                     generation.close()
 
             queued = builder.queued()
-            server.responses.put(queued, items)
+            await server.prepare(server.responses.put, queued, items)
             server.background[rid] = (generation, asyncio.create_task(finish()))
             return await written_json(queued)
 
         entries = await whole()
         if generation.gone:
             return gone()
-        if generation.failed:
-            raise server_error(rid)
+        if (error := generation.failure) is not None:
+            raise error
         answer = await written_json(builder.response(reply, entries))
-        keep(req, builder, items)
+        await keep(req, builder, items)
         return answer
 
     return app

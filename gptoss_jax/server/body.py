@@ -19,16 +19,18 @@ import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from . import protocol
-from .errors import bad_request, read_timeout, too_large, unsupported_media_type
+from .errors import ClientLeft, bad_request, read_timeout, too_large, unsupported_media_type
 
 MAX_SCHEMA_DEPTH = 32  # JSON schemas of real tools nest a handful of levels
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a surrogate gets into JSON text
 
 
 async def read(http, max_bytes: int, timeout: float) -> bytes:
-    """The body of `http` (a Starlette request), at most `max_bytes`, within `timeout` seconds."""
+    """The body of `http` (a Starlette request), at most `max_bytes`, within `timeout` seconds
+    (errors.ClientLeft when the client goes away before all of it came)."""
     kind = http.headers.get("content-type")
     if kind is None or kind.split(";")[0].strip().lower() != "application/json":
         raise unsupported_media_type(kind)
@@ -49,6 +51,8 @@ async def read(http, max_bytes: int, timeout: float) -> bytes:
         await asyncio.wait_for(receive(), timeout)
     except asyncio.TimeoutError:
         raise read_timeout(timeout) from None
+    except ClientDisconnect:
+        raise ClientLeft() from None
     return b"".join(chunks)
 
 

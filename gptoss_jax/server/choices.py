@@ -17,13 +17,17 @@ from typing import AsyncIterator, Callable
 from .. import tokenizer as tk
 from ..serving import Settings
 from . import logprobs
-from .errors import server_error
+from .errors import APIError
 from .generation import Generation, Server
 from .harmony import Prompt, ReplyStream, StopTrimmer
 
 
 class Failed(Exception):
-    """The engine failed on this request (logged); the stream says so and ends."""
+    """The engine failed on this request (logged); the stream says so (`error`: how) and ends."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
 
 
 def sse(data) -> str:
@@ -42,13 +46,15 @@ def seeded(settings: Settings, i: int) -> Settings:
     return dataclasses.replace(settings, seed=(settings.seed + i + 2**31) % 2**32 - 2**31)
 
 
-def start(server: Server, http, prompt: list[int], settings: list[Settings], rid: str) -> list[Generation]:
+def start(server: Server, http, prompt: list[int], settings: list[Settings], rid: str,
+          grammar_param: str | None = None) -> list[Generation]:
     """A generation per settings, the first computing the prompt for the others; all or none (a refusal
-    of one cancels those already submitted)."""
+    of one cancels those already submitted). grammar_param: the field that asked for their grammar."""
     out: list[Generation] = []
     try:
         for s in settings:
-            out.append(Generation(server, http, prompt, s, rid, after=out[0] if out else None))
+            out.append(Generation(server, http, prompt, s, rid, after=out[0] if out else None,
+                                  grammar_param=grammar_param))
     except BaseException:
         for g in out:
             g.close()
@@ -64,11 +70,13 @@ def usage_of(generations: list[Generation]) -> dict:
 
 
 def check(generations: list[Generation], rid: str) -> bool:
-    """After the choices' tokens: False when the client has gone; a 500 when the engine failed one."""
+    """After the choices' tokens: False when the client has gone; the error of a choice the engine failed
+    (Generation.failure)."""
     if any(g.gone for g in generations):
         return False
-    if any(g.failed for g in generations):
-        raise server_error(rid)
+    for g in generations:
+        if (error := g.failure) is not None:
+            raise error
     return True
 
 
@@ -176,8 +184,8 @@ class ChatChoice:
         async for batch in self.generation.batches():
             if text := self.chunks_of([self.as_delta(d) for token in batch for d in self.pieces(token)]):
                 yield text
-        if self.generation.failed:
-            raise Failed()
+        if (error := self.generation.failure) is not None:
+            raise Failed(error)
         finished = [self.as_delta(d) for d in self.reply.finish()]
         if self.answer is not None:
             self.due.extend(self.answer.finish())
@@ -256,8 +264,8 @@ class CompletionChoice:
         async for batch in self.generation.batches():
             if text := "".join(self.text_of(token) for token in batch):
                 yield self.chunk(text)
-        if self.generation.failed:
-            raise Failed()
+        if (error := self.generation.failure) is not None:
+            raise Failed(error)
         if (rest := self.trim.add(self.decoder.flush()) + self.trim.finish()) or (
                 self.scores is not None and self.scores.tokens):
             yield self.chunk(rest)  # with the log-probabilities not sent yet

@@ -138,6 +138,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--stored-responses", type=int, default=1024, metavar="N",
                    help="Responses API replies kept in memory for previous_response_id and GET /v1/responses/{id} "
                         "(store: true, the default), the oldest forgotten first; 0 keeps none (default: %(default)s)")
+    p.add_argument("--store-mb", type=float, default=1024.0, metavar="MB",
+                   help="the most memory the stored responses take, in MiB of their JSON (a response echoes the "
+                        "request's tools and instructions); the oldest are forgotten first, and a response larger "
+                        "than this alone is not stored (default: %(default)g)")
     p.add_argument("--stored-seconds", type=float, default=3600.0, metavar="SECONDS",
                    help="how long a stored response is kept (default: %(default)g)")
     p.add_argument("--quiet", action="store_true", help="no loading progress bar")
@@ -163,7 +167,8 @@ def check_flags(args) -> None:
     if args.page_size % 8:
         raise UsageError(f"--page-size must be a multiple of 8, got {args.page_size}")
     for flag, value in (("--read-timeout", args.read_timeout), ("--max-body-mb", args.max_body_mb),
-                        ("--kv-memory-gb", args.kv_memory_gb), ("--stored-seconds", args.stored_seconds)):
+                        ("--kv-memory-gb", args.kv_memory_gb), ("--stored-seconds", args.stored_seconds),
+                        ("--store-mb", args.store_mb)):
         if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
@@ -378,7 +383,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         return _follow(engine, LockstepError)
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), read_timeout=args.read_timeout,
                     allowed_hosts=allowed_hosts(args, LOOPBACK_HOSTS), stored_responses=args.stored_responses,
-                    stored_seconds=args.stored_seconds)
+                    stored_seconds=args.stored_seconds, stored_bytes=int(args.store_mb * 2**20))
     server = Server(engine, tokenizer, vocab, model_name=name, api_key=api_key, limits=limits)
     app = create_app(server)
     host = "[" + args.host + "]" if ":" in args.host else args.host

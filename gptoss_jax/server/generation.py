@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from .. import tokenizer as tk
 from ..sampling import Sampling
 from ..serving import Engine, QueueFull, Settings
-from .errors import bad_request, queue_full, unavailable
+from .errors import APIError, bad_request, queue_full, server_error, unavailable
 from .guard import log
 from .store import ResponseStore
 
@@ -31,6 +31,7 @@ class Limits:
     max_stop_chars: int = 1000  # the longest stop string taken (400 beyond)
     allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted; None: any
     stored_responses: int = 1024  # Responses API objects kept for previous_response_id and GET (oldest out)
+    stored_bytes: int = 1024 * 2**20  # and at most this many bytes of their JSON
     stored_seconds: float = 3600.0  # and for at most this long
 
 
@@ -53,7 +54,7 @@ class Server:
         self.created = int(time.time())
         self.handoff: Handoff | None = None  # made on the event loop's first request
         self.running: set[Generation] = set()
-        self.responses = ResponseStore(limits.stored_responses, limits.stored_seconds)
+        self.responses = ResponseStore(limits.stored_responses, limits.stored_seconds, limits.stored_bytes)
         self.background: dict[str, tuple] = {}  # response id -> (its Generation, the task finishing it)
         self.cut_done = False  # cut_all has run: the server is ending
         self._lock = threading.Lock()
@@ -119,12 +120,13 @@ class Generation:
     Engine.submit) and its watch, which cancels every choice."""
 
     def __init__(self, server: Server, http: HTTPRequest, prompt: list[int], settings: Settings, rid: str,
-                 after: Generation | None = None, watch: bool = True):
+                 after: Generation | None = None, watch: bool = True, grammar_param: str | None = None):
         loop = asyncio.get_running_loop()
         if server.handoff is None or server.handoff.loop is not loop:
             server.handoff = Handoff(loop)
         handoff, queue = server.handoff, asyncio.Queue()
         self.server, self.queue, self.id, self.prompt_tokens = server, queue, rid, len(prompt)
+        self.grammar_param = grammar_param  # the request's field that asked for its grammar, if any
         self.gone = self.was_cut = self.cancelled = False  # cancelled: by the API (a background response)
         if server.cut_done:  # prepared while the grace ran out: nothing may start now
             raise unavailable("The server is shutting down.")
@@ -211,12 +213,17 @@ class Generation:
                 yield token
 
     @property
-    def failed(self) -> bool:
-        """The engine failed while generating this request (the details are logged, with the id)."""
-        if self.request.finish_reason == "error" and not self.was_cut:
-            log.error("request %s: generation failed: %s", self.id, self.request.error)
-            return True
-        return False
+    def failure(self) -> APIError | None:
+        """How the engine's failure on this request is answered, None where it did not fail: a 400 naming
+        the field when the request brought it on itself (a grammar that cannot be followed), else a
+        500 with the request's id (the details are logged under it)."""
+        if self.request.finish_reason != "error" or self.was_cut:
+            return None
+        if self.request.invalid:
+            param = self.grammar_param
+            return bad_request(f"{param + ': ' if param else ''}{self.request.error}", param, "invalid_grammar")
+        log.error("request %s: generation failed: %s", self.id, self.request.error)
+        return server_error(self.id)
 
     def usage(self) -> dict:
         """OpenAI's usage object (chat and completions): the prompt's tokens, of them those found in the
@@ -232,7 +239,7 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
     """The engine settings of a request; 400 when the prompt and its budget exceed the context.
     logprobs: each token's log-probability with that many alternatives' (None: none); grammar: (a
     function of the reply's token budget -> the grammar it follows or None (structured.py), the
-    parameter that asks for it)."""
+    parameter that asks for it, the schemas' probes (structured.schema_probes))."""
     max_len = server.engine.max_len
     budget = max_tokens if max_tokens is not None else max_len - len(prompt)
     if len(prompt) + max(budget, 1) > max_len:
@@ -259,6 +266,11 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
         if not -100 <= value <= 100:
             raise bad_request(f"logit_bias values must lie in [-100, 100], got {value} for token {key}", "logit_bias")
         bias.append((int(key), float(value)))
+    for probe, where in [] if grammar is None else grammar[2]:  # each schema alone: its fault names its field
+        try:
+            server.engine.grammars.probe(probe)
+        except ValueError as e:
+            raise bad_request(f"{where}: {e}", where, "invalid_schema") from None
     text = None if grammar is None else grammar[0](budget)
     if text is not None:
         if getattr(body, "ignore_eos", False):  # the grammar ends the reply at its stop token

@@ -15,7 +15,7 @@ import json
 import logging
 import secrets
 
-from .errors import APIError, bad_request, server_error
+from .errors import APIError, ClientLeft, bad_request, server_error
 
 log = logging.getLogger("gptoss_jax.server")
 
@@ -63,6 +63,9 @@ class Guard:
 
         try:
             await self.app(scope, receive, watched_send)
+        except ClientLeft:  # nobody to answer; not a failure of the server
+            log.info("%s %s: the client left before its request's body was read", scope.get("method"),
+                     scope.get("path"))
         except Exception:  # noqa: BLE001 -- answered here, logged with its traceback
             rid = request_id()
             log.exception("request %s (%s %s) failed", rid, scope.get("method"), scope.get("path"))

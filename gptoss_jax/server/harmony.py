@@ -81,11 +81,39 @@ def _check_length(texts: list[str], vocab, max_len: int | None) -> None:
         raise context_exceeded(max_len, count, at_least=True)
 
 
+def _rendered_texts(messages, instructions: list[str], tools) -> list[str]:
+    """Every text of the client's that harmony will render: instructions, messages' texts, authors'
+    names and recipients, and each tool's name, description and the keys and strings of its parameters."""
+    texts = list(instructions)
+    for m in messages:
+        texts += [part.text for part in m.content or [] if isinstance(getattr(part, "text", None), str)]
+        texts += [m.recipient or "", m.author.name or ""]
+    for name, description, parameters in tools or []:
+        texts += [name, description or "", *_strings(parameters)]
+    return texts
+
+
+def _strings(value) -> list[str]:
+    """The keys and string values in JSON `value` (a schema's text harmony may render; its punctuation
+    and numbers are left out, so that a count of these never exceeds what is rendered), without recursion."""
+    out, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            out += [k for k in v if isinstance(k, str)]
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+    return out
+
+
 def _render(messages, *, reasoning_effort: str, instructions: list[str], tools, vocab, max_len: int | None
             ) -> list[int]:
-    """tokenizer.render_prompt, with what openai-harmony refuses answered as a 400."""
-    _check_length(instructions + [m.content[0].text for m in messages if m.content and hasattr(m.content[0], "text")],
-                  vocab, max_len)
+    """tokenizer.render_prompt, with what openai-harmony refuses answered as a 400; whatever it renders
+    is counted first (`_check_length`)."""
+    _check_length(_rendered_texts(messages, instructions, tools), vocab, max_len)
     try:
         return tk.render_prompt(messages, reasoning_effort=reasoning_effort,
                                 instructions="\n\n".join(t for t in instructions if t) or None,

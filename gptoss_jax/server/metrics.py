@@ -26,6 +26,11 @@ class _EngineCollector:
                                ("generated_tokens_per_second", "generated_tokens_per_s",
                                 "generated tokens per second since start")):
             yield GaugeMetricFamily(f"gptoss_{name}", doc, value=s[key])
+        for name, key, doc in (("stored_responses", "stored_responses", "Responses API objects stored"),
+                               ("stored_response_bytes", "stored_response_bytes",
+                                "bytes of the stored responses' JSON (gptoss-serve --store-mb caps it)")):
+            if key in s:
+                yield GaugeMetricFamily(f"gptoss_{name}", doc, value=s[key])
         yield CounterMetricFamily("gptoss_prompt_tokens", "prompt tokens admitted", value=s["prompt_tokens"])
         yield CounterMetricFamily("gptoss_cached_prompt_tokens", "prompt tokens found in the KV cache (not computed)",
                                   value=s["cached_prompt_tokens"])

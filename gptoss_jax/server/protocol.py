@@ -18,6 +18,26 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, S
                       field_validator)
 
 from ..sampling import LOGIT_BIAS_MOST, TOP_LOGPROBS
+from ..tokenizer import VOCAB_SIZE
+
+# Bounds every field is declared with, so that the OpenAPI description carries them (openapi.py) and
+# nothing past what the engine holds gets beyond the door.
+CONTEXT_MOST = 131_072  # tokens: the longest context of the gpt-oss models; token budgets are capped here
+CHOICES_MOST = 128  # n, best_of
+TOOLS_MOST = 128  # tools or functions in one request (OpenAI's limit too)
+STOPS_MOST = 4  # stop sequences (OpenAI's limit too)
+ID_CHARS = 256  # ids a client sends back (call ids, response ids) and the model's name
+# A function's name, as OpenAI's API takes it: 1 to 64 characters of a-z, A-Z, 0-9, _ and -. Also the
+# names in a conversation's earlier turns (tool calls, tool results), which this server wrote.
+NAME = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+# A token id, as a JSON object's key (logit_bias): ASCII digits only, no more than the largest id has.
+TOKEN_KEY = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,%d}$" % len(str(VOCAB_SIZE - 1)))]
+TOKEN_ID = Annotated[StrictInt, Field(ge=0, lt=VOCAB_SIZE)]
+BIAS = Annotated[StrictFloat | StrictInt, Field(ge=-100, le=100)]
+ID = Annotated[StrictStr, Field(max_length=ID_CHARS)]
+STOP = Annotated[StrictStr, Field(min_length=1, max_length=1000)]  # (gptoss-serve --max-stop-chars may lower it)
+STOPS = STOP | Annotated[list[STOP], Field(max_length=STOPS_MOST)] | None
+BUDGET = Annotated[StrictInt, Field(ge=1, le=CONTEXT_MOST)]
 
 
 class _Body(BaseModel):
@@ -80,12 +100,12 @@ class TextPart(_Body):
 
 
 class FunctionCall(_Body):
-    name: StrictStr
+    name: NAME
     arguments: StrictStr = "{}"
 
 
 class ToolCall(_Body):
-    id: StrictStr = ""
+    id: ID = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -93,15 +113,15 @@ class ToolCall(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    name: NAME | None = None  # a participant's name (OpenAI's rule), or the tool's whose result this is
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: StrictStr | None = None
+    tool_call_id: ID | None = None
     reasoning_content: StrictStr | None = None  # an earlier reply's reasoning, as this server returns it
     reasoning: StrictStr | None = None  # the same, as some clients name it
 
 
 class FunctionDef(_Body):
-    name: StrictStr = Field(min_length=1)
+    name: NAME
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None  # the call's arguments follow `parameters` (structured.py); chat: off by default
@@ -113,7 +133,7 @@ class Tool(_Body):
 
 
 class NamedFunction(_Body):
-    name: StrictStr
+    name: NAME
 
 
 class ChatToolChoice(_Body):
@@ -127,7 +147,7 @@ class ResponsesToolChoice(_Body):
     """A named function, as the Responses API names it: {"type": "function", "name": ...}."""
 
     type: Literal["function"]
-    name: StrictStr
+    name: NAME
 
 
 ToolChoiceMode = Literal["none", "auto", "required"]
@@ -138,17 +158,17 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: StrictStr
+    model: ID
     # token id (as a string, as JSON keys are) -> a bias in [-100, 100] added to its logit
-    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = Field(default=None, max_length=LOGIT_BIAS_MOST)
+    logit_bias: dict[TOKEN_KEY, BIAS] | None = Field(default=None, max_length=LOGIT_BIAS_MOST)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=128)  # choices, each with seed + index (server/choices.py)
+    n: StrictInt = Field(default=1, ge=1, le=CHOICES_MOST)  # choices, each with seed + index (server/choices.py)
     ignore_eos: StrictBool = False  # an extension, as vLLM's: generate past the stop tokens (benchmarks)
-    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM's extension; 0 and -1 are off
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=VOCAB_SIZE)  # vLLM's extension; 0 and -1 are off
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)  # vLLM's extension; 0 is off
     presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2.0, le=2.0)
@@ -161,15 +181,15 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=TOOLS_MOST)
     tool_choice: Union[ToolChoiceMode, ChatToolChoice, None] = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    stop: StrictStr | list[StrictStr] | None = None
+    max_tokens: BUDGET | None = None
+    max_completion_tokens: BUDGET | None = None
+    stop: STOPS = None
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (structured.py)
     # The legacy function calling (before tools): read as tools, answered as function_call (choices.py)
-    functions: list[FunctionDef] | None = Field(default=None, max_length=128)
+    functions: list[FunctionDef] | None = Field(default=None, max_length=TOOLS_MOST)
     function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
 
     def as_tools(self) -> ChatCompletionRequest:
@@ -182,11 +202,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    best_of: StrictInt | None = Field(default=None, ge=1, le=128)  # candidates, the best n returned
+    prompt: StrictStr | list[TOKEN_ID] | list[StrictStr] | list[list[TOKEN_ID]]
+    best_of: StrictInt | None = Field(default=None, ge=1, le=CHOICES_MOST)  # candidates, the best n returned
     logprobs: TopLogprobs | None = None  # the sampled tokens' log-probabilities, with this many alternatives
-    max_tokens: StrictInt = Field(default=16, ge=0)  # OpenAI's default, also for an explicit null; 0: echo only
-    stop: StrictStr | list[StrictStr] | None = None
+    max_tokens: StrictInt = Field(default=16, ge=0, le=CONTEXT_MOST)  # OpenAI's default, also for null; 0: echo only
+    stop: STOPS = None
     echo: StrictBool = False  # the prompt's text before the completion's (and, with logprobs, its tokens')
 
     @field_validator("max_tokens", mode="before")
@@ -198,7 +218,7 @@ class CompletionRequest(_Sampling):
 class TokenizeRequest(_Body):
     """vLLM's POST /tokenize, which evaluation harnesses tokenize through: a text's token ids (special
     tokens written out, <|start|> and the like, read as such)."""
-    model: StrictStr | None = None
+    model: ID | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True  # o200k_harmony adds none either way
     return_token_strs: StrictBool = False  # also each token's text ("token_strs"; else null)
@@ -206,8 +226,8 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     """vLLM's POST /detokenize: token ids' text."""
-    model: StrictStr | None = None
-    tokens: list[StrictInt]
+    model: ID | None = None
+    tokens: list[TOKEN_ID]
 
 
 class Reasoning(_Body):
@@ -216,7 +236,7 @@ class Reasoning(_Body):
 
 class ResponseTool(_Body):
     type: Literal["function"]
-    name: StrictStr = Field(min_length=1)
+    name: NAME
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool = True  # as OpenAI's Responses API: the arguments follow `parameters` unless false
@@ -248,14 +268,14 @@ class ReasoningItem(_Body):
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
-    name: StrictStr
+    name: NAME
     arguments: StrictStr = "{}"
-    call_id: StrictStr = ""
+    call_id: ID = ""
 
 
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
-    call_id: StrictStr
+    call_id: ID
     output: StrictStr | list[dict[str, Any]] = ""
 
 
@@ -277,20 +297,20 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("tag:message")], Annotate
 
 
 class ResponsesRequest(_Body):
-    model: StrictStr
+    model: ID
     input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
     reasoning: Reasoning | None = None
-    tools: list[ResponseTool] | None = None
+    tools: list[ResponseTool] | None = Field(default=None, max_length=TOOLS_MOST)
     tool_choice: Union[ToolChoiceMode, ResponsesToolChoice, None] = None
-    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_output_tokens: BUDGET | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=-2**31, lt=2**31)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=VOCAB_SIZE)
     min_p: StrictFloat | None = Field(default=None, ge=0.0, lt=1.0)
     stream: StrictBool = False
-    previous_response_id: StrictStr | None = None
+    previous_response_id: ID | None = None
     store: StrictBool = True  # kept for previous_response_id and GET /v1/responses/{id} (OpenAI's default)
     background: StrictBool = False  # answered at once; GET /v1/responses/{id} polls it, .../cancel ends it
     include: list[Literal["message.output_text.logprobs"]] | None = None

@@ -17,6 +17,12 @@ def _id(prefix: str) -> str:
 
 
 _ITEM_OF = {"reasoning": "reasoning", "content": "message", "tool_call": "function_call"}  # a piece's item
+FORMAT_FIELDS = ("type", "name", "description", "schema", "strict")  # what a response echoes of text.format
+
+
+def _format(fmt: dict | None) -> dict:
+    """text.format as a response echoes it: the fields the API defines, nothing else a client sent."""
+    return {k: v for k, v in (fmt or {"type": "text"}).items() if k in FORMAT_FIELDS}
 
 
 class ResponseBuilder:
@@ -106,12 +112,13 @@ class ResponseBuilder:
         return out + [self._ev("response.completed" if status == "completed" else "response.incomplete",
                                response=final)]
 
-    def fail(self, message: str) -> list[tuple[str, dict]]:
-        """A stream's end when the server failed: an `error` event, then `response.failed` with what was
-        made so far."""
+    def fail(self, error) -> list[tuple[str, dict]]:
+        """A stream's end when generating failed (error: errors.APIError, the request's own fault or the
+        server's): an `error` event, then `response.failed` with what was made so far."""
         failed = self._response("failed", self.items, None)
-        failed["error"] = {"code": "server_error", "message": message}
-        return [self._ev("error", code="server_error", message=message, param=None),
+        code = error.code or error.type
+        failed["error"] = {"code": code, "message": error.message}
+        return [self._ev("error", code=code, message=error.message, param=error.param),
                 self._ev("response.failed", response=failed)]
 
     # Whole -------------------------------------------------------------------------------------------------
@@ -172,6 +179,6 @@ class ResponseBuilder:
                 "tool_choice": r.tool_choice if isinstance(r.tool_choice, str) else "auto",
                 "parallel_tool_calls": False, "reasoning": {"effort": (r.reasoning.effort if r.reasoning else None)
                                                             or "medium", "summary": None},
-                "text": {"format": (r.text.format if r.text and r.text.format else None) or {"type": "text"}},
+                "text": {"format": _format(r.text.format if r.text else None)},
                 "metadata": {}, "previous_response_id": r.previous_response_id, "store": r.store,
                 "background": r.background}

@@ -33,6 +33,32 @@ def _compact(schema: dict) -> dict:
     return schema
 
 
+def _checked(schema: dict, param: str) -> dict:
+    """A schema the grammars can take, else a 400 naming `param`: nested at most MAX_SCHEMA_DEPTH, its
+    llguidance options (`x-guidance`), if any, an object."""
+    check_schema(schema, param)
+    if not isinstance(schema.get("x-guidance", {}), dict):
+        raise bad_request(f"{param}: x-guidance (llguidance's options) must be an object", f"{param}.x-guidance")
+    return schema
+
+
+def schema_probes(fmt, param: str, tools: list[tuple[str, dict | None, bool]], tool_choice,
+                  tools_param: str) -> list[tuple[str, str]]:
+    """(the grammar of the schema alone, the field it came from) for each schema the reply would follow:
+    the answer's, then each strict tool's parameters (tools_param: their fields' path, "{}" for the
+    tool's index). serving.constrain's Grammars.probe runs each far enough to find what llguidance
+    finds only as it goes, so that a fault is a 400 naming its own field before the request starts."""
+    out = []
+    answer = answer_schema(fmt, param)
+    if answer is not None and answer is not OBJECT:
+        out.append((f"start: {_json(answer)}", _where(fmt, param)))
+    for i, (_, parameters, strict) in enumerate(tools if tool_choice != "none" else []):
+        if strict and parameters:
+            where = tools_param.format(i)
+            out.append((f"start: {_json(_checked(parameters, where))}", where))
+    return out
+
+
 def _json(schema: dict | None) -> str:
     return "%json " + json.dumps(_compact(schema if schema is not None else {}))
 
@@ -52,11 +78,15 @@ def answer_schema(fmt, param: str) -> dict | None:
     if kind != "json_schema":
         raise bad_request(f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", f"{param}.type")
     nested = "json_schema" in fmt  # chat nests the schema under "json_schema"; Responses puts it beside "type"
-    spec, where = (fmt["json_schema"], f"{param}.json_schema.schema") if nested else (fmt, f"{param}.schema")
+    spec, where = (fmt["json_schema"], _where(fmt, param)) if nested else (fmt, _where(fmt, param))
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise bad_request(f"{where} must be a JSON schema (an object)", where)
-    check_schema(spec["schema"], where)
-    return spec["schema"] or OBJECT
+    return _checked(spec["schema"], where) or OBJECT
+
+
+def _where(fmt: dict, param: str) -> str:
+    """The field of a json_schema format's schema."""
+    return f"{param}.json_schema.schema" if "json_schema" in fmt else f"{param}.schema"
 
 
 def format_instructions(fmt, param: str) -> str:

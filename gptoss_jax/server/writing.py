@@ -27,8 +27,9 @@ def event(kind: str, data: dict) -> str:
 async def event_stream(chunks: AsyncIterator[str], generations: list[Generation], on_error,
                        rid: str | None = None) -> AsyncIterator[str]:
     """A stream's chunks, ended properly whatever happens: a failure (the engine's, or the server's
-    own) is logged with the request's id and told to the client by `on_error(message)`'s chunks. A
-    client gone mid-stream closes it; its requests are cancelled here, at once."""
+    own) is logged with the request's id and told to the client by `on_error(error)`'s chunks (an
+    APIError: the request's own fault as a 400's error, else a 500's without internals). A client gone
+    mid-stream closes it; its requests are cancelled here, at once."""
     try:
         async for chunk in chunks:
             yield chunk
@@ -36,18 +37,17 @@ async def event_stream(chunks: AsyncIterator[str], generations: list[Generation]
         rid = rid or generations[0].id
         if not isinstance(e, Failed):
             log.exception("request %s failed mid-stream", rid)
-        for chunk in on_error(server_error(rid).message):
+        for chunk in on_error(e.error if isinstance(e, Failed) else server_error(rid)):
             yield chunk
     finally:
         for g in generations:
             g.close()
 
 
-def sse_error(message: str) -> list[str]:
+def sse_error(error: APIError) -> list[str]:
     """How chat and completion streams end on a failure: an error object (the openai client raises it)
     and [DONE]."""
-    return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": "server_error"}}),
-            "data: [DONE]\n\n"]
+    return [sse(error.body()), "data: [DONE]\n\n"]
 
 
 def error_response(error: APIError) -> Response:

@@ -26,6 +26,11 @@ import numpy as np
 
 
 GRAMMARS_KEPT = 256  # compiled grammars cached (a server's few schemas, each reused by many requests)
+# llguidance's work on a grammar's regular expressions before it gives up ("too many expressions"),
+# a tenth of its default: a pattern such as "^a{100000}$" took 3.6 s of one mask at the default on a
+# CPU here, every step of the engine waiting for it; at this fuel 0.11 s, then a 400.
+LEXER_FUEL = 100_000
+PROBE_STEPS = 4  # tokens a schema is followed at admission (`probe`)
 
 
 class Grammars:
@@ -60,9 +65,10 @@ class Grammars:
             compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
         except Exception as e:  # noqa: BLE001 -- llguidance's own error, said as it says it
             raise ValueError(f"the grammar does not compile: {e}") from None
-        matcher = llguidance.LLMatcher(self._tokenizer, compiled)
+        matcher = llguidance.LLMatcher(self._tokenizer, compiled, log_level=0, limits=llguidance.LLParserLimits(
+            initial_lexer_fuel=LEXER_FUEL, verbose_errors=False))
         if matcher.is_error():
-            raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+            raise ValueError(f"the grammar does not compile: {self.error(matcher)}")
         with self._lock:
             self._compiled[grammar] = matcher
             while len(self._compiled) > GRAMMARS_KEPT:
@@ -82,25 +88,55 @@ class Grammars:
         """Compile the grammar (kept for the requests that follow) -> ValueError if it is wrong."""
         self._template(grammar)
 
+    def probe(self, grammar: str, steps: int = PROBE_STEPS) -> None:
+        """Compile the grammar and follow it a few tokens (each time the lowest allowed) -> ValueError for
+        what that finds: llguidance finds some faults of a JSON schema only as it computes what may
+        follow (a `$ref` loop; a regex whose automaton outgrows LEXER_FUEL), which a grammar of the
+        schema alone reaches in its first tokens. A few milliseconds for a schema of real use; the worst
+        case is bounded by the fuel."""
+        matcher, mask = self.matcher(grammar), np.empty((1, -(-self.vocab_size // 32)), np.int32)
+        for _ in range(steps):
+            _, failed = self.masks([matcher], mask)
+            if failed:
+                raise ValueError(f"the schema cannot be followed: {failed[0][1]}")
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+            if not len(allowed):
+                return
+            if not self.consume(matcher, int(allowed[0])):  # an allowed token refused: the grammar failed
+                raise ValueError(f"the schema cannot be followed: {self.error(matcher)}")
+
     def matcher(self, grammar: str):
         """A new matcher at the grammar's start (ValueError if the grammar is wrong)."""
         return self._template(grammar).deep_copy()
 
-    def masks(self, matchers: list, out: np.ndarray) -> np.ndarray:
+    def masks(self, matchers: list, out: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
         """out [n, words] int32 (mask_words(vocab_size)): row i the tokens matchers[i] allows next,
-        every token for a None (a row without a grammar) -> out."""
+        every token for a None (a row without a grammar) -> (out, [(i, the error) for each matcher that
+        failed: its row allows every token, and its request is to end]). llguidance finds some errors
+        only as it goes (a schema that loops, a regex too large to follow): each is its matcher's alone."""
         import llguidance.numpy
 
         out[:] = -1
         rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return out
+            return out, []
         words = llguidance.numpy.get_bitmask_shape(len(matchers), self._tokenizer.vocab_size)[1]
         full = np.zeros((len(matchers), max(words, out.shape[1])), np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, full)
+        raised: dict[int, str] = {}
+        try:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, full)
+        except Exception:  # noqa: BLE001 -- found again, matcher by matcher, to end only its request
+            for m, i in rows:
+                try:
+                    llguidance.numpy.fill_next_token_bitmask(m, full, i)
+                except Exception as e:  # noqa: BLE001 -- llguidance's own error, said as it says it
+                    raised[i] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        failed = [(i, raised.get(i) or self.error(m)) for m, i in rows if i in raised or m.is_error()]
         for _, i in rows:  # tokens past the tokenizer's vocabulary (the model's padding) are never allowed
             out[i] = full[i, :out.shape[1]]
-        return out
+        for i, _ in failed:
+            out[i] = -1
+        return out, failed
 
     @staticmethod
     def consume(matcher, token: int) -> bool:
@@ -109,4 +145,6 @@ class Grammars:
 
     @staticmethod
     def error(matcher) -> str:
-        return matcher.get_error() or "a token the grammar does not allow"
+        """A failed matcher's error, its first line (llguidance's own words, without its state)."""
+        text = (matcher.get_error() or "").replace("<non-verbose/>", "").strip()
+        return text.splitlines()[0] if text else "a token the grammar does not allow"

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -65,6 +66,7 @@ from .speculation import Speculation
 from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 
 TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
+log = logging.getLogger("gptoss_jax.serving")
 
 
 class Engine:
@@ -288,6 +290,8 @@ class Engine:
                 admitted = self._admit()
                 if self._lockstep is not None:
                     self._lockstep.send(Message(cancelled, [(s.row, s.request) for s in admitted], dropped=dropped))
+        for seq in self.scheduler.taken():  # each request's settings become its row's: a failure is its own
+            self._alone(seq, self._picks.taken, seq.request, seq.row)
         prefilling = [s for s in self.scheduler.admitted if s.prefilling][:self.prefill_shapes[-1]]
         decoding = [s for s in self.scheduler.admitted
                     if not s.prefilling and s.queued < s.request.settings.max_new_tokens]
@@ -296,8 +300,6 @@ class Engine:
         prefilling, decoding = self.scheduler.make_room(prefilling, decoding,
                                                         self.speculation.ahead if speculate else None)
         self._send_table_writes()
-        for seq in self.scheduler.taken():  # a penalized request's counts of its reply
-            self._picks.taken(seq.request, seq.row)
         queued = []
         if prefilling:
             queued.append(self._prefill(prefilling))
@@ -313,6 +315,7 @@ class Engine:
             self.speculation.step(self, decoding, call)
         elif decoding:  # picked once the step before's tokens are read: the grammars' masks follow them
             queued.append(self._pick(*decoded))
+        self._end_broken()
         return bool(queued or before or speculate or self._waiting or self.scheduler.preempted)
 
     # Admission, pages and preemption ----------------------------------------------------------------
@@ -334,8 +337,8 @@ class Engine:
         self.scheduler.preempted.remove(request)
         self._end(request, "cancelled")
 
-    def _end(self, request: Request, reason: str, error: str | None = None) -> None:
-        request._finish(reason, time.perf_counter(), error=error)
+    def _end(self, request: Request, reason: str, error: str | None = None, invalid: bool = False) -> None:
+        request._finish(reason, time.perf_counter(), error=error, invalid=invalid)
         self.metrics.finish(request)
 
     def _admit(self) -> list[Seq]:
@@ -353,9 +356,9 @@ class Engine:
         self._waiting.extendleft(reversed(later))
         return admitted
 
-    def _free(self, seq: Seq, reason: str, error: str | None = None) -> None:
+    def _free(self, seq: Seq, reason: str, error: str | None = None, invalid: bool = False) -> None:
         self.scheduler.release(seq)
-        self._end(seq.request, reason, error)
+        self._end(seq.request, reason, error, invalid)
 
     def _send_table_writes(self) -> None:
         writes, self.scheduler.table_writes = self.scheduler.table_writes, []
@@ -445,16 +448,43 @@ class Engine:
                 self._emit(seq, int(tokens[i]), None if n is None else TokenLogprob.of_row(picked, i, n))
 
     def _emit(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> None:
-        """Hand a sequence's new token to its request; free the sequence if that ends it."""
+        """Hand a sequence's new token to its request; free the sequence if that ends it (a failure of
+        this request's own work ends it alone)."""
+        self._alone(seq, self._emit_one, seq, token, logprob)
+
+    def _emit_one(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
         request, settings = seq.request, seq.request.settings
         request._add(token, time.perf_counter(), logprob)
         self.metrics.token(request)
         if request._matcher is not None and not Grammars.consume(request._matcher, token):
-            return self._free(seq, "error", f"the reply left its grammar: {Grammars.error(request._matcher)}")
+            return self._free(seq, "error", f"the reply cannot follow its grammar: {Grammars.error(request._matcher)}",
+                              invalid=True)
         if stops.ends(request, token, self.tokenizer):
             return self._free(seq, "stop")
         if len(request.output_ids) >= settings.max_new_tokens:
             self._free(seq, "length")
+
+    def _alone(self, seq: Seq, fn, *args) -> None:
+        """fn(*args), host work of one sequence's request (its settings, its grammar, its stop strings, its
+        listener): what it raises ends that request alone, with the error, never its neighbours."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 -- this request's failure, told to it and logged
+            log.error("request %d failed alone: %s: %s", seq.request.id, type(e).__name__, e)
+            if self.scheduler.rows[seq.row] is seq:
+                try:
+                    self._free(seq, "error", f"{type(e).__name__}: {e}")
+                except Exception as again:  # noqa: BLE001 -- its listener failed at its end too: freed all the same
+                    log.error("request %d: its end failed too: %s: %s", seq.request.id, type(again).__name__, again)
+
+    def _end_broken(self) -> None:
+        """End the requests whose grammars failed at this step's masks (llguidance finds some errors of
+        a schema only as it goes): the client's error, each alone."""
+        broken, self._picks.broken = self._picks.broken, []
+        for request, error in broken:
+            seq = next((s for s in self.scheduler.admitted if s.request is request), None)
+            if seq is not None:
+                self._free(seq, "error", f"the reply cannot follow its grammar: {error}", invalid=True)
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self.scheduler.preempted or self.scheduler.admitted or self._in_flight)
@@ -492,9 +522,12 @@ class Engine:
         self._picks.reset()
 
     def _fail_running(self, message: str) -> None:
-        """A failed step: the running requests end with the error; preempted ones wait on (they start
-        again from their prompts and the tokens they have)."""
+        """A failed step, an error of the step itself (the devices'; the host's work of one request ends
+        that request alone: `_alone`): the running requests end with the error; preempted ones wait on
+        (they start again from their prompts and the tokens they have)."""
         ended = [s.request for s in self.scheduler.admitted]
+        log.error("an engine step failed (%s): the %d requests running end with it (ids %s)", message, len(ended),
+                  ", ".join(str(r.id) for r in ended) or "none")
         self._reset()
         for request in ended:
             self._end(request, "error", message)

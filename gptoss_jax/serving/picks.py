@@ -27,15 +27,18 @@ class Picks:
     def reset(self) -> None:
         """No row's counts (a failed step may have consumed them), the rows' settings sent again."""
         self.counts = self._put(np.zeros((self.slots, self.vocab), np.int16))
+        self._host = steps.sampling_arrays(self.slots)  # every row's settings, on the host
         self._rows = None  # (the scheduler's changes when made, settings on the devices, mode, wants)
         self._all = {}  # n -> a mask [n, words] that allows every token, on the devices
+        self.broken: list[tuple[Request, str]] = []  # rows whose grammar failed at the latest masks (`mask`)
 
     def rows(self, requests: list[Request | None], changes: int):
         """Every row's settings on the devices (requests [R]: the row's, None where idle), the decode's
-        sampling mode and what its picks do beyond sampling (steps.wants), remade when `changes` moves."""
+        sampling mode and what its picks do beyond sampling (steps.wants), sent again when `changes`
+        moves."""
         if self._rows is None or self._rows[0] != changes:
             running = [r for r in requests if r is not None]
-            self._rows = (changes, tuple(self._put(x) for x in steps.sampling_arrays(requests)),
+            self._rows = (changes, tuple(self._put(x.copy()) for x in self._host),
                           rows_mode([r.settings.sampling for r in running]),
                           steps.wants([r.settings for r in running]))
         return self._rows[1:]
@@ -45,8 +48,11 @@ class Picks:
         self._rows = None
 
     def taken(self, request: Request, row: int) -> None:
-        """A request took a row: a penalized one's counts are its reply's so far (none, or those it had
-        when it was preempted)."""
+        """A request took a row: its settings become the row's (an error here is the request's alone: the
+        engine ends it), and a penalized one's counts its reply's so far (none, or those it had when it
+        was preempted)."""
+        steps.set_row(self._host, row, request.settings)
+        self._rows = None
         if steps.penalized(request.settings):
             ids = np.asarray(request.output_ids, np.int64)
             values = np.bincount(ids[ids < self.counted], minlength=self.vocab)[:self.vocab]
@@ -58,7 +64,9 @@ class Picks:
         self.counts = steps.set_counts(self.counts, self._put(np.int32(0)), self._put(np.zeros(self.vocab, np.int16)))
 
     def mask(self, requests: list[Request | None]):
-        """The masks [n, words] of these picks' rows (a request without a grammar, or None: every token)."""
+        """The masks [n, words] of these picks' rows (a request without a grammar, or None: every token).
+        A row whose grammar fails here (llguidance finds some errors only as it goes) allows every token
+        and is listed in `broken` with the error, for the engine to end that request alone."""
         matchers = [r._matcher if r is not None and not r.finished else None for r in requests]
         if not any(m is not None for m in matchers):
             n = len(requests)
@@ -66,7 +74,9 @@ class Picks:
                 self._all[n] = self._put(np.full((n, steps.mask_words(self.vocab)), -1, np.int32))
             return self._all[n]
         out = np.empty((len(requests), steps.mask_words(self.vocab)), np.int32)
-        return self._put(self.grammars.masks(matchers, out))
+        out, failed = self.grammars.masks(matchers, out)
+        self.broken += [(requests[i], error) for i, error in failed]
+        return self._put(out)
 
     def first(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], finishing: list):
         """steps.pick_first for a prefill (finishing: the request of each row whose prompt ends, else

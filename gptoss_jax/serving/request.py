@@ -110,6 +110,7 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = None if settings.logprobs is None else []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.invalid = False  # the error was the request's own making (a grammar that cannot be followed)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
@@ -170,9 +171,9 @@ class Request:
         if self._listener is not None:
             self._listener(token)
 
-    def _finish(self, reason: str, now: float, error: str | None = None) -> None:
+    def _finish(self, reason: str, now: float, error: str | None = None, invalid: bool = False) -> None:
         assert reason in FINISH_REASONS, reason
-        self.finish_reason, self.error, self.finished_at = reason, error, now
+        self.finish_reason, self.error, self.finished_at, self.invalid = reason, error, now, invalid
         self._events.put(_DONE)
         self._done.set()
         if self._listener is not None:

@@ -4,7 +4,7 @@ step the rows it runs and where their sequences stand. The latest tokens are nev
 may still be reading them): a decode step's input is the step before's output, so the host queues
 steps without reading their tokens first.
 
-- `sampling_arrays`: the rows' sampling settings as arrays (the host's side of the picks).
+- `sampling_arrays`, `set_row`: the rows' sampling settings as arrays (the host's side of the picks).
 - `write_tables`: set table entries (group, row, column) -> page, U at a time (padding: row R, dropped).
 - `prefill_rows`: a chunk of each of P sequences' prompts (tokens [P, C], row p's first `counts[p]`
   real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
@@ -60,25 +60,29 @@ from ..sharding import everywhere
 _STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
-def sampling_arrays(requests) -> tuple[np.ndarray, ...]:
+def sampling_arrays(n: int) -> tuple[np.ndarray, ...]:
     """(seeds, temperature, top_k, top_p, min_p [n], logit bias ids, biases [n, K], presence and
-    frequency penalties [n]), a row per request (None: an idle row, greedy); unused bias entries name
-    no token (dropped)."""
-    n = len(requests)
+    frequency penalties [n]) of n idle rows: greedy, nothing biased (unused bias entries name no token,
+    dropped); `set_row` gives a row a request's settings."""
     seed, temperature, top_k = np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32)
     top_p, min_p = np.ones(n, np.float32), np.zeros(n, np.float32)
     bias_ids = np.full((n, LOGIT_BIAS_MOST), np.iinfo(np.int32).max, np.int32)
     bias = np.zeros((n, LOGIT_BIAS_MOST), np.float32)
     presence, frequency = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    for i, r in enumerate(requests):
-        if r is not None:
-            s = r.settings.sampling
-            seed[i], temperature[i], top_k[i] = r.settings.seed, s.temperature, s.top_k
-            top_p[i], min_p[i] = s.top_p, s.min_p
-            presence[i], frequency[i] = r.settings.presence_penalty, r.settings.frequency_penalty
-            for j, (token, value) in enumerate(r.settings.logit_bias):
-                bias_ids[i, j], bias[i, j] = token, value
     return seed, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency
+
+
+def set_row(arrays: tuple[np.ndarray, ...], i: int, settings) -> None:
+    """Row i of sampling_arrays set to a request's Settings (OverflowError or ValueError for a value the
+    arrays cannot hold: the request's own failure, never its neighbours')."""
+    seed, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency = arrays
+    s = settings.sampling
+    seed[i], temperature[i], top_k[i] = settings.seed, s.temperature, s.top_k
+    top_p[i], min_p[i] = s.top_p, s.min_p
+    presence[i], frequency[i] = settings.presence_penalty, settings.frequency_penalty
+    bias_ids[i], bias[i] = np.iinfo(np.int32).max, 0.0
+    for j, (token, value) in enumerate(settings.logit_bias):
+        bias_ids[i, j], bias[i, j] = token, value
 
 
 # What the picks do beyond sampling, static (each compiled apart, so that the steps that need
