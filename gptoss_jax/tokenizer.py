@@ -18,6 +18,7 @@ import functools
 import hashlib
 import os
 import re
+import secrets
 import tempfile
 
 import tiktoken
@@ -31,6 +32,9 @@ VOCAB_SIZE = 201088
 END_OF_TEXT, RETURN, CHANNEL, START, END, MESSAGE, CALL = 199999, 200002, 200005, 200006, 200007, 200008, 200012
 STOP_TOKENS = (RETURN, CALL, END_OF_TEXT)  # end of a final answer, a tool call, end of text
 REASONING_EFFORTS = ("low", "medium", "high")
+# Characters from which a text that harmony writes verbatim (a message's text, the instructions) is
+# tokenized by tiktoken in place, not by openai-harmony (`_Verbatim`).
+VERBATIM_LEAST = 256
 DOWNLOAD_HINT = (f"Download {VOCAB_FILE} once (3.6 MB) from {O200K_BASE_URL}, then pass --tokenizer PATH "
                  f"(the file or its folder) or set TIKTOKEN_ENCODINGS_BASE to its folder")
 
@@ -195,6 +199,9 @@ def render_prompt(messages: list, *, reasoning_effort: str = "medium", instructi
     `messages` (openai_harmony Messages), oldest first."""
     from openai_harmony import Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent
 
+    verbatim = _Verbatim()
+    messages = [verbatim.message(m) for m in messages]
+    instructions = verbatim(instructions) if instructions else instructions
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning effort must be one of {', '.join(REASONING_EFFORTS)}, got {reasoning_effort!r}")
     effort = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
@@ -207,7 +214,60 @@ def render_prompt(messages: list, *, reasoning_effort: str = "medium", instructi
             developer = developer.with_function_tools(tools)
         head.append(Message.from_role_and_content(Role.DEVELOPER, developer))
     conversation = Conversation.from_messages(head + list(messages))
-    return list(harmony_encoding(vocab).render_conversation_for_completion(conversation, Role.ASSISTANT))
+    tokens = list(harmony_encoding(vocab).render_conversation_for_completion(conversation, Role.ASSISTANT))
+    return verbatim.restore(tokens, load_tokenizer(vocab))
+
+
+class _Verbatim:
+    """Long texts that harmony writes verbatim, each swapped for a short placeholder while
+    openai-harmony renders, then tokenized by tiktoken in its place: openai-harmony's tokenizer takes
+    time quadratic in a word's length holding Python's lock (a 50 kB word: about a second on a CPU
+    here, every other thread waiting), tiktoken's grows about linearly and lets other threads run.
+    The tokens are the same: each stretch of ordinary tokens between two special ones that held a
+    placeholder is encoded again whole, as harmony encodes it (tests/test_tokenizer.py checks the
+    two renderings agree)."""
+
+    def __init__(self):
+        self._mark = "\ue000" + secrets.token_hex(8)  # a private-use character and a nonce: no client's text holds it
+        self._pattern = re.compile(re.escape(self._mark) + r"(\d+)\ue001")
+        self.texts: list[str] = []
+
+    def __call__(self, text: str) -> str:
+        if len(text) < VERBATIM_LEAST:
+            return text
+        self.texts.append(text)
+        return f"{self._mark}{len(self.texts) - 1}\ue001"
+
+    def message(self, message):
+        from openai_harmony import TextContent
+
+        if not any(isinstance(c, TextContent) and len(c.text) >= VERBATIM_LEAST for c in message.content):
+            return message
+        return message.model_copy(update={"content": [TextContent(text=self(c.text)) if isinstance(c, TextContent)
+                                                       else c for c in message.content]})
+
+    def restore(self, tokens: list[int], encoding: tiktoken.Encoding) -> list[int]:
+        if not self.texts:
+            return tokens
+        first_special = min(map(encoding.encode_single_token, encoding.special_tokens_set))
+        out, run = [], []
+
+        def flush():
+            text = encoding.decode(run)
+            if self._mark in text:
+                out.extend(encoding.encode_ordinary(self._pattern.sub(lambda m: self.texts[int(m[1])], text)))
+            else:
+                out.extend(run)
+            run.clear()
+
+        for t in tokens:
+            if t >= first_special:
+                flush()
+                out.append(t)
+            else:
+                run.append(t)
+        flush()
+        return out
 
 
 def render_chat(turns: list[tuple[str, str]], *, reasoning_effort: str = "medium", instructions: str | None = None,

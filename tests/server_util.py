@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
+import json
 import threading
 import time
+import urllib.parse
 
 import uvicorn
 
@@ -130,3 +133,39 @@ class ScriptedEngine:
         return Metrics().snapshot(running=len(self.running), prefilling=0, waiting=0, slots_in_use=len(self.running),
                                   slots=8, pages=64, pages_in_use=len(self.running), pages_cached=0, page_size=64,
                                   pages_evicted=0)
+
+
+def health_latencies(url: str, until: threading.Event) -> list[float]:
+    """/health's answer times (url: the base URL, ".../v1"), each on a fresh connection, until `until` is set."""
+    parts = urllib.parse.urlsplit(url)
+    out = []
+    while not until.is_set():
+        t = time.perf_counter()
+        c = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        c.request("GET", "/health")
+        assert c.getresponse().status == 200
+        c.close()
+        out.append(time.perf_counter() - t)
+        time.sleep(0.01)
+    return out
+
+
+def stall_bound_here() -> float:
+    """The longest /health may take while another request is worked on, on this machine: eight times
+    the longest that one call into Python's JSON encoder holds the interpreter lock here (a list of
+    300,000 numbers, as the largest bodies below), and at least 0.1 s. The server, the clients and
+    the poller share one process, so such a call (the server reading or writing a large body, on a
+    worker thread as it should) pauses every thread, and one /health exchange takes the lock several
+    times (the poller's request and read, the event loop's parsing and answer), each of which may wait
+    out one such call (0.21 s seen on a 2-core machine where the encoder took 0.04 s). Work on the
+    event loop instead stalls /health for the whole of it (a large tool schema echoed from the event
+    loop: 0.5 s and more where the encoder takes 0.05 s). Where a large answer is written is also
+    checked directly (test_server_hardening.py's `large_json`), since timing alone cannot tell one call's place."""
+    blob = {"x-blob": [0] * 300_000}
+
+    def took() -> float:
+        t = time.perf_counter()
+        json.dumps(blob)
+        return time.perf_counter() - t
+
+    return max(0.1, 8 * min(took() for _ in range(3)))

@@ -501,3 +501,45 @@ def test_the_transport_alone(http):
     assert 0.4 < events[1][1] - stopped < 1.5, events
     for after, got in ends.values():  # each stream ran on until the grace was over, then ended whole
         assert got.endswith(b"0\r\n\r\n") and b"end\n" in got and after > 0.4, got[-50:]
+
+
+@needs_vocab
+def test_sigterm_cuts_a_scoring_pass_at_the_grace_with_a_503():
+    """An echoed 8,000-token prompt with logprobs (one pass of the model over it, on the scoring thread:
+    longer than --grace 1 on a CPU), then SIGTERM: the request is answered at the grace's end with
+    OpenAI's 503, and the server exits 0 within the grace and its margin, not after the pass (13.6 s
+    with --grace 5 before the scoring pass could be cut)."""
+    process = Process("--port", "0", "--slots", "2", "--max-context", "8192", "--prefill-rows", "1",
+                      "--compile-cache", "none", "--grace", "1")
+    try:
+        base = process.ready()
+        prompt = list(range(1000, 9000))
+        answer = {}
+
+        def score():
+            connection = http.client.HTTPConnection("127.0.0.1", port_of(base), timeout=120)
+            connection.request("POST", "/v1/completions", json.dumps({
+                "model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}),
+                {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            answer.update(status=response.status, body=response.read(), at=time.monotonic())
+            connection.close()
+
+        thread = threading.Thread(target=score, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while "gptoss_scoring_passes 1.0" not in urllib.request.urlopen(base + "/metrics", timeout=10).read().decode():
+            assert time.monotonic() < deadline and thread.is_alive(), answer
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        process.process.send_signal(signal.SIGTERM)
+        thread.join(60)
+        code = process.wait(60)
+        exited = time.monotonic()
+    finally:
+        process.close()
+    assert code == 0, process.stderr
+    assert answer["status"] == 503, answer
+    error = json.loads(answer["body"])["error"]
+    assert error["type"] == "service_unavailable" and "grace" in error["message"], error
+    assert 0.9 < answer["at"] - signalled < 1 + GRACE_MARGIN and exited - signalled < 1 + GRACE_MARGIN + 3

@@ -523,10 +523,18 @@ def test_the_store_keeps_the_latest_responses_for_their_time(monkeypatch):
     for i in range(3):
         kept.put({"id": f"r{i}", "output": []}, [{"type": "message", "role": "user", "content": str(i)}])
         now[0] += 10
-    assert kept.get("r0") is None and kept.get("r1").conversation[0]["content"] == "1" and len(kept) == 2
+    assert kept.get("r0") is None and kept.get("r1").continued()[0]["content"] == "1" and len(kept) == 2
     now[0] = 100 + 10 + 60 + 1  # r1 was stored at 110: past its 60 s
     assert kept.get("r1") is None and kept.get("r2") is not None
     assert kept.delete("r2") and not kept.delete("r2") and len(kept) == 0
+    # Bounded in bytes too: each kept as its JSON; the oldest go first, one larger than the cap alone is not kept.
+    small = store_module.ResponseStore(count=100, seconds=60, max_bytes=1000)
+    for i in range(5):
+        assert small.put({"id": f"s{i}", "output": [], "blob": "x" * 400}, [])  # about 430 bytes each
+    assert [small.get(f"s{i}") is not None for i in range(5)] == [False, False, False, True, True]
+    assert small.stats() == {"stored_responses": 2, "stored_response_bytes": sum(
+        small.get(f"s{i}").size for i in range(3, 5))} and small.stats()["stored_response_bytes"] <= 1000
+    assert not small.put({"id": "big", "output": [], "blob": "x" * 1000}, []) and small.get("big") is None
 
 
 def test_a_background_response_is_polled_and_cancelled(client, engine):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import openai
 import pytest
 from conftest import VOCAB, needs_vocab
-from server_util import ScriptedEngine, serving
+from server_util import ScriptedEngine, health_latencies, serving, stall_bound_here
 
 import gptoss_jax as gj
 from gptoss_jax import tokenizer as tk
@@ -210,39 +210,9 @@ def test_a_failure_of_the_server_is_a_500_with_an_id_and_no_internals(conn, engi
 
 # 2. No CPU work on the event loop ----------------------------------------------------------------------
 
-def health_latencies(url: str, until: threading.Event) -> list[float]:
-    """/health's answer times, each on a fresh connection, until `until` is set."""
-    out = []
-    while not until.is_set():
-        t = time.perf_counter()
-        c = Connection(url)
-        assert c.send("GET", "/health")[0] == 200
-        c.close()
-        out.append(time.perf_counter() - t)
-        time.sleep(0.01)
-    return out
-
-
 @pytest.fixture(scope="module")
 def stall_bound() -> float:
-    """The longest /health may take while another request is worked on, on this machine: eight times
-    the longest that one call into Python's JSON encoder holds the interpreter lock here (a list of
-    300,000 numbers, as the largest bodies below), and at least 0.1 s. The server, the clients and
-    the poller share one process, so such a call (the server reading or writing a large body, on a
-    worker thread as it should) pauses every thread, and one /health exchange takes the lock several
-    times (the poller's request and read, the event loop's parsing and answer), each of which may wait
-    out one such call (0.21 s seen on a 2-core machine where the encoder took 0.04 s). Work on the
-    event loop instead stalls /health for the whole of it (a large tool schema echoed from the event
-    loop: 0.5 s and more where the encoder takes 0.05 s). Where a large answer is written is also
-    checked directly (`large_json`), since timing alone cannot tell one call's place."""
-    blob = {"x-blob": [0] * 300_000}
-
-    def took() -> float:
-        t = time.perf_counter()
-        json.dumps(blob)
-        return time.perf_counter() - t
-
-    return max(0.1, 8 * min(took() for _ in range(3)))
+    return stall_bound_here()
 
 
 def while_health_is_polled(url, work):
@@ -731,3 +701,35 @@ def test_a_client_that_leaves_mid_body_is_one_line_in_the_log(url, caplog):
             time.sleep(0.02)
     assert "the client left before its request's body was read" in caplog.text
     assert "Traceback" not in caplog.text and "failed" not in caplog.text
+
+
+WORD = "a" * 200_000  # one unbroken word: openai-harmony took 11 to 29 s to render it, holding Python's lock
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/chat/completions", {"messages": [{"role": "user", "content": WORD}]}, 200, None),
+    ("/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {WORD: {"type": "string"}}}}}]}, 400, "tools"),
+    ("/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f", "description": WORD}}], "tool_choice": "required"}, 400, "tools"),
+    ("/chat/completions", {"messages": [{"role": "system", "content": WORD}, *HI]}, 200, None),
+    ("/responses", {"input": [{"type": "message", "role": "user", "content": WORD}],
+                    "instructions": WORD, "max_output_tokens": 4}, 200, None),
+], ids=["content", "parameter key", "description, forced call", "system message", "responses"])
+def test_a_long_word_is_answered_without_stalling_others(url, server, monkeypatch, stall_bound, path, body, status,
+                                                         param):
+    """Long unbroken words where a client may put them, on a context that holds them (131,072 tokens, as
+    the real models'): message texts and instructions are tokenized by tiktoken in place of
+    openai-harmony (no quadratic work, the lock let go), and words too long for openai-harmony to
+    render in bounded time in the tools are a 400 before it renders anything."""
+    monkeypatch.setattr(server.engine, "max_len", 131_072)
+    c = Connection(url)
+    response, latencies = while_health_is_polled(
+        url, lambda: c.send("POST", path, {"model": MODEL, **({"max_tokens": 4} if "messages" in body else {}),
+                                           **body}))
+    c.close()
+    if status == 400:
+        error_of(response, 400, param)
+    else:
+        assert response[0] == 200, response[2][:300]
+    assert max(latencies) < stall_bound, (stall_bound, latencies)

@@ -279,3 +279,39 @@ def test_demo_prints_text_on_a_fresh_machine_online(tmp_path, monkeypatch, capsy
     captured = capsys.readouterr()
     # The built-in prompt went in as text (5 tokens, not the 8 token ids used without a tokenizer).
     assert "token ids" not in captured.err and "; prefill 5 tokens in " in captured.err
+
+
+def _awkward_texts() -> list[str]:
+    """Long texts (past tk.VERBATIM_LEAST) whose edges and insides test how a text meets the harmony
+    around it: whitespace and newlines at either end, special tokens' text, words, digits, punctuation
+    and multi-byte characters against the boundary, a long unbroken word."""
+    body = "Hello, world! 1234567 numbers; ünïcödé 漢字 🙂 <|end|> <|start|>user <|message|> x=1 "
+    return [body * 4, "  " + body * 4 + "  ", "\n\n" + body * 4 + "\n", "x" * 3000, "a" * 700 + " tail",
+            "   \n \t" * 60, "🙂" * 300, "<|end|>" * 60, body * 4 + "<|", "7" * 400, "!!" * 200 + "word"]
+
+
+@needs_vocab
+@pytest.mark.parametrize("index", range(11))
+def test_long_texts_are_rendered_as_harmony_renders_them(index, monkeypatch):
+    """render_prompt tokenizes long message texts and instructions with tiktoken in place (no
+    quadratic work holding Python's lock): its tokens equal openai-harmony's own rendering of the same
+    conversation (every message kind, tools beside the instructions), for texts with awkward edges.
+    Substituting a text wrongly (at a stretch harmony encodes in parts) fails it."""
+    from openai_harmony import Author, Message, Role, ToolDescription
+
+    text = _awkward_texts()[index]
+    messages = [Message.from_role_and_content(Role.USER, text),
+                Message.from_role_and_content(Role.ASSISTANT, text).with_channel("analysis"),
+                Message.from_role_and_content(Role.ASSISTANT, text).with_channel("commentary")
+                .with_recipient("functions.f").with_content_type("<|constrain|>json"),
+                Message.from_author_and_content(Author.new(Role.TOOL, "functions.f"), text)
+                .with_recipient("assistant").with_channel("commentary"),
+                Message.from_role_and_content(Role.ASSISTANT, "short " + text).with_channel("final"),
+                Message.from_role_and_content(Role.USER, "a short one")]
+    tools = [ToolDescription.new("f", "does f", {"type": "object", "properties": {"a": {"type": "string"}}})]
+    for instructions, with_tools in ((text, tools), (text, None), (None, tools)):
+        fast = tk.render_prompt(messages, instructions=instructions, tools=with_tools, vocab=VOCAB)
+        monkeypatch.setattr(tk, "VERBATIM_LEAST", 10**12)  # openai-harmony renders every text itself
+        reference = tk.render_prompt(messages, instructions=instructions, tools=with_tools, vocab=VOCAB)
+        monkeypatch.undo()
+        assert fast == reference, (index, instructions is not None, with_tools is not None)

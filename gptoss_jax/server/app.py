@@ -118,7 +118,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(prometheus_text({**server.engine.stats(), **server.responses.stats()}),
+        return Response(prometheus_text({**server.engine.stats(), **server.responses.stats(),
+                                         "scoring_passes": server.scoring}),
                         media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:

@@ -275,8 +275,9 @@ def _say(text: str) -> None:
 
 def _stop_at_once() -> None:
     """Exit 0 now, without the interpreter's clean-up (as command.leave does for failures): stopped
-    while the model loaded or the engine compiled, XLA still works on another thread, and tearing
-    its runtime down under that work crashes the process (a segmentation fault)."""
+    while the model loaded or the engine compiled, or while a scoring pass cut at the grace still
+    runs, XLA still works on another thread, and tearing its runtime down under that work crashes
+    the process (a segmentation fault, or an abort)."""
     _say("stopped")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -427,7 +428,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     server.stopping = True
     if failed:
         return 1  # its error line said why
-    if compiling:
+    if compiling or server.workers.busy or server.scorer.busy:  # (a pass cut at the grace runs on)
         _stop_at_once()
     if running:
         engine.stop(cancel=True)

@@ -5,11 +5,12 @@ loop, its client's connection watched, its end (given, cut at shutdown, abandone
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import queue
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
@@ -59,10 +60,12 @@ class Server:
         self.cut_done = False  # cut_all has run: the server is ending
         self._lock = threading.Lock()
         # Requests are parsed, rendered and tokenized here, off the event loop.
-        self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gptoss-prepare")
+        self.workers = Workers(4, "gptoss-prepare")
         # Echoed prompts' passes of the model (serving/score.py), one at a time: their memory beside the
         # engine's stays one prompt's, and they never hold up the other requests' preparation.
-        self.scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptoss-score")
+        self.scorer = Workers(1, "gptoss-score")
+        self._waiting: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # what cut_all cuts
+        self.scoring = 0  # scoring passes asked for and not yet answered (running or waiting for the scorer)
 
     def cut_all(self) -> None:
         """End every running request now (on any thread): streams get their last chunk with
@@ -70,17 +73,79 @@ class Server:
         with what they have, finish_reason "length"."""
         with self._lock:
             self.cut_done = True  # a request whose body was still being prepared is refused (503)
-            running = list(self.running)
+            running, waiting = list(self.running), list(self._waiting)
         for generation in running:
             generation.cut()
+        for loop, cut in waiting:  # work still running on the workers (a scoring pass): answered 503 now
+            try:
+                loop.call_soon_threadsafe(lambda cut=cut: cut.done() or cut.set_result(None))
+            except RuntimeError:  # the loop has closed: nobody waits
+                pass
 
     async def prepare(self, fn, *args):
-        """fn(*args) on a worker thread; its APIError reaches the caller as raised."""
-        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+        """fn(*args) on a worker thread; its APIError reaches the caller as raised (`_on`)."""
+        return await self._on(self.workers, fn, *args)
 
     async def score(self, fn, *args):
-        """fn(*args) on the scoring thread (see `scorer`)."""
-        return await asyncio.get_running_loop().run_in_executor(self.scorer, fn, *args)
+        """fn(*args) on the scoring thread (see `scorer`; `_on`)."""
+        with self._lock:
+            self.scoring += 1
+        try:
+            return await self._on(self.scorer, fn, *args)
+        finally:
+            with self._lock:
+                self.scoring -= 1
+
+    async def _on(self, workers: Workers, fn, *args):
+        """fn(*args) on one of `workers`, waited for until it ends or `cut_all` cuts it (then a 503:
+        the grace period ended; the thread finishes the work unread, and keeps no process alive)."""
+        loop = asyncio.get_running_loop()
+        work, cut = loop.run_in_executor(workers, fn, *args), loop.create_future()
+        with self._lock:
+            self._waiting.add((loop, cut))
+        try:
+            await asyncio.wait({work, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            with self._lock:
+                self._waiting.discard((loop, cut))
+        if work.done():
+            return work.result()
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its outcome read, so never logged)
+        raise unavailable("The server is shutting down: its grace period ended before this request was answered.")
+
+
+class Workers:
+    """Daemon threads that run the server's work off the event loop (concurrent.futures' `submit`, as
+    loop.run_in_executor calls it): a process that ends at its grace period does not wait for work
+    still running on them (a scoring pass of a long prompt), as it would for a ThreadPoolExecutor's;
+    `busy` tells it that it must end without the interpreter's clean-up (gptoss-serve's exit)."""
+
+    def __init__(self, count: int, name: str):
+        self.busy = 0  # work items running now
+        self._count = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(count):
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._count:
+                self.busy += 1
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 -- handed to whoever waits for it
+                future.set_exception(e)
+            finally:
+                with self._count:
+                    self.busy -= 1
 
 
 class Handoff:

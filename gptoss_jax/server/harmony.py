@@ -66,6 +66,30 @@ def context_exceeded(max_len: int, tokens: int, at_least: bool = False) -> Excep
                        f"length.", "messages", "context_length_exceeded")
 
 
+# The most that the squares of the words' lengths in the text openai-harmony tokenizes itself may add
+# up to (tool names, descriptions and schemas; names; texts shorter than tokenizer.VERBATIM_LEAST,
+# whose longer ones tiktoken tokenizes in place): its tokenizer's time grows with the square of a
+# word's length, holding Python's lock (3.6e-10 s a character squared on a CPU here), so this bounds a
+# render at about 36 ms, whatever the request. Text of ordinary words stays far below it (a million
+# characters of ten-letter words: 1e7).
+RENDER_WORDS_MOST = 10**8
+
+
+def _check_words(texts: list[str], param: str) -> None:
+    """A 400 naming `param` where `texts` (those openai-harmony would tokenize itself) hold words too long
+    to render in bounded time (RENDER_WORDS_MOST): counted on whitespace-separated words, which are
+    never shorter than the tokenizer's pieces."""
+    cost, longest = 0, 0
+    for text in texts:
+        for word in text.split():
+            cost += len(word) ** 2
+            longest = max(longest, len(word))
+    if cost > RENDER_WORDS_MOST:
+        raise bad_request(f"{param}: the tools' text (names, descriptions, schemas) and the messages shorter than "
+                          f"{tk.VERBATIM_LEAST} characters hold words too long to render (the longest has {longest:,} "
+                          f"characters)", param)
+
+
 def _check_length(texts: list[str], vocab, max_len: int | None) -> None:
     """A 400 for a conversation whose texts alone exceed the context, found before it is rendered:
     openai-harmony renders holding Python's lock (about 0.1 s a MB on a CPU here, other clients
@@ -88,14 +112,17 @@ def _rendered_texts(messages, instructions: list[str], tools) -> list[str]:
     for m in messages:
         texts += [part.text for part in m.content or [] if isinstance(getattr(part, "text", None), str)]
         texts += [m.recipient or "", m.author.name or ""]
-    for name, description, parameters in tools or []:
-        texts += [name, description or "", *_strings(parameters)]
-    return texts
+    return texts + _tool_texts(tools)
+
+
+def _tool_texts(tools) -> list[str]:
+    return [text for name, description, parameters in tools or [] for text in (name, description or "",
+                                                                               *_strings(parameters))]
 
 
 def _strings(value) -> list[str]:
-    """The keys and string values in JSON `value` (a schema's text harmony may render; its punctuation
-    and numbers are left out, so that a count of these never exceeds what is rendered), without recursion."""
+    """The keys and string values in JSON `value` (the text of a schema that harmony may render; its
+    punctuation and numbers left out), without recursion."""
     out, stack = [], [value]
     while stack:
         v = stack.pop()
@@ -112,8 +139,12 @@ def _strings(value) -> list[str]:
 def _render(messages, *, reasoning_effort: str, instructions: list[str], tools, vocab, max_len: int | None
             ) -> list[int]:
     """tokenizer.render_prompt, with what openai-harmony refuses answered as a 400; whatever it renders
-    is counted first (`_check_length`)."""
-    _check_length(_rendered_texts(messages, instructions, tools), vocab, max_len)
+    is counted first (`_check_length`), and what openai-harmony tokenizes itself checked for words too
+    long (`_check_words`)."""
+    texts = _rendered_texts(messages, instructions, tools)
+    _check_length(texts, vocab, max_len)
+    _check_words([t for t in texts if len(t) < tk.VERBATIM_LEAST] + _tool_texts(tools),
+                 "tools" if tools else "messages")
     try:
         return tk.render_prompt(messages, reasoning_effort=reasoning_effort,
                                 instructions="\n\n".join(t for t in instructions if t) or None,

@@ -26,7 +26,9 @@ class _EngineCollector:
                                ("generated_tokens_per_second", "generated_tokens_per_s",
                                 "generated tokens per second since start")):
             yield GaugeMetricFamily(f"gptoss_{name}", doc, value=s[key])
-        for name, key, doc in (("stored_responses", "stored_responses", "Responses API objects stored"),
+        for name, key, doc in (("scoring_passes", "scoring_passes", "echoed prompts' scoring passes asked for "
+                                                                     "and not answered yet (one runs at a time)"),
+                               ("stored_responses", "stored_responses", "Responses API objects stored"),
                                ("stored_response_bytes", "stored_response_bytes",
                                 "bytes of the stored responses' JSON (gptoss-serve --store-mb caps it)")):
             if key in s:
