@@ -543,3 +543,56 @@ def test_sigterm_cuts_a_scoring_pass_at_the_grace_with_a_503():
     error = json.loads(answer["body"])["error"]
     assert error["type"] == "service_unavailable" and "grace" in error["message"], error
     assert 0.9 < answer["at"] - signalled < 1 + GRACE_MARGIN and exited - signalled < 1 + GRACE_MARGIN + 3
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@needs_vocab
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the server's memory from /proc")
+def test_two_hundred_stored_responses_of_15_mb_stay_within_the_store_cap():
+    """200 Responses API requests echoing 15 MB of tools each (tool_choice none, one token), under
+    --store-mb 256: the server's resident memory stays within its baseline (the most it held after
+    five such requests not stored) plus the cap, the oldest are forgotten and /metrics says the bytes
+    held. Before the store was bounded in bytes, memory grew by 15 MB a request (16 GB at the default
+    1,024 responses)."""
+    cap = 256 * 2**20
+    process = serve("--store-mb", "256", "--max-body-mb", "16")
+    try:
+        base = process.ready()
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 1, "tool_choice": "none",
+                "tools": [{"type": "function", "name": "f", "description": "d" * (15 * 2**20 - 200)}]}
+        connection = http.client.HTTPConnection("127.0.0.1", port_of(base), timeout=120)
+
+        def post(store: bool) -> str:
+            connection.request("POST", "/v1/responses", json.dumps({**body, "store": store}),
+                               {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            data = response.read()
+            assert response.status == 200, data[:300]
+            return json.loads(data)["id"]
+
+        baseline = 0
+        for _ in range(5):
+            post(False)
+            baseline = max(baseline, rss_bytes(process.process.pid))
+        ids, most = [], 0
+        for _ in range(200):
+            ids.append(post(True))
+            most = max(most, rss_bytes(process.process.pid))
+        found = []
+        for i in (0, 100, 199):
+            connection.request("GET", f"/v1/responses/{ids[i]}")
+            response = connection.getresponse()
+            response.read()
+            found.append(response.status)
+        connection.close()
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    finally:
+        process.close()
+    held = float(next(line.split()[1] for line in metrics.splitlines()
+                      if line.startswith("gptoss_stored_response_bytes ")))
+    assert found == [404, 404, 200] and 15 * 2**20 * 16 < held <= cap, (found, held)
+    assert most <= baseline + cap, (most / 2**20, baseline / 2**20)

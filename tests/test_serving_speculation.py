@@ -427,3 +427,23 @@ def test_checked_sizes_and_drafts_cut_to_the_budget_and_vocabulary():
     request.output_ids, seq.queued = [3] * 2, 2
     assert speculation._draft(seq, 100) == [5, 6]  # cut at -1
     assert Speculation(lambda context, k: [5, 100, 6], 4, 8, [8], 64)._draft(seq, 100) == [5]
+
+
+def test_a_draft_source_failing_on_one_sequence_leaves_it_and_the_others_their_tokens(tiny_f32, traffic, caplog):
+    """A draft source that raises for one request's context (drafted on the host): that sequence gets no
+    draft that step and decodes on; every request, that one included, gets its tokens alone. Before,
+    the exception ended the step, and with it every request running."""
+    prompts, budgets, want = traffic
+    known = KnownReplies(prompts, want, tiny_f32[0].vocab_size)
+
+    def draft(context, k):
+        if context[:len(prompts[2])] == prompts[2]:
+            raise RuntimeError("this draft source cannot draft here")
+        return known(context, k)
+
+    engine = engine_with(tiny_f32, draft)
+    with caplog.at_level("ERROR", "gptoss_jax.serving"):
+        got = run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets])
+    assert got == want
+    assert "the draft source failed, no draft this step" in caplog.text
+    assert engine.stats()["accepted_draft_tokens"] > 0

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 
+from ..hostmem import return_large_blocks
 from ..metadata import expand
 from ..version import __version__
 from ..cli import devices, inputs, loading
@@ -310,6 +311,7 @@ def _run(args, signals: Signals) -> int:
     from .. import tokenizer as tk  # its constants only: the vocabulary is read once the port is taken
 
     check_flags(args)
+    return_large_blocks()  # request bodies and stored responses of megabytes: their memory given back when freed
     processes = devices.process_settings(args)
     if processes is not None and args.draft != "none":
         raise UsageError("--draft runs on one process (a mesh of its devices), not with --num-processes")

@@ -42,6 +42,7 @@ Legend: R = rows, B = rows checked together, T = k + 1 positions, V = vocabulary
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,8 @@ from ..sharding import everywhere
 from ..speculative import Draft
 from . import steps
 from .checked_steps import MOST_WAIT, accept_rows, check_steps, row_probabilities, write_history
+
+log = logging.getLogger("gptoss_jax.serving")
 
 
 def speculable(settings) -> bool:
@@ -187,9 +190,15 @@ class Speculation:
 
     def _draft(self, seq, vocab: int) -> list[int]:
         """The sequence's draft: at most what its budget leaves after the step's own token, cut at the
-        first id outside the vocabulary (a draft source's bug must not reach the cache)."""
+        first id outside the vocabulary (a draft source's bug must not reach the cache); none where the
+        draft source fails on this sequence (logged: the sequence decodes on, its neighbours untouched)."""
         room = self.ahead(seq) - 1
-        draft = list(self.draft(seq.request.prompt_ids + seq.request.output_ids, room))
+        try:
+            draft = list(self.draft(seq.request.prompt_ids + seq.request.output_ids, room))
+        except Exception as e:  # noqa: BLE001 -- the draft source's failure, not the request's
+            log.error("request %d: the draft source failed, no draft this step: %s: %s", seq.request.id,
+                      type(e).__name__, e)
+            return []
         ok = [0 <= int(t) < vocab for t in draft[:room]]
         return [int(t) for t in draft[:ok.index(False) if False in ok else len(ok)]]
 
