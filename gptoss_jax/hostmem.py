@@ -1,4 +1,5 @@
-"""Host memory of the process: fewer allocator arenas, so that loading keeps near one layer's size.
+"""Host memory of the process: fewer allocator arenas, so that loading keeps near one layer's size;
+large blocks given back to the system when freed (`return_large_blocks`, for the server).
 
 glibc's malloc gives each thread that allocates an arena of its own (up to 8 per core), and an arena
 keeps what was freed in it. JAX's runtime and TensorStore run many threads, so while a checkpoint is

@@ -35,7 +35,7 @@ import time
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import tokenizer as tk
@@ -48,7 +48,7 @@ from .choices import Failed, sse
 from ..serving.score import prompt_logprobs
 from .generation import Generation, Server, settings_of
 from .structured import grammar_for, schema_probes
-from .guard import Guard
+from .guard import Guard, log
 from .harmony import ReplyStream, chat_prompt, context_exceeded, responses_prompt
 from .metrics import prometheus_text
 from .responses import ResponseBuilder
@@ -198,7 +198,7 @@ def create_app(server: Server) -> FastAPI:
         tools = [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in req.tools or []]
         grammar = (lambda budget: grammar_for(req.response_format, "response_format", tools, req.tool_choice,
                                               bool(prompt.reply_start), budget),
-                   "response_format" if req.response_format is not None else "tools",
+                   "response_format" if req.response_format is not None else "functions" if legacy else "tools",
                    schema_probes(req.response_format, "response_format", tools, req.tool_choice,
                                  "functions[{}].parameters" if legacy else "tools[{}].function.parameters"))
         return req, prompt, settings_of(server, prompt.tokens, max_tokens, req, req.stop,
@@ -209,7 +209,8 @@ def create_app(server: Server) -> FastAPI:
         _, (req, prompt, settings, legacy) = await prepared(http, protocol.ChatCompletionRequest, chat_prepare)
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         generations = choices.start(server, http, prompt.tokens, [choices.seeded(settings, i) for i in range(req.n)],
-                                    rid, "response_format" if req.response_format is not None else "tools")
+                                    rid, "response_format" if req.response_format is not None else
+                                    "functions" if legacy else "tools")
 
         def chunk(choice: dict) -> str:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
@@ -345,7 +346,11 @@ def create_app(server: Server) -> FastAPI:
                                   f"{server.limits.stored_responses} of them).", "previous_response_id",
                                   "previous_response_not_found")
             items = earlier.continued() + items
-            req = protocol.ResponsesRequest.model_validate({**req.model_dump(exclude={"input"}), "input": items})
+            try:
+                req = protocol.ResponsesRequest.model_validate({**req.model_dump(exclude={"input"}), "input": items})
+            except ValidationError as e:  # (the stored conversation with this input: a name too long, say)
+                raise bad_request(f"The response {req.previous_response_id!r} cannot be continued with this input: "
+                                  f"{e.errors(include_url=False)[0]['msg']}", "previous_response_id") from None
         prompt = responses_prompt(req, server.vocab, server.engine.max_len)
         wanted = "message.output_text.logprobs" in (req.include or [])
         tools = [(t.name, t.parameters, t.strict) for t in req.tools or []]
@@ -357,9 +362,16 @@ def create_app(server: Server) -> FastAPI:
                                         (req.top_logprobs or 0) if wanted else None, grammar), items
 
     async def keep(req, builder, items) -> None:
-        """Store a finished response (written as JSON on a worker thread: it can be megabytes long)."""
+        """Store a finished response (written as JSON on a worker thread: it can be megabytes long); a
+        failure to store it is logged, and the reply, already made, stands."""
         if req.store and builder.final is not None and builder.final["status"] != "failed":
-            await server.prepare(server.responses.put, builder.final, items)
+            await store(builder.final, items)
+
+    async def store(response: dict, items: list[dict]) -> None:
+        try:
+            await server.prepare(server.responses.put, response, items)
+        except Exception as e:  # noqa: BLE001 -- (the shutdown's 503 too): the answer goes out unstored
+            log.warning("response %s was not stored: %s: %s", response["id"], type(e).__name__, e)
 
     def stored(found) -> Response:
         return Response(found.response, media_type="application/json")  # its JSON, as it was stored
@@ -457,13 +469,13 @@ def create_app(server: Server) -> FastAPI:
                         final = builder.fail(error)[-1][1]["response"]
                     else:
                         final = await server.prepare(builder.response, reply, entries)
-                    await server.prepare(server.responses.put, final, items)
+                    await store(final, items)
                 finally:
                     server.background.pop(rid, None)
                     generation.close()
 
             queued = builder.queued()
-            await server.prepare(server.responses.put, queued, items)
+            await store(queued, items)
             server.background[rid] = (generation, asyncio.create_task(finish()))
             return await written_json(queued)
 

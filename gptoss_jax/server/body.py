@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from typing import Any
 
@@ -58,6 +59,13 @@ async def read(http, max_bytes: int, timeout: float) -> bytes:
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: a JSON number no float holds
+        raise ValueError(f"the number {text[:40]} is too large for a float")
+    return value
 
 
 def _param(loc: tuple) -> str | None:
@@ -118,7 +126,7 @@ def parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
     except UnicodeDecodeError as e:
         raise bad_request(f"The request body is not UTF-8 text: {e}") from None
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
     except RecursionError:
         raise bad_request("The request body nests too deeply to parse") from None
     except ValueError as e:

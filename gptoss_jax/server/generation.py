@@ -110,7 +110,7 @@ class Server:
                 self._waiting.discard((loop, cut))
         if work.done():
             return work.result()
-        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # (its outcome read, so never logged)
+        work.cancel()  # (not begun yet: it never runs; begun: it runs on, its outcome unread)
         raise unavailable("The server is shutting down: its grace period ended before this request was answered.")
 
 
@@ -121,7 +121,7 @@ class Workers:
     `busy` tells it that it must end without the interpreter's clean-up (gptoss-serve's exit)."""
 
     def __init__(self, count: int, name: str):
-        self.busy = 0  # work items running now
+        self.busy = 0  # work items given and not yet ended (queued or running)
         self._count = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(count):
@@ -129,17 +129,17 @@ class Workers:
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         future = concurrent.futures.Future()
+        with self._count:
+            self.busy += 1
         self._queue.put((future, fn, args))
         return future
 
     def _run(self) -> None:
         while True:
             future, fn, args = self._queue.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            with self._count:
-                self.busy += 1
             try:
+                if not future.set_running_or_notify_cancel():
+                    continue
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 -- handed to whoever waits for it
                 future.set_exception(e)

@@ -141,10 +141,9 @@ def _render(messages, *, reasoning_effort: str, instructions: list[str], tools, 
     """tokenizer.render_prompt, with what openai-harmony refuses answered as a 400; whatever it renders
     is counted first (`_check_length`), and what openai-harmony tokenizes itself checked for words too
     long (`_check_words`)."""
-    texts = _rendered_texts(messages, instructions, tools)
-    _check_length(texts, vocab, max_len)
-    _check_words([t for t in texts if len(t) < tk.VERBATIM_LEAST] + _tool_texts(tools),
-                 "tools" if tools else "messages")
+    conversation, tool_texts = _rendered_texts(messages, instructions, None), _tool_texts(tools)
+    _check_length(conversation + tool_texts, vocab, max_len)
+    _check_words([t for t in conversation if len(t) < tk.VERBATIM_LEAST] + tool_texts, "tools" if tools else "messages")
     try:
         return tk.render_prompt(messages, reasoning_effort=reasoning_effort,
                                 instructions="\n\n".join(t for t in instructions if t) or None,

@@ -27,9 +27,11 @@ CHOICES_MOST = 128  # n, best_of
 TOOLS_MOST = 128  # tools or functions in one request (OpenAI's limit too)
 STOPS_MOST = 4  # stop sequences (OpenAI's limit too)
 ID_CHARS = 256  # ids a client sends back (call ids, response ids) and the model's name
-# A function's name, as OpenAI's API takes it: 1 to 64 characters of a-z, A-Z, 0-9, _ and -. Also the
-# names in a conversation's earlier turns (tool calls, tool results), which this server wrote.
+# A function's name, as OpenAI's API takes it: 1 to 64 characters of a-z, A-Z, 0-9, _ and -.
 NAME = Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+# A name in a conversation's earlier turns (a tool call's, a tool result's): what a reply of this
+# server said, which the model wrote (nothing constrains its tokens), so only its length is OpenAI's.
+CALLED = Annotated[StrictStr, Field(max_length=64)]
 # A token id, as a JSON object's key (logit_bias): ASCII digits only, no more than the largest id has.
 TOKEN_KEY = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,%d}$" % len(str(VOCAB_SIZE - 1)))]
 TOKEN_ID = Annotated[StrictInt, Field(ge=0, lt=VOCAB_SIZE)]
@@ -100,7 +102,7 @@ class TextPart(_Body):
 
 
 class FunctionCall(_Body):
-    name: NAME
+    name: CALLED
     arguments: StrictStr = "{}"
 
 
@@ -113,7 +115,7 @@ class ToolCall(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
-    name: NAME | None = None  # a participant's name (OpenAI's rule), or the tool's whose result this is
+    name: CALLED | None = None  # a participant's name, or the tool's whose result this is
     tool_calls: list[ToolCall] | None = None
     tool_call_id: ID | None = None
     reasoning_content: StrictStr | None = None  # an earlier reply's reasoning, as this server returns it
@@ -268,7 +270,7 @@ class ReasoningItem(_Body):
 
 class FunctionCallItem(_Body):
     type: Literal["function_call"]
-    name: NAME
+    name: CALLED
     arguments: StrictStr = "{}"
     call_id: ID = ""
 

@@ -13,28 +13,16 @@ full pages are named by their prefix and stay cached after their sequence ends, 
 with the same beginning (a conversation's next turn, an agent's system prompt and tools) shares
 them (scheduler.py, pages.py).
 
-Each step of the engine (`step`):
-1. drops cancelled requests; admits waiting ones (those put back by a preemption first, then in
-   arrival order) while a row is free and the pool has pages for their prompts beyond what is cached;
-2. prefills one chunk (at most `prefill_chunk` prompt tokens) of each of the earliest admitted
-   sequences still prefilling, up to `prefill_rows` of them together; a chunk holding a prompt's last
-   token also samples that request's first token;
-3. queues the decode model for every sequence past its prompt, in the smallest decode size that holds
-   them; reads the step before's tokens while the devices run it, hands them to their requests, ends
-   those at a stop token, stop string or budget, makes the masks of constrained rows (their grammars
-   have followed those tokens), then queues the picks: each row's token by its own settings.
-
-Pages are taken before a step is queued; when the pool runs out, the most recently admitted
-sequence is preempted: it waits at the head of the queue to be prefilled again from its prompt and
-the tokens it has (mostly found in the cache), and its tokens do not change. A request that could
-not fit in the pool even alone is refused at `submit`.
-
-Each decode step takes the rows' latest tokens from the step before on the devices, so the host never
-waits for a step before queueing the next. A request that meets a stop token is computed one step
-more, and that token dropped. Shapes never change with the traffic, so nothing compiles after
-`warm_up`. With several processes (jax.distributed), process 0 takes the requests and sends each
-step's admissions and cancellations to the others, which run the same steps with `follow()`
-(lockstep.py).
+Each step of the engine (`step`; docs/serving.md, "How it works"): admits waiting requests while a
+row and pages are free (preempted ones first); prefills one chunk of the earliest prompts still
+prefilling (a chunk ending a prompt samples its first token); queues the decode of every sequence
+past its prompt from the rows' latest tokens on the devices, so the host never waits for a step
+before queueing the next; reads the step before's tokens meanwhile, ends requests at a stop token,
+stop string or budget, makes constrained rows' masks, and queues the picks, each row's token by its
+own settings. When the pool runs out of pages, the latest admitted sequence is preempted and
+prefilled again later, its tokens unchanged. A request's own failure ends it alone (`_alone`). Shapes
+never change with the traffic, so nothing compiles after `warm_up`. With several processes, process
+0 takes the requests and the others run the same steps with `follow()` (lockstep.py).
 """
 
 from __future__ import annotations
@@ -58,7 +46,7 @@ from ..speculative import Draft
 from ..weight import Params
 from . import steps, stops
 from .constrain import Grammars
-from .lockstep import Lockstep, LockstepError, Message, apply
+from .lockstep import Lockstep, LockstepError, Message, apply, follow, lose
 from .metrics import Metrics
 from .picks import Picks
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
@@ -223,13 +211,7 @@ class Engine:
         (LockstepError if it is lost)."""
         if not self._following:
             raise RuntimeError("follow() runs on processes other than 0 of several")
-        while not self._stopping:
-            try:
-                self.step()
-            except LockstepError:
-                raise
-            except Exception as e:  # as process 0 does (`_run`): the step failed there as well
-                self._fail_running(f"{type(e).__name__}: {e}")
+        follow(self)
 
     def warm_up(self) -> list[str]:
         """Compile the steps (nothing is generated, no page or row changes) and say what was compiled."""
@@ -448,8 +430,7 @@ class Engine:
                 self._emit(seq, int(tokens[i]), None if n is None else TokenLogprob.of_row(picked, i, n))
 
     def _emit(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> None:
-        """Hand a sequence's new token to its request; free the sequence if that ends it (a failure of
-        this request's own work ends it alone)."""
+        """Hand a sequence's new token to its request; free the sequence if that ends it (or fails it)."""
         self._alone(seq, self._emit_one, seq, token, logprob)
 
     def _emit_one(self, seq: Seq, token: int, logprob: TokenLogprob | None) -> None:
@@ -465,26 +446,20 @@ class Engine:
             self._free(seq, "length")
 
     def _alone(self, seq: Seq, fn, *args) -> None:
-        """fn(*args), host work of one sequence's request (its settings, its grammar, its stop strings, its
-        listener): what it raises ends that request alone, with the error, never its neighbours."""
+        """fn(*args), host work of one sequence's request (its settings, its grammar, its stop strings;
+        every process of several does it alike): what it raises ends that request alone, with the error."""
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 -- this request's failure, told to it and logged
             log.error("request %d failed alone: %s: %s", seq.request.id, type(e).__name__, e)
             if self.scheduler.rows[seq.row] is seq:
-                try:
-                    self._free(seq, "error", f"{type(e).__name__}: {e}")
-                except Exception as again:  # noqa: BLE001 -- its listener failed at its end too: freed all the same
-                    log.error("request %d: its end failed too: %s: %s", seq.request.id, type(again).__name__, again)
+                self._free(seq, "error", f"{type(e).__name__}: {e}")
 
     def _end_broken(self) -> None:
-        """End the requests whose grammars failed at this step's masks (llguidance finds some errors of
-        a schema only as it goes): the client's error, each alone."""
+        """End the requests whose grammars failed at this step's masks: the client's error, each alone."""
         broken, self._picks.broken = self._picks.broken, []
-        for request, error in broken:
-            seq = next((s for s in self.scheduler.admitted if s.request is request), None)
-            if seq is not None:
-                self._free(seq, "error", f"the reply cannot follow its grammar: {error}", invalid=True)
+        for seq, error in [(s, e) for r, e in broken for s in self.scheduler.admitted if s.request is r]:
+            self._free(seq, "error", f"the reply cannot follow its grammar: {error}", invalid=True)
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self.scheduler.preempted or self.scheduler.admitted or self._in_flight)
@@ -499,15 +474,7 @@ class Engine:
             try:
                 self.step()
             except LockstepError as e:  # the other processes are gone: nothing more can run
-                with self._lock:
-                    self._lost = str(e)
-                    ended = [*self._waiting, *self.scheduler.preempted, *(s.request for s in self.scheduler.admitted)]
-                    self._waiting.clear()
-                    self.scheduler.preempted.clear()
-                    self._reset()
-                for request in ended:
-                    self._end(request, "error", self._lost)
-                return
+                return lose(self, e)
             except Exception as e:  # a failed step ends the requests it held, never the engine
                 self._fail_running(f"{type(e).__name__}: {e}")
 

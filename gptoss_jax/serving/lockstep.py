@@ -148,3 +148,27 @@ def apply(engine, message: Message) -> None:
         if request.settings.grammar is not None:
             request._matcher = engine.grammars.matcher(request.settings.grammar)
         scheduler.take(row, request)
+
+
+def follow(engine) -> None:
+    """A follower's engine: process 0's steps, as it sends them, until it stops (LockstepError if it is
+    lost). A step that fails fails here too, as on process 0 (engine.py's `_run`)."""
+    while not engine._stopping:
+        try:
+            engine.step()
+        except LockstepError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- as process 0 does: the step failed there as well
+            engine._fail_running(f"{type(e).__name__}: {e}")
+
+
+def lose(engine, error: LockstepError) -> None:
+    """The other processes are gone: every request ends with the error, and the engine takes no more."""
+    with engine._lock:
+        engine._lost = str(error)
+        ended = [*engine._waiting, *engine.scheduler.preempted, *(s.request for s in engine.scheduler.admitted)]
+        engine._waiting.clear()
+        engine.scheduler.preempted.clear()
+        engine._reset()
+    for request in ended:
+        engine._end(request, "error", engine._lost)

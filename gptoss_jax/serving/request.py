@@ -5,12 +5,13 @@ The engine's thread appends tokens and finishes the request; any other thread re
 cancels with `cancel()` (its slot is freed at the engine's next step). A `listener` given to
 `Engine.submit` is called on the engine's thread with each token and with None once the request
 has finished (an asyncio server hands them to its event loop with `call_soon_threadsafe`); it must
-return at once and never raise.
+return at once and never raise (one that raises is logged and its request cancelled).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 from ..sampling import LOGIT_BIAS_MOST, TOP_LOGPROBS, Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+log = logging.getLogger("gptoss_jax.serving")
 LOGPROB_FLOOR = -9999.0  # the least log-probability reported (OpenAI's, for a token that cannot come)
 
 
@@ -168,13 +170,24 @@ class Request:
         self.output_ids.append(token)
         self.token_times.append(now)
         self._events.put(token)
-        if self._listener is not None:
-            self._listener(token)
+        self._tell(token)
 
     def _finish(self, reason: str, now: float, error: str | None = None, invalid: bool = False) -> None:
         assert reason in FINISH_REASONS, reason
         self.finish_reason, self.error, self.finished_at, self.invalid = reason, error, now, invalid
         self._events.put(_DONE)
         self._done.set()
-        if self._listener is not None:
-            self._listener(None)
+        self._tell(None)
+
+    def _tell(self, item: int | None) -> None:
+        """The listener told of a token (None: the end). One that raises breaks its contract: it is
+        logged and the request cancelled, freed at the engine's next step as any cancellation (with
+        several processes, the others free it too: a failure only here must not make them part)."""
+        if self._listener is None:
+            return
+        try:
+            self._listener(item)
+        except Exception as e:  # noqa: BLE001 -- the listener's own failure
+            log.error("request %d: its listener failed: %s: %s; the request is cancelled", self.id,
+                      type(e).__name__, e)
+            self._cancelled = True

@@ -77,6 +77,9 @@ def set_row(arrays: tuple[np.ndarray, ...], i: int, settings) -> None:
     arrays cannot hold: the request's own failure, never its neighbours')."""
     seed, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency = arrays
     s = settings.sampling
+    for name, value in (("seed", settings.seed), ("top_k", s.top_k)):  # (numpy 1 would wrap them silently)
+        if not -2**31 <= value < 2**31:
+            raise OverflowError(f"{name} {value} does not fit a 32-bit integer")
     seed[i], temperature[i], top_k[i] = settings.seed, s.temperature, s.top_k
     top_p[i], min_p[i] = s.top_p, s.min_p
     presence[i], frequency[i] = settings.presence_penalty, settings.frequency_penalty
