@@ -37,7 +37,7 @@ TOKEN_KEY = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,%d}$" % len(str(VOCAB_
 TOKEN_ID = Annotated[StrictInt, Field(ge=0, lt=VOCAB_SIZE)]
 BIAS = Annotated[StrictFloat | StrictInt, Field(ge=-100, le=100)]
 ID = Annotated[StrictStr, Field(max_length=ID_CHARS)]
-STOP = Annotated[StrictStr, Field(min_length=1, max_length=1000)]  # (gptoss-serve --max-stop-chars may lower it)
+STOP = Annotated[StrictStr, Field(min_length=1, max_length=1000)]  # (the server's Limits.max_stop_chars may lower it)
 STOPS = STOP | Annotated[list[STOP], Field(max_length=STOPS_MOST)] | None
 BUDGET = Annotated[StrictInt, Field(ge=1, le=CONTEXT_MOST)]
 
