@@ -218,6 +218,12 @@ def render_prompt(messages: list, *, reasoning_effort: str = "medium", instructi
     return verbatim.restore(tokens, load_tokenizer(vocab))
 
 
+@functools.lru_cache(maxsize=None)
+def _first_special(encoding: tiktoken.Encoding) -> int:
+    """The least id of the encoding's special tokens (every id from it on is one)."""
+    return min(map(encoding.encode_single_token, encoding.special_tokens_set))
+
+
 class _Verbatim:
     """Long texts that harmony writes verbatim, each swapped for a short placeholder while
     openai-harmony renders, then tokenized by tiktoken in its place: openai-harmony's tokenizer takes
@@ -249,7 +255,7 @@ class _Verbatim:
     def restore(self, tokens: list[int], encoding: tiktoken.Encoding) -> list[int]:
         if not self.texts:
             return tokens
-        first_special = min(map(encoding.encode_single_token, encoding.special_tokens_set))
+        first_special = _first_special(encoding)
         out, run = [], []
 
         def flush():

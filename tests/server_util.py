@@ -169,3 +169,29 @@ def stall_bound_here() -> float:
         return time.perf_counter() - t
 
     return max(0.1, 8 * min(took() for _ in range(3)))
+
+
+@contextlib.contextmanager
+def demo_served(model: str, *, slots: int, max_len: int, max_waiting: int, keep_alive: float = 5.0):
+    """The demo model's real engine (float32 random weights, warmed up, on its thread) behind
+    gptoss-serve's app while the block runs -> (the engine, its base URL, the app)."""
+    import jax.numpy as jnp
+
+    import gptoss_jax as gj
+    from gptoss_jax.server.app import Server, create_app
+    from gptoss_jax.serving import Engine
+    from gptoss_jax.testing import random_params
+
+    config = gj.ModelConfig.demo()
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=slots, max_len=max_len,
+                    prefill_chunk=64, prefill_rows=2, max_waiting=max_waiting, tokenizer=tk.load_tokenizer(VOCAB))
+    engine.warm_up()
+    engine.start()
+    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=model)
+    server.ready.set()
+    app = create_app(server)
+    try:
+        with serving(app, keep_alive=keep_alive) as base:
+            yield engine, base, app
+    finally:
+        engine.stop()

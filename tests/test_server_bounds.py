@@ -18,23 +18,16 @@ import copy
 import gc
 import json
 import threading
-import time
 
-import jax.numpy as jnp
 import openai
 import pytest
-from conftest import VOCAB, needs_vocab
+from conftest import needs_vocab
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_util import health_latencies, serving, stall_bound_here
+from server_util import demo_served, health_latencies, stall_bound_here
 from test_server_fuzz import VALID, Connection, is_openai_error, places
 
-import gptoss_jax as gj
-from gptoss_jax import tokenizer as tk
-from gptoss_jax.server.app import Server, create_app
 from gptoss_jax.server.cli import freeze_start_up_heap
-from gptoss_jax.serving import Engine
-from gptoss_jax.testing import random_params
 
 pytestmark = needs_vocab
 MODEL = "gpt-oss-test"  # (the name VALID's bodies use)
@@ -54,17 +47,8 @@ def stall_bound() -> float:
 def served():
     """The demo model's engine (4 slots, a context of 512: a reply left at its default budget stays
     short) behind the app -> (engine, base URL, the app's OpenAPI description)."""
-    config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=4, max_len=512,
-                    prefill_chunk=64, prefill_rows=2, max_waiting=64, tokenizer=tk.load_tokenizer(VOCAB))
-    engine.warm_up()
-    engine.start()
-    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
-    server.ready.set()
-    app = create_app(server)
-    with serving(app, keep_alive=600) as base:
+    with demo_served(MODEL, slots=4, max_len=512, max_waiting=64, keep_alive=600) as (engine, base, app):
         yield engine, base, app.openapi()
-    engine.stop()
 
 
 def fields(description: dict, path: str) -> dict[str, set[str]]:

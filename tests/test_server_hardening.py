@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import openai
 import pytest
 from conftest import VOCAB, needs_vocab
-from server_util import ScriptedEngine, health_latencies, serving, stall_bound_here
+from server_util import ScriptedEngine, demo_served, health_latencies, serving, stall_bound_here
 
 import gptoss_jax as gj
 from gptoss_jax import tokenizer as tk
@@ -376,16 +376,8 @@ def test_health_answers_while_long_stop_strings_are_checked(url, engine, stall_b
 @pytest.fixture(scope="module")
 def real():
     """The demo model's engine behind the app: slots are freed for real."""
-    config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=2, max_len=2048,
-                    prefill_chunk=64, prefill_rows=2, max_waiting=8, tokenizer=tk.load_tokenizer(VOCAB))
-    engine.warm_up()
-    engine.start()
-    server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
-    server.ready.set()
-    with serving(create_app(server)) as base:
+    with demo_served(MODEL, slots=2, max_len=2048, max_waiting=8) as (engine, base, _):
         yield engine, base
-    engine.stop()
 
 
 def slots_in_use(url: str) -> int:
@@ -698,15 +690,24 @@ def test_the_stored_responses_are_bounded_in_bytes_and_metrics_say_how_many(engi
 
 def test_a_client_that_leaves_mid_body_is_one_line_in_the_log(url, caplog):
     parts = urllib.parse.urlsplit(url)
-    with caplog.at_level("INFO", "gptoss_jax.server"):
-        s = socket.create_connection((parts.hostname, parts.port))
-        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: 1000\r\n\r\n".encode() + b'{"model": ')
-        time.sleep(0.2)  # (the server reads the part sent: then the client leaves)
-        s.close()
-        deadline = time.monotonic() + 10
-        while "the client left" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.02)
+    logged = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "the client left" in record.getMessage():
+                logged.set()
+
+    seen = Seen()
+    logging.getLogger("gptoss_jax.server").addHandler(seen)
+    try:
+        with caplog.at_level("INFO", "gptoss_jax.server"):
+            s = socket.create_connection((parts.hostname, parts.port))
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"model": ')
+            s.close()  # 990 bytes short
+            assert logged.wait(10), caplog.text
+    finally:
+        logging.getLogger("gptoss_jax.server").removeHandler(seen)
     assert "the client left before its request's body was read" in caplog.text
     assert not [r for r in caplog.records if r.name.startswith("gptoss_jax.server") and r.levelno >= logging.ERROR]
     assert "Traceback" not in caplog.text

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import queue
 import secrets
 import threading
 import time
+from queue import SimpleQueue
 from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
@@ -123,7 +123,7 @@ class Workers:
     def __init__(self, count: int, name: str):
         self.busy = 0  # work items given and not yet ended (queued or running)
         self._count = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: SimpleQueue = SimpleQueue()
         for i in range(count):
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
 
@@ -316,20 +316,14 @@ def settings_of(server: Server, prompt: list[int], max_tokens: int | None, body,
     sampling = Sampling(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                         top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0)
     seed = secrets.randbits(31) if body.seed is None else body.seed
-    stops = [stops] if isinstance(stops, str) else list(stops or [])
-    if any(not s for s in stops):
-        raise bad_request("a stop sequence must not be empty", "stop")
-    if len(stops) > 4:
-        raise bad_request(f"at most 4 stop sequences, got {len(stops)}", "stop")
+    stops = [stops] if isinstance(stops, str) else list(stops or [])  # (count, emptiness: protocol.STOPS)
     if any(len(s) > server.limits.max_stop_chars for s in stops):
         raise bad_request(f"a stop sequence may have at most {server.limits.max_stop_chars} characters, got "
                           f"{max(map(len, stops))}", "stop")
     bias, vocab = [], server.tokenizer.n_vocab
-    for key, value in (getattr(body, "logit_bias", None) or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
+    for key, value in (getattr(body, "logit_bias", None) or {}).items():  # (digits, range: protocol.py)
+        if int(key) >= vocab:
             raise bad_request(f"logit_bias keys are token ids in [0, {vocab}), got {key!r}", "logit_bias")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias values must lie in [-100, 100], got {value} for token {key}", "logit_bias")
         bias.append((int(key), float(value)))
     for probe, where in [] if grammar is None else grammar[2]:  # each schema alone: its fault names its field
         try:

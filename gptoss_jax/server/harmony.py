@@ -141,9 +141,13 @@ def _render(messages, *, reasoning_effort: str, instructions: list[str], tools, 
     """tokenizer.render_prompt, with what openai-harmony refuses answered as a 400; whatever it renders
     is counted first (`_check_length`), and what openai-harmony tokenizes itself checked for words too
     long (`_check_words`)."""
-    conversation, tool_texts = _rendered_texts(messages, instructions, None), _tool_texts(tools)
-    _check_length(conversation + tool_texts, vocab, max_len)
-    _check_words([t for t in conversation if len(t) < tk.VERBATIM_LEAST] + tool_texts, "tools" if tools else "messages")
+    # Texts of tk.VERBATIM_LEAST characters or more are tokenized by tiktoken in place, and so counted
+    # once, by the context check of the tokens (generation.settings_of); the rest openai-harmony
+    # tokenizes itself: counted and checked first.
+    itself = [t for t in _rendered_texts(messages, instructions, None) if len(t) < tk.VERBATIM_LEAST]
+    itself += _tool_texts(tools)
+    _check_length(itself, vocab, max_len)
+    _check_words(itself, "tools" if tools else "messages")
     try:
         return tk.render_prompt(messages, reasoning_effort=reasoning_effort,
                                 instructions="\n\n".join(t for t in instructions if t) or None,
