@@ -1,5 +1,8 @@
+import atexit
+import contextlib
 import gc
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -14,9 +17,18 @@ import pytest
 # 8 CPU devices for the sharded tests (tests/test_sharding.py); everything else runs on the first.
 # A config option rather than XLA_FLAGS, so that the commands the tests start see one device.
 jax.config.update("jax_num_cpu_devices", 8)
-# The command line keeps compiled steps in the user's cache folder; the tests' go to a folder of their
-# own (the commands they start inherit it), never into the home of whoever runs them.
-os.environ["XDG_CACHE_HOME"] = os.path.join(tempfile.mkdtemp(prefix="gptoss-tests-"), "cache")
+# The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
+# cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
+# first process of a run makes it and removes it at its exit; pytest-xdist's workers and the commands
+# the tests start inherit it, and the tests themselves compile through it too: a step one test or
+# command compiled is read back by the next instead of compiled again (which is most of the suite's
+# time on a CPU; conftest.compile_events counts both).
+if "GPTOSS_TEST_RUN_DIR" not in os.environ:
+    os.environ["GPTOSS_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="gptoss-tests-")
+    atexit.register(shutil.rmtree, os.environ["GPTOSS_TEST_RUN_DIR"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache")
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "gptoss-jax", "xla"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 sys.path.insert(0, os.path.dirname(__file__))  # for refs.py
 
@@ -24,10 +36,21 @@ import gptoss_jax as gj  # noqa: E402
 from gptoss_jax.testing import random_params  # noqa: E402
 
 
-VOCAB = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizer", "o200k_base.tiktoken")
+# The genuine vocabulary, beside the checkout (GPTOSS_TEST_VOCAB names another place: tests/test_suite.py
+# points it at nothing to check that collection never needs it).
+VOCAB = os.environ.get("GPTOSS_TEST_VOCAB") or os.path.join(
+    os.path.dirname(__file__), "..", "..", "shared", "tokenizer", "o200k_base.tiktoken")
 needs_vocab = pytest.mark.skipif(not os.path.isfile(VOCAB), reason=(
     f"the genuine o200k_base vocabulary is not at {os.path.normpath(VOCAB)}: download o200k_base.tiktoken "
     f"(docs/generating.md, 'Getting started with the real models', says from where) and put it there"))
+
+
+def pytest_configure(config):
+    """The GPU tests are deselected unless the marker expression names them: `pytest` runs the CPU suite,
+    `pytest -m "not slow"` its fast tier, `pytest -m gpu` the GPU tests."""
+    expr = config.option.markexpr
+    if "gpu" not in expr:
+        config.option.markexpr = f"({expr}) and not gpu" if expr else "not gpu"
 
 
 def rel_err(actual, reference) -> float:
@@ -113,14 +136,48 @@ def long_tokens(tiny):
     return np.random.default_rng(1).integers(0, tiny.vocab_size, size=(1, 300)).astype(np.int32)
 
 
+# What JAX records when it makes an executable: compiled by XLA, or read from the persistent compilation
+# cache the tests share (a step compiled by an earlier test would otherwise pass unnoticed).
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+@contextlib.contextmanager
+def compile_events():
+    """-> a list of the durations of the executables JAX makes while the block runs, compiled or read
+    from the persistent cache."""
+    compiles, listening = [], [True]
+
+    def listen(event, duration, **_):  # a listener cannot be removed on every JAX version: it stops listening
+        if listening[0] and event in COMPILE_EVENTS:
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiles
+    finally:
+        listening[0] = False
+
+
+def until(condition, what: str, timeout: float = 60, every: float = 0.01):
+    """Polls `condition()` until it returns something true, and returns that; fails naming `what` if
+    `timeout` seconds pass first. The one way the tests wait for another thread or process to reach a
+    state (tests/test_architecture.py holds that no other sleep waits): the timeout only ends a test
+    that would hang, so it is generous, never a bound on how fast anything must be."""
+    deadline = time.monotonic() + timeout
+    while not (got := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not so after {timeout} s: {what}")
+        time.sleep(every)
+    return got
+
+
 def wait_for_signal_handlers(process, timeout: float = 30) -> None:
     """Until the command has installed its SIGINT/SIGTERM handlers (Python alone catches no SIGTERM):
     before that, only Python's own start-up runs, which no program can guard."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
+    def caught() -> bool:
+        assert process.poll() is None, "the command ended before it installed its signal handlers"
         with open(f"/proc/{process.pid}/status") as f:
-            caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
-        if caught & (1 << (signal.SIGTERM - 1)):
-            return
-        time.sleep(0.01)
-    raise AssertionError("the command never installed its signal handlers")
+            mask = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+    until(caught, "the command installed its signal handlers", timeout)

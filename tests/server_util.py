@@ -13,7 +13,7 @@ import urllib.parse
 
 import uvicorn
 
-from conftest import VOCAB
+from conftest import VOCAB, until
 
 from gptoss_jax import tokenizer as tk
 from gptoss_jax.kernels import Kernels
@@ -33,10 +33,11 @@ def serving(app, header_timeout: float = 30.0, max_connections: int = 1024, keep
                                            access_log=False, timeout_keep_alive=keep_alive))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.01)
+    def started() -> bool:
+        assert thread.is_alive(), "the test server's thread ended before it started"
+        return server.started
+
+    until(started, "the test server started", 30)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}/v1"
@@ -120,7 +121,7 @@ class ScriptedEngine:
             if request.cancelled:
                 reason = "cancelled"
                 break
-            time.sleep(self.delay)
+            time.sleep(self.delay)  # not a wait: the stand-in engine's work on one token
             request._add(token, time.perf_counter(), self.logprob(i, token, request.settings.logprobs))
             if token in request.settings.stop_ids:
                 reason = "stop"
@@ -135,18 +136,19 @@ class ScriptedEngine:
                                   pages_evicted=0)
 
 
-def health_latencies(url: str, until: threading.Event) -> list[float]:
-    """/health's answer times (url: the base URL, ".../v1"), each on a fresh connection, until `until` is set."""
+def health_latencies(url: str, stop: threading.Event, out: list[float] | None = None) -> list[float]:
+    """/health's answer times (url: the base URL, ".../v1"), each on a fresh connection, until `stop` is
+    set; appended to `out` as they come (a new list if none)."""
     parts = urllib.parse.urlsplit(url)
-    out = []
-    while not until.is_set():
+    out = [] if out is None else out
+    while not stop.is_set():
         t = time.perf_counter()
         c = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         c.request("GET", "/health")
         assert c.getresponse().status == 200
         c.close()
         out.append(time.perf_counter() - t)
-        time.sleep(0.01)
+        time.sleep(0.01)  # not a wait: paces the polls
     return out
 
 

@@ -201,6 +201,7 @@ def test_no_module_passes_500_lines():
     assert long == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", range(4))
 def test_each_module_imports_alone(batch):
     """`python -c "import gptoss_jax.<module>"` in a fresh interpreter, for every module (a quarter of

@@ -23,6 +23,7 @@ def setup():
     return config, params, tokens, exact_logits(config, params, tokens[:, :310])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", [1, 127, 128, 129, 300])
 def test_prefill_then_decode_equals_forward(setup, prompt):
     config, params, tokens, exact = setup
@@ -35,6 +36,7 @@ def test_prefill_then_decode_equals_forward(setup, prompt):
     assert int(cache["lengths"][0]) == prompt + 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [70, 200])  # shorter and longer than the 128-token window
 def test_chunked_prefill_equals_forward(setup, size):
     config, params, tokens, exact = setup
@@ -45,6 +47,7 @@ def test_chunked_prefill_equals_forward(setup, size):
         exact[0, start:start + chunk.shape[1]].check(logits[0], f"chunk at {start}")
 
 
+@pytest.mark.slow
 def test_batch_of_different_lengths_equals_each_alone(setup):
     config, params, tokens, exact = setup
     lengths = np.array([5, 140, 260])

@@ -46,6 +46,7 @@ def url(engine):
         yield base
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 def test_langchain_structured_output_returns_a_parsed_object(url, method):
     from langchain_openai import ChatOpenAI
@@ -57,6 +58,7 @@ def test_langchain_structured_output_returns_a_parsed_object(url, method):
         assert isinstance(llm.with_structured_output(Person, method=method, strict=True).invoke("Who?"), Person)
 
 
+@pytest.mark.slow
 def test_an_agents_sdk_run_calls_a_tool_and_the_next_continues_it_by_previous_response_id(url):
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
@@ -95,6 +97,7 @@ CHOICES = [  # a task written here (no download): a question, its choices, the r
 ]
 
 
+@pytest.mark.slow
 def test_lm_evaluation_harness_scores_a_multiple_choice_task_by_the_models_own_loglikelihoods(url, engine, tmp_path,
                                                                                              monkeypatch):
     """lm-evaluation-harness's local-completions on a task of 4 questions that this test writes (a

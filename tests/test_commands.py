@@ -88,6 +88,7 @@ def _usage_cases(tmp, source):
     return cases
 
 
+@pytest.mark.slow
 def test_bad_usage_exits_2_and_a_missing_folder_1(tmp_path, bf16_source):
     for command, args, code in _usage_cases(tmp_path, bf16_source):
         program = [sys.executable, os.path.join(ROOT, command)] if command.endswith(".py") else [shutil.which(command)]

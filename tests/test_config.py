@@ -33,6 +33,7 @@ def test_parameter_count_without_allocating(name, billions):
     assert abs(gj.param_count(shapes) / 1e9 - billions) <= 0.1
 
 
+@pytest.mark.slow
 def test_init_params_matches_the_abstract_shapes(tiny):
     chex.assert_trees_all_equal_shapes_and_dtypes(gj.init_params(tiny, jax.random.key(0), jnp.float32),
                                                    gj.abstract_params(tiny, jnp.float32))

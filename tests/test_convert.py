@@ -45,6 +45,7 @@ def _reference_logits(layout, source, tokens) -> Exact:
         return Exact.measure(run(model), run(model.to(torch.float64)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, dtype", [("original", None), ("original", "bfloat16"), ("hf-mxfp4", None),
                                            ("hf-bf16", None)])
 def test_converted_logits_match_the_references_loaders(sources, tmp_path, long_tokens, layout, dtype, capsys):
@@ -59,6 +60,7 @@ def test_converted_logits_match_the_references_loaders(sources, tmp_path, long_t
     _reference_logits(layout, sources / layout, long_tokens).check(logits[0], layout)
 
 
+@pytest.mark.slow
 def test_packed_and_decoded_storage_load_identically(sources, tmp_path):
     assert convert_main([str(sources / "original"), str(tmp_path / "packed"), "--quiet"]) == 0
     assert convert_main([str(sources / "original"), str(tmp_path / "decoded"), "--dtype", "bfloat16", "--quiet"]) == 0
@@ -156,6 +158,7 @@ def test_an_output_holding_the_source_is_refused_even_with_overwrite(sources, tm
     assert sorted(p.name for p in source.iterdir()) == sorted(p.name for p in (sources / "original").iterdir())
 
 
+@pytest.mark.slow
 def test_missing_parent_folders_are_created_and_said(sources, tmp_path, capsys):
     out = tmp_path / "a" / "b" / "out"
     assert convert_main([str(sources / "hf-bf16"), str(out), "--quiet"]) == 0
@@ -224,6 +227,7 @@ def test_module_help_runs():
         assert out.startswith(f"usage: python -m {module} ") and "--overwrite" in out and "--dtype" in out
 
 
+@pytest.mark.slow
 def test_paths_expand_home_and_dtypes_take_both_forms_and_output_permissions(sources, tmp_path, monkeypatch):
     import jax.numpy as jnp
 
@@ -269,6 +273,7 @@ time.sleep(0.5)  # reads still in flight land here
 """
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_one_error_line(sources, tmp_path, capfd):
     """Each failed load is one line, whatever TensorStore's other reads do (they fail or finish into a
     closed event loop at any moment, even before the failure reaches the caller); the command line
@@ -296,6 +301,7 @@ def test_a_damaged_checkpoint_is_one_error_line(sources, tmp_path, capfd):
         run.stderr
 
 
+@pytest.mark.slow
 def test_loading_shows_a_progress_bar_over_the_items_on_stderr(sources, tmp_path, capsys):
     assert convert_main([str(sources / "original"), str(tmp_path / "ckpt"), "--quiet"]) == 0
     capsys.readouterr()
@@ -308,6 +314,7 @@ def test_loading_shows_a_progress_bar_over_the_items_on_stderr(sources, tmp_path
     assert capsys.readouterr().err == ""  # the library is quiet unless asked
 
 
+@pytest.mark.slow
 def test_arrays_stored_in_chunks_load_a_chunk_at_a_time(sources, tmp_path, monkeypatch):
     """Without a mesh, items holding arrays stored in chunks (experts: one expert a chunk; the
     embedding and unembedding above 64 MiB, re-saved here in 4 KiB chunks) are read a few whole

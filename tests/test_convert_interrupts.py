@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import wait_for_signal_handlers
+from conftest import until, wait_for_signal_handlers
 from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 
@@ -60,13 +60,14 @@ def _saved_items(folder) -> int:
 
 def _wait_for_items(process, folder, n: int, timeout: float = 60) -> None:
     """Until the conversion has saved n items; fails if it ends (or stalls) first."""
-    end = time.monotonic() + timeout
-    while _saved_items(folder) < n:
+    def saved() -> bool:
         assert process.poll() is None, f"the conversion ended before saving {n} items"
-        assert time.monotonic() < end, f"no {n} items saved within {timeout} s"
-        time.sleep(0.02)
+        return _saved_items(folder) >= n
+
+    until(saved, f"the conversion saved {n} items", timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_at_any_moment_leaves_nothing(source, run_seconds, tmp_path, signum):
     midway = 0
@@ -77,7 +78,7 @@ def test_a_signal_at_any_moment_leaves_nothing(source, run_seconds, tmp_path, si
         process = _start(source, folder / "out", "--quiet")
         wait_for_signal_handlers(process)
         if kind == "seconds":
-            time.sleep(when)
+            time.sleep(when)  # not a wait: the signal lands at this moment, whatever the state
         else:
             _wait_for_items(process, folder, when)
         midway += _saved_items(folder) > 0
@@ -94,7 +95,7 @@ def test_a_signal_at_any_moment_leaves_nothing(source, run_seconds, tmp_path, si
 
 def test_interrupted_progress_bar_is_replaced_by_the_error_line(source, tmp_path):
     process = _start(source, tmp_path / "out")
-    time.sleep(3)
+    _wait_for_items(process, tmp_path, 1)  # the bar is drawn
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and err.rstrip().endswith("error: interrupted; nothing was written")
@@ -117,11 +118,12 @@ def _worker_pid(parent: int) -> int | None:
 
 def test_a_killed_worker_is_an_error_and_leaves_nothing(source, tmp_path):
     process = _start(source, tmp_path / "out", "--quiet")
-    deadline = time.monotonic() + 30
-    while (pid := _worker_pid(process.pid)) is None or _saved_items(tmp_path) == 0:
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
+    def working() -> int | None:
+        assert process.poll() is None, "the conversion ended first"
+        pid = _worker_pid(process.pid)
+        return pid if pid is not None and _saved_items(tmp_path) else None
+
+    os.kill(until(working, "the worker has saved an item", 30), signal.SIGKILL)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 1
     assert err.strip().splitlines()[-1] == ("error: the conversion worker was killed by SIGKILL (out of memory?); "

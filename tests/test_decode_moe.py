@@ -174,6 +174,7 @@ def test_expert_kernel_check_catches_a_wrong_order():
         jax.clear_caches()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_fused_block_equals_the_gather_path(packed_mlp, tokens):
     check_block(CONFIG, packed_mlp, tokens, interpret=True)

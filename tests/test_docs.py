@@ -26,14 +26,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import tomllib
 import urllib.error
 import urllib.request
 
 import pytest
 
-from conftest import VOCAB, needs_vocab
+from conftest import VOCAB, needs_vocab, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -223,17 +222,19 @@ class Server:
     def wait_ready(self) -> None:
         if self.skip:
             pytest.skip(self.skip)
-        deadline = time.monotonic() + SERVER_READY_S
-        while not self.ready:
+        def answers() -> bool:
             if self.proc.poll() is not None:
                 pytest.fail(f"{shlex.join(self.argv)} exited ({self.proc.returncode}) before it was ready\n{self.log()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{shlex.join(self.argv)}: not ready after {SERVER_READY_S} s\n{self.log()}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5) as r:
-                    self.ready = r.status == 200
+                    return r.status == 200
             except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
+                return False
+
+        try:
+            self.ready = until(answers, f"{shlex.join(self.argv)} answered /health", SERVER_READY_S, every=0.5)
+        except AssertionError as e:
+            pytest.fail(f"{e}\n{self.log()}")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -303,6 +304,7 @@ def test_readme_snippets_are_the_ones_run():
     assert 'model="gpt-oss-demo"' in readme[3].code and "max_tokens=" in readme[3].code
 
 
+@pytest.mark.slow
 @needs_vocab
 @pytest.mark.parametrize("block", [b for b in RUN if b.language == "python" and not b.needs_server], ids=lambda b: b.id)
 def test_python_block_runs(block, tmp_path):
@@ -310,6 +312,7 @@ def test_python_block_runs(block, tmp_path):
     run([sys.executable, "snippet.py"], workdir(tmp_path), block.id)
 
 
+@pytest.mark.slow
 @needs_vocab
 @pytest.mark.parametrize("block", [b for b in RUN if b.needs_server], ids=lambda b: b.id)
 def test_client_block_runs_against_the_server(block, tmp_path, server):
@@ -317,6 +320,7 @@ def test_client_block_runs_against_the_server(block, tmp_path, server):
     run([sys.executable, "snippet.py"], workdir(tmp_path), f"{block.id} (against {shlex.join(server.argv)})")
 
 
+@pytest.mark.slow
 @needs_vocab
 @pytest.mark.parametrize("block", [b for b in RUN if b.language == "bash" and not any(
     starts_server(w) for line in command_lines(b.code) for w in words(strip_setup(line)[1]))], ids=lambda b: b.id)
@@ -330,6 +334,7 @@ def test_bash_block_runs(block, tmp_path):
             run(["bash", "-o", "pipefail", "-c", rest], cwd, f"{block.id}: {rest}")
 
 
+@pytest.mark.slow
 @needs_vocab
 @pytest.mark.parametrize("block", [b for b in RUN if b.language == "bash" and any(
     starts_server(w) for line in command_lines(b.code) for w in words(strip_setup(line)[1]))], ids=lambda b: b.id)
@@ -346,6 +351,7 @@ def test_bash_block_starting_the_server_runs(block, tmp_path, server):
             run(["bash", "-o", "pipefail", "-c", rest], cwd, f"{block.id}: {rest}")
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_servers_own_help_example_runs(tmp_path, server):
     # `gptoss-serve --help` ends with a client example: it works against the server as started.

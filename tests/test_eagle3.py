@@ -41,6 +41,7 @@ def reference_outputs(reference, embedded, states):
     return theirs(torch.float64), theirs(torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [12, 40], ids=["drafting-sized", "prompt-chunk-sized"])
 @pytest.mark.parametrize("norm_before_fc", [False, True])
 def test_a_published_head_computes_what_the_reference_computes(tmp_path, target, norm_before_fc, T):
@@ -67,6 +68,7 @@ def test_a_published_head_computes_what_the_reference_computes(tmp_path, target,
     assert (np.asarray(cache["lengths"]) == T).all()
 
 
+@pytest.mark.slow
 def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
     """The head's cache: 20 positions (a prompt chunk), then 4, then 3, then 1 (drafting) give the reference's
     logits of one pass over the 28 (float32 within 8x its own noise against float64); a padding
@@ -93,6 +95,7 @@ def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
     assert not np.asarray(cache["k"])[1, 3:].any()
 
 
+@pytest.mark.slow
 def test_the_target_captures_its_layers_outputs_as_transformers_gives_them(tiny, tiny_params, long_tokens):
     """Transformer(capture=...) keeps the residual stream after the named blocks: transformers'
     hidden_states[i + 1] (float32, within 8x its own noise against float64), with and without a cache."""
@@ -167,6 +170,7 @@ def tiny300():
     return config, random_params(config, seed=4, dtype=jnp.float32)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_with_an_eagle3_head_are_those_without(tmp_path, tiny300):
     """Generator with a head drafting 3 tokens a step: the greedy tokens of 3 prompts (2 to 40 tokens, a
     prefill of 16-token chunks) over 40 new tokens are those of one token a step."""
@@ -184,6 +188,7 @@ def test_greedy_tokens_with_an_eagle3_head_are_those_without(tmp_path, tiny300):
     assert all(r.timings["drafted_tokens"] > 0 for r in got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steered", [False, True], ids=["its own drafts", "the target's reply proposed"])
 def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, tiny300, steered):
     """The head's drafts at every step of Generator (its cache filled chunk by chunk at the prefill and
@@ -263,6 +268,7 @@ def test_a_checked_step_commits_its_accepted_drafts_and_next_token_as_pairs():
     np.testing.assert_array_equal(pair_states, states)
 
 
+@pytest.mark.slow
 def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, tiny300):
     """Parameters on a mesh of data=2, expert=2, tensor=2 (8 CPU devices), two prompts of several
     prefill chunks and a stop token: the tokens, drafts and acceptances of one device. The head is
@@ -301,6 +307,7 @@ def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, ti
     assert all(r[3] > 0 for r in runs[0])
 
 
+@pytest.mark.slow
 def test_beside_a_model_on_a_mesh_the_head_attends_with_the_jnp_path():
     """The fused attention variants see one device's part of their arrays (the model's cache, split
     by shard_map); the head's arrays are whole on every device, so on a mesh it takes the jnp

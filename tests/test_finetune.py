@@ -93,6 +93,7 @@ def _losses(stdout_lines):
     return {r["step"]: r["loss"] for r in map(json.loads, stdout_lines) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_ctrl_c_and_resumed_follows_the_uninterrupted_one(tmp_path):
     """Loss trajectories bit-equal on CPU; then run_inference.py generates from the merged model."""
     data = _write(tmp_path / "train.jsonl", [_conversation(a, 2 * a + 1, thinking=a % 2 == 0) for a in range(10)])

@@ -25,6 +25,7 @@ def prompts(gen):
     return [rng.integers(0, gen.config.vocab_size, n).tolist() for n in (3, 130, 250)]
 
 
+@pytest.mark.slow
 def test_greedy_equals_uncached_argmax_and_batch_equals_single(gen, prompts):
     batch = gen.generate(prompts, max_new_tokens=12, sampling=GREEDY)
     for prompt, result in zip(prompts, batch, strict=True):
@@ -48,6 +49,7 @@ def test_stop_tokens_end_one_sequence_and_the_others_go_on(gen, prompts):
         assert stopped[b].output_ids == expected
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded(gen, prompts):
     warm = Sampling(temperature=1.0)
     a = gen.generate(prompts[:2], max_new_tokens=8, sampling=warm, seed=1)
@@ -64,6 +66,7 @@ def test_streaming_callback_sees_every_token(gen, prompts):
         assert [t for s, t in seen if s == b] == r.output_ids
 
 
+@pytest.mark.slow
 def test_decode_steps_per_call_change_no_token(gen, prompts):
     """Decoding 8 steps a call (the fixture's default), 3 or 1 gives the same tokens: greedy, sampled
     (each step keeps its own key), with a stop token, and with the cache filled to its last position
@@ -96,6 +99,7 @@ def test_decode_steps_per_call_change_no_token(gen, prompts):
         Generator(gen.config, gen.params, max_len=400, decode_steps=0)
 
 
+@pytest.mark.slow
 def test_a_calls_steps_past_the_limit_leave_the_cache_alone(gen):
     """Steps counted at or past the limit (a call's surplus beyond max_new_tokens) run with every
     sequence inactive: the cache does not grow (so no kernel sees a length past the cache's end)."""
@@ -121,6 +125,7 @@ def test_generator_rejects_bad_requests(gen, prompts):
         gen.generate([[5]], max_new_tokens=2, seed=2**40)
 
 
+@pytest.mark.slow
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 2000)
@@ -153,6 +158,7 @@ def test_sampling_rejects_bad_values(kwargs, message):
         Sampling(**kwargs)
 
 
+@pytest.mark.slow
 def test_no_recompilation_for_a_new_prompt_length_inside_a_bucket():
     config = gj.ModelConfig.tiny().replace(sliding_window=128)
     gen = Generator(config, random_params(config, seed=5), max_len=400, prefill_chunk=64)
@@ -165,6 +171,7 @@ def test_no_recompilation_for_a_new_prompt_length_inside_a_bucket():
     assert first.timings["prompt_tokens"] == 20 and first.timings["new_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_timings_are_per_sequence_and_keep_compilation_apart(prompts):
     config = gj.ModelConfig.tiny().replace(sliding_window=128)
     fresh = Generator(config, random_params(config, seed=5), max_len=400, prefill_chunk=64)

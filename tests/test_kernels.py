@@ -24,6 +24,7 @@ def _qkv(rng, B, T, K, G, H):
     return q, k, v, rng.standard_normal((K, G)).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 7])
 def test_parts_with_sinks_equal_the_whole(window):
     # A cache's first 50 positions as one part and the next 40 as another equal attention over all 90.
@@ -71,6 +72,7 @@ def test_triton_matvec_in_interpret_mode(splits):
     exact.check(got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 3])
 def test_triton_cache_attention_reads_the_filled_part(T):
     # Garbage past each sequence's length must not leak in; an empty cache gives lse = -inf.
@@ -94,6 +96,7 @@ def test_triton_cache_attention_reads_the_filled_part(T):
         exact_lse.check(lse[1:], f"lse, splits={splits}")
 
 
+@pytest.mark.slow
 def test_triton_decode_attention_in_the_model():
     # The cached model with the Triton cache attention (interpret mode) gives the jnp kernels' tokens,
     # with prompts longer than the sliding window.
@@ -212,6 +215,7 @@ def test_auto_picks_the_fastest_measured_variant(monkeypatch, case):
     assert picked == fastest, f"{num_experts} experts, batch {batch}: auto picks {picked}, measured {rates}"
 
 
+@pytest.mark.slow
 def test_the_package_runs_without_pallas_triton():
     """Once JAX drops Pallas's deprecated Triton backend, the package still imports and runs (here:
     a fresh interpreter where importing it fails), "auto" no longer counts on it, and a Triton
@@ -265,6 +269,7 @@ def test_a_packed_only_variant_named_for_16_bit_experts():
     assert kernels.experts_for(4, jnp.float32, mlp["mlp1_weight"], adapters=True).name == "gather"
 
 
+@pytest.mark.slow
 def test_slots_number_the_experts_in_use_in_expert_order():
     """kernels/mosaic_slots.py's slots: the experts some pair picked, each once, in expert order (the
     rest of the S = min(pairs, E) slots unread), how many, and each pair's slot; dropped pairs

@@ -36,6 +36,7 @@ def hf_exact(tiny, tiny_params, long_tokens):
     return exact_logits(tiny, tiny_params, long_tokens)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_float32_logits_match_openai(tiny, tiny_params, long_tokens, openai_exact, kernels):
     """Within NOISE_FACTOR x OpenAI's own float32 error of its float64 logits. Mutation tried: RMSNorm's
@@ -50,6 +51,7 @@ def test_float32_logits_match_hf(tiny, tiny_params, long_tokens, hf_exact, kerne
     hf_exact.check(gj.forward(tiny, tiny_params, long_tokens, kernels=KERNELS[kernels])[0], kernels)
 
 
+@pytest.mark.slow
 def test_every_block_matches_hf_decoder_layers(tiny, tiny_params, long_tokens):
     """Our block i and transformers' decoder layer i on the same input (transformers' float32 hidden
     state i), each layer's update (output - input) against the layer in float64."""
@@ -91,6 +93,7 @@ def test_window_and_long_context_matter(tiny, tiny_params, long_tokens):
     np.testing.assert_array_equal(np.asarray(base[0, reach + 1:]), np.asarray(moved[0, reach + 1:]))
 
 
+@pytest.mark.slow
 def test_batched_equals_single(tiny, tiny_params):
     """A batch of 3 and each sequence alone, both against transformers' float64 logits."""
     tokens = np.random.default_rng(7).integers(0, tiny.vocab_size, size=(3, 70)).astype(np.int32)
@@ -110,6 +113,7 @@ def _bf16_setup(config, seed=0):
     return params, openai_model(config, params32).to(torch.float64), openai_model(config, params, "bfloat16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", [0, 1], ids=["sliding", "full"])
 def test_bfloat16_attention_block(tiny, layer):
     """Our bf16 attention (q, k, v, the rotated q and k, the probabilities and the output each rounded
@@ -126,6 +130,7 @@ def test_bfloat16_attention_block(tiny, layer):
     Exact.measure(theirs, exact, precision="bfloat16").check(ours[0], "bf16 attention")
 
 
+@pytest.mark.slow
 def test_bfloat16_model_is_as_accurate_as_openai_bfloat16(tiny):
     """On the typical token, as OpenAI's own bf16 run on the same weights (noise.check_typical_tokens)."""
     params, ref64, ref16 = _bf16_setup(tiny)
@@ -147,6 +152,7 @@ def test_forward_rejects_bad_tokens(tiny, tiny_params):
         gj.forward(tiny, tiny_params, np.array([[1.0, 2.0]], np.float32))
 
 
+@pytest.mark.slow
 def test_init_params_dtypes(tiny):
     params = gj.init_params(tiny, jax.random.key(0), dtype=jnp.bfloat16)
     assert params["embedding"].dtype == jnp.bfloat16

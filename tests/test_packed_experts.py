@@ -64,6 +64,7 @@ def loaded(checkpoints):
     return config, mx, bf16, f32
 
 
+@pytest.mark.slow
 def test_load_keeps_experts_packed_and_the_rest_bfloat16(loaded, tiny):
     config, mx, bf16, _ = loaded
     mlp = mx["block_1"]["mlp"]
@@ -92,6 +93,7 @@ def exact_long(loaded, long_tokens):
     return exact_logits(config, f32, long_tokens)[0], want16, theirs16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe", ["gather", "grouped"])
 def test_logits_match_experts_decoded_ahead_of_time(loaded, long_tokens, exact_long, moe):
     """float32 activations, experts packed or decoded when loaded: each within NOISE_FACTOR x
@@ -108,6 +110,7 @@ def test_logits_match_experts_decoded_ahead_of_time(loaded, long_tokens, exact_l
                              f"bfloat16 {name}")
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_in_float32(loaded):
     """Generation with packed experts and float32 activations: the tokens of the float32 load, for a
     batch of prompts around the window, decoded on the gather path and prefilled in chunks."""
@@ -119,6 +122,7 @@ def test_greedy_tokens_equal_in_float32(loaded):
     assert run(_with_packed_experts(f32, mx)) == run(f32)
 
 
+@pytest.mark.slow
 def test_packed_experts_on_a_mesh_match_one_device(checkpoints, loaded):
     """Loaded straight into a mesh: blocks and scales split over `expert` as their weight is and equal
     to the one-device load; float32 logits with them are the one-device run's."""
@@ -154,6 +158,7 @@ def test_decoded_storage_cannot_stay_packed(checkpoints):
         dtype_name("mxfp4")
 
 
+@pytest.mark.slow
 def test_random_packed_weights_look_like_the_published_ones(tiny):
     """Packed random weights, on the host or drawn on the device: uint8 blocks and scales, decoded
     magnitudes near the dense draw's, and the same tree as a packed load."""
@@ -176,6 +181,7 @@ def test_random_packed_weights_look_like_the_published_ones(tiny):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_packed_weights_are_a_type_of_their_own(tiny, loaded, tmp_path):
     """dtype "mxfp4" (drawn, or loaded) holds exactly every block's two expert matrices as MXFP4,
     which jax.tree.map and jax.jit pass through as MXFP4 and a checkpoint saved from gives back;
@@ -210,6 +216,7 @@ def test_packed_experts_beside_float32_weights_are_not_saved(tiny, tmp_path):
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_triton_matvec_reads_packed_experts(loaded, tokens):
     """The decode kernel for packed experts (Pallas interpret mode), float32 activations: decoding in
@@ -228,6 +235,7 @@ def test_triton_matvec_reads_packed_experts(loaded, tokens):
     exact.check(want[0], "gather, decoded")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [5, 40])
 def test_triton_grouped_matmul_reads_packed_experts(loaded, tokens):
     """The prompt kernel for packed experts (Pallas interpret mode), bfloat16 activations: the MoE
@@ -269,6 +277,7 @@ def test_grouped_mxfp4_kernel_equals_decoding_then_a_matmul(scale):
     Exact.measure(*want, precision="bfloat16").check(got[:4 * block], f"scale {scale}")
 
 
+@pytest.mark.slow
 def test_command_line_runs_with_packed_experts(checkpoints, capsys):
     args = ["--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--temperature", "0", "--json", "--quiet"]
     assert run_inference.main(["--checkpoint", str(checkpoints / "packed"), "--dtype", "mxfp4"] + args) == 0

@@ -97,6 +97,7 @@ def test_pages_are_shared_cached_and_evicted_least_recently_released_first():
     assert pool.available == 0 and pool.refs(a) == 1
 
 
+@pytest.mark.slow
 def test_attention_through_page_tables_is_the_contiguous_caches(model):
     """kernels/paged.py: prompt chunks and decode over pages in shuffled order (gathered whole, or a
     block of pages at a time up to the longest sequence) against the definition in float64, within the
@@ -134,6 +135,7 @@ def test_attention_through_page_tables_is_the_contiguous_caches(model):
             assert bool(jnp.all(lse[0] <= -1e30))  # nothing seen (the jnp code's MASKED: -1e30, not -inf)
 
 
+@pytest.mark.slow
 def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_time(monkeypatch):
     """kernels/gpu.py: the flash kernel's path over a paged prefix gathers the whole table where
     sequences x width x page <= GATHER_FOR_FLASH, else pieces of a power of two columns under that
@@ -178,6 +180,7 @@ def engine(model):
     return engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [8, 32])
 def test_shared_prefixes_of_every_kind_give_each_request_its_tokens_alone(model, alone, engine, page_size):
     """A system prompt of 50 tokens, then requests that share 5 of its tokens (less than a page), 16
@@ -209,6 +212,7 @@ def test_shared_prefixes_of_every_kind_give_each_request_its_tokens_alone(model,
     assert stats["cached_prompt_tokens"] > 0 and stats["pages_in_use"] == 0 and stats["running"] == 0
 
 
+@pytest.mark.slow
 def test_a_broken_page_name_reuses_a_wrong_page_and_the_tokens_show_it(model, alone, monkeypatch):
     """Names that leave out each page's last token make prompts that differ only there share a page:
     the second prompt then computes on the first's keys, and its tokens part from its tokens alone
@@ -233,6 +237,7 @@ def _poison(engine) -> None:
     engine._pool = jax.tree.map(lambda a: a.at[free].set(50.0), engine._pool)
 
 
+@pytest.mark.slow
 def test_a_freed_page_never_reaches_another_sequence(model, alone, engine):
     """Pages freed by finished requests, filled with large values, taken by new requests (prefix hits
     and misses): the tokens stay each request's alone."""
@@ -245,6 +250,7 @@ def test_a_freed_page_never_reaches_another_sequence(model, alone, engine):
         assert r.output_ids == alone(r.prompt_ids, 10)
 
 
+@pytest.mark.slow
 def test_an_attention_that_reads_past_the_length_is_caught(model, alone, monkeypatch):
     """The check above can fail: attention to one more position than the sequence holds reads
     whatever its page held before (the large values), and the tokens change."""
@@ -264,6 +270,7 @@ def test_an_attention_that_reads_past_the_length_is_caught(model, alone, monkeyp
         jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_a_page_half_prefilled_is_not_found_by_a_request_that_arrives_meanwhile(model, alone):
     """Pages of 32 positions, prompts prefilled 24 at a time: a request sharing a prompt whose second
     page is half prefilled finds only the first page cached (a page is named once whole), and its
@@ -285,6 +292,7 @@ def test_a_page_half_prefilled_is_not_found_by_a_request_that_arrives_meanwhile(
 
 # Memory: pages as sequences grow, the window's pages only, preemption -----------------------------------
 
+@pytest.mark.slow
 def test_sliding_layers_hold_a_window_of_pages_and_full_layers_every_page(model, alone, engine):
     config, _ = model
     prompt = _tokens(config, 400, 150)
@@ -301,6 +309,7 @@ def test_sliding_layers_hold_a_window_of_pages_and_full_layers_every_page(model,
     assert request.output_ids == alone(prompt, 40)
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_for_everything_running_preempts_and_every_request_completes(model, alone):
     """Four requests that need 16 to 20 pages each at their longest, in a pool of 30: the latest admitted
     are preempted and come back, and every request gets its tokens alone."""
@@ -315,6 +324,7 @@ def test_a_pool_too_small_for_everything_running_preempts_and_every_request_comp
     assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
 def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model, alone, where):
     """As above, with every step of up to four sequences checking 3 drafted tokens (right but for every
@@ -341,6 +351,7 @@ def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model,
     assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", [0, 3])
 def test_a_request_preempted_when_its_tokens_fill_whole_pages_computes_its_last_token_again(model, alone, read):
     """Pages of 8; a request preempted when its prompt and the tokens it has read fill whole pages
@@ -383,6 +394,7 @@ def test_without_prefix_reuse_every_prompt_is_computed_whole(model, alone):
     assert engine.stats()["pages_cached"] == 0
 
 
+@pytest.mark.slow
 def test_penalized_requests_keep_their_tokens_beside_others_and_across_preemption(model):
     """Presence and frequency penalties count each row's own generated tokens on the device: four
     penalized requests (and one with a grammar-free logit bias beside them) in a pool too small for
@@ -411,6 +423,7 @@ def test_penalized_requests_keep_their_tokens_beside_others_and_across_preemptio
     assert [r.output_ids for r in together] == [r.output_ids for r in alone]
 
 
+@pytest.mark.slow
 def test_a_request_after_another_with_its_prompt_waits_for_it_and_finds_the_prompt_cached(model, alone):
     """Choices of one API request: the second is admitted once the first has its first token, and then
     finds every whole page of the prompt in the cache (computed once); each gets its tokens alone."""

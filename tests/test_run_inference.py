@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax import ModelConfig
 from gptoss_jax.testing import write_synthetic_checkpoint
 
-from conftest import VOCAB, needs_vocab, wait_for_signal_handlers
+from conftest import VOCAB, needs_vocab, until, wait_for_signal_handlers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +37,7 @@ def _json_lines(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_demo_runs_without_a_tokenizer(capsys, monkeypatch):
     import tiktoken.load
 
@@ -53,6 +55,7 @@ def test_demo_runs_without_a_tokenizer(capsys, monkeypatch):
     assert "; decode 2 tokens in " in timing and "0.0 tokens/s" not in timing
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(checkpoint, capsys):
     from transformers import GptOssForCausalLM
 
@@ -71,6 +74,7 @@ def test_greedy_matches_transformers_generate(checkpoint, capsys):
     assert record["output_ids"] == out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_batch_file_gives_one_json_object_per_prompt_and_batch_equals_single(tmp_path, capsys):
     prompts = ["Hello there", "A longer prompt about JAX, XLA and accelerators", "Bonjour 🎉"]
@@ -87,6 +91,7 @@ def test_batch_file_gives_one_json_object_per_prompt_and_batch_equals_single(tmp
     assert single["output_ids"] == batch[1]["output_ids"]
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_chat_json_has_channels(capsys):
     argv = ["--tokenizer", VOCAB, "--chat", "--prompt", "What is 2+2?", "--reasoning-effort", "low",
@@ -179,6 +184,7 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         assert got == code and line.startswith("error: ") and message in line, (argv, got, line)
 
 
+@pytest.mark.slow
 def test_a_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
     """Two separate processes: the second finds every step that took more than 0.5 s to compile in the
     persistent cache, and gives the same tokens."""
@@ -195,6 +201,7 @@ def test_a_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
     assert off.returncode == 0 and json.loads(off.stdout)["output_ids"] == first["output_ids"], off.stderr
 
 
+@pytest.mark.slow
 def test_chat_only_flags_warn_without_chat(checkpoint, capsys):
     argv = ["--checkpoint", str(checkpoint / "converted"), "--prompt-ids", "5,6", "--max-new-tokens", "2",
             "--json", "--system", "Be brief.", "--reasoning-effort", "high"]
@@ -212,6 +219,7 @@ def test_default_max_context_is_the_models_when_shorter(checkpoint, capsys, monk
     assert "max context 2048" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_prompt_file_dash_reads_standard_input_and_paths_expand_home(checkpoint, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -234,6 +242,7 @@ def test_prompt_file_dash_reads_standard_input_and_paths_expand_home(checkpoint,
     assert from_stdin["prompt_ids"] == from_file["prompt_ids"] and from_file["output_ids"] == from_stdin["output_ids"]
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_chat_reads_a_piped_prompt(capsys, monkeypatch):
     """`echo PROMPT | gptoss-generate --chat`: off a terminal, with no prompt flag, standard input is the prompt."""
@@ -267,6 +276,7 @@ def test_unparseable_ids_are_a_usage_error(capsys):
     assert info.value.code == 2 and "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_prompt_file_equals_prompt_ids(checkpoint, tmp_path, capsys):
     common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "4",
               "--json", "--max-context", "64"]
@@ -278,6 +288,7 @@ def test_prompt_file_equals_prompt_ids(checkpoint, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_prompt_lookup_drafts_give_the_same_tokens(checkpoint, capsys):
     common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "24",
               "--json", "--max-context", "128", "--prompt-ids", ",".join(["5", "6", "7", "8"] * 6)]
@@ -291,6 +302,7 @@ def test_prompt_lookup_drafts_give_the_same_tokens(checkpoint, capsys):
     assert drafted["timings"]["accepted_tokens"] <= drafted["timings"]["drafted_tokens"]
 
 
+@pytest.mark.slow
 def test_eagle3_drafts_give_the_same_tokens(checkpoint, tmp_path, capsys):
     """--draft eagle3 --draft-model DIR: a random head in the published layout for the tiny model
     drafts 3 tokens a step; the greedy tokens are those without it."""
@@ -310,16 +322,29 @@ def test_eagle3_drafts_give_the_same_tokens(checkpoint, tmp_path, capsys):
     assert drafted["output_ids"] == plain["output_ids"] and drafted["timings"]["drafted_tokens"] >= 3 * 8
 
 
-@pytest.mark.parametrize("signum, delay", [(signal.SIGINT, 0.0), (signal.SIGINT, 1.0), (signal.SIGINT, 3.0),
-                                           (signal.SIGINT, 7.0), (signal.SIGTERM, 7.0)])
-def test_a_signal_during_compilation_or_generation_is_one_line(signum, delay):
-    # The demo model: ~2 s to start, a few seconds compiling, then 3000 tokens take far longer than 7 s.
-    process = subprocess.Popen([sys.executable, "run_inference.py", "--max-new-tokens", "3000"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, moment", [(signal.SIGINT, "start"), (signal.SIGINT, "loaded"),
+                                            (signal.SIGINT, "compiling"), (signal.SIGINT, "generating"),
+                                            (signal.SIGTERM, "generating")])
+def test_a_signal_during_compilation_or_generation_is_one_line(signum, moment):
+    """A signal once the handlers are in, once the model is made (its line said), amid compilation (the
+    devices' line said: compiling follows) and amid generation (the first token printed): one line."""
+    process = subprocess.Popen([sys.executable, "run_inference.py", "--max-new-tokens", "3000", "--compile-cache", "none"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # (it compiles)
+    out, err = [], []
+    readers = [threading.Thread(target=lambda f=f, to=to: to.extend(iter(lambda: f.read(1), "")), daemon=True)
+               for f, to in ((process.stdout, out), (process.stderr, err))]
+    for reader in readers:
+        reader.start()
     wait_for_signal_handlers(process)
-    time.sleep(delay)
+    said = {"start": lambda: True, "loaded": lambda: "model: " in "".join(err),
+            "compiling": lambda: "devices: " in "".join(err), "generating": lambda: "".join(out).strip()}[moment]
+    until(lambda: process.poll() is None and said(), f"the command reached {moment!r}")
     process.send_signal(signum)
-    _, err = process.communicate(timeout=60)
+    process.wait(120)
+    for reader in readers:
+        reader.join(30)
+    err = "".join(err)
     what = "interrupted" if signum == signal.SIGINT else "terminated"
     assert process.returncode == 128 + signum, err
     assert err.rstrip().splitlines()[-1] == f"error: {what}" and "Traceback" not in err and "Exception" not in err, err
@@ -360,6 +385,7 @@ def test_interactive_chat_keeps_the_model_and_compiled_steps_across_turns(monkey
     assert "unknown command /nonsense" in err and "(a new conversation)" in err
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_interactive_chat_on_a_real_terminal():
     import pty
@@ -395,6 +421,7 @@ def test_interactive_chat_on_a_real_terminal():
     os.close(controller)
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_interactive_chat_says_when_the_conversation_no_longer_fits(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", _fake_terminal(["Hi", "tell me " * 200, "/exit"]))

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import VOCAB, needs_vocab
+from conftest import VOCAB, needs_vocab, until
 from server_util import serving_engine
 
 import gptoss_jax as gj
@@ -66,6 +65,7 @@ def cli_json(capsys, argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_chat_is_the_command_lines_greedy_text(client, capsys):
     record = cli_json(capsys, ["--chat", "--prompt", "What is JAX?", "--system", "Be brief.", "--reasoning-effort",
                                "low", "--max-new-tokens", "12"])
@@ -82,6 +82,7 @@ def test_chat_is_the_command_lines_greedy_text(client, capsys):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+@pytest.mark.slow
 def test_completions_and_responses(client, capsys):
     record = cli_json(capsys, ["--prompt", "The capital of France is", "--max-new-tokens", "10"])
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0)
@@ -101,6 +102,7 @@ def test_completions_and_responses(client, capsys):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=1.0, top_p=0.9)
     a, b = (client.chat.completions.create(**kw, seed=7).choices[0].message.content for _ in range(2))
@@ -108,6 +110,7 @@ def test_seeded_sampling_repeats(client):
     assert a == b != c
 
 
+@pytest.mark.slow
 def test_a_shared_prefix_is_reported_as_cached(client, engine):
     """Two chats one after the other with the same long system message (a text no other test sends):
     the first finds nothing cached, the second the whole pages of its prefix, counted in
@@ -146,14 +149,16 @@ def test_a_shared_prefix_is_reported_as_cached(client, engine):
     assert counts == [0, 2 * page]
 
 
-def wait_idle(engine, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while (stats := engine.stats())["slots_in_use"] or stats["waiting"]:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
-    return stats
+def wait_idle(engine, timeout=60.0) -> dict:
+    """-> the engine's stats once no request runs or waits."""
+    def idle():
+        stats = engine.stats()
+        return None if stats["slots_in_use"] or stats["waiting"] else stats
+
+    return until(idle, "the engine is idle", timeout, every=0.02)
 
 
+@pytest.mark.slow
 def test_a_client_gone_mid_stream_frees_its_slot(client, engine):
     cancelled = engine.stats()["finished"].get("cancelled", 0)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
@@ -173,6 +178,7 @@ def rss_mib() -> float:
         return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
 
 
+@pytest.mark.slow
 def test_load_64_streaming_clients_with_disconnects(client, engine):
     """500 streamed requests, 64 at a time, a quarter of the clients leaving mid-stream: every
     finished stream is whole and is the request's greedy reply; no slot stays taken; nothing piles
@@ -226,6 +232,7 @@ def test_load_64_streaming_clients_with_disconnects(client, engine):
     assert rss_mib() - middle < 64, (middle, rss_mib())
 
 
+@pytest.mark.slow
 def test_metrics_are_prometheus_text(url, client, engine):
     prompt = list(range(2000, 2000 + engine.page_size + 5))  # the second finds a page cached
     for _ in range(2):
@@ -258,13 +265,14 @@ def readme_client_example() -> str:
     return serving.split("```python\n")[1].split("```")[0]
 
 
+@pytest.mark.slow
 def test_gptoss_serve_command(tmp_path):
     """The installed command: it says when it is ready (with its URL), answers the README's client
     example as written (on a free port rather than 8000), and on SIGTERM lets a running request
     finish and exits 0."""
     env = {**os.environ, "TIKTOKEN_ENCODINGS_BASE": os.path.dirname(os.path.abspath(VOCAB))}
     process = subprocess.Popen([sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "2",
-                                "--max-context", "128", "--compile-cache", "none"],
+                                "--max-context", "128"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = process.stdout.readline()
@@ -299,6 +307,7 @@ def test_gptoss_serve_command(tmp_path):
 SMALL_POOL = ["--page-size", "16", "--kv-memory-gb", str(36 * 8192 / 2**30)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_flags", [[], SMALL_POOL], ids=["pool by default", "pool of 36 pages"])
 def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
     """`gptoss-serve` over two processes (2 CPU devices each, joined by --coordinator, slots split over
@@ -312,7 +321,7 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
     common = [sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "4", "--max-context", str(MAX_LEN),
-              "--compile-cache", "none", "--mesh", "data=2,tensor=2", "--coordinator", f"127.0.0.1:{free_port()}",
+              "--mesh", "data=2,tensor=2", "--coordinator", f"127.0.0.1:{free_port()}",
               "--num-processes", "2", *kv_flags, "--process-id"]
     procs = [subprocess.Popen(common + [str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(2)]
@@ -350,6 +359,7 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
                 p.kill()
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_through_every_api(client, engine):
     """completions (logprobs=3), chat (logprobs, top_logprobs=2) and Responses (include
     message.output_text.logprobs, top_logprobs=2), streamed and not, on the demo model (its random
@@ -426,6 +436,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, monkeypatch):
     """completions with echo: the text is the prompt's, then the completion's. With logprobs=2 the
     prompt's tokens come first: the first with null (nothing predicts it), each other with transformers'
@@ -499,6 +510,7 @@ def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, 
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=0)
 
 
+@pytest.mark.slow
 def test_logit_bias_forces_a_token_through_the_api(client):
     """logit_bias of +100 on one token: every token of the reply is it (completions and chat)."""
     tokenizer = tk.load_tokenizer(VOCAB)
@@ -519,6 +531,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                                                                  "items": {"enum": ["a", "b"]}}}}
 
 
+@pytest.mark.slow
 def test_structured_outputs_follow_their_schema_where_the_model_alone_writes_no_json(client):
     """response_format json_schema (chat, whole and streamed) and json_object, and the Responses API's
     text.format: the demo model's random weights write no JSON alone, and with the format every
@@ -555,6 +568,7 @@ def test_structured_outputs_follow_their_schema_where_the_model_alone_writes_no_
     jsonschema.validate(json.loads(r.output_text), PERSON)
 
 
+@pytest.mark.slow
 def test_a_strict_tools_arguments_follow_its_parameters(client):
     """Strict function tools: the call's arguments validate against the tool's parameters (a named
     call, and a required one whose tool the model names); without strict, the same call's arguments
@@ -590,6 +604,7 @@ def _valid(call, schema) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_penalties_change_greedy_output_in_their_direction(client):
     """A logit bias of +3 on " banana" makes the greedy reply repeat it: a frequency or presence penalty
     of 2 makes it repeat it less; one of -2 makes the reply repeat its own tokens more (counted over
@@ -613,6 +628,7 @@ def test_penalties_change_greedy_output_in_their_direction(client):
     assert r.choices[0].message.content != plain.choices[0].message.content  # chat honours them too
 
 
+@pytest.mark.slow
 def test_n_choices_are_the_request_with_each_seed_alone(client):
     """n=3 with a seed: three different choices, numbered 0 to 2, choice i the same request alone with
     seed + i (chat, whole and streamed; completions); usage counts the prompt once and every choice's
@@ -637,6 +653,7 @@ def test_n_choices_are_the_request_with_each_seed_alone(client):
                                           for i in range(2)]
 
 
+@pytest.mark.slow
 def test_best_of_returns_the_candidates_of_highest_mean_log_probability(client):
     """best_of=4, n=2: the two of the four candidates (seeds seed to seed + 3) whose tokens have the
     highest mean log-probability, best first, without log-probabilities unless asked for."""

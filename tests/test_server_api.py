@@ -2,13 +2,14 @@
 a stand-in engine that replies with fixed harmony token sequences (the tiny model's replies are
 random, so these are written out here)."""
 
+import functools
 import json
 
 import urllib.error
 import urllib.request
 import openai
 import pytest
-from conftest import VOCAB, needs_vocab
+from conftest import VOCAB, needs_vocab, until
 from server_util import ScriptedEngine, serving
 
 from gptoss_jax import tokenizer as tk
@@ -26,15 +27,24 @@ def harmony(text: str) -> list[int]:
     return tk.load_tokenizer(VOCAB).encode(text, allowed_special="all")
 
 
-ANSWER = harmony("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
-                 "<|message|>Hello there!<|return|>")
-CALL = harmony("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
-               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>')
+@functools.cache
+def answer() -> list[int]:
+    """A scripted reply: reasoning, then "Hello there!" (tokenized when first asked for: a file without
+    the vocabulary is skipped, not failed at collection)."""
+    return harmony("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
+                   "<|message|>Hello there!<|return|>")
+
+
+@functools.cache
+def weather_call() -> list[int]:
+    """A scripted reply: reasoning, then a call of get_weather."""
+    return harmony("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                   'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome"}<|call|>')
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return ScriptedEngine(ANSWER, max_len=4096)
+    return ScriptedEngine(answer(), max_len=4096)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +62,7 @@ def url(server):
 
 @pytest.fixture
 def client(url, engine):
-    engine.reply, engine.full = ANSWER, False
+    engine.reply, engine.full = answer(), False
     return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
 
 
@@ -65,19 +75,19 @@ def test_reasoning_and_answer_fields(client):
     m = r.choices[0].message
     assert (m.reasoning_content, m.content, m.tool_calls) == ("The user greets me.", "Hello there!", None)
     assert r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens == len(ANSWER)
+    assert r.usage.completion_tokens == len(answer())
     chunks = list(chat(client, stream=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.reasoning_content or "" for d in deltas if hasattr(d, "reasoning_content")) == m.reasoning_content
     assert "".join(d.content or "" for d in deltas) == "Hello there!"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].usage.completion_tokens == len(ANSWER) and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == len(answer()) and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 
 def test_legacy_functions_are_tools_answered_as_a_function_call(url, client, engine):
     """`functions` and `function_call` (before tools): the same prompt as the tools, and the call
     answered as `message.function_call` with finish reason "function_call", whole and streamed."""
-    engine.reply = CALL
+    engine.reply = weather_call()
     r = raw_post(url, "/chat/completions", {**CHAT, "functions": [WEATHER["function"]]})
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
@@ -101,7 +111,7 @@ def test_legacy_functions_are_tools_answered_as_a_function_call(url, client, eng
 
 
 def test_tool_call_fields_and_round_trip(client, engine):
-    engine.reply = CALL
+    engine.reply = weather_call()
     r = chat(client, tools=[WEATHER])
     call = r.choices[0].message.tool_calls[0]
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Rome"})
@@ -115,7 +125,7 @@ def test_tool_call_fields_and_round_trip(client, engine):
     assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
 
     # The tool's result goes back: the prompt is what openai-harmony renders for that conversation.
-    engine.reply = ANSWER
+    engine.reply = answer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Rome?"},
                 {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
                  "tool_calls": [{"id": call.id, "type": "function",
@@ -145,7 +155,7 @@ def test_responses_items_and_events(client, engine):
     r = client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "low"})
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == "The user greets me." and r.output_text == "Hello there!"
-    assert r.status == "completed" and r.usage.output_tokens == len(ANSWER)
+    assert r.status == "completed" and r.usage.output_tokens == len(answer())
     events = list(client.responses.create(model=MODEL, input="Hi", stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -153,12 +163,12 @@ def test_responses_items_and_events(client, engine):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "The user greets me."
     assert events[-1].response.output_text == "Hello there!"
 
-    engine.reply = CALL
+    engine.reply = weather_call()
     r = client.responses.create(model=MODEL, input="Weather in Rome?",
                                 tools=[{"type": "function", **WEATHER["function"]}])
     call = r.output[-1]
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Rome"})
-    engine.reply = ANSWER
+    engine.reply = answer()
     follow = client.responses.create(model=MODEL, input=[
         {"role": "user", "content": "Weather in Rome?"},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
@@ -410,14 +420,15 @@ def test_the_model_is_retrieved_by_its_name(client, url):
 
 
 @pytest.mark.parametrize("reply, cut, types", [
-    (ANSWER, len(ANSWER) - 2, ["reasoning", "message"]),  # inside the answer
-    (ANSWER, 5, ["reasoning", "message"]),  # inside the reasoning (an empty answer follows it)
-    (CALL, len(CALL) - 3, ["reasoning", "function_call"]),  # inside the call's arguments
-])
+    (answer, -2, ["reasoning", "message"]),  # inside the answer
+    (answer, 5, ["reasoning", "message"]),  # inside the reasoning (an empty answer follows it)
+    (weather_call, -3, ["reasoning", "function_call"]),  # inside the call's arguments
+], ids=["answer", "reasoning", "call"])
 def test_the_item_that_max_output_tokens_cuts_is_incomplete(client, engine, reply, cut, types):
     """The response cut by max_output_tokens is "incomplete", and so is the item it cut, streamed and
     not; the items written whole before it are "completed"."""
-    engine.reply = reply
+    engine.reply = reply = reply()
+    cut = cut % len(reply)  # from the end where negative
     kw = dict(model=MODEL, input="Hi", max_output_tokens=cut, tools=[{"type": "function", **WEATHER["function"]}])
     whole = client.responses.create(**kw)
     events = list(client.responses.create(**kw, stream=True))
@@ -432,7 +443,7 @@ def test_the_item_that_max_output_tokens_cuts_is_incomplete(client, engine, repl
     assert [item.type for item in whole.output] == types
     assert {e.item.status for e in events if e.type == "response.output_item.done" and e.item.type == cut_type} \
         == {"incomplete"}
-    engine.reply = ANSWER
+    engine.reply = answer()
     assert client.responses.create(model=MODEL, input="Hi").output[-1].status == "completed"
 
 
@@ -441,9 +452,9 @@ def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
     the log-probability -(i + 1) / 8): chat and Responses give the answer's tokens only (not the
     reasoning's, nor a tool call's), completions every token, the stop token included."""
     tokenizer = tk.load_tokenizer(VOCAB)
-    final = ANSWER.index(tk.load_tokenizer(VOCAB).encode("<|message|>", allowed_special="all")[0], 6) + 1
-    want = [-(i + 1) / 8 for i in range(final, len(ANSWER) - 1)]  # "Hello there!", not <|return|>
-    words = [tokenizer.decode([t]) for t in ANSWER[final:-1]]
+    final = answer().index(tk.load_tokenizer(VOCAB).encode("<|message|>", allowed_special="all")[0], 6) + 1
+    want = [-(i + 1) / 8 for i in range(final, len(answer()) - 1)]  # "Hello there!", not <|return|>
+    words = [tokenizer.decode([t]) for t in answer()[final:-1]]
     assert "".join(words) == "Hello there!"
 
     r = chat(client, logprobs=True, top_logprobs=2).choices[0].logprobs.content
@@ -465,10 +476,10 @@ def test_logprobs_cover_the_answers_tokens_in_every_api(client, engine):
     assert [e.logprob for e in done.content[0].logprobs] == want
 
     lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=50, logprobs=0).choices[0].logprobs
-    assert lp.token_logprobs == [-(i + 1) / 8 for i in range(len(ANSWER))] and lp.top_logprobs[0] == {}
+    assert lp.token_logprobs == [-(i + 1) / 8 for i in range(len(answer()))] and lp.top_logprobs[0] == {}
     assert lp.tokens[-1] == "<|return|>" and lp.text_offset[-1] == len("".join(lp.tokens[:-1]))  # empty text
 
-    engine.reply = CALL
+    engine.reply = weather_call()
     r = chat(client, logprobs=True, tools=[WEATHER]).choices[0]
     assert r.finish_reason == "tool_calls" and r.logprobs.content == []
 
@@ -540,24 +551,23 @@ def test_the_store_keeps_the_latest_responses_for_their_time(monkeypatch):
 def test_a_background_response_is_polled_and_cancelled(client, engine):
     """background: true answers at once (queued, no output); GET shows it until it ends, then the
     whole response; cancel ends one still running (stored as cancelled, with what it had made)."""
-    import time
-
     r = client.responses.create(model=MODEL, input="Hi", background=True)
     assert (r.status, r.output, r.background) == ("queued", [], True)
-    deadline = time.monotonic() + 30
-    while (got := client.responses.retrieve(r.id)).status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    def ended():
+        got = client.responses.retrieve(r.id)
+        return got if got.status not in ("queued", "in_progress") else None
+
+    got = until(ended, "the background response ended", 30, every=0.02)
     assert got.status == "completed" and got.output_text == "Hello there!"
     assert client.responses.cancel(r.id).status == "completed"  # ended already: as it is
-    engine.reply, engine.delay = ANSWER * 50, 0.02
+    engine.reply, engine.delay = answer() * 50, 0.02
     try:
         r = client.responses.create(model=MODEL, input="Hi", background=True)
-        time.sleep(0.2)
+        until(lambda: engine.running and engine.running[-1].output_ids, "the background response made a token")
         cancelled = client.responses.cancel(r.id)
         assert cancelled.status == "cancelled"
         assert client.responses.retrieve(r.id).status == "cancelled"
-        assert 0 < cancelled.usage.output_tokens < len(ANSWER) * 50
+        assert 0 < cancelled.usage.output_tokens < len(answer()) * 50
     finally:
         engine.delay = 0.0
     with pytest.raises(openai.NotFoundError):

@@ -147,7 +147,7 @@ class Watched:
         freeze_start_up_heap()  # as gptoss-serve does once ready (a full collection would pause every thread)
         self.polling = threading.Event()
         self.latencies: list[float] = []
-        self.poller = threading.Thread(target=lambda: self.latencies.extend(health_latencies(base, self.polling)))
+        self.poller = threading.Thread(target=health_latencies, args=(base, self.polling, self.latencies))
         self.errors_before = self.engine.stats()["finished"].get("error", 0)
         self.beside = Beside(base)
         self.poller.start()
@@ -170,6 +170,7 @@ class Watched:
         assert max(self.latencies) < self.stall_bound, (self.stall_bound, sorted(self.latencies)[-5:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", POSTS)
 def test_every_field_at_its_edges_harms_no_other_request(path, served, stall_bound):
     """Each declared integer field of the body at -2^63, -2^31 - 1, 2^31, the vocabulary, 2^63; each
@@ -187,6 +188,7 @@ def test_every_field_at_its_edges_harms_no_other_request(path, served, stall_bou
     assert watched.sent >= 5 * len(declared["integer"]) and "top_k" in declared["integer"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", POSTS)
 def test_no_value_in_any_field_harms_another_request_or_stalls_the_server(path, served, stall_bound):
     watched = Watched(served, stall_bound)

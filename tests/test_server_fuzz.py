@@ -205,6 +205,7 @@ def api_schema(app):
 fuzz = schemathesis.pytest.from_fixture("api_schema")
 
 
+@pytest.mark.slow
 @fuzz.parametrize()
 @settings(max_examples=50, **BOUNDED)
 def test_schema_cases(case, wire):

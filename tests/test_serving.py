@@ -21,7 +21,7 @@ import gptoss_jax as gj
 from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, QueueFull, Settings
-from conftest import VOCAB, needs_vocab
+from conftest import VOCAB, compile_events, needs_vocab
 
 MAX_LEN = 512
 GREEDY = Sampling(temperature=0.0)
@@ -74,6 +74,7 @@ def _arrive_at_random(engine, prompts, settings, seed):
     return requests
 
 
+@pytest.mark.slow
 def test_random_arrivals_give_each_request_its_tokens_alone(engine, traffic):
     """Greedy tokens equal `Generator`'s for the request alone, whatever shared its steps; slots are
     reused (24 requests, 8 slots), so a slot whose reset failed would feed the next request the
@@ -87,6 +88,7 @@ def test_random_arrivals_give_each_request_its_tokens_alone(engine, traffic):
     assert stats["slots_in_use"] == 0 and stats["waiting"] == 0
 
 
+@pytest.mark.slow
 def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(engine, traffic):
     settings, prompts, _ = traffic
     seeded = Settings(max_new_tokens=10, sampling=Sampling(temperature=0.8, top_p=0.95, top_k=50), seed=1234)
@@ -110,6 +112,7 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(engi
     assert other_seed.output_ids != alone.output_ids  # the seed matters: the check can fail
 
 
+@pytest.mark.slow
 def test_cancelling_half_frees_their_slots_and_leaves_the_others_unchanged(engine, traffic):
     settings, prompts, want = traffic
     longer = [Settings(max_new_tokens=s.max_new_tokens, sampling=GREEDY, stop_ids=s.stop_ids) for s in settings]
@@ -150,6 +153,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model):
     """Settings(logprobs=5): each token's log-probability and its 5 most likely alternatives', for a
     greedy request and a sampled one (temperature 0.7, top-k 20: the distribution after temperature,
@@ -188,6 +192,7 @@ def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model)
             assert (ids[:, 0] == out).all()
 
 
+@pytest.mark.slow
 def test_logit_bias_forces_or_forbids_tokens_and_leaves_the_others(engine, model):
     """Settings(logit_bias): +100 on a token makes it every token, greedy or sampled (its log-probability
     then about 0); -100 on the token greedy decoding picks first makes it never appear; a request
@@ -216,22 +221,16 @@ def test_logit_bias_forces_or_forbids_tokens_and_leaves_the_others(engine, model
         Settings(logit_bias=((1, 101.0),))
 
 
+@pytest.mark.slow
 def test_nothing_compiles_after_warm_up(engine, model):
     """200 requests of random lengths and sampling settings, a third with log-probabilities, some with a
     logit bias or penalties, half of them starting with one of three shared prefixes (found in the cache, or not yet), counted by JAX's own
     compile events."""
     config, _ = model
-    compiles, listening = [], [True]
-
-    def listen(event, duration, **_):  # it cannot be removed on every JAX version: it stops listening
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
     rng = np.random.default_rng(5)
     shared = [rng.integers(0, config.vocab_size, 100).tolist() for _ in range(3)]
     before = engine.stats()["cached_prompt_tokens"]
-    try:
+    with compile_events() as compiles:
         for _ in range(200):
             sampling = Sampling(temperature=float(rng.choice([0.0, 0.7, 1.0])), top_k=int(rng.choice([0, 20])),
                                 top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.05])))
@@ -243,13 +242,12 @@ def test_nothing_compiles_after_warm_up(engine, model):
                                            logit_bias=((int(rng.integers(0, config.vocab_size)), 5.0),) * (_ % 2),
                                            presence_penalty=0.5 * (_ % 5 == 0), frequency_penalty=-0.5 * (_ % 7 == 0)))
         engine.run_until_idle()
-    finally:
-        listening[0] = False
     assert compiles == []
     assert engine.stats()["finished"]["length"] >= 200
     assert engine.stats()["cached_prompt_tokens"] > before  # prefixes were found
 
 
+@pytest.mark.slow
 def test_requests_stream_from_other_threads_and_stop_cancels(model, traffic):
     """The engine on its own thread: each client thread reads its tokens as they come."""
     config, params = model
@@ -273,6 +271,7 @@ def test_requests_stream_from_other_threads_and_stop_cancels(model, traffic):
     assert hanging.finished and hanging.finish_reason in ("cancelled", "length")
 
 
+@pytest.mark.slow
 def test_on_a_mesh_the_engine_gives_one_device_tokens(model, traffic):
     """Sequences split over `data`, experts over `expert`, heads over `tensor` (8 CPU devices): the greedy
     tokens equal one device's, with requests arriving at random (float32: no reduction-order
@@ -292,6 +291,7 @@ def test_on_a_mesh_the_engine_gives_one_device_tokens(model, traffic):
     assert pool.sharding.spec[:3] == (None, None, "tensor")
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_stop_strings_end_a_request_where_its_text_first_holds_one(model):
     """Stop strings across token boundaries: the request ends at the first token whose text completes
@@ -390,6 +390,7 @@ def test_a_tokens_count_stops_at_32767_and_special_tokens_are_not_counted():
     assert int(counts[1, 7]) == 1
 
 
+@pytest.mark.slow
 def test_a_row_whose_settings_raise_in_the_step_fails_alone(engine, traffic, caplog):
     """A request whose settings cannot become its row's (a top-k past int32, set after the checks at
     submit, as a bug would) ends with an error at admission; the requests beside it, admitted in the
@@ -411,6 +412,7 @@ def test_a_row_whose_settings_raise_in_the_step_fails_alone(engine, traffic, cap
     assert engine.stats()["slots_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_a_grammar_that_fails_as_it_goes_ends_its_request_alone_as_its_own_error(model, traffic):
     """llguidance finds a `$ref` loop only when it first computes what may follow: that request ends
     as the client's error (`invalid`), the greedy requests beside it get their exact tokens."""

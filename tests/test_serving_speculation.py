@@ -9,13 +9,13 @@ The model is the tiny config in float32 (a 16-token window), replies run past th
 
 from __future__ import annotations
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import compile_events
 from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling, filtered, rows_mode
 from gptoss_jax.serving import Engine, Settings
@@ -57,22 +57,6 @@ def on_host(draft):
     return lambda context, k: draft(context, k)
 
 
-@contextlib.contextmanager
-def compile_events():
-    """The durations of JAX's compilations while the block runs."""
-    compiles, listening = [], [True]
-
-    def listen(event, duration, **_):
-        if listening[0] and event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiles
-    finally:
-        listening[0] = False
-
-
 def engine_with(model, draft, **kw):
     """The tests' engine; a draft source with `propose` drafts on the devices (speculate_steps 4), one
     without on the host."""
@@ -89,6 +73,7 @@ def run(engine, prompts, settings):
     return [r.output_ids for r in requests]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["devices", "host"])
 def test_nothing_compiles_after_warm_up(tiny_f32, where):
     """Greedy and sampled requests, some with log-probabilities or a logit bias (not speculated), one to
@@ -113,6 +98,7 @@ def test_nothing_compiles_after_warm_up(tiny_f32, where):
     assert engine.stats()["speculative_steps"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
 @pytest.mark.parametrize("wrong_every, k", [(0, 3), (0, 1), (2, 3), (3, 3), (1, 3)])
 def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, traffic, wrong_every, k, where):
@@ -134,6 +120,7 @@ def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, tra
         assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
 def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic, where):
     """Sequences over `data`, experts over `expert`, heads over `tensor` (8 CPU devices), drafts right
@@ -155,6 +142,7 @@ def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic, where)
     assert 0 < engine.stats()["accepted_draft_tokens"] < engine.stats()["draft_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
 def test_prompt_lookup_and_stops(tiny_f32, traffic, where):
     """Prompt lookup drafts from the repetitive prompt; a stop token ends a reply at it even where it
@@ -187,6 +175,7 @@ def test_rows_past_the_bound_decode_one_token_a_step(tiny_f32, traffic):
     assert engine.stats()["speculative_steps"] <= budgets[0] - budgets[1] + 1  # once the first has ended
 
 
+@pytest.mark.slow
 def test_sampled_rows_draw_from_sample_rows_distribution():
     """row_probabilities, by row, equal softmax(sampling.filtered) of each row's own settings (what
     `sample` draws from), and a greedy row's are 1 at its argmax."""
@@ -202,6 +191,7 @@ def test_sampled_rows_draw_from_sample_rows_distribution():
     np.testing.assert_array_equal(got[-1], jax.nn.one_hot(jnp.argmax(logits[-1]), 50))
 
 
+@pytest.mark.slow
 def test_each_rows_key_draws_the_targets_distribution():
     """accept_rows over 100,000 rows of distinct seeds, one target and certain drafts of two tokens on a
     vocabulary of 6: the first token and the second (where the first draft was accepted) follow the
@@ -265,6 +255,7 @@ class Steered:
         return (drafts.at[:, 1].set(self.right.vocab) if self.cut else drafts), n
 
 
+@pytest.mark.slow
 def test_on_the_devices_a_call_runs_several_steps_and_backs_off(tiny_f32, traffic):
     """Drafted on the devices, a call runs up to speculate_steps checked steps (so the engine steps are
     fewer than the checked ones); a sequence whose drafts are all rejected drafts after 1, 2, 4, 8, then
@@ -317,6 +308,7 @@ def test_on_the_devices_a_call_runs_only_where_a_sequence_is_due():
     assert speculation.ahead(seq) == 4
 
 
+@pytest.mark.slow
 def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read(tiny_f32, traffic, monkeypatch):
     """Drafted on the devices, a call of checked steps is queued without waiting for the decode step
     before it (the call takes that step's token from the devices): the host reads that step's tokens
@@ -359,6 +351,7 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
         assert engine.stats()["pages_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     """A sequence's drafting steps after misses: 2, 4, 8, then MOST_WAIT steps apart, each wait ending
     on a multiple of its length (sequences waiting as long come due together); an accepted token makes
@@ -381,6 +374,7 @@ def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     assert speculation.ahead(seq) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
 def test_sampled_speculation(tiny_f32, traffic, where):
     """top-k 1 sampling accepts what greedy does and gives its tokens; a seeded sampled request repeats

@@ -61,6 +61,7 @@ def single(checkpoint):
             "exact": exact_logits(config, params, tokens), "greedy": [r.output_ids for r in results]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", MESHES, ids=_mesh_id)
 def test_sharded_matches_one_device(checkpoint, single, sizes):
     config = single["config"]
@@ -100,6 +101,7 @@ def test_sharded_matches_one_device(checkpoint, single, sizes):
     assert [r.output_ids for r in results] == single["greedy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", [dict(expert=8), dict(expert=4, tensor=2)], ids=_mesh_id)
 def test_no_weight_is_gathered_in_a_step(single, sizes):
     """The compiled prefill and decode steps move activations only: their largest collective is no
@@ -138,6 +140,7 @@ def test_bad_meshes_are_refused_with_the_reason(single, sizes, message):
         gj.make_mesh(**sizes)
 
 
+@pytest.mark.slow
 def test_bad_mesh_flags_fail_before_loading(checkpoint, tmp_path):
     """One error line, exit 2, nothing read: the checkpoint has no weights at all, only its JSON, so
     reaching the loader would fail differently."""
@@ -157,6 +160,7 @@ def test_bad_mesh_flags_fail_before_loading(checkpoint, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: --mesh") and message in lines[0], run.stderr
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_split_over_data_is_said(checkpoint, capfd):
     from gptoss_jax.cli.generate import main
 
@@ -209,6 +213,7 @@ def wide_checkpoint(tmp_path_factory, tiny):
     return root / "ckpt"
 
 
+@pytest.mark.slow
 def test_two_processes_generate_as_one_and_read_only_their_slices(wide_checkpoint, tmp_path):
     argv = ["--checkpoint", str(wide_checkpoint), "--prompt-ids", ",".join(str(i) for i in range(3, 153)),
             "--temperature", "0", "--dtype", "float32", "--json", "--max-new-tokens", "12", "--quiet"]
@@ -253,6 +258,7 @@ def _expert_share(checkpoint) -> float:
     return experts / sum(sizes.values())
 
 
+@pytest.mark.slow
 def test_extend_on_a_mesh_matches_one_device(single):
     """The library's own cached path: a sharded cache from init_cache(mesh=...), a 150-token prompt
     (past the window), then three one-token steps, each step's logits against one device's."""
@@ -278,6 +284,7 @@ def test_extend_on_a_mesh_matches_one_device(single):
         want.check(sharded, f"mesh, step {t}")
 
 
+@pytest.mark.slow
 def test_random_weights_are_drawn_in_place(tiny):
     from gptoss_jax.testing import random_params_on_device
 
@@ -290,6 +297,7 @@ def test_random_weights_are_drawn_in_place(tiny):
     assert {s.data.shape for s in mlp1.addressable_shards} == {(2, 96, 64)}  # 8 experts / 4, 192 units / 2
 
 
+@pytest.mark.slow
 def test_pallas_kernels_run_per_device_on_a_mesh(checkpoint, single):
     # The Triton decode kernels (in interpret mode here) see each device's sequences and KV heads
     # (attention, under shard_map) and experts (the MoE), and give the one-device tokens.
@@ -302,6 +310,7 @@ def test_pallas_kernels_run_per_device_on_a_mesh(checkpoint, single):
     assert [r.output_ids for r in results] == single["greedy"]
 
 
+@pytest.mark.slow
 def test_a_vocabulary_that_tensor_does_not_divide_is_replicated(tiny):
     """A fine-tuned model's 283-id vocabulary on expert=4,tensor=2: accepted, embedding and unembedding
     kept whole on every device (said in the devices line), greedy tokens those of one device."""

@@ -54,6 +54,7 @@ def oracle(prompts, replies, wrong_every: int = 0, vocab: int = 1024):
     return draft
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4, 15])
 def test_a_draft_always_right_is_all_accepted_and_changes_no_token(gen, prompts, plain, k):
     results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=oracle(prompts, plain), draft_tokens=k)
@@ -72,6 +73,7 @@ def test_a_draft_always_wrong_is_never_accepted_and_changes_no_token(gen, prompt
     assert all(r.timings["accepted_tokens"] == 0 < r.timings["drafted_tokens"] for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_every", [2, 3, 5])
 def test_drafts_partly_right_change_no_token(gen, prompts, plain, wrong_every):
     results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY,
@@ -81,6 +83,7 @@ def test_drafts_partly_right_change_no_token(gen, prompts, plain, wrong_every):
         assert 0 < r.timings["accepted_tokens"] < r.timings["drafted_tokens"]
 
 
+@pytest.mark.slow
 def test_prompt_lookup_changes_no_token_and_stop_tokens_still_stop(gen, prompts, plain):
     results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=PromptLookup(), draft_tokens=4)
     assert [r.output_ids for r in results] == plain
@@ -135,6 +138,7 @@ def replies(prompts, plain, wrong_every=0):
     return Replies(tuple(tuple(p + r) for p, r in zip(prompts, plain)), tuple(map(len, prompts)), wrong_every)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4])
 def test_drafts_made_on_the_devices_are_all_accepted_and_stop_tokens_stop(gen, prompts, plain, k):
     draft = replies(prompts, plain)
@@ -161,6 +165,7 @@ class OutOfVocabulary(Replies):
         return jnp.where(at % 3 == 0, jnp.where(at % 2 == 0, -1, self.vocab), drafts), counts
 
 
+@pytest.mark.slow
 def test_drafts_made_on_the_devices_are_cut_at_an_id_outside_the_vocabulary(gen, prompts, plain):
     draft = OutOfVocabulary(replies(prompts, plain).full, tuple(map(len, prompts)))
     results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=draft, draft_tokens=4)
@@ -169,6 +174,7 @@ def test_drafts_made_on_the_devices_are_cut_at_an_id_outside_the_vocabulary(gen,
         assert 0 < r.timings["accepted_tokens"] == r.timings["drafted_tokens"] < NEW - 1 - -(-(NEW - 1) // 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0, top_k=1), Sampling(temperature=1.0)],
                          ids=["greedy", "sampled-top-k-1", "sampled"])
 def test_the_loop_on_the_devices_gives_what_the_host_loop_gives(gen, prompts, plain, sampling):
@@ -233,6 +239,7 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
         PromptLookup(max_n=1, min_n=2)
 
 
+@pytest.mark.slow
 def test_a_checked_step_keeps_nothing_of_the_rejected_drafts(gen):
     """The cache after a step that accepts 2 of 5 drafted tokens is, bit for bit, the cache of
     writing the last token and those 2 alone in a step of the same shape: the full layers' rejected
@@ -262,6 +269,7 @@ def test_a_checked_step_keeps_nothing_of_the_rejected_drafts(gen):
                                               err_msg=f"{name}.{x}")
 
 
+@pytest.mark.slow
 def test_sampled_speculation_is_seeded_and_with_top_k_1_is_greedy(gen, prompts, plain):
     """Sampling through the speculative rule: with top-k 1 the target is the argmax, so the tokens are
     the greedy ones whatever the draft; otherwise a seed gives the same tokens again, another seed others."""

@@ -269,6 +269,7 @@ def test_download_of_another_file_is_refused(tmp_path, monkeypatch):
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_demo_prints_text_on_a_fresh_machine_online(tmp_path, monkeypatch, capsys):
     import run_inference

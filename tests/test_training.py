@@ -35,6 +35,7 @@ def _tokens(rng, batch, length, config=CONFIG):
     return rng.integers(0, config.vocab_size, (batch, length)).astype(np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 7, 16])
 @pytest.mark.parametrize("with_sinks", [True, False])
 def test_blockwise_attention_backward_equals_autodiff_of_the_dense_definition(window, with_sinks):
@@ -72,6 +73,7 @@ def test_blockwise_attention_backward_equals_autodiff_of_the_dense_definition(wi
         exact.check(b, f"{name}, blockwise")
 
 
+@pytest.mark.slow
 def test_gradients_equal_transformers_for_every_parameter():
     """jax.grad of the loss against GptOssForCausalLM's, on the same weights (trained-like
     magnitudes), tokens and mask, 80 positions (5 sliding windows), attention blocks of 32.
@@ -98,6 +100,7 @@ def test_gradients_equal_transformers_for_every_parameter():
         assert any(part in path for path in exact), part
 
 
+@pytest.mark.slow
 def test_label_smoothing_is_torch_cross_entropy_with_label_smoothing():
     """The same logits into both: torch's loss in float64 exact, its float32 run the noise."""
     params = random_params(CONFIG, seed=1, dtype=jnp.float32)
@@ -115,6 +118,7 @@ def test_label_smoothing_is_torch_cross_entropy_with_label_smoothing():
     scalar(torch_loss(logits), torch_loss(logits.double())).check([ours])
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_and_logit_chunks_leave_the_gradient_unchanged():
     """Both against transformers' float64 gradient (the bound of noise.py)."""
     params = random_params(CONFIG, seed=2, dtype=jnp.float32)
@@ -131,6 +135,7 @@ def test_activation_checkpointing_and_logit_chunks_leave_the_gradient_unchanged(
         want.check(checkpointed[name], f"{name}, checkpointed in chunks")
 
 
+@pytest.mark.slow
 def test_no_selected_token_gives_zero_loss():
     params = random_params(CONFIG, seed=2, dtype=jnp.float32)
     tokens = jnp.asarray(_tokens(np.random.default_rng(3), 1, 8))
@@ -184,6 +189,7 @@ def _peft_run(params, adapters, lora, tokens, dtype):
     return float(out.loss.detach()), out.logits.detach().double().numpy(), grads
 
 
+@pytest.mark.slow
 def test_lora_logits_and_adapter_gradients_equal_peft():
     """peft in float64 exact, its float32 run the noise (noise.py)."""
     lora = LoraConfig(rank=4, alpha=8.0, targets=("attention",))
@@ -206,6 +212,7 @@ def test_lora_logits_and_adapter_gradients_equal_peft():
         Exact.measure(grads32[name], want).check(got, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("targets", [("attention", "router", "experts")])
 def test_merged_adapters_equal_base_plus_adapters(targets, tmp_path):
     """Adapters on every target, merged and written as a checkpoint, loaded back: the logits equal
@@ -227,6 +234,7 @@ def test_merged_adapters_equal_base_plus_adapters(targets, tmp_path):
     exact.check(gj.forward(CONFIG, merged, tokens), "merged")
 
 
+@pytest.mark.slow
 def test_expert_adapters_are_the_same_on_the_gather_and_grouped_paths():
     lora = LoraConfig(rank=2, alpha=2.0, targets=("experts", "router"))
     base, adapters = random_params(CONFIG, seed=5, dtype=jnp.float32), _random_adapters(lora, seed=3)
@@ -237,6 +245,7 @@ def test_expert_adapters_are_the_same_on_the_gather_and_grouped_paths():
     exact.check(gj.forward(CONFIG, params, tokens, kernels=gj.Kernels(moe="grouped", moe_block=8)), "grouped")
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_make_the_gradient_of_one_batch():
     """Two micro-batches of 2 sequences against one batch of 4: the same loss, token count and
     gradient (compared before AdamW, whose first update, about lr * sign(g), would magnify rounding
@@ -263,6 +272,7 @@ def test_accumulated_micro_batches_make_the_gradient_of_one_batch():
             want.check(by_path[path], f"{path}, {what}")
 
 
+@pytest.mark.slow
 def test_a_train_step_lowers_the_loss_on_its_batch():
     params = random_params(CONFIG, seed=6, dtype=jnp.float32)
     rng = np.random.default_rng(8)
@@ -315,6 +325,7 @@ def learning_run(steps=120, batch=8, length=128, lr=3e-3, log=None):
     return before, held_out(params)
 
 
+@pytest.mark.slow
 def test_the_tiny_model_learns_python_source_text():
     """Held-out bytes of the standard library: from uniform guessing (ln 1024 = 6.93 nats) to below
     3.5 nats a byte in 120 steps of 1,024 bytes (measured: 2.6)."""

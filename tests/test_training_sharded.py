@@ -90,6 +90,7 @@ def _grads(lora, mesh, tokens, mask):
     return run(trainable, frozen, placement.put_batch(tokens, mesh), placement.put_batch(mask, mesh))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes, lora", [(dict(data=2, expert=2, tensor=2), ALL_TARGETS),
                                          (dict(tensor=8), ALL_TARGETS),
                                          (dict(data=4, expert=2), None)],
@@ -113,6 +114,7 @@ def test_sharded_gradients_equal_one_device(sizes, lora):
             want.check(got[name], f"{name}, {where}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [None, ALL_TARGETS], ids=["full", "lora"])
 def test_a_sharded_adamw_step_keeps_its_state_split_and_equal_to_one_device(lora):
     mesh = sh.make_mesh(data=4, expert=2)
@@ -167,6 +169,7 @@ def test_a_sharded_adamw_step_keeps_its_state_split_and_equal_to_one_device(lora
                                                                     f"nu {key}, {where}")
 
 
+@pytest.mark.slow
 @needs_vocab
 def test_two_processes_fine_tune_as_one(tmp_path):
     """finetune.py on two processes of 4 CPU devices (--mesh data=2,expert=4, LoRA on attention and
@@ -176,7 +179,7 @@ def test_two_processes_fine_tune_as_one(tmp_path):
                                                      {"role": "assistant", "content": str(3 * a + 1)}]}) + "\n"
                             for a in range(10)))
     common = ["--data", str(data), "--steps", "3", "--lora-rank", "4", "--lora-targets", "attention,experts",
-              "--lr", "1e-2", "--json", "--quiet", "--compile-cache", "none"]
+              "--lr", "1e-2", "--json", "--quiet"]
     pairs = ["--batch-size", "2"]  # two sequences a step
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(VOCAB), PYTHONUNBUFFERED="1")

@@ -1,0 +1,72 @@
+"""The suite's own rules (docs/testing.md): no test waits by sleeping, every test file is in the fast
+tier or says why not, and collection never fails for want of the vocabulary."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+NOT_A_WAIT = "not a wait"
+
+
+def sleeps(source: str, path: str) -> list[tuple[int, str]]:
+    """(line, text) of every call of a `sleep` (time.sleep, asyncio.sleep, a bare sleep) that is neither
+    in conftest.until nor marked on its line with a comment saying `not a wait` and what it paces."""
+    tree = ast.parse(source, path)
+    lines = source.splitlines()
+    allowed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "until" and os.path.basename(path) == "conftest.py":
+            allowed.update(range(node.lineno, node.end_lineno + 1))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if name != "sleep" or node.lineno in allowed:
+            continue
+        line = lines[node.lineno - 1]
+        if NOT_A_WAIT not in line.partition("#")[2]:
+            out.append((node.lineno, line.strip()))
+    return out
+
+
+def test_no_test_waits_by_sleeping():
+    """A test that sleeps to let another thread or process reach a state races the clock: on a slower or
+    busier machine the state comes later. Waits go through conftest.until (poll a condition, a timeout
+    only against hanging); a sleep that paces something (a client trickling bytes, a stand-in engine's
+    work) says so on its line: `# not a wait: ...`."""
+    found = []
+    for name in sorted(os.listdir(TESTS)):
+        if name.endswith(".py"):
+            path = os.path.join(TESTS, name)
+            found += [f"tests/{name}:{line}: {text}" for line, text in sleeps(open(path).read(), path)]
+    assert not found, "sleeps that wait (use conftest.until, or mark pacing `# not a wait: why`):\n" + "\n".join(found)
+
+
+def test_a_planted_sleeping_wait_is_found():
+    planted = ("import time, asyncio\n"
+               "def f(x):\n"
+               "    time.sleep(0.2)\n"
+               "    time.sleep(0.1)  # not a wait: paces the client\n"
+               "    asyncio.sleep(1)  # waits for the server\n")
+    assert [line for line, _ in sleeps(planted, "tests/test_x.py")] == [3, 5]
+    until = "import time\ndef until(c):\n    time.sleep(0.01)\n"
+    assert sleeps(until, "tests/conftest.py") == [] and len(sleeps(until, "tests/test_x.py")) == 1
+
+
+@pytest.mark.slow  # imports every test file (JAX, torch, transformers) in a fresh interpreter: ~40 s
+def test_collection_without_the_vocabulary_skips_and_never_fails(tmp_path):
+    """With the o200k_base vocabulary missing, every test file is still collected: the tests that need
+    it are skipped with the reason, none is an error."""
+    env = dict(os.environ, GPTOSS_TEST_VOCAB=str(tmp_path / "o200k_base.tiktoken"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "not gpu", "-p", "no:xdist"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "error" not in done.stdout.splitlines()[-1], done.stdout[-3000:] + done.stderr
