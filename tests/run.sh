@@ -32,7 +32,7 @@ if [[ "${1:-}" == "--fast" ]]; then
   fast=(-m "not slow")
   shift
 fi
-missing() { "$PY" tests/missing.py "$1" | paste -sd, - | sed 's/,/, /g'; }  # PY=... missing WHAT: another Python
+missing() { "$PY" tests/missing.py "$1" | awk 'NR > 1 { printf "; " } { printf "%s", $0 }'; }  # PY=... missing WHAT: another Python
 
 lacking=$(missing torch)
 if [[ -z "$lacking" ]]; then

@@ -77,6 +77,7 @@ def test_cache_attention_reads_a_paged_cache_through_its_table(page):
         exact_o.check(o[1:], f"o, pages of {page}, blocks of {block_k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 3])
 def test_cache_attention_over_a_sliding_window_of_pages(T):
     """A sliding layer's decode through the pages of its window (the table's columns from the page
@@ -149,6 +150,7 @@ def _decode_step(config, layer, params, x, cache, lengths, kernels, dtype):
     return np.asarray(out, np.float64)
 
 
+@pytest.mark.slow
 def test_the_kernels_switch_runs_it_for_decode():
     """Kernels(attention="mosaic") in a full-attention layer's cached decode step: the output of the
     jnp path within the noise of a bfloat16 run (measured against the same layer in float32)."""
@@ -180,6 +182,7 @@ def test_the_kernels_switch_runs_it_for_decode():
     exact.check(run(gj.Kernels(), jnp.bfloat16), "jnp, paged")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [8, 64])
 def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monkeypatch):
     """Kernels(attention="mosaic") in a sliding layer's decode step over the paged cache (the serving

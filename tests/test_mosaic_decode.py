@@ -82,6 +82,7 @@ def test_pair_matvec_of_mxfp4_experts(settings):
         Exact.measure(low[:, cols], exact[:, cols], precision="bfloat16").check(got[:, cols], str(cols))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["mosaic_decode", "mosaic_pair", "mosaic_slots"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 3, 9])

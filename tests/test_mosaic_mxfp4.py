@@ -99,6 +99,7 @@ def test_grouped_kernel_epilogue_errors():
         mosaic_mxfp4.grouped_matmul_mxfp4(rows, be, 1, blocks[:, :255], scales[:, :255], swiglu=SwiGLU(1.0, 7.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden, shape, reference", [(128, (1, 40), "grouped"), (256, (3, 1), "gather")])
 def test_the_kernels_switch_runs_it(hidden, shape, reference):
     """Kernels(moe="mosaic_grouped") is the MoE block's path, for a prompt of 40 tokens (160 pairs)
