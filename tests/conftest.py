@@ -21,8 +21,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 # cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
 # first process of a run makes it and removes it at its exit; pytest-xdist's workers and the commands
 # the tests start inherit it, and the tests themselves compile through it too: a step one test or
-# command compiled is read back by the next instead of compiled again (which is most of the suite's
-# time on a CPU; conftest.compile_events counts both).
+# command compiled is read back by the next instead of compiled again (few repeat across tests, so it
+# saves little of the suite's time; conftest.compile_events counts cache reads as compilations).
 if "GPTOSS_TEST_RUN_DIR" not in os.environ:
     os.environ["GPTOSS_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="gptoss-tests-")
     atexit.register(shutil.rmtree, os.environ["GPTOSS_TEST_RUN_DIR"], ignore_errors=True)
@@ -161,7 +161,7 @@ def compile_events():
 def until(condition, what: str, timeout: float = 60, every: float = 0.01):
     """Polls `condition()` until it returns something true, and returns that; fails naming `what` if
     `timeout` seconds pass first. The one way the tests wait for another thread or process to reach a
-    state (tests/test_architecture.py holds that no other sleep waits): the timeout only ends a test
+    state (tests/test_suite.py holds that no other sleep waits): the timeout only ends a test
     that would hang, so it is generous, never a bound on how fast anything must be."""
     deadline = time.monotonic() + timeout
     while not (got := condition()):

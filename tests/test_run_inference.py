@@ -339,7 +339,11 @@ def test_a_signal_during_compilation_or_generation_is_one_line(signum, moment):
     wait_for_signal_handlers(process)
     said = {"start": lambda: True, "loaded": lambda: "model: " in "".join(err),
             "compiling": lambda: "devices: " in "".join(err), "generating": lambda: "".join(out).strip()}[moment]
-    until(lambda: process.poll() is None and said(), f"the command reached {moment!r}")
+    def reached():
+        assert process.poll() is None, f"the command ended before {moment!r}: {''.join(err)[-2000:]}"
+        return said()
+
+    until(reached, f"the command reached {moment!r}")
     process.send_signal(signum)
     process.wait(120)
     for reader in readers:
