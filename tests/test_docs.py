@@ -40,9 +40,8 @@ LANGUAGES = ("python", "bash", "text")
 MARKER = re.compile(r"<!-- not run: (.*) -->")
 MAX_NOT_RUN = 12  # blocks that need real weights or hardware; the demo model should show the rest
 PORT = 8000  # the documentation's address, as written
-# One pytest-xdist worker runs this file (pytest's --dist loadgroup, pyproject.toml): the server its
-# client snippets talk to listens on that one port.
-pytestmark = pytest.mark.xdist_group("docs: 127.0.0.1:8000")
+# One pytest-xdist worker runs this whole file (--dist loadfile, pyproject.toml): the server its client
+# snippets talk to listens on that one port.
 SNIPPET_TIMEOUT_S = 300  # a block, or a line of a bash block (the demo compiles in under a minute)
 SERVER_READY_S = 300
 SETUP = re.compile(r'(pip install -e (?:\.|"\.\[([a-z,]+)\]")|bash tests/run\.sh)\s*(?:&&\s*|#.*)?')
