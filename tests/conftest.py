@@ -29,13 +29,6 @@ if "GPTOSS_TEST_RUN_DIR" not in os.environ:
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache")
 jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "gptoss-jax", "xla"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-# Most of the suite's time is XLA compiling the tiny models' steps, which then run for milliseconds. On
-# the CPU, XLA's backend compiles at its lowest optimisation level (the same programs and operations,
-# less work for LLVM: a fifth off the suite's compile time); the commands the tests start inherit it.
-# A test whose time is in running, not compiling, asks for `optimized_code`. GPU runs keep XLA's default.
-if jax.default_backend() == "cpu":
-    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1")
 
 sys.path.insert(0, os.path.dirname(__file__))  # for refs.py
 
@@ -74,23 +67,6 @@ LONGEST_FILES = ("test_server.py", "test_serving_speculation.py", "test_run_infe
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
-
-
-@pytest.fixture
-def optimized_code():
-    """XLA's usual optimisation for this test's compiles (a test whose time is in running its steps)."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
-def command_env(**extra) -> dict:
-    """The environment for a command of several processes that sets its own devices: this one's without
-    JAX's and XLA's device settings (the optimisation level above stays), plus `extra`."""
-    keep = {"JAX_DISABLE_MOST_OPTIMIZATIONS"}
-    env = {k: v for k, v in os.environ.items() if k in keep or not k.startswith(("XLA_", "JAX_"))}
-    return {**env, **extra}
 
 
 def rel_err(actual, reference) -> float:

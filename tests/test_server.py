@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
-from conftest import VOCAB, command_env, needs_vocab, until
+from conftest import VOCAB, needs_vocab, until
 from server_util import serving_engine
 
 import gptoss_jax as gj
@@ -318,7 +318,7 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
     requests are preempted and resumed on both processes alike (counted: more than none)."""
     from conftest import free_port
 
-    env = command_env()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
     common = [sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "4", "--max-context", str(MAX_LEN),
               "--mesh", "data=2,tensor=2", "--coordinator", f"127.0.0.1:{free_port()}",

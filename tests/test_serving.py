@@ -54,8 +54,8 @@ def traffic(model):
     generator = Generator(config, params, max_len=MAX_LEN)
     alone = [generator.generate([p], max_new_tokens=m, sampling=GREEDY)[0].output_ids for p, m in zip(prompts, budgets)]
     stops = [(out[len(out) // 2],) if i % 5 == 0 and len(out) > 2 else () for i, out in enumerate(alone)]
-    want = [generator.generate([p], max_new_tokens=m, sampling=GREEDY, stop_tokens=s)[0].output_ids
-            for p, m, s in zip(prompts, budgets, stops)]
+    # Greedy: with a stop id, the same tokens up to its first one, which ends the reply.
+    want = [out[:out.index(s[0]) + 1] if s else out for out, s in zip(alone, stops)]
     return [Settings(max_new_tokens=m, sampling=GREEDY, stop_ids=s) for m, s in zip(budgets, stops)], prompts, want
 
 

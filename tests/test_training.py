@@ -326,7 +326,7 @@ def learning_run(steps=120, batch=8, length=128, lr=3e-3, log=None):
 
 
 @pytest.mark.slow
-def test_the_tiny_model_learns_python_source_text(optimized_code):
+def test_the_tiny_model_learns_python_source_text():
     """Held-out bytes of the standard library: from uniform guessing (ln 1024 = 6.93 nats) to below
     3.5 nats a byte in 120 steps of 1,024 bytes (measured: 2.6)."""
     before, after = learning_run()
