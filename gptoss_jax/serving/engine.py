@@ -218,14 +218,13 @@ class Engine:
         C = self.prefill_chunk
         outputs = []
         idle = self._picks.rows([None] * self.slots, self.scheduler.changes)[0]
-        for P in self.prefill_shapes:
-            for mode, wants in itertools.product(MODES, steps.WANTS):
-                outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P,
-                                                  [False] * P, [0] * P, mode, wants, [None] * P))
+        picks = list(itertools.product(MODES, ((False, False), (True, True))))  # alone; with adjust, log-probabilities
+        for P, (mode, wants) in itertools.product(self.prefill_shapes, picks):
+            outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P, [False] * P,
+                                              [0] * P, mode, wants, [None] * P))
         for B in self.decode_sizes:
             decoded = self._decode_call([None] * B, [0] * B)
-            for mode, wants in itertools.product(MODES, steps.WANTS):
-                outputs.append(self._pick(decoded, (idle, mode, wants), [None] * B))
+            outputs += [self._pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
         checked = [] if self.speculation is None else [self.speculation.warm_up(self)]
         self._picks.forget()
         self._picks.warm_up()
@@ -237,7 +236,7 @@ class Engine:
             np.asarray(x)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
-            f"token picks ({', '.join(MODES)}; with and without log-probabilities, adjusted logits) "
+            f"token picks ({', '.join(MODES)}), adjusted logits, log-probabilities "
             f"[{', '.join(map(str, self.prefill_shapes + self.decode_sizes))}]", *checked,
             f"KV cache {self.scheduler.pages.count} pages of {self.page_size} ({self.pool_tokens} positions), "
             f"tables [2, {self.slots}, {self.width}]"]

@@ -81,19 +81,24 @@ class Picks:
     def first(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], finishing: list):
         """steps.pick_first for a prefill (finishing: the request of each row whose prompt ends, else
         None) -> (first tokens [P], last [R], log-probabilities or None)."""
-        return self._pick(steps.pick_first, 2, logits, last, plan, settings, mode, wants, finishing)
+        return self._pick(steps.pick_first, steps.count_first, steps.logprobs_first, logits, last, plan, settings,
+                          mode, wants, finishing)
 
     def next(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], picked: list):
         """steps.pick_next for a decode (picked: each row's request, None for padding) -> (last [R],
         log-probabilities by row or None)."""
-        return self._pick(steps.pick_next, 1, logits, last, plan, settings, mode, wants, picked)
+        return self._pick(steps.pick_next, steps.count_next, steps.logprobs_next, logits, last, plan, settings,
+                          mode, wants, picked)
 
-    def _pick(self, pick, n: int, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], requests):
-        """pick's first n outputs, then its log-probabilities or None (the counts kept when adjusted)."""
+    def _pick(self, pick, count, logprobs_of, logits, last, plan, settings, mode: str, wants: tuple[bool, bool],
+              requests):
+        """The pick's outputs (a tuple), then the picked tokens' log-probabilities or None: with adjusted
+        logits, the logits adjusted first and the tokens counted after (the counts kept)."""
         logprobs, adjusted = wants
-        out = pick(self.mesh, mode, logits, last, plan, settings, self.counts if adjusted else None,
-                   self.mask(requests) if adjusted else None, logprobs=logprobs, adjusted=adjusted,
-                   counted=self.counted)
         if adjusted:
-            self.counts = out[n]
-        return (*out[:n], out[-1] if logprobs else None)
+            logits = steps.adjust_rows(logits, plan, settings, self.counts, self.mask(requests))
+        out = pick(self.mesh, mode, logits, last, plan, settings)
+        out = out if isinstance(out, tuple) else (out,)
+        if adjusted:
+            self.counts = count(self.mesh, self.counts, plan, out[0], counted=self.counted)
+        return (*out, logprobs_of(self.mesh, logits, plan, settings, out[0]) if logprobs else None)

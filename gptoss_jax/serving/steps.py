@@ -10,13 +10,15 @@ steps without reading their tokens first.
   real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
   logits at each row's last real token; the pool is donated and written in place.
 - `pick_first`: the first tokens of the rows whose chunk ended their prompt (`finishing`), each by its
-  row's settings at its own sampling step, written into those rows' latest tokens; `adjusted`: the
-  logits adjusted first (`adjust`); with `logprobs`, also their log-probabilities and the top
-  alternatives' (sampling.token_logprobs).
+  row's settings at its own sampling step, written into those rows' latest tokens.
 - `decode_rows`: one step of B rows (a bucket of the running ones; sampling step -1: padding, whose
   cache is neither read for a result nor written) from the rows' latest tokens -> logits [B, V].
 - `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
-  rows' replaced; `adjusted` and `logprobs` as for the first tokens, by row [R].
+  rows' replaced.
+- What some requests add around a pick, each a step of its own run only where a row asks for it:
+  `adjust_rows` before it (the logits `adjust`ed), `count_first` / `count_next` after it (the picked
+  tokens counted for the penalties), `logprobs_first` / `logprobs_next` after it (the picked tokens'
+  log-probabilities and the top alternatives', sampling.token_logprobs, of the logits picked from).
 - `adjust`: what a request adds to its logits before sampling, in this order: its logit bias, its
   presence and frequency penalties (from the counts of each row's generated tokens below `counted`:
   harmony's special tokens, which frame the reply's messages, are not counted; kept on the devices
@@ -29,10 +31,12 @@ small copy a step: for a prefill [5, P] (rows, counts, starts, finishing, sampli
 decode [3, B] (rows, lengths, sampling steps). The sampling settings are held per row [R] on the
 devices, sent again only when a row changes hands, and gathered by the picks.
 
-The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`), and
-whether any row wants log-probabilities or adjusted logits (`wants`), are chosen on the host for
-the rows at hand, without compiling the model step twelve times or branching on the device. Shapes depend only on (R, W, pool,
-P, C, B), so nothing compiles with the traffic.
+The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`) is
+chosen on the host for the rows at hand, without compiling the model step three times or branching
+on the device; what some requests add (`wants`: log-probabilities, adjusted logits) are steps apart
+again, so that a bucket compiles three picks and three of those, not one pick for each combination,
+and a step whose rows ask for neither runs the pick alone. Shapes depend only on (R, W, pool, P, C,
+B), so nothing compiles with the traffic.
 
 Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
 decoded together, V = vocab, U = table entries set together, K = logit bias entries (300).
@@ -88,9 +92,6 @@ def set_row(arrays: tuple[np.ndarray, ...], i: int, settings) -> None:
         bias_ids[i, j], bias[i, j] = token, value
 
 
-# What the picks do beyond sampling, static (each compiled apart, so that the steps that need
-# neither pay for neither): (log-probabilities, adjusted logits: bias, penalties, grammar).
-WANTS = ((False, False), (False, True), (True, False), (True, True))
 COUNT_MOST = np.iinfo(np.int16).max  # a token's count saturates here (a penalty of 32,767 times)
 
 
@@ -104,7 +105,8 @@ def adjusted(settings) -> bool:
 
 
 def wants(settings) -> tuple[bool, bool]:
-    """(whether any of these requests' Settings asks for log-probabilities, any for adjusted logits)."""
+    """(whether any of these requests' Settings asks for log-probabilities, any for adjusted logits):
+    which steps beside the pick its rows need."""
     return any(s.logprobs is not None for s in settings), any(adjusted(s) for s in settings)
 
 
@@ -163,28 +165,39 @@ def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     return everywhere(logits, mesh), {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted", "counted"),
-                   donate_argnames=("counts",))
-def pick_first(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False,
-               counted=0):
+@jax.jit
+def adjust_rows(logits, plan, settings, counts, mask):
+    """logits [N, V] of the rows plan[0] [N] -> float32 [N, V] as `adjust` leaves them, by each row's
+    settings (sampling_arrays, on the devices), counts [R, V] and masks [N, words]."""
+    bias_ids, bias, presence, frequency = settings[5:]
+    return adjust(logits, plan[0], bias_ids, bias, presence, frequency, counts, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
+def pick_first(mesh, mode, logits, last, plan, settings):
     """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row
-    (sampling_arrays, on the devices), with `adjusted` the counts [R, V] and masks [P, words] ->
-    (first tokens [P] int32, meaningful where finishing; last [R] with the finishing rows set to them;
-    with adjusted, the counts; with logprobs, (the tokens' log-probabilities [P], top ids [P, k], top
-    log-probabilities [P, k]))."""
+    (sampling_arrays, on the devices) -> (first tokens [P] int32, meaningful where finishing; last [R]
+    with the finishing rows set to them)."""
     rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
-    seeds, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency = settings
-    if adjusted:
-        logits = adjust(logits, rows, bias_ids, bias, presence, frequency, counts, mask)
-    picks = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
+    picks = [jnp.take(x, rows, mode="clip") for x in settings[:5]]
     first = sample_rows(logits, picks[0], steps, *picks[1:], mode=mode)
     at = jnp.where(finishing, rows, last.shape[0])  # rows not finishing: dropped
-    out = (everywhere(first, mesh), everywhere(last.at[at].set(first, mode="drop"), mesh))
-    if adjusted:
-        out += (everywhere(_count(counts, at, first, counted), mesh),)
-    if logprobs:
-        out += (tuple(everywhere(x, mesh) for x in token_logprobs(logits, picks[1], first)),)
-    return out
+    return everywhere(first, mesh), everywhere(last.at[at].set(first, mode="drop"), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "counted"), donate_argnames=("counts",))
+def count_first(mesh, counts, plan, first, counted: int):
+    """counts [R, V] with each finishing row's first token [P] (plan as pick_first's) counted."""
+    at = jnp.where(plan[3] > 0, plan[0], counts.shape[0])
+    return everywhere(_count(counts, at, first, counted), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def logprobs_first(mesh, logits, plan, settings, first):
+    """logits [P, V] the first tokens [P] were drawn from (plan as pick_first's) -> their
+    log-probabilities [P], top ids [P, k], top log-probabilities [P, k] (sampling.token_logprobs)."""
+    temperature = jnp.take(settings[1], plan[0], mode="clip")
+    return tuple(everywhere(x, mesh) for x in token_logprobs(logits, temperature, first))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
@@ -199,27 +212,35 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     return logits[:, 0], {"pages": view["pages"]}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode", "logprobs", "adjusted", "counted"),
-                   donate_argnames=("counts",))
-def pick_next(mesh, mode, logits, last, plan, settings, counts=None, mask=None, logprobs=False, adjusted=False,
-              counted=0):
-    """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row, with
-    `adjusted` the counts [R, V] and masks [B, words] -> (last [R]; with adjusted, the counts; with
-    logprobs, (log-probabilities [R], top ids [R, k], top log-probabilities [R, k]): this step's rows
-    set, the others zero)."""
+@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
+def pick_next(mesh, mode, logits, last, plan, settings):
+    """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row ->
+    last [R], the active rows' set to their next tokens."""
     rows, steps = plan[0], plan[2]
-    seeds, temperature, top_k, top_p, min_p, bias_ids, bias, presence, frequency = settings
-    if adjusted:
-        logits = adjust(logits, rows, bias_ids, bias, presence, frequency, counts, mask)
-    picks = [jnp.take(x, rows, mode="clip") for x in (seeds, temperature, top_k, top_p, min_p)]
+    picks = [jnp.take(x, rows, mode="clip") for x in settings[:5]]
     next_tokens = sample_rows(logits, picks[0], jnp.maximum(steps, 0), *picks[1:], mode=mode)
     at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
-    out = (everywhere(last.at[at].set(next_tokens, mode="drop"), mesh),)
-    if adjusted:
-        out += (everywhere(_count(counts, at, next_tokens, counted), mesh),)
-    if logprobs:
-        R = last.shape[0]
-        by_row = tuple(jnp.zeros((R,) + x.shape[1:], x.dtype).at[at].set(x, mode="drop")
-                       for x in token_logprobs(logits, picks[1], next_tokens))
-        out += (tuple(everywhere(x, mesh) for x in by_row),)
-    return out
+    return everywhere(last.at[at].set(next_tokens, mode="drop"), mesh)
+
+
+def _picked(plan, last):
+    """(each active row of a decode plan [3, B], or R for padding: dropped) and its token in last [R]."""
+    rows = plan[0]
+    return jnp.where(plan[2] >= 0, rows, last.shape[0]), jnp.take(last, rows, mode="clip")
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "counted"), donate_argnames=("counts",))
+def count_next(mesh, counts, plan, last, counted: int):
+    """counts [R, V] with each active row's token (last [R], as pick_next left it) counted."""
+    return everywhere(_count(counts, *_picked(plan, last), counted), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def logprobs_next(mesh, logits, plan, settings, last):
+    """logits [B, V] the active rows' tokens (last [R], as pick_next left it) were drawn from ->
+    log-probabilities [R], top ids [R, k], top log-probabilities [R, k] by row: this step's rows set,
+    the others zero."""
+    at, tokens = _picked(plan, last)
+    temperature = jnp.take(settings[1], plan[0], mode="clip")
+    return tuple(everywhere(jnp.zeros((last.shape[0],) + x.shape[1:], x.dtype).at[at].set(x, mode="drop"), mesh)
+                 for x in token_logprobs(logits, temperature, tokens))
