@@ -78,7 +78,7 @@ def main() -> None:
                 last, counts, hidden_in = (state or (jnp.zeros(B, jnp.int32), jnp.zeros((B, V), jnp.int16), hidden))[:3]
                 hidden_out = model(hidden_in) if behind else hidden_in
                 x = steps.adjust_rows(logits, plan, settings, counts, mask) if adjusted else logits
-                last = steps.pick_next(None, mode, x, last, plan, settings)
+                (last,) = steps.pick_next(None, mode, x, last, plan, settings)
                 if adjusted:
                     counts = steps.count_next(None, counts, plan, last, counted=V)
                 out = steps.logprobs_next(None, x, plan, settings, last) if logprobs else ()

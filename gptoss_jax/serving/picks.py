@@ -97,8 +97,7 @@ class Picks:
         logprobs, adjusted = wants
         if adjusted:
             logits = steps.adjust_rows(logits, plan, settings, self.counts, self.mask(requests))
-        out = pick(self.mesh, mode, logits, last, plan, settings)
-        out = out if isinstance(out, tuple) else (out,)
+        out = pick(self.mesh, mode, logits, last, plan, settings)  # a tuple: its picked tokens first
         if adjusted:
             self.counts = count(self.mesh, self.counts, plan, out[0], counted=self.counted)
         return (*out, logprobs_of(self.mesh, logits, plan, settings, out[0]) if logprobs else None)

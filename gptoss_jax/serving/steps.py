@@ -215,12 +215,12 @@ def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
 @functools.partial(jax.jit, static_argnames=("mesh", "mode"))
 def pick_next(mesh, mode, logits, last, plan, settings):
     """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row ->
-    last [R], the active rows' set to their next tokens."""
+    (last [R],): the active rows' set to their next tokens."""
     rows, steps = plan[0], plan[2]
     picks = [jnp.take(x, rows, mode="clip") for x in settings[:5]]
     next_tokens = sample_rows(logits, picks[0], jnp.maximum(steps, 0), *picks[1:], mode=mode)
     at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
-    return everywhere(last.at[at].set(next_tokens, mode="drop"), mesh)
+    return (everywhere(last.at[at].set(next_tokens, mode="drop"), mesh),)
 
 
 def _picked(plan, last):
