@@ -366,9 +366,12 @@ class Generator:
         carry = (put(history), put(lengths), put(active), put(budget), cache, put(np.int32(1)))
         statics = (self.config, self.kernels, self.mesh, sampling, draft, k, self.decode_steps)
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
-        # An EAGLE-3 head's arrays and state (dicts: compiled once per head and batch size).
-        follows = () if head is None else (head[0], draft.start(*head[1:], put(history[np.arange(B), lengths - 1]),
-                                                                put(active), k))
+        # An EAGLE-3 head's arrays and state, or a source's arrays (dicts: compiled once per draft source
+        # and batch size, the source's shapes in its hash).
+        if head is not None:
+            follows = (head[0], draft.start(*head[1:], put(history[np.arange(B), lengths - 1]), put(active), k))
+        else:
+            follows = (self._replicated(draft.arrays()),) if callable(getattr(draft, "arrays", None)) else ()
 
         def queue_call(carry):
             history, lengths, active_dev, budget, cache, step, *state = carry
@@ -379,7 +382,7 @@ class Generator:
                 to_host_soon(x)
             return out, (history, lengths, active_dev, budget, cache, step) + (() if state is None else (state,))
 
-        if follows:
+        if follows[1:]:
             carry += (follows[1],)
 
         # Each step gives every going sequence a token at least: so many calls finish every reply.

@@ -140,7 +140,8 @@ def _check(config, kernels, mesh, sampling, params, tokens, valid, cache, seed, 
 def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, history, lengths, active, budget,
                     is_stop, cache, seed, step, draft_params=None, draft_state=None):
     """`steps` checked steps in one call, each drafted on the devices by `draft.propose` (a draft
-    source that has it, such as `PromptLookup`): no host round trip between steps. A draft that
+    source that has it, such as `PromptLookup`; with the source's arrays, draft_params, where it has
+    them): no host round trip between steps. A draft that
     follows the target's states (an EAGLE-3 head, eagle3_draft.py) has a state instead (draft_state,
     with its arrays draft_params): each step drafts from it (`draft.propose_from`) and gives it what
     the step committed and the target's outputs of the layers in `draft.capture` (`draft.observe`).
@@ -161,8 +162,9 @@ def speculate_steps(config, kernels, mesh, sampling, draft, k, steps, params, hi
 
     def one(carry, i):
         history, lengths, active, budget, cache, state = carry
-        if state is None:
-            proposed, n = draft.propose(history, lengths, k)  # [B, k], [B]
+        if state is None:  # [B, k], [B]; a source with arrays (its `arrays()`) gets them here, as draft_params
+            proposed, n = (draft.propose(history, lengths, k) if draft_params is None
+                           else draft.propose(history, lengths, k, draft_params))
         else:
             proposed, n, state = draft.propose_from(draft_params, params["embedding"], state, k, kernels=kernels,
                                                     mesh=mesh)

@@ -224,20 +224,25 @@ class KnownReplies:
     reply, and nothing elsewhere; with `wrong_every` n, every n-th token of a reply (by its position
     there) is proposed off by one; `by_position`: the reply's tokens at the context's position once
     the prompt matches, whatever the reply so far (an oracle that survives a near-tie's swap in
-    bfloat16). On the host (`draft(context, k)`) and on the devices (`propose`), alike. On the
-    devices its table of replies is an argument of the steps (`arrays`), so that two sources of the
-    same shapes share their compiled steps."""
+    bfloat16). On the host (`draft(context, k)`) and on the devices (`propose`), alike.
+
+    On the devices everything that tells two sources apart is in their arrays (`arrays()`, an argument
+    of the steps): the table of prompts and replies, padded to a few sizes (8, 16, ... sequences of a
+    multiple of 128 tokens), and `wrong_every`. Two sources whose tables pad alike are equal, and so
+    share their compiled steps."""
 
     def __init__(self, prompts, replies, vocab: int, wrong_every: int = 0, by_position: bool = False):
         self.known = [(list(p), list(r)) for p, r in zip(prompts, replies)]
         self.vocab, self.wrong_every, self.by_position = vocab, wrong_every, by_position
-        width = max(len(p) + len(r) for p, r in self.known)
-        table = np.full((len(self.known), width), -1, np.int32)  # [N, W] prompt then reply
+        N = max(8, 1 << (len(self.known) - 1).bit_length())
+        W = -(-max(len(p) + len(r) for p, r in self.known) // 128) * 128
+        table = np.full((N, W), -1, np.int32)  # [N, W] prompt then reply; rows past the known ones: -1
+        starts, ends = np.ones(N, np.int32), np.zeros(N, np.int32)  # a padding row follows no context
         for i, (p, r) in enumerate(self.known):
             table[i, :len(p) + len(r)] = p + r
-        self._arrays = {"table": table, "starts": np.array([len(p) for p, _ in self.known], np.int32),
-                        "ends": np.array([len(p) + len(r) for p, r in self.known], np.int32)}
-        self._key = (type(self), table.shape, vocab, wrong_every, by_position)
+            starts[i], ends[i] = len(p), len(p) + len(r)
+        self._arrays = {"table": table, "starts": starts, "ends": ends, "wrong_every": np.int32(wrong_every)}
+        self._key = (type(self), table.shape, vocab, by_position)
         self._index: dict = {}  # the known sequences by prompt: on the host, a few lookups a draft, not one a prompt
         for i, (prompt, _) in enumerate(self.known):
             self._index.setdefault((len(prompt), tuple(prompt)), []).append(i)
@@ -250,13 +255,12 @@ class KnownReplies:
         return isinstance(other, KnownReplies) and self._key == other._key
 
     def arrays(self) -> dict:
-        """The table of prompts and replies [N, W], where each reply starts and ends [N]."""
+        """The table of prompts and replies [N, W], where each reply starts and ends [N], wrong_every []."""
         return self._arrays
 
-    def _wrong(self, xp, tokens, at):
-        """Tokens at these positions of their replies, every `wrong_every`-th off by one (xp: np or jnp)."""
-        n = self.wrong_every
-        return xp.where(at % n == n - 1, (tokens + 1) % self.vocab, tokens) if n else tokens
+    def _wrong(self, xp, tokens, at, n):
+        """Tokens at these positions of their replies, every n-th off by one (n = 0: none; xp: np or jnp)."""
+        return xp.where((n > 0) & (at % xp.maximum(n, 1) == n - 1), (tokens + 1) % self.vocab, tokens)
 
     def __call__(self, context, k: int) -> list[int]:
         context = list(context)
@@ -267,14 +271,14 @@ class KnownReplies:
             compared = len(prompt) if self.by_position else len(context)
             if j >= 0 and context[:compared] == (prompt + reply)[:compared]:
                 draft = np.asarray(reply[j:j + k], np.int64)
-                return self._wrong(np, draft, np.arange(j, j + len(draft))).tolist()
+                return self._wrong(np, draft, np.arange(j, j + len(draft)), self.wrong_every).tolist()
         return []
 
     def propose(self, history: jax.Array, lengths: jax.Array, k: int, arrays: dict | None = None):
         """history [B, L] of which the first lengths [B] are each row's context; arrays: `arrays()`, on
-        the devices (None: these) -> (drafts [B, k], how many are proposed [B])."""
+        the devices (None: these, as constants of the program) -> (drafts [B, k], how many are proposed [B])."""
         arrays = arrays or self._arrays
-        table, starts, ends = (jnp.asarray(arrays[x]) for x in ("table", "starts", "ends"))
+        table, starts, ends, wrong_every = (jnp.asarray(arrays[x]) for x in ("table", "starts", "ends", "wrong_every"))
         N, W = table.shape
         P = min(W, history.shape[1])
         seen = jnp.minimum(lengths[:, None], starts[None]) if self.by_position else lengths[:, None]  # [B, N]
@@ -283,6 +287,6 @@ class KnownReplies:
         ok = same & (lengths[:, None] >= starts[None]) & (lengths[:, None] <= ends[None])
         n = jnp.argmax(ok, axis=1)  # the first known sequence the context follows
         at = lengths[:, None] + jnp.arange(k)[None]  # [B, k]
-        drafts = self._wrong(jnp, table[n[:, None], jnp.clip(at, 0, W - 1)], at - starts[n][:, None])
+        drafts = self._wrong(jnp, table[n[:, None], jnp.clip(at, 0, W - 1)], at - starts[n][:, None], wrong_every)
         count = jnp.where(ok.any(axis=1), jnp.clip(ends[n] - lengths, 0, k), 0)
         return drafts, count.astype(jnp.int32)

@@ -242,17 +242,30 @@ def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic, drafts):
 
 
 class Steered:
-    """Drafts on the devices from `wrong` until a row's context reaches `turn` tokens, then from `right`;
-    `cut`: the second drafted token of each draft replaced by an id outside the vocabulary."""
+    """Drafts on the devices from `wrong` until a row's context reaches `turn` tokens, then from `right`
+    (two testing.KnownReplies); `cut`: the second drafted token of each draft replaced by an id outside
+    the vocabulary. Its turn and cut are arrays (`arrays()`), as the two sources': every Steered of the
+    same shapes shares its compiled steps."""
 
     def __init__(self, wrong, right, turn: int, cut: bool = False):
-        self.wrong, self.right, self.turn, self.cut = wrong, right, turn, cut
+        self.wrong, self.right, self.vocab = wrong, right, right.vocab
+        self._arrays = {"wrong": wrong.arrays(), "right": right.arrays(), "turn": np.int32(turn), "cut": np.bool_(cut)}
 
-    def propose(self, history, lengths, k):
-        (w, nw), (r, nr) = self.wrong.propose(history, lengths, k), self.right.propose(history, lengths, k)
-        late = lengths >= self.turn
+    def __hash__(self):
+        return hash((Steered, self.wrong, self.right))
+
+    def __eq__(self, other):
+        return isinstance(other, Steered) and (self.wrong, self.right) == (other.wrong, other.right)
+
+    def arrays(self):
+        return self._arrays
+
+    def propose(self, history, lengths, k, arrays):
+        w, nw = self.wrong.propose(history, lengths, k, arrays["wrong"])
+        r, nr = self.right.propose(history, lengths, k, arrays["right"])
+        late = lengths >= arrays["turn"]
         drafts, n = jnp.where(late[:, None], r, w), jnp.where(late, nr, nw)
-        return (drafts.at[:, 1].set(self.right.vocab) if self.cut else drafts), n
+        return drafts.at[:, 1].set(jnp.where(arrays["cut"], self.vocab, drafts[:, 1])), n
 
 
 @pytest.mark.slow

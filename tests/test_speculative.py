@@ -156,6 +156,22 @@ def test_drafts_made_on_the_devices_are_all_accepted_and_stop_tokens_stop(gen, p
     assert stopped[2].timings["accepted_tokens"] == len(stopped[2].output_ids) - 1 - 1
 
 
+def test_sources_that_share_a_program_each_draft_their_own_tokens(gen, prompts, plain):
+    """Two testing.KnownReplies of the same shapes are equal (one compiled program for both), and the
+    command line's loop on the devices gives each source's arrays to that program: the one always
+    right has every draft accepted, the one always wrong none, and both give the greedy tokens."""
+    from gptoss_jax.testing import KnownReplies
+
+    right, wrong = (KnownReplies(prompts, plain, gen.config.vocab_size, n) for n in (0, 1))
+    assert right == wrong and hash(right) == hash(wrong)
+    for draft, all_accepted in ((right, True), (wrong, False), (right, True)):
+        results = gen.generate(prompts, max_new_tokens=NEW, sampling=GREEDY, draft=draft, draft_tokens=4)
+        assert [r.output_ids for r in results] == plain
+        for r in results:
+            want = r.timings["drafted_tokens"] if all_accepted else 0
+            assert r.timings["drafted_tokens"] > 0 and r.timings["accepted_tokens"] == want
+
+
 class OutOfVocabulary(Replies):
     """`Replies`, with an id outside the vocabulary at every third position (-1 or the vocabulary's size)."""
 
