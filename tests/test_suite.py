@@ -69,3 +69,30 @@ def test_collection_without_the_vocabulary_never_fails(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "error" not in done.stdout.splitlines()[-1], done.stdout[-3000:] + done.stderr
+
+
+INDEPENDENT_COLLECTIVES = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.config.update("jax_num_cpu_devices", 8)
+mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"))
+every = P(("a", "b", "c"))
+def step(*xs):  # twelve all-reduces that depend on nothing but their own input
+    return tuple(jax.lax.psum(jnp.sin(x) @ x, "abc"[i % 3]) for i, x in enumerate(xs))
+run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(every,) * 12, out_specs=(every,) * 12, check_vma=False))
+xs = [jax.device_put(jnp.full((8 * 64, 64), i / 12), NamedSharding(mesh, every)) for i in range(12)]
+for _ in range(200):  # dispatched ahead: many runs wait for threads at once
+    out = run(*xs)
+jax.block_until_ready(out)
+print("done")
+"""
+
+
+def test_eight_cpu_devices_run_independent_collectives_without_starving_xla(tmp_path):
+    """The sharded tests run 8 CPU devices in one process. A program of independent all-reduces on them
+    deadlocks XLA's thread pool at its default size (as many threads as devices) and aborts after 40 s;
+    conftest gives the pool twice that through NPROC, and the processes the tests start inherit it."""
+    script = tmp_path / "collectives.py"
+    script.write_text(INDEPENDENT_COLLECTIVES)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
