@@ -24,7 +24,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # after XLA's 40 s rendezvous timeout (more likely on a busy machine). XLA sizes the pool from NPROC;
 # twice the devices leaves room (tests/test_suite.py holds it). Set before the CPU backend starts.
 NPROC_FOR_THE_TESTS = 16
-if int(os.environ.get("NPROC", "0") or 0) < NPROC_FOR_THE_TESTS:
+if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC_FOR_THE_TESTS:
     os.environ["NPROC"] = str(NPROC_FOR_THE_TESTS)
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
 # cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The

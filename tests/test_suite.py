@@ -1,5 +1,5 @@
-"""The suite's own rules (docs/testing.md): no test waits by sleeping, and collection never fails for
-want of the vocabulary."""
+"""The suite's own rules (docs/testing.md): no test waits by sleeping, collection never fails for want
+of the vocabulary, and the 8 CPU devices of the sharded tests never starve XLA's thread pool."""
 
 from __future__ import annotations
 
