@@ -16,14 +16,15 @@ import pytest
 
 # 8 CPU devices for the sharded tests (tests/test_sharding.py); everything else runs on the first.
 # A config option rather than XLA_FLAGS, so that the commands the tests start see one device.
-jax.config.update("jax_num_cpu_devices", 8)
+CPU_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 # XLA runs every CPU device's program, and each program's independent operations, on one pool of
 # threads, as many as there are devices by default, and a device waiting in a collective (an
 # all-reduce of the sharded tests) holds its thread until its peers arrive. With only 8 threads for
 # 8 devices, a device whose turn is queued behind waiting threads never arrives: the process aborts
 # after XLA's 40 s rendezvous timeout (more likely on a busy machine). XLA sizes the pool from NPROC;
 # twice the devices leaves room (tests/test_suite.py holds it). Set before the CPU backend starts.
-NPROC_FOR_THE_TESTS = 16
+NPROC_FOR_THE_TESTS = 2 * CPU_DEVICES
 if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC_FOR_THE_TESTS:
     os.environ["NPROC"] = str(NPROC_FOR_THE_TESTS)
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation

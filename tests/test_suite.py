@@ -89,9 +89,10 @@ print("done")
 
 
 def test_eight_cpu_devices_run_independent_collectives_without_starving_xla(tmp_path):
-    """The sharded tests run 8 CPU devices in one process. A program of independent all-reduces on them
-    deadlocks XLA's thread pool at its default size (as many threads as devices) and aborts after 40 s;
-    conftest gives the pool twice that through NPROC, and the processes the tests start inherit it."""
+    """The sharded tests run 8 CPU devices in one process. Programs of independent all-reduces dispatched
+    ahead on them can deadlock XLA's thread pool at its default size (as many threads as devices): the
+    process aborts after 40 s (3 of 3 runs of this test without conftest's NPROC). conftest gives the
+    pool twice that through NPROC, and the processes the tests start inherit it."""
     script = tmp_path / "collectives.py"
     script.write_text(INDEPENDENT_COLLECTIVES)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
