@@ -91,7 +91,7 @@ def run_jax(args) -> dict:
     from gptoss_jax.generate import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, Settings
-    from gptoss_jax.speculative import PromptLookup
+    from gptoss_jax.drafts.prompt_lookup import PromptLookup
     from gptoss_jax.testing import KnownReplies, random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)

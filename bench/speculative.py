@@ -1,8 +1,8 @@
 """Speculative decoding on one GPU, synthetic full-size weights: what verifying costs, the oracle
 draft's speed, and the speedups that published acceptance lengths would give. Prints tables last.
 
-1. Verify cost: one checked step over k + 1 positions (speculative.check_step: the model, the
-   greedy acceptance and the cache's roll-back) against the same step over one position (a decode
+1. Verify cost: one checked step over k + 1 positions (decoding/checked.py, drafts given: the model,
+   the greedy acceptance and the cache's roll-back) against the same step over one position (a decode
    step), at each of --batches, for k in --ks, with 128 tokens cached (in a cache of the same length
    for every k of a batch): milliseconds per call, the median of --calls. Every cell is compiled
    first, --compile-threads at a time (ahead of time; compilation is not timed).
@@ -46,6 +46,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without installing
+
+from gptoss_jax.drafts.base import DeviceDraft, Proposal  # noqa: E402  (the checkout's package, above)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
@@ -96,7 +98,9 @@ def main() -> None:
     from gptoss_jax.generate import Generator
     from gptoss_jax.model import extend
     from gptoss_jax.sampling import Sampling
-    from gptoss_jax.speculative import PromptLookup, check_step
+    from gptoss_jax.decoding.checked import CheckedSteps, Plan, checked_steps, row_settings
+    from gptoss_jax.drafts.base import GIVEN
+    from gptoss_jax.drafts.prompt_lookup import PromptLookup
     from gptoss_jax.testing import random_params_on_device
 
     if args.moe_settings:  # the fused block's settings for every call that traces it in this process
@@ -128,14 +132,19 @@ def main() -> None:
     for b in [] if args.skip_verify else batches:
         prompts[b] = rng.integers(0, config.vocab_size, (b, 128))
         shapes[b] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), prefilled(b))
-        for k in [0] + ks:
-            inputs[b, k] = (jnp.asarray(rng.integers(0, config.vocab_size, (b, k + 1)), jnp.int32),
-                            jnp.ones((b, k + 1), bool))
+        for k in [0] + ks:  # (the step's arguments but the cache: plan, drafts, its latest tokens)
+            plan = np.stack([np.arange(b), np.full(b, 128), np.full(b, 2**30), np.zeros(b), np.zeros(b), np.zeros(b)])
+            inputs[b, k] = (jnp.zeros(b, jnp.int32),
+                            Plan(jnp.asarray(plan, jnp.int32), jnp.asarray([1, 0, 0], jnp.int32),
+                                 tuple(map(jnp.asarray, row_settings(greedy, 0, b)))),
+                            {"drafts": jnp.asarray(rng.integers(0, config.vocab_size, (b, k)), jnp.int32),
+                             "counts": jnp.full((b,), k, jnp.int32)})
 
     def compile_cell(cell):
         b, k = cell
-        return cell, check_step.lower(config, kernels, None, greedy, params, *inputs[cell], shapes[b], jnp.int32(0),
-                                      jnp.int32(0)).compile()
+        last, plan, drafts = inputs[cell]
+        spec = CheckedSteps(config, kernels, None, GIVEN, k, most=1)
+        return cell, checked_steps.lower(spec, params, shapes[b], None, last, plan, drafts).compile()
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as pool:
@@ -144,9 +153,11 @@ def main() -> None:
     for b, k in cells:
         cache, times = prefilled(b), []
         for i in range(args.calls + 1):  # the first warms up
+            last, plan, drafts = inputs[b, k]
+            plan = jax.block_until_ready(plan._replace(rows=plan.rows.at[1].set(cache["lengths"])))
             start = time.perf_counter()
-            out = compiled[b, k](params, *inputs[b, k], cache, jnp.int32(0), jnp.int32(i))
-            cache = jax.block_until_ready(out)[2]
+            out = compiled[b, k](params, cache, None, last, plan, drafts)
+            cache = jax.block_until_ready(out)[1]
             times.append(time.perf_counter() - start)
         cost[b, k] = 1e3 * statistics.median(times[1:])
         print(f"batch {b}, k {k}: {cost[b, k]:.2f} ms a step", flush=True)
@@ -234,7 +245,7 @@ def main() -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Replies:
+class Replies(DeviceDraft):
     """The oracle draft: what follows in each sequence's `full` (its prompt and greedy reply, computed
     first) at the context's length; proposed on the devices (`propose`)."""
 
@@ -244,14 +255,15 @@ class Replies:
         row = next(f for f in self.full if list(f[:len(context)]) == list(context))
         return list(row[len(context):len(context) + k])
 
-    def propose(self, history, lengths, k):
+    def propose(self, context, k):
         import jax.numpy as jnp
 
+        lengths = context.lengths
         width = max(map(len, self.full))
         full = jnp.asarray([list(f) + [0] * (width - len(f)) for f in self.full], jnp.int32)
         at = jnp.clip(lengths[:, None] + jnp.arange(k)[None], 0, width - 1)
         ends = jnp.asarray([len(f) for f in self.full])
-        return jnp.take_along_axis(full, at, axis=1), jnp.clip(ends - lengths, 0, k)
+        return Proposal(jnp.take_along_axis(full, at, axis=1), jnp.clip(ends - lengths, 0, k))
 
 
 def steered_head(config, dtype, full: tuple):
@@ -281,11 +293,12 @@ def steered_head(config, dtype, full: tuple):
 
     @dataclasses.dataclass(frozen=True, eq=False)
     class Steered(Eagle3Draft):
-        def propose_from(self, arrays, embedding, state, k, **kw):
-            own, n, after = super().propose_from(arrays, embedding, state, k, **kw)
+        def propose(self, context, k):
+            own, n, after = super().propose(context, k)
+            state = context.state
             committed = state["cache"]["lengths"] + state["valid"].sum(axis=1) + 1  # tokens x_0 .. x_n
-            drafts, _ = oracle.propose(None, committed, k)
-            return jnp.where(own >= 0, drafts, own), n, after  # (the head's drafts are computed, not dropped)
+            drafts = oracle.propose(context._replace(lengths=committed), k).drafts
+            return Proposal(jnp.where(own >= 0, drafts, own), n, after)  # (the head's drafts are computed)
 
     return Steered(head, params, hot)
 

@@ -155,7 +155,7 @@ class AttentionBlock(nn.Module):
                                       window_pages(self.config, pool_k.shape[1]))
         # The write must follow the read: nothing else orders the kernel that reads the storage before
         # the scatter that updates it, and inside a loop's branch (several checked steps a call,
-        # serving/checked_steps.py) XLA then copied every storage before writing it, a copy of the whole
+        # decoding/checked.py) XLA then copied every storage before writing it, a copy of the whole
         # pool each step. The barrier makes the write depend on the read, so it updates in place.
         before, pool_k, pool_v = jax.lax.optimization_barrier((before, pool_k, pool_v))
         o = fold_sinks([before, own], sinks, q.dtype)

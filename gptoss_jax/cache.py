@@ -72,3 +72,28 @@ def ring_positions(lengths: jax.Array, size: int) -> jax.Array:
 def max_positions(cache: dict) -> int:
     """The max_len the cache was made for (the largest layer's slot count)."""
     return max(int(np.shape(layer["k"])[1]) for name, layer in cache.items() if name != "lengths")
+
+
+def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
+    """The cache after a step that wrote the `valid` [B, T] positions from `before`'s lengths on
+    (`written`), keeping only the first `kept` [B] of them (a checked step's rejected drafts dropped): full layers' other positions zeroed, the
+    sliding layers' ring slots they took given back their earlier positions (`before`'s)."""
+    lengths = before["lengths"]
+    new_lengths = lengths + kept
+    T = valid.shape[1]
+    dropped = valid & (jnp.arange(T)[None] >= kept[:, None])  # [B, T]
+    out = {"lengths": new_lengths}
+    for name, layer in written.items():
+        if name == "lengths":
+            continue
+        B, S = layer["k"].shape[:2]
+        if config.is_sliding(int(name.split("_")[1])):
+            # A slot whose position (for the kept length) is from this step holds it in `written`
+            # (T <= S, so no later position of the step took the slot); any other, in `before`.
+            from_step = (ring_positions(new_lengths, S) >= lengths[:, None])[..., None, None]  # [B, S, 1, 1]
+            out[name] = {x: jnp.where(from_step, layer[x], before[name][x]) for x in ("k", "v")}
+        else:
+            at = jnp.where(dropped, lengths[:, None] + jnp.arange(T)[None], S)  # out of range -> dropped
+            rows = jnp.arange(B)[:, None]
+            out[name] = {x: layer[x].at[rows, at].set(0, mode="drop") for x in ("k", "v")}
+    return out

@@ -6,7 +6,7 @@ For a sequence whose committed tokens are x_0 .. x_n (x_n not yet in the target'
 
 - prefill: the prompt's pairs p = 0 .. n - 2 go into the head's cache chunk by chunk
   (`head_prefill`); the states at the last prompt position wait (`pending`) for the first token;
-- each step (`propose`): the pairs not yet in the head's cache (after the prefill, the last
+- each checked step (`propose`): the pairs not yet in the head's cache (after the prefill, the last
   prompt position's with the first token; after a checked step, its positions 0 .. a: the
   target's states there with the accepted drafts and the target's next token, `next_pairs`) go
   in, the last of them gives the first draft token, and each later one comes from the head's own
@@ -19,7 +19,7 @@ positions a sequence has, not the whole cache), beside a model on a mesh with th
 (`_attending`).
 
 Drafts are the head's greedy picks, proposed with certainty, so greedy and sampled checks take
-them as they take prompt lookup's (speculative.accept_sampled with no draft probabilities).
+them as they take prompt lookup's (decoding/acceptance.py, with no draft probabilities).
 
 Legend: B = batch, T = positions, G = the captured states' width, D = hidden, U = the head's vocabulary.
 """
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .drafts.base import DeviceDraft, DraftContext, Proposal, StepResult
 from .eagle3 import Eagle3Head
 from .eagle3_config import Eagle3Config
 from .eagle3_checkpoint import load_eagle3
@@ -41,7 +42,7 @@ from .sharding import everywhere
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Eagle3Draft:
+class Eagle3Draft(DeviceDraft):
     """A loaded head: its config, parameters {"params": ...} and hot ids [U] (the target id of each of
     its tokens), on the devices."""
 
@@ -66,8 +67,8 @@ class Eagle3Draft:
         config, params, hot = load_eagle3(folder, target, dtype)
         return cls(config, params, jnp.asarray(hot))
 
-    # Drafting inside speculative.speculate_steps: the head is a static argument, its arrays and its
-    # state are arguments (never constants of the compiled steps).
+    # Drafting inside the checked steps (decoding/checked.py): the head is a static argument, its arrays
+    # and its state are arguments (never constants of the compiled steps).
     @property
     def capture(self) -> tuple[int, ...]:
         """The target layers whose outputs each checked step keeps for the head."""
@@ -83,17 +84,18 @@ class Eagle3Draft:
         return {"cache": cache, "tokens": jnp.pad(last[:, None], pad),
                 "states": jnp.pad(pending[:, None], pad + ((0, 0),)), "valid": jnp.pad(active[:, None], pad)}
 
-    def propose_from(self, arrays: dict, embedding: jax.Array, state: dict, k: int, kernels: Kernels = Kernels(),
-                     mesh=None):
-        """k drafts for every row from the state (attending with `kernels`' variants; the model's
-        `mesh`, None for one device) -> (drafts [B, k], how many are proposed [B]: all, state)."""
-        drafts, cache = propose(self.config, k, _attending(kernels, mesh), arrays["head"], embedding, arrays["hot"],
-                                state["cache"], state["tokens"], state["states"], state["valid"])
-        return drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "cache": cache}
+    def propose(self, context: DraftContext, k: int) -> Proposal:
+        """k drafts for every row from the state (attending with the target's kernels' variants; beside
+        a model on a mesh, the jnp one): all proposed."""
+        state = context.state
+        drafts, cache = propose(self.config, k, _attending(context.kernels, context.mesh), context.arrays["head"],
+                                context.embedding, context.arrays["hot"], state["cache"], state["tokens"],
+                                state["states"], state["valid"])
+        return Proposal(drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "cache": cache})
 
-    def observe(self, state: dict, tokens, valid, accepted, nxt, states) -> dict:
-        """The state after a checked step (`next_pairs`' arguments): the pairs it commits, waiting."""
-        tokens, states, valid = next_pairs(tokens, valid, accepted, nxt, states)
+    def observe(self, state: dict, step: StepResult) -> dict:
+        """The state after a checked step (`next_pairs`): the pairs it commits, waiting."""
+        tokens, states, valid = next_pairs(step.tokens, step.valid, step.accepted, step.next_tokens, step.states)
         return {**state, "tokens": tokens, "states": states.astype(state["states"].dtype), "valid": valid}
 
 

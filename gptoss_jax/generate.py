@@ -30,9 +30,10 @@ from .config import ModelConfig
 from .model import Kernels, Transformer
 from .sampling import Sampling, sample
 from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
+from .decoding.checked import CheckedSteps, Plan, checked_steps, mode_index, row_settings
+from .drafts.base import GIVEN, Draft, on_devices
 from .eagle3 import captured, init_head_cache
 from .eagle3_draft import Eagle3Draft, head_prefill
-from .speculative import Draft, check_step, speculate_steps
 from .weight import Params
 
 
@@ -156,7 +157,7 @@ class Generator:
         those two pytrees (hundreds of leaves) on every decode call would cost milliseconds.
         """
         key = (fn.__name__, statics,
-               tuple((a.shape, a.dtype) for a in args if not isinstance(a, dict)))
+               tuple((a.shape, a.dtype) for a in jax.tree.leaves([a for a in args if not isinstance(a, dict)])))
         if key not in self.executables:
             start = time.perf_counter()
             self.executables[key] = fn.lower(*statics, *args).compile()
@@ -185,14 +186,13 @@ class Generator:
         Each result's `timings` are its own: prompt and new tokens, the batch's compilation and
         prefill (shared), its time to first token, and its decode time and rate up to its last token.
 
-        `draft`: speculative decoding (speculative.py): each step checks up to `draft_tokens` tokens
+        `draft`: speculative decoding (decoding/checked.py): each step checks up to `draft_tokens` tokens
         that draft(context, k) proposes; greedy, the tokens are those without it (up to the rounding
         of a pass over several positions); sampled, they are drawn from the same distributions (with
-        other draws). The timings then count the drafted tokens and the accepted ones kept. A draft
-        source that also has `propose(history, lengths, k)` (jittable; the source must be hashable,
-        as it is a static argument) drafts on the devices, several steps a call; so does an EAGLE-3
-        head (`eagle3_draft.Eagle3Draft`), from the hidden states the prefill and each checked step
-        capture.
+        other draws, row b seeded seed + b). The timings then count the drafted tokens and the
+        accepted ones kept. A `drafts.base.DeviceDraft` (hashable: a static argument) drafts on the
+        devices, several steps a call; so does an EAGLE-3 head (`eagle3_draft.Eagle3Draft`), from
+        the hidden states the prefill and each checked step capture.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -308,13 +308,10 @@ class Generator:
         # no output: a call may run steps that no sequence needs, and once every sequence has stopped
         # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
-        if draft is not None and (eagle or hasattr(draft, "propose")):
-            drafted, accepted = self._speculate_on_devices(prompts, outputs, active, add, cache, draft, draft_tokens,
-                                                           max_new_tokens, sampling, seed_dev, is_stop_dev,
-                                                           (arrays, head_cache, pending) if eagle else None)
-        elif draft is not None:
-            drafted, accepted = self._speculate(prompts, outputs, active, add, token, cache, draft, draft_tokens,
-                                                max_new_tokens, sampling, seed_dev)
+        if draft is not None:
+            drafted, accepted = self._speculate(prompts, outputs, active, add, token_dev, cache, draft, draft_tokens,
+                                                max_new_tokens, sampling, seed, is_stop_dev,
+                                                (arrays, head_cache, pending) if eagle else None)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
         while pending is not None:
@@ -350,51 +347,67 @@ class Generator:
             results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
         return results
 
-    def _speculate_on_devices(self, prompts, outputs, active, add, cache, draft, k: int, max_new_tokens: int,
-                              sampling: Sampling, seed_dev, is_stop_dev, head=None):
-        """The decode loop with drafts proposed on the devices (`draft.propose`, or an EAGLE-3 head's
-        from its state; head: its arrays, its cache and the prompts' last states after the prefill):
-        `decode_steps` checked steps per call (speculative.speculate_steps), the next call queued before this one's
-        tokens are read, as in plain decoding. -> (tokens drafted [B], accepted [B])."""
-        B = len(prompts)
+    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,
+                   sampling: Sampling, seed: int, is_stop_dev, head=None):
+        """The decode loop with drafts, through the checked steps (decoding/checked.py): drafts made on
+        the devices (`drafts.base.DeviceDraft`; head: an EAGLE-3 head's arrays, its cache and the
+        prompts' last states after the prefill) run `decode_steps` steps a call, the next call queued
+        before this one's tokens are read, as in plain decoding; drafts made on the host run a step a
+        call, each drafted from the tokens so far. -> (tokens drafted [B], accepted [B])."""
+        B, vocab = len(prompts), self.config.vocab_size
         put = functools.partial(on_every_device, mesh=self.mesh)
-        history = np.zeros((B, self.max_len), np.int32)
-        for b, p in enumerate(prompts):
-            history[b, :len(p) + len(outputs[b])] = [*p, *outputs[b]]
-        lengths = np.array([len(p) + len(o) for p, o in zip(prompts, outputs)], np.int32)
-        budget = np.array([max_new_tokens - len(o) for o in outputs], np.int32)
-        carry = (put(history), put(lengths), put(active), put(budget), cache, put(np.int32(1)))
-        statics = (self.config, self.kernels, self.mesh, sampling, draft, k, self.decode_steps)
+        host = not on_devices(draft)
+        steps = 1 if host else self.decode_steps
+        spec = CheckedSteps(self.config, self.kernels, self.mesh, GIVEN if host else draft, k, steps)
+        lengths = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, outputs)], np.int32)  # positions cached
+        budget = np.where(active, [max_new_tokens - len(o) for o in outputs], 0)
+        plan = np.stack([np.arange(B), lengths, budget, [len(o) for o in outputs], np.zeros(B), np.zeros(B)])
+        settings = tuple(put(x) for x in row_settings(sampling, seed, B))
+        history = None
+        if not host:
+            history = np.zeros((B, self.max_len), np.int32)
+            for b, p in enumerate(prompts):
+                history[b, :len(p) + len(outputs[b])] = [*p, *outputs[b]]
+            history = put(history)
+        arrays, state = None, None
+        if head is not None:  # an EAGLE-3 head: its arrays, and its state after the prefill
+            arrays, state = head[0], draft.start(*head[1:], last, put(active), k)
+        elif not host and draft.arrays() is not None:
+            arrays = self._replicated(draft.arrays())
+        carry = (cache, history, last, put(plan.astype(np.int32)),
+                 put(np.array([steps, 0, mode_index([sampling])], np.int32)), state)
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
-        # An EAGLE-3 head's arrays and state, or a source's arrays (dicts: compiled once per draft source
-        # and batch size, the source's shapes in its hash).
-        if head is not None:
-            follows = (head[0], draft.start(*head[1:], put(history[np.arange(B), lengths - 1]), put(active), k))
-        else:
-            follows = (self._replicated(draft.arrays()),) if callable(getattr(draft, "arrays", None)) else ()
 
-        def queue_call(carry):
-            history, lengths, active_dev, budget, cache, step, *state = carry
-            *out, history, lengths, active_dev, budget, cache, step, state = self._call(
-                speculate_steps, statics, self.params, history, lengths, active_dev, budget, is_stop_dev, cache,
-                seed_dev, step, *follows[:1], *state)
-            for x in out:
+        def given() -> dict:
+            """The host's drafts for a step: up to k a row, no more than its reply still needs."""
+            drafts, counts = np.zeros((B, k), np.int32), np.zeros(B, np.int32)
+            for b in np.nonzero(active)[0]:
+                room = min(k, max_new_tokens - len(outputs[b]) - 1)  # the step's own token counts too
+                proposed = list(draft(list(prompts[b]) + outputs[b], room))[:room] if room > 0 else []
+                if any(not 0 <= t < vocab for t in proposed):
+                    raise ValueError(f"the draft proposed token ids outside [0, {vocab}): {proposed}")
+                drafts[b, :len(proposed)], counts[b] = proposed, len(proposed)
+            return {"drafts": put(drafts), "counts": put(counts)}
+
+        def queue_call(carry):  # the next call on the devices, not waited for
+            cache, history, last, rows, run, state = carry
+            outcome, cache, history, last, state = self._call(
+                checked_steps, (spec,), self.params, cache, history, last, Plan(rows, run, settings, is_stop_dev),
+                given() if host else arrays, state)
+            for x in outcome[:5]:
                 to_host_soon(x)
-            return out, (history, lengths, active_dev, budget, cache, step) + (() if state is None else (state,))
-
-        if follows[1:]:
-            carry += (follows[1],)
+            return outcome, (cache, history, last, outcome.rows, outcome.run, state)
 
         # Each step gives every going sequence a token at least: so many calls finish every reply.
-        calls = -(-(max_new_tokens - 1) // self.decode_steps) if active.any() else 0
+        calls = -(-(max_new_tokens - 1) // steps) if active.any() else 0
         pending = queue_call(carry) if calls else None
         while pending is not None:
-            out, carry = pending
+            outcome, carry = pending
             calls -= 1
-            pending = queue_call(carry) if calls else None
-            new, counts, n, kept = (np.asarray(x) for x in out)
+            pending = queue_call(carry) if calls and not host else None
+            new, counts, n, kept, ran = (np.asarray(x) for x in outcome[:5])
             now = time.perf_counter()
-            for s in range(new.shape[0]):
+            for s in range(int(ran)):
                 for b in np.nonzero(counts[s])[0]:
                     if not active[b]:
                         raise RuntimeError(f"sequence {b} got tokens on the devices after it ended on the host")
@@ -405,41 +418,8 @@ class Generator:
             if not active.any():
                 jax.block_until_ready(pending)  # a call queued past the last token: its steps run nothing
                 pending = None
+            elif host and calls:
+                pending = queue_call(carry)
         if active.any():
             raise RuntimeError("speculative decoding ended on the devices before the replies did")
-        return drafted, accepted
-
-    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,
-                   sampling: Sampling, seed_dev):
-        """The decode loop with drafts: each step checks every active sequence's last token and the
-        tokens `draft` proposes for it (up to k, and no more than its reply still needs) in one call
-        (speculative.check_step), then adds what that step accepted and the model's next token.
-        -> (tokens drafted [B], accepted [B])."""
-        B, T, vocab = len(prompts), k + 1, self.config.vocab_size
-        put = functools.partial(on_every_device, mesh=self.mesh)
-        last = np.array(last, np.int32)  # [B] each sequence's last token, not yet in the cache
-        drafted, accepted = np.zeros(B, int), np.zeros(B, int)
-        step = 0  # check steps so far: step i samples with key fold_in(key(seed), i + 1) (0: the first token)
-        while active.any():
-            step += 1
-            tokens, valid = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
-            for b in np.nonzero(active)[0]:
-                room = min(k, max_new_tokens - len(outputs[b]) - 1)  # the step's own token counts too
-                proposed = list(draft(list(prompts[b]) + outputs[b], room))[:room] if room > 0 else []
-                if any(not 0 <= t < vocab for t in proposed):
-                    raise ValueError(f"the draft proposed token ids outside [0, {vocab}): {proposed}")
-                tokens[b, 0], tokens[b, 1:1 + len(proposed)] = last[b], proposed
-                valid[b, :1 + len(proposed)] = True
-                drafted[b] += len(proposed)
-            agreed, nxt, cache = self._call(check_step, (self.config, self.kernels, self.mesh, sampling), self.params,
-                                            put(tokens), put(valid), cache, seed_dev, put(np.int32(step)))
-            agreed, nxt = np.asarray(agreed), np.asarray(nxt)
-            now = time.perf_counter()
-            for b in np.nonzero(valid[:, 0])[0]:
-                a = int(agreed[b])
-                last[b] = nxt[b]
-                for i, t in enumerate([*tokens[b, 1:1 + a], nxt[b]]):
-                    if active[b]:  # not past a stop token or the last token
-                        add(int(b), int(t), now)
-                        accepted[b] += i < a
         return drafted, accepted

@@ -42,7 +42,8 @@ class Sampling:
 
 
 def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
-    """logits [B, V] -> token ids [B] int32."""
+    """logits [B, V] -> token ids [B] int32, every row by the same settings, drawn with one key (the
+    rows' draws from `categorical` over [B, V])."""
     import jax  # here, not at the top: `Sampling` alone checks flags before JAX starts
     import jax.numpy as jnp
 
@@ -52,26 +53,14 @@ def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
 
 
 def filtered(logits: jax.Array, params: Sampling) -> jax.Array:
-    """The logits [B, V] a sampled token is drawn from: scaled by the temperature (> 0), the filters
-    applied (-inf where one drops a token)."""
-    import jax
+    """The logits [B, V] a sampled token is drawn from (temperature > 0): `filtered_rows` with every
+    row's settings `params`."""
     import jax.numpy as jnp
 
-    logits = logits.astype(jnp.float32) / params.temperature
-    if params.top_k:
-        kth = jax.lax.top_k(logits, min(params.top_k, logits.shape[-1]))[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if params.min_p:
-        probs = jax.nn.softmax(logits, axis=-1)
-        logits = jnp.where(probs < params.min_p * probs.max(axis=-1, keepdims=True), -jnp.inf, logits)
-    if params.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
-        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # mass of the more likely tokens
-        drop_sorted = before >= params.top_p  # the first token always stays (before = 0)
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
-    return logits
+    B = logits.shape[0]
+    each = [jnp.full((B,), x, dtype) for x, dtype in ((params.temperature, jnp.float32), (params.top_k, jnp.int32),
+                                                      (params.top_p, jnp.float32), (params.min_p, jnp.float32))]
+    return filtered_rows(logits, *each, mode=rows_mode([params]))
 
 
 MODES = ("greedy", "draw", "rank")
@@ -140,6 +129,21 @@ def filtered_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(ranked)
 
     return by_rank(scaled) if mode == "rank" else min_p_filter(scaled)
+
+
+def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                  mode: str) -> jax.Array:
+    """logits [N, V], each row's settings [N] -> the probabilities [N, V] `sample_rows` draws its token
+    from; a greedy row's are 1 at its argmax."""
+    import jax
+    import jax.numpy as jnp
+
+    V = logits.shape[-1]
+    greedy = jax.nn.one_hot(jnp.argmax(logits.astype(jnp.float32), axis=-1), V, dtype=jnp.float32)
+    if mode == "greedy":
+        return greedy
+    drawn = jax.nn.softmax(filtered_rows(logits, temperature, top_k, top_p, min_p, mode), axis=-1)
+    return jnp.where((temperature > 0)[:, None], drawn, greedy)
 
 
 def token_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Array,

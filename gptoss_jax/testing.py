@@ -23,6 +23,7 @@ import numpy as np
 
 from . import formats
 from .config import ModelConfig
+from .drafts.base import DeviceDraft, DraftContext, Proposal
 from .mxfp4 import MXFP4, packed_shape, split_dtype
 from .params import abstract_params, logical_axes, packable_names, param_shardings
 from .weight import Params, at_path
@@ -218,7 +219,7 @@ def _draw(key, *, shape, offset, scale, dtype, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-class KnownReplies:
+class KnownReplies(DeviceDraft):
     """A draft source for tests and benchmarks that knows each prompt's reply (computed beforehand): it
     proposes the reply's next tokens where the context is a known prompt followed by a prefix of its
     reply, and nothing elsewhere; with `wrong_every` n, every n-th token of a reply (by its position
@@ -274,10 +275,10 @@ class KnownReplies:
                 return self._wrong(np, draft, np.arange(j, j + len(draft)), self.wrong_every).tolist()
         return []
 
-    def propose(self, history: jax.Array, lengths: jax.Array, k: int, arrays: dict | None = None):
-        """history [B, L] of which the first lengths [B] are each row's context; arrays: `arrays()`, on
-        the devices (None: these, as constants of the program) -> (drafts [B, k], how many are proposed [B])."""
-        arrays = arrays or self._arrays
+    def propose(self, context: DraftContext, k: int) -> Proposal:
+        """From each row's context (the first context.lengths [B] of context.history [B, L]), with the
+        arrays on the devices (context.arrays; None: these, as constants of the program)."""
+        history, lengths, arrays = context.history, context.lengths, context.arrays or self._arrays
         table, starts, ends, wrong_every = (jnp.asarray(arrays[x]) for x in ("table", "starts", "ends", "wrong_every"))
         N, W = table.shape
         P = min(W, history.shape[1])
@@ -289,4 +290,4 @@ class KnownReplies:
         at = lengths[:, None] + jnp.arange(k)[None]  # [B, k]
         drafts = self._wrong(jnp, table[n[:, None], jnp.clip(at, 0, W - 1)], at - starts[n][:, None], wrong_every)
         count = jnp.where(ok.any(axis=1), jnp.clip(ends[n] - lengths, 0, k), 0)
-        return drafts, count.astype(jnp.int32)
+        return Proposal(drafts, count.astype(jnp.int32))

@@ -21,6 +21,7 @@ from gptoss_jax.convert.sources import SourceError
 from gptoss_jax.eagle3 import Eagle3Head, captured, init_head_cache
 from gptoss_jax.eagle3_config import Eagle3Config
 from gptoss_jax.eagle3_checkpoint import load_eagle3
+from gptoss_jax.drafts.base import Proposal
 from gptoss_jax.eagle3_draft import Eagle3Draft
 from gptoss_jax.sampling import Sampling
 
@@ -210,13 +211,14 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
     reply = jnp.asarray(prompt + generator.generate([prompt], max_new_tokens=40, sampling=greedy)[0].output_ids)
 
     class Recording(Eagle3Draft):  # each step's drafts on the devices, with the pairs committed before them
-        def propose_from(self, arrays, embedding, state, k, **kw):
-            drafts, n, after = super().propose_from(arrays, embedding, state, k, **kw)
+        def propose(self, context, k):
+            drafts, n, after = super().propose(context, k)
+            state = context.state
             pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)
             jax.debug.callback(lambda p, d: proposed.append((int(p[0]), np.asarray(d)[0].tolist())), pairs, drafts)
             if steered:  # x_0 .. x_pairs are committed: propose x_(pairs + 1) ..
                 drafts = reply[jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], len(reply) - 1)]
-            return drafts, n, after
+            return Proposal(drafts, n, after)
 
     # fc scaled down: the first draft's hidden state is mostly what its attention reads from the cache
     # (the norm after fc undoes the scale), so a pair mispaired there changes the drafts.
@@ -288,11 +290,12 @@ def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, ti
     full = jnp.asarray([p + r + [0] * (width - len(p) - len(r)) for p, r in zip(prompts, plain)], jnp.int32)
 
     class Steered(Eagle3Draft):
-        def propose_from(self, arrays, embedding, state, k, **kw):
-            own, n, after = super().propose_from(arrays, embedding, state, k, **kw)
+        def propose(self, context, k):
+            own, n, after = super().propose(context, k)
+            state = context.state
             pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)  # x_0 .. x_pairs committed
             at = jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], width - 1)
-            return jnp.where(own >= 0, jnp.take_along_axis(full, at, axis=1), own), n, after
+            return Proposal(jnp.where(own >= 0, jnp.take_along_axis(full, at, axis=1), own), n, after)
 
     draft = Steered(loaded.config, loaded.params, loaded.hot)
     mesh = gj.make_mesh(data=2, expert=2, tensor=2)

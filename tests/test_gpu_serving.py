@@ -15,7 +15,7 @@ import pytest
 import gptoss_jax as gj
 import gptoss_jax.serving.speculation as speculation
 from gptoss_jax.serving import Engine
-from gptoss_jax.speculative import PromptLookup
+from gptoss_jax.drafts.prompt_lookup import PromptLookup
 from gptoss_jax.testing import random_params_on_device
 
 pytestmark = pytest.mark.gpu
@@ -37,17 +37,17 @@ def test_checked_steps_on_the_device_update_the_pool_in_place(monkeypatch):
     params = random_params_on_device(config, seed=0, dtype="mxfp4")
     engine = Engine(config, params, slots=1, max_len=2048, prefill_chunk=512, page_size=64, pages=PAGES,
                     decode_sizes=(1,), draft=PromptLookup(), speculate_steps=4)
-    check_steps, calls = speculation.check_steps, []
+    checked_steps, calls = speculation.checked_steps, []
 
     def spy(*args):  # (the shapes of its arguments: the pool and the history are donated)
         calls.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                   if isinstance(x, jax.Array) else x, args))
-        return check_steps(*args)
+        return checked_steps(*args)
 
-    monkeypatch.setattr(speculation, "check_steps", spy)
+    monkeypatch.setattr(speculation, "checked_steps", spy)
     engine.warm_up()
     assert calls, "warm-up compiled no device-drafted steps"
-    text = check_steps.lower(*calls[0]).compile().as_text()
+    text = checked_steps.lower(*calls[0]).compile().as_text()
     size = PAGES * 64 * config.num_key_value_heads * config.head_dim  # a storage's values, in any shape
 
     def of_a_storage(shapes: str) -> bool:

@@ -17,14 +17,14 @@ import pytest
 
 from conftest import compile_events
 from gptoss_jax.generate import Generator
-from gptoss_jax.sampling import Sampling, filtered, rows_mode
+from gptoss_jax.sampling import Sampling, filtered, probabilities as row_probabilities, rows_mode
 from gptoss_jax.serving import Engine, Settings
-from gptoss_jax.serving import speculation as speculation_module
 from gptoss_jax.serving.request import Request
 from gptoss_jax.serving.scheduler import Seq
-from gptoss_jax.serving.checked_steps import MOST_WAIT, accept_rows, row_probabilities
+from gptoss_jax.decoding.acceptance import MOST_WAIT, accept_rows, backoff
+from gptoss_jax.drafts.base import DeviceDraft, Proposal
 from gptoss_jax.serving.speculation import Speculation
-from gptoss_jax.speculative import PromptLookup
+from gptoss_jax.drafts.prompt_lookup import PromptLookup
 from gptoss_jax.testing import KnownReplies
 
 MAX_LEN = 512  # the engine and Generator as tests/test_serving.py has them: their steps compile once
@@ -47,7 +47,7 @@ def traffic(tiny_f32):
 def Oracle(prompts, want, vocab: int, wrong_every: int = 0, where: str = "host"):
     """Drafts the reply each prompt gives alone (testing.KnownReplies); with `wrong_every` n, every n-th
     drafted token (by its position in the reply) is off by one. where: "host" (drafts read from the
-    host each step, speculation.py) or "devices" (several checked steps a call, checked_steps.py)."""
+    host each step, speculation.py) or "devices" (several checked steps a call, decoding/checked.py)."""
     known = KnownReplies(prompts, want, vocab, wrong_every)
     return on_host(known) if where == "host" else known
 
@@ -175,10 +175,31 @@ def test_rows_past_the_bound_decode_one_token_a_step(tiny_f32, traffic):
     assert engine.stats()["speculative_steps"] <= budgets[0] - budgets[1] + 1  # once the first has ended
 
 
+def _filtered_by_hand(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """The probabilities one row draws from, written out in numpy from the filters' definitions
+    (sampling.py): temperature, then top-k, min-p, top-p, each over the tokens the one before kept."""
+    x = logits.astype(np.float64) / s.temperature
+    keep = np.ones(x.shape, bool)
+    if s.top_k:
+        keep &= x >= np.sort(x)[::-1][s.top_k - 1]
+    p = np.where(keep, np.exp(x - x.max()), 0)
+    p /= p.sum()
+    if s.min_p:
+        keep &= p >= s.min_p * p.max()
+    p = np.where(keep, p, 0)
+    p /= p.sum()
+    if s.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]  # the mass of the more likely tokens
+        keep[order[before >= s.top_p]] = False
+    p = np.where(keep, p, 0)
+    return p / p.sum()
+
+
 @pytest.mark.slow
 def test_sampled_rows_draw_from_sample_rows_distribution():
-    """row_probabilities, by row, equal softmax(sampling.filtered) of each row's own settings (what
-    `sample` draws from), and a greedy row's are 1 at its argmax."""
+    """row_probabilities, by row, equal the filters written out by hand for each row's own settings
+    (what `sample` and `sample_rows` draw from), and a greedy row's are 1 at its argmax."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(6, 50)) * 3, jnp.float32)
     rows = [Sampling(temperature=0.7), Sampling(temperature=1.0, top_k=5), Sampling(temperature=1.3, top_p=0.8),
@@ -187,6 +208,7 @@ def test_sampled_rows_draw_from_sample_rows_distribution():
               (("temperature", jnp.float32), ("top_k", jnp.int32), ("top_p", jnp.float32), ("min_p", jnp.float32))]
     got = row_probabilities(logits, *arrays, mode=rows_mode(rows))
     for i, s in enumerate(rows[:-1]):
+        np.testing.assert_allclose(got[i], _filtered_by_hand(np.asarray(logits[i]), s), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(got[i], jax.nn.softmax(filtered(logits[i:i + 1], s))[0], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[-1], jax.nn.one_hot(jnp.argmax(logits[-1]), 50))
 
@@ -235,13 +257,13 @@ def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic, drafts):
         assert stats["speculative_steps"] <= stats["drafting_steps"] <= stats["speculative_steps"] + 1
         assert stats["accepted_draft_tokens"] == stats["draft_tokens"] >= new / 2
     elif drafts == "wrong, then right":  # back to every step within MOST_WAIT steps of the turn
-        assert stats["accepted_draft_tokens"] >= (new - 20 - speculation_module.MOST_WAIT) * 3 / 4
+        assert stats["accepted_draft_tokens"] >= (new - 20 - MOST_WAIT) * 3 / 4
     else:  # drafting after at most 1, 2, 4, 8 steps, then every 16 (MOST_WAIT), the sequences together
         assert stats["accepted_draft_tokens"] == 0
-        assert 0 < stats["drafting_steps"] <= 5 + new // speculation_module.MOST_WAIT
+        assert 0 < stats["drafting_steps"] <= 5 + new // MOST_WAIT
 
 
-class Steered:
+class Steered(DeviceDraft):
     """Drafts on the devices from `wrong` until a row's context reaches `turn` tokens, then from `right`
     (two testing.KnownReplies); `cut`: the second drafted token of each draft replaced by an id outside
     the vocabulary. Its turn and cut are arrays (`arrays()`), as the two sources': every Steered of the
@@ -260,12 +282,13 @@ class Steered:
     def arrays(self):
         return self._arrays
 
-    def propose(self, history, lengths, k, arrays):
-        w, nw = self.wrong.propose(history, lengths, k, arrays["wrong"])
-        r, nr = self.right.propose(history, lengths, k, arrays["right"])
+    def propose(self, context, k):
+        arrays, lengths = context.arrays, context.lengths
+        w, nw, _ = self.wrong.propose(context._replace(arrays=arrays["wrong"]), k)
+        r, nr, _ = self.right.propose(context._replace(arrays=arrays["right"]), k)
         late = lengths >= arrays["turn"]
         drafts, n = jnp.where(late[:, None], r, w), jnp.where(late, nr, nw)
-        return drafts.at[:, 1].set(jnp.where(arrays["cut"], self.vocab, drafts[:, 1])), n
+        return Proposal(drafts.at[:, 1].set(jnp.where(arrays["cut"], self.vocab, drafts[:, 1])), n)
 
 
 @pytest.mark.slow
@@ -335,8 +358,8 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
     wrong = KnownReplies([prompt], [want], config.vocab_size, 1)  # backs off: decode steps between calls
     events = []
     check_steps, read, step = Speculation._check_steps, Engine._read, Engine.step
-    monkeypatch.setattr(Speculation, "_check_steps", lambda self, engine, seqs, steps: (
-        events.append("call") if any(seqs) else None, check_steps(self, engine, seqs, steps))[1])
+    monkeypatch.setattr(Speculation, "_check_steps", lambda self, engine, seqs, steps, given=None: (
+        events.append("call") if any(seqs) else None, check_steps(self, engine, seqs, steps, given))[1])
     monkeypatch.setattr(Engine, "_read", lambda self, *a: (events.append("read"), read(self, *a))[0])
     monkeypatch.setattr(Engine, "step", lambda self: (events.append("step"), step(self))[1])
     engine = engine_with(tiny_f32, wrong)
@@ -372,16 +395,20 @@ def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
     speculation = Speculation(on_host(PromptLookup()), 3, 8, [8], 64)
     request = Request(0, [1], Settings(max_new_tokens=500), None)
     seq = Seq(request, 0, [1], [], {}, length=1, queued=0)
+
+    def score(accepted):  # what a checked step does to a row that was due (acceptance.backoff, on the host)
+        seq.draft_misses, seq.draft_due = (int(x) for x in backoff(np, seq.draft_misses, seq.draft_due, True,
+                                                                   accepted, speculation.clock, MOST_WAIT))
+
     drafted = []
     for _ in range(70):
         if speculation.wanted([seq]):
             drafted.append(speculation.clock)
-            speculation._score(seq, 1 if speculation.clock == 40 else 0)
-    most = speculation_module.MOST_WAIT
-    assert most == 16 and drafted[:6] == [1, 2, 4, 8, 16, 32]
+            score(1 if speculation.clock == 40 else 0)
+    assert MOST_WAIT == 16 and drafted[:6] == [1, 2, 4, 8, 16, 32]
     assert drafted[6:] == [48, 64]  # (clock 40 was not due: nothing was scored there)
     assert speculation.ahead(seq) == 1  # not due: a step reserves no room for its draft
-    speculation._score(seq, 1)
+    score(1)
     assert seq.draft_due == speculation.clock + 1 and seq.draft_misses == 0
     speculation.wanted([seq])
     assert speculation.ahead(seq) == 4

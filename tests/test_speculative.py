@@ -1,4 +1,4 @@
-"""Speculative decoding (gptoss_jax/speculative.py): with any draft, greedy tokens are those of
+"""Speculative decoding in `Generator` (gptoss_jax/decoding/): with any draft, greedy tokens are those of
 decoding one token a step; a step keeps nothing of the drafts it rejects in the cache."""
 
 import dataclasses
@@ -13,7 +13,9 @@ from gptoss_jax.cache import init_cache
 from gptoss_jax.generate import Generator
 from gptoss_jax.model import extend
 from gptoss_jax.sampling import Sampling
-from gptoss_jax.speculative import PromptLookup, check_draft
+from gptoss_jax.decoding.checked import check_draft
+from gptoss_jax.drafts.base import DeviceDraft, DraftContext, Proposal
+from gptoss_jax.drafts.prompt_lookup import PromptLookup
 from gptoss_jax.testing import random_params
 
 GREEDY = Sampling(temperature=0)
@@ -97,7 +99,7 @@ def test_prompt_lookup_changes_no_token_and_stop_tokens_still_stop(gen, prompts,
 
 
 @dataclasses.dataclass(frozen=True)
-class Replies:
+class Replies(DeviceDraft):
     """A draft proposing what follows in each sequence's `full` (its prompt and greedy reply) at the
     context's length, every `wrong_every`-th position (counted over `full`) replaced by another
     token; on the host (called) and on the devices (`propose`) alike."""
@@ -113,25 +115,27 @@ class Replies:
         return [(t + 1) % self.vocab if self.wrong_every and (start + i) % self.wrong_every == 0 else t
                 for i, t in enumerate(self.full[b][start:start + k])]
 
-    def propose(self, history, lengths, k):
+    def propose(self, context, k):
+        lengths = context.lengths
         width = max(map(len, self.full))
         full = jnp.asarray([list(f) + [0] * (width - len(f)) for f in self.full], jnp.int32)
         at = lengths[:, None] + jnp.arange(k)[None]
         drafts = jnp.take_along_axis(full, jnp.clip(at, 0, width - 1), axis=1)
         if self.wrong_every:
             drafts = jnp.where(at % self.wrong_every == 0, (drafts + 1) % self.vocab, drafts)
-        return drafts, jnp.clip(jnp.asarray([len(f) for f in self.full]) - lengths, 0, k)
+        return Proposal(drafts, jnp.clip(jnp.asarray([len(f) for f in self.full]) - lengths, 0, k))
 
 
 @dataclasses.dataclass(frozen=True)
-class Silent:
+class Silent(DeviceDraft):
     """A draft that never proposes anything: every step on the devices is a decode step (one position)."""
 
     def __call__(self, context, k):
         return []
 
-    def propose(self, history, lengths, k):
-        return jnp.zeros((history.shape[0], k), jnp.int32), jnp.zeros(history.shape[:1], jnp.int32)
+    def propose(self, context, k):
+        B = context.history.shape[0]
+        return Proposal(jnp.zeros((B, k), jnp.int32), jnp.zeros((B,), jnp.int32))
 
 
 def replies(prompts, plain, wrong_every=0):
@@ -175,10 +179,10 @@ def test_sources_that_share_a_program_each_draft_their_own_tokens(gen, prompts, 
 class OutOfVocabulary(Replies):
     """`Replies`, with an id outside the vocabulary at every third position (-1 or the vocabulary's size)."""
 
-    def propose(self, history, lengths, k):
-        drafts, counts = super().propose(history, lengths, k)
-        at = lengths[:, None] + jnp.arange(k)[None]
-        return jnp.where(at % 3 == 0, jnp.where(at % 2 == 0, -1, self.vocab), drafts), counts
+    def propose(self, context, k):
+        drafts, counts, _ = super().propose(context, k)
+        at = context.lengths[:, None] + jnp.arange(k)[None]
+        return Proposal(jnp.where(at % 3 == 0, jnp.where(at % 2 == 0, -1, self.vocab), drafts), counts)
 
 
 @pytest.mark.slow
@@ -222,7 +226,8 @@ def test_prompt_lookup_on_the_devices_proposes_as_on_the_host():
             history = np.zeros((len(contexts), 32), np.int32)
             for b, c in enumerate(contexts):
                 history[b, :len(c)] = c
-            drafts, counts = look.propose(jnp.asarray(history), jnp.asarray([len(c) for c in contexts]), k)
+                drafts, counts, _ = look.propose(DraftContext(jnp.asarray(history),
+                                                              jnp.asarray([len(c) for c in contexts])), k)
             got = [d[:n].tolist() for d, n in zip(np.asarray(drafts), np.asarray(counts))]
             assert got == [look(c, k) for c in contexts], (look, k)
 
@@ -319,7 +324,7 @@ def test_speculative_sampling_draws_the_targets_distribution(drawn):
     lookup's case) proposed with certainty."""
     from scipy.stats import chisquare
 
-    from gptoss_jax.speculative import accept_sampled
+    from gptoss_jax.decoding.acceptance import accept_sampled
 
     N, V, k = 300_000, 6, 2
     rng = np.random.default_rng(0)

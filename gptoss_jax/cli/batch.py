@@ -13,7 +13,7 @@ import jax
 from .. import tokenizer as tk
 from ..generate import batch_timings
 from ..eagle3_draft import Eagle3Draft
-from ..speculative import PromptLookup
+from ..drafts.prompt_lookup import PromptLookup
 from .display import ChatPrinter, timing_line
 
 

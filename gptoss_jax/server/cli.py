@@ -347,7 +347,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     import jax
 
     from ..serving import Engine
-    from ..speculative import PromptLookup
+    from ..drafts.prompt_lookup import PromptLookup
     from ..serving.lockstep import LockstepError
     from ..sharding import describe
     from .app import create_app

@@ -42,7 +42,7 @@ from ..kernels import Kernels
 from ..paged_cache import init_pool, pool_pages, table_width
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, on_every_device, to_host_soon
-from ..speculative import Draft
+from ..drafts.base import Draft
 from ..weight import Params
 from . import steps, stops
 from .constrain import Grammars
@@ -64,7 +64,7 @@ class Engine:
     smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
     size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
     where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
-    prefix_reuse=False: every prompt is computed whole (for comparison). draft (speculative.py): steps
+    prefix_reuse=False: every prompt is computed whole (for comparison). draft (drafts/base.py): steps
     of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, drafted on
     the host a step at a time (speculate_steps 0), or up to `speculate_steps` a call on the devices."""
 
@@ -100,10 +100,10 @@ class Engine:
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
                                    metrics=self.metrics, reuse=prefix_reuse)
         self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
-        self._tables = self._put(np.zeros((2, slots, self.width), np.int32))
-        self._last = self._put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
+        self._tables = self.put(np.zeros((2, slots, self.width), np.int32))
+        self._last = self.put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
-        self._picks = Picks(slots, config.vocab_size, self.mesh, self._put, self.grammars, tokenizer)
+        self._picks = Picks(slots, config.vocab_size, self.mesh, self.put, self.grammars, tokenizer)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -161,12 +161,7 @@ class Engine:
 
     def stats(self) -> dict:
         with self._lock:
-            used, pages, prefilling = len(self.scheduler.admitted), self.scheduler.pages, sum(
-                s.prefilling for s in self.scheduler.admitted)
-            waiting = len(self._waiting) + len(self.scheduler.preempted)
-            state = {"running": used, "prefilling": prefilling, "waiting": waiting,
-                     "slots_in_use": used, "slots": self.slots, "pages": pages.count, "pages_in_use": pages.held,
-                     "pages_cached": pages.cached, "page_size": self.page_size, "pages_evicted": pages.evicted}
+            state = self.scheduler.state(waiting=len(self._waiting))
         return self.metrics.snapshot(**state)
 
     @property
@@ -226,7 +221,6 @@ class Engine:
             decoded = self._decode_call([None] * B, [0] * B)
             outputs += [self._pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
         checked = [] if self.speculation is None else [self.speculation.warm_up(self)]
-        self._picks.forget()
         self._picks.warm_up()
         if self.grammars is not None:
             self.grammars.load()
@@ -249,12 +243,20 @@ class Engine:
 
     # The steps ---------------------------------------------------------------------------------------------
 
-    @property
-    def _model(self):
-        return self.config, self.kernels, self.mesh
-
-    def _put(self, x):
+    def put(self, x):  # a host array onto the engine's devices (on its mesh: a copy on each)
         return on_every_device(x, self.mesh)
+
+    def row_settings(self):
+        """Every row's sampling settings on the devices, and the running rows' sampling mode."""
+        return self._picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)[:2]
+
+    def run_checked(self, call):
+        """call(cache, last) -> (outcome, cache, history, last, state): checked steps (decoding/checked.py)
+        over the engine's pool and latest tokens, which it keeps -> (outcome, history, state)."""
+        outcome, cache, history, self._last, state = call({"pages": self._pool["pages"], "tables": self._tables},
+                                                          self._last)
+        self._pool, self._tables = {"pages": cache["pages"]}, cache["tables"]
+        return outcome, history, state
 
     def step(self) -> bool:
         """One engine step (see the module's docstring); False when there was nothing to do."""
@@ -284,9 +286,10 @@ class Engine:
         queued = []
         if prefilling:
             queued.append(self._prefill(prefilling))
+        call = self.speculation.queue(self, decoding) if speculate else None  # (drafted on the devices)
+        speculate = speculate and (call is not None or not self.speculation.on_devices)  # none due: decode
         if decoding and not speculate:
             decoded = self._decode(decoding)
-        call = self.speculation.queue(self, decoding) if speculate else None  # (drafted on the devices)
         for seq in prefilling + ([] if speculate else decoding):
             self.scheduler.after_step(seq)
         before, self._in_flight = self._in_flight, queued
@@ -343,10 +346,8 @@ class Engine:
 
     def _send_table_writes(self) -> None:
         writes, self.scheduler.table_writes = self.scheduler.table_writes, []
-        for at in range(0, len(writes), TABLE_WRITES):
-            part = np.full((4, TABLE_WRITES), self.slots, np.int32)  # row `slots`: padding, dropped
-            part[:, :len(writes[at:at + TABLE_WRITES])] = np.array(writes[at:at + TABLE_WRITES], np.int32).T
-            self._tables = steps.write_tables(self._tables, self._put(part))
+        for part in steps.in_parts(writes, TABLE_WRITES, self.slots):
+            self._tables = steps.write_tables(self._tables, self.put(part))
 
     # Prefill and decode ---------------------------------------------------------------------------------
 
@@ -357,10 +358,10 @@ class Engine:
         row whose prompt ends) -> (their first tokens [P], with logprobs their log-probabilities
         (sampling.token_logprobs), else None), on the devices."""
         rows = [self.slots if s is None else s.row for s in seqs]
-        plan = self._put(np.array([rows, counts, starts, finishing, sample_steps], np.int32))
-        logits, self._pool = steps.prefill_rows(*self._model, self.params, self._pool, self._tables,
-                                                self._put(tokens), plan)
-        settings = self._picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)[0]
+        plan = self.put(np.array([rows, counts, starts, finishing, sample_steps], np.int32))
+        logits, self._pool = steps.prefill_rows(self.config, self.kernels, self.mesh, self.params, self._pool, self._tables,
+                                                self.put(tokens), plan)
+        settings = self.row_settings()[0]
         first, self._last, logprobs = self._picks.first(logits, self._last, plan, settings, mode, wants, ending)
         return first, logprobs
 
@@ -392,9 +393,9 @@ class Engine:
 
     def _decode_call(self, seqs: list[Seq | None], lengths: list[int]):
         """decode_rows for these rows (None: padding) -> (logits [B, V], the plan), on the devices."""
-        plan = self._put(np.array([[self.slots if s is None else s.row for s in seqs], lengths,
+        plan = self.put(np.array([[self.slots if s is None else s.row for s in seqs], lengths,
                                    [-1 if s is None else s.queued for s in seqs]], np.int32))
-        logits, self._pool = steps.decode_rows(*self._model, self.params, self._pool, self._tables, self._last, plan)
+        logits, self._pool = steps.decode_rows(self.config, self.kernels, self.mesh, self.params, self._pool, self._tables, self._last, plan)
         return logits, plan
 
     def _decode(self, decoding: list[Seq]):
@@ -426,9 +427,9 @@ class Engine:
         for i, seq in rows:
             if self.scheduler.rows[seq.row] is seq:
                 n = seq.request.settings.logprobs
-                self._emit(seq, int(tokens[i]), None if n is None else TokenLogprob.of_row(picked, i, n))
+                self.emit(seq, int(tokens[i]), None if n is None else TokenLogprob.of_row(picked, i, n))
 
-    def _emit(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> None:
+    def emit(self, seq: Seq, token: int, logprob: TokenLogprob | None = None) -> None:
         """Hand a sequence's new token to its request; free the sequence if that ends it (or fails it)."""
         self._alone(seq, self._emit_one, seq, token, logprob)
 
@@ -483,8 +484,8 @@ class Engine:
         self.scheduler.reset()
         self._in_flight = []
         self._pool = init_pool(self.config, self.scheduler.pages.count, self.page_size, self.dtype, mesh=self.mesh)
-        self._tables = self._put(np.zeros((2, self.slots, self.width), np.int32))
-        self._last = self._put(np.zeros(self.slots, np.int32))
+        self._tables = self.put(np.zeros((2, self.slots, self.width), np.int32))
+        self._last = self.put(np.zeros(self.slots, np.int32))
         self._picks.reset()
 
     def _fail_running(self, message: str) -> None:

@@ -43,10 +43,6 @@ class Picks:
                           steps.wants([r.settings for r in running]))
         return self._rows[1:]
 
-    def forget(self) -> None:
-        """The rows' settings are sent again at the next pick (warm-up left others in their place)."""
-        self._rows = None
-
     def taken(self, request: Request, row: int) -> None:
         """A request took a row: its settings become the row's (an error here is the request's alone: the
         engine ends it), and a penalized one's counts its reply's so far (none, or those it had when it
@@ -60,7 +56,9 @@ class Picks:
                                            self._put(np.minimum(values, steps.COUNT_MOST).astype(np.int16)))
 
     def warm_up(self) -> None:
-        """Compile set_counts (row 0 set to zeros: nothing holds a row during a warm-up)."""
+        """Compile set_counts (row 0 set to zeros: nothing holds a row during a warm-up); the rows'
+        settings are sent again at the next pick (the warm-up's steps left others in their place)."""
+        self._rows = None
         self.counts = steps.set_counts(self.counts, self._put(np.int32(0)), self._put(np.zeros(self.vocab, np.int16)))
 
     def mask(self, requests: list[Request | None]):

@@ -76,6 +76,14 @@ class Scheduler:
         self.rows, self.admitted, self.table_writes, self._taken = [None] * self.slots, [], [], []
         self.changes += 1
 
+    def state(self, waiting: int) -> dict:
+        """Rows and pages in use, for the engine's stats (waiting: requests not yet admitted)."""
+        used, pages = len(self.admitted), self.pages
+        return {"running": used, "prefilling": sum(s.prefilling for s in self.admitted),
+                "waiting": waiting + len(self.preempted), "slots_in_use": used, "slots": self.slots,
+                "pages": pages.count, "pages_in_use": pages.held, "pages_cached": pages.cached,
+                "page_size": self.page_size, "pages_evicted": pages.evicted}
+
     def pages_alone(self, tokens: int) -> int:
         """Pages one sequence of this many positions holds at most."""
         full = -(-tokens // self.page_size)

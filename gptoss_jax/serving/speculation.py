@@ -1,6 +1,6 @@
 """Speculative decoding in the serving engine: while few sequences decode, each step checks a draft
-of up to k tokens per sequence in one pass of the model over k + 1 positions (speculative.py has
-the rule), and a sequence gains every drafted token the model agrees with, then one of its own.
+of up to k tokens per sequence in one pass of the model over k + 1 positions (decoding/acceptance.py
+has the rule), and a sequence gains every drafted token the model agrees with, then one of its own.
 
     engine = Engine(config, params, draft=PromptLookup(), draft_tokens=3, speculate_rows=16)
 
@@ -15,23 +15,22 @@ Nothing of a rejected draft needs undoing in the paged cache: attention never re
 or past a sequence's length (paged_cache.py), and the next step writes its own tokens over the
 rejected ones before anything reads them.
 
-By default the drafts are made on the host. With `steps` > 0, a draft source that proposes on the
-devices (`propose(history, lengths, k)`, as `PromptLookup` has) runs up to `steps` checked steps a
-call there while nothing else waits to run and a sequence is due (checked_steps.py): the call is
+Every checked step is the program of decoding/checked.py (the command line's too). By default the
+drafts are made on the host. With `steps` > 0, a draft source that proposes on the devices
+(drafts/base.py's `DeviceDraft`, as `PromptLookup` is) runs up to `steps` checked steps a call
+there while nothing else waits to run and a sequence is due: the call is
 queued before the host reads the tokens of the decode step before it (it takes each row's latest
 token from the devices), and the host reads the call's tokens once. A source on the host makes
 each step synchronous: the drafts follow the tokens of the step before, so those are read first
 (the decode steps' pipelining is given up for the step, also where no sequence then has a draft
-and the step decodes one token each). On either path a sequence whose draft was empty or wholly
-rejected waits before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps (each wait ends on
-a multiple of its length, so the waiting sequences come due together); one accepted drafted token
-makes it draft every step again. Over text that repeats nothing, once its sequences have backed
+and the step checks one position a sequence). On either path a sequence whose draft was empty or
+wholly rejected waits before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps
+(decoding/acceptance.py); one accepted drafted token makes it draft every step again. Over text that repeats nothing, once its sequences have backed
 off that far, at most one step in `MOST_WAIT` waits for its tokens (on the host) or checks k + 1
 positions. A new sequence (and one taken back after a preemption) drafts at once.
 
-Greedy rows take the model's argmax (`speculative.accept_sampled` with the argmax as a certainty
-accepts exactly the drafts equal to it, and then takes it), so a greedy request's tokens are those
-it gives without speculation (up to the rounding of a pass over several positions against one).
+Greedy rows take the model's argmax, so a greedy request's tokens are those it gives without
+speculation (up to the rounding of a pass over several positions against one).
 Sampled rows follow the speculative-sampling rule over the distribution `sample_rows` draws from,
 with the key fold_in(key(seed), sampling step of the step's first token): the same distribution as
 without speculation, not the same draws.
@@ -45,15 +44,13 @@ import functools
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..model import Transformer
+from ..decoding.acceptance import MOST_WAIT
+from ..decoding.checked import CheckedSteps, Plan, checked_steps
+from ..drafts.base import GIVEN, Draft, on_devices
 from ..sampling import MODES
-from ..sharding import everywhere
-from ..speculative import Draft
 from . import steps
-from .checked_steps import MOST_WAIT, accept_rows, check_steps, row_probabilities, write_history
 
 log = logging.getLogger("gptoss_jax.serving")
 
@@ -63,36 +60,10 @@ def speculable(settings) -> bool:
     return settings.logprobs is None and not steps.adjusted(settings)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
-                   compiler_options=steps._STEP_OPTIONS)
-def check_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
-    """The model's pass of a checked step: tokens [B, T]: each row's latest token, then its draft; plan
-    [4, B]: rows, lengths (positions cached), counts (1 + its drafted tokens; 0: padding, nothing
-    written), sampling steps -> (logits [B, T, V], pool). One program for every sampling mode (the
-    picks, `accept_checked`, are compiled per mode)."""
-    rows, lengths, counts = plan[0], plan[1], plan[2]
-    valid = jnp.arange(tokens.shape[1])[None] < counts[:, None]  # [B, T]
-    logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
-        {"params": params}, tokens, steps.paged_view(pool, tables, rows, lengths), valid)
-    return logits, {"pages": view["pages"]}
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def accept_checked(mesh, mode, logits, last, tokens, plan, settings):
-    """A checked step's picks: logits [B, T, V] (check_rows'), tokens and plan as there, settings: every
-    row's (steps.sampling_arrays, on the devices) -> (accepted drafts [B], the token after them [B],
-    last [R] with the checked rows' set to it)."""
-    rows, counts, sample_steps = plan[0], plan[2], plan[3]
-    B, T = tokens.shape
-    valid = jnp.arange(T)[None] < counts[:, None]  # [B, T]
-    seeds, temperature, top_k, top_p, min_p = (jnp.take(x, rows, mode="clip") for x in settings[:5])
-    each = functools.partial(jnp.repeat, repeats=T)  # a row's settings at each of its positions
-    target = row_probabilities(logits.reshape(B * T, -1), each(temperature), each(top_k), each(top_p), each(min_p),
-                               mode).reshape(B, T, -1)
-    accepted, nxt = accept_rows(seeds, sample_steps, target, tokens[:, 1:], valid[:, 1:])
-    at = jnp.where(counts > 0, rows, last.shape[0])  # padding: dropped
-    last = last.at[at].set(nxt, mode="drop")
-    return everywhere(accepted, mesh), everywhere(nxt, mesh), everywhere(last, mesh)
+@functools.partial(jax.jit, donate_argnames=("history",))
+def write_history(history, writes):
+    """history [R, L]; writes int32 [3, U]: rows, positions, tokens (row R: padding) -> history."""
+    return history.at[writes[0], writes[1]].set(writes[2], mode="drop")
 
 
 HISTORY_WRITES = 4096  # history entries set by one call (a long prompt takes several)
@@ -104,7 +75,7 @@ class Speculation:
     sizes up to the first that holds `rows`). steps 0: drafts made on the host, a step at a time;
     else a draft that proposes on the devices runs up to `steps` checked steps a call there while
     nothing else waits to run (no more than prefill_chunk // (k + 1): the positions a call may
-    write), checked_steps.py."""
+    write)."""
 
     def __init__(self, draft: Draft, tokens: int, rows: int, decode_sizes: list[int], prefill_chunk: int,
                  steps: int = 0):
@@ -127,15 +98,18 @@ class Speculation:
     def use(self, draft: Draft) -> None:
         """Draft with this source from the next step on (a source that proposes on the devices, of
         another kind or shape than the last warmed up, compiles its steps at its first call)."""
+        if not (callable(draft) or (self._steps > 0 and on_devices(draft))):
+            raise ValueError(f"a draft source of the engine proposes on the host (a callable) or, with "
+                             f"speculate_steps > 0, on the devices; {type(draft).__name__} does neither")
         self._source = draft
-        self.on_devices = self._steps > 0 and callable(getattr(draft, "propose", None))
+        self.on_devices = self._steps > 0 and on_devices(draft)
         self.most = self._steps if self.on_devices else 1
         self._arrays = None  # (the draft, its arrays on the devices) once placed
 
     def wanted(self, decoding, alone: bool = True) -> bool:
         """Whether this step of these decoding sequences speculates (their tokens not read yet): where
         one of them is due to draft; alone: nothing else waits to run, so that a call may run several
-        checked steps (while one is due, checked_steps.py)."""
+        checked steps (while one is due)."""
         self.clock += 1
         self.now = self.most if alone else 1
         return (0 < len(decoding) <= self.rows and all(speculable(s.request.settings) for s in decoding)
@@ -143,13 +117,6 @@ class Speculation:
 
     def _due(self, seq) -> bool:
         return seq.draft_due <= self.clock
-
-    def _score(self, seq, accepted: int) -> None:
-        """After a step that drafted for the sequence: draft again next step where a drafted token was
-        accepted, else wait (see the module)."""
-        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
-        wait = min(2 ** seq.draft_misses, MOST_WAIT) if seq.draft_misses else 1
-        seq.draft_due = (self.clock // wait + 1) * wait
 
     def ahead(self, seq) -> int:
         """Positions a speculated step of the sequence may write: its latest token and, where it is due
@@ -160,33 +127,15 @@ class Speculation:
 
     def warm_up(self, engine) -> str:
         """Compile the checked steps (padding rows only: nothing changes) -> what was compiled."""
+        for B in self.sizes:
+            jax.block_until_ready(self._check_steps(engine, [None] * B, 0, self._given([None] * B, engine)))
         if self.on_devices:
-            for B in self.sizes:
-                jax.block_until_ready(self._check_steps(engine, [None] * B, 0))
-            padding = engine._put(np.full((3, HISTORY_WRITES), engine.slots, np.int32))  # dropped
+            padding = engine.put(np.full((3, HISTORY_WRITES), engine.slots, np.int32))  # dropped
             self.history = write_history(self._history(engine), padding)
             return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions (or 1), up to "
                     f"{self.most} a call, drafted on the devices")
-        for B in self.sizes:
-            for mode in MODES:
-                jax.block_until_ready(self._check(engine, [None] * B, np.zeros((B, self.k + 1), np.int32), [0] * B,
-                                                  mode))
-        return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions, their picks "
-                f"({', '.join(MODES)})")
-
-    def _check(self, engine, seqs, tokens, counts, mode=None):
-        """check_rows over these rows (None: padding) in `mode` (None: the running rows') -> (accepted,
-        next tokens), on the devices."""
-        plan = np.array([[engine.slots if s is None else s.row for s in seqs],
-                         [0 if s is None else s.length for s in seqs], counts,
-                         [0 if s is None else s.queued for s in seqs]], np.int32)
-        settings, running_mode, _ = engine._picks.rows([s and s.request for s in engine.scheduler.rows],
-                                                       engine.scheduler.changes)
-        tokens, plan = engine._put(tokens), engine._put(plan)
-        logits, engine._pool = check_rows(*engine._model, engine.params, engine._pool, engine._tables, tokens, plan)
-        accepted, nxt, engine._last = accept_checked(engine.mesh, mode or running_mode, logits, engine._last, tokens,
-                                                     plan, settings)
-        return accepted, nxt
+        return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions (or 1), "
+                f"picks ({', '.join(MODES)})")
 
     def _draft(self, seq, vocab: int) -> list[int]:
         """The sequence's draft: at most what its budget leaves after the step's own token, cut at the
@@ -202,11 +151,23 @@ class Speculation:
         ok = [0 <= int(t) < vocab for t in draft[:room]]
         return [int(t) for t in draft[:ok.index(False) if False in ok else len(ok)]]
 
+    def _given(self, seqs, engine) -> dict | None:
+        """The host's drafts of these rows (None: padding) as a `Given` draft's arrays; None on the
+        devices (the draft source's own arrays are used there)."""
+        if self.on_devices:
+            return None
+        drafts, counts = np.zeros((len(seqs), self.k), np.int32), np.zeros(len(seqs), np.int32)
+        for i, seq in enumerate(seqs):
+            if seq is not None and self._due(seq):
+                draft = self._draft(seq, engine.config.vocab_size)
+                drafts[i, :len(draft)], counts[i] = draft, len(draft)
+        return {"drafts": engine.put(drafts), "counts": engine.put(counts)}
+
     def queue(self, engine, decoding):
         """Drafted on the devices: queue the call of these sequences' checked steps before the step
         before's tokens are read, so that the host reads them while the call runs (the call takes each
         row's latest token from the devices) -> (the sequences, the call's outputs); None drafted on the
-        host, or where none of them is due any more (preempted since `wanted`)."""
+        host, or where none of them is due any more (preempted since `wanted`: the step decodes)."""
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if not (self.on_devices and any(self._due(s) for s in live)):
             return None
@@ -215,79 +176,50 @@ class Speculation:
         return live, self._check_steps(engine, live + [None] * (B - len(live)), self.now)
 
     def step(self, engine, decoding, queued=None) -> None:
-        """Check the drafts of these sequences (the step before's tokens read: those that ended are
-        left out) and hand out their tokens; where none has a draft (drafted on the host) or none of
-        them is due (on the devices), queue a decode step instead; drafted on the devices, hand out
-        the tokens of the call `queue` queued (`_read_call`)."""
-        live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
-        if any(len(s.request.output_ids) != s.queued for s in live):
-            raise RuntimeError("a speculated step needs every token sampled before it read")
-        if queued is not None:
-            return self._read_call(engine, *queued)
-        due = [self._due(s) for s in live]
-        if self.on_devices:
-            drafts = []  # no sequence due (preempted since `wanted`): a decode step
-        else:
-            drafts = [self._draft(s, engine.config.vocab_size) if d else [] for s, d in zip(live, due)]
-            engine.metrics.drafting_steps += 1
-        if not any(drafts):
-            for seq in [s for s, d in zip(live, due) if d]:
-                self._score(seq, 0)
-            decoded = engine._decode(live) if live else None
-            for seq in live:
-                engine.scheduler.after_step(seq)
-            if live:
-                engine._in_flight.append(engine._pick(*decoded))
-            return
-        B = next(b for b in self.sizes if b >= len(live))
-        tokens, counts = np.zeros((B, self.k + 1), np.int32), [0] * B
-        for i, (seq, draft) in enumerate(zip(live, drafts)):
-            tokens[i, :1 + len(draft)] = [seq.request.output_ids[-1], *draft]
-            counts[i] = 1 + len(draft)
-        accepted, nxt = (np.asarray(x) for x in self._check(engine, live + [None] * (B - len(live)), tokens, counts))
-        metrics = engine.metrics
-        metrics.speculative_steps += 1
-        for i, (seq, draft) in enumerate(zip(live, drafts)):
-            a = int(accepted[i])
-            if due[i]:
-                self._score(seq, a)
-            metrics.draft_tokens += len(draft)
-            metrics.accepted_draft_tokens += a
-            seq.length, seq.queued = seq.length + a + 1, seq.queued + a + 1
-            for token in [*draft[:a], int(nxt[i])]:
-                if engine.scheduler.rows[seq.row] is seq:
-                    engine._emit(seq, token)
-            if engine.scheduler.rows[seq.row] is seq:
-                engine.scheduler.after_step(seq)
+        """Hand out the tokens of a call `queue` queued (drafted on the devices); drafted on the host,
+        draft for these sequences (the step before's tokens read: those that ended are left out),
+        check the drafts and hand out their tokens."""
+        if queued is None:
+            live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
+            if any(len(s.request.output_ids) != s.queued for s in live):
+                raise RuntimeError("a speculated step needs every token sampled before it read")
+            if not live:
+                return
+            B = next(b for b in self.sizes if b >= len(live))
+            seqs = live + [None] * (B - len(live))
+            queued = live, self._check_steps(engine, seqs, 1, self._given(seqs, engine))
+        self._read_call(engine, *queued)
 
-    # Drafted on the devices, several checked steps a call (checked_steps.py) ------------------------------
-
-    def _check_steps(self, engine, seqs, steps: int):
-        """check_steps over these rows (None: padding), at most `steps`, in the running rows' sampling
-        mode -> its outputs, on the devices."""
+    def _check_steps(self, engine, seqs, steps: int, given: dict | None = None):
+        """The checked steps of these rows (None: padding), at most `steps`, in the running rows'
+        sampling mode, with the host's drafts `given` (None: drafted on the devices) -> the Outcome,
+        on the devices."""
         plan = np.array([[engine.slots if s is None else s.row for s in seqs],
                          [0 if s is None else s.length for s in seqs],
                          [0 if s is None else s.request.settings.max_new_tokens - s.queued for s in seqs],
                          [0 if s is None else s.queued for s in seqs],
                          [0 if s is None else s.draft_misses for s in seqs],
                          [0 if s is None else s.draft_due for s in seqs]], np.int32)
-        settings, mode, _ = engine._picks.rows([s and s.request for s in engine.scheduler.rows],
-                                               engine.scheduler.changes)
+        settings, mode = engine.row_settings()
         run = np.array([steps, self.clock, MODES.index(mode)], np.int32)
-        has_arrays = callable(getattr(self.draft, "arrays", None))
-        if has_arrays and (self._arrays is None or self._arrays[0] is not self.draft):
-            self._arrays = (self.draft, jax.tree.map(engine._put, self.draft.arrays()))
-        *out, engine._pool, self.history, engine._last = check_steps(
-            *engine._model, self.draft, self.k, self.most, engine.params, engine._pool, engine._tables,
-            self._history(engine), engine._last, engine._put(plan), settings, engine._put(run),
-            None if self._arrays is None else self._arrays[1])
-        return out
+        spec = CheckedSteps(engine.config, engine.kernels, engine.mesh, self.draft if given is None else GIVEN,
+                            self.k, self.most, MOST_WAIT)
+        if given is None and self.draft.arrays() is not None and (self._arrays is None or
+                                                                  self._arrays[0] is not self.draft):
+            self._arrays = (self.draft, jax.tree.map(engine.put, self.draft.arrays()))
+        arrays = given if given is not None else None if self._arrays is None else self._arrays[1]
+        history = None if given is not None else self._history(engine)
+        outcome, history, _ = engine.run_checked(lambda cache, last: checked_steps(
+            spec, engine.params, cache, history, last, Plan(engine.put(plan), engine.put(run), settings), arrays))
+        if given is None:
+            self.history = history
+        return outcome
 
     def _history(self, engine):
         """The history on the devices: made at the first call, and again after a failed call consumed it
         (the engine's rows were reset then, so each sequence's tokens are written again)."""
         if self.history is None or self.history.is_deleted():
-            self.history = engine._put(np.zeros((engine.slots, engine.max_len), np.int32))
+            self.history = engine.put(np.zeros((engine.slots, engine.max_len), np.int32))
         return self.history
 
     def _sync_history(self, engine, live) -> None:
@@ -300,16 +232,14 @@ class Speculation:
             new = prompt[at:] + reply[max(at - len(prompt), 0):]  # (the tokens after the last call's: few)
             writes += [(seq.row, p, t) for p, t in enumerate(new, at)]
             seq.drafted_from = at + len(new)
-        for at in range(0, len(writes), HISTORY_WRITES):
-            part = np.full((3, HISTORY_WRITES), engine.slots, np.int32)  # row `slots`: padding, dropped
-            part[:, :len(writes[at:at + HISTORY_WRITES])] = np.array(writes[at:at + HISTORY_WRITES], np.int32).T
-            self.history = write_history(self._history(engine), engine._put(part))
+        for part in steps.in_parts(writes, HISTORY_WRITES, engine.slots):
+            self.history = write_history(self._history(engine), engine.put(part))
 
-    def _read_call(self, engine, live, out) -> None:
-        """Hand out the tokens of a call of checked steps (`queue`) to its sequences (those that ended
-        meanwhile, at the step before's tokens, are left out: their tokens are dropped)."""
+    def _read_call(self, engine, live, outcome) -> None:
+        """Hand out the tokens of a call of checked steps to its sequences (those that ended meanwhile,
+        at the step before's tokens, are left out: their tokens are dropped)."""
         try:
-            new, counts, drafted, accepted, misses, due, ran = jax.device_get(out)  # one wait for all
+            new, counts, drafted, accepted, ran, plan = jax.device_get(outcome[:6])  # one wait for all
         except Exception:  # a failed call's outputs carry its error: the engine resets its rows
             self.history = None
             raise
@@ -317,7 +247,7 @@ class Speculation:
         metrics = engine.metrics
         metrics.drafting_steps += ran
         metrics.speculative_steps += int((drafted[:ran] > 0).any(axis=1).sum())
-        self.clock += ran - 1
+        self.clock += max(ran - 1, 0)
         for i, seq in enumerate(live):
             if engine.scheduler.rows[seq.row] is not seq:
                 continue
@@ -325,11 +255,11 @@ class Speculation:
             metrics.draft_tokens += int(drafted[:ran, i].sum())
             metrics.accepted_draft_tokens += int(accepted[:ran, i].sum())
             seq.length, seq.queued = seq.length + total, seq.queued + total
-            seq.draft_misses, seq.draft_due = int(misses[i]), int(due[i])
+            seq.draft_misses, seq.draft_due = int(plan[4, i]), int(plan[5, i])
             for token in new[:ran, i][np.arange(self.k + 1)[None] < counts[:ran, i, None]]:
                 if engine.scheduler.rows[seq.row] is not seq:
                     break
-                engine._emit(seq, int(token))
+                engine.emit(seq, int(token))
             if engine.scheduler.rows[seq.row] is seq:
                 seq.drafted_from = len(seq.request.prompt_ids) + len(seq.request.output_ids)
                 engine.scheduler.after_step(seq)

@@ -50,18 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..decoding.checked import STEP_OPTIONS
 from ..model import Transformer
 from ..sampling import LOGIT_BIAS_MOST, sample_rows, token_logprobs
 from ..sharding import everywhere
-
-# XLA's rematerialization pass never runs on the model steps. It counts a donated pool twice (the
-# parameter and the updated pool it writes in place), so once the pool passes about half of the
-# memory free after the weights it decides the step cannot fit and recomputes parts of it, Pallas
-# kernels included: on one NVIDIA H200, gpt-oss-20b's decode step of 256 sequences over a pool of
-# 78.6 GiB ran 11 of its kernels twice and took 21.00 ms against 18.38 over a pool of 12 GiB; from
-# 45.4 GiB on it recomputed some (2026-11-26, docs/benchmarks.md). The steps need no recomputation:
-# their temporaries are under 1.1 GiB beside the pool, which the allocator updates in place.
-_STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def sampling_arrays(n: int) -> tuple[np.ndarray, ...]:
@@ -143,6 +135,15 @@ def set_counts(counts, row, values):
     return counts.at[row].set(values)
 
 
+def in_parts(writes: list[tuple], size: int, padding: int):
+    """Host writes (tuples of ints alike) as int32 arrays [len(tuple), size], one a call, padded with
+    `padding` (a row past the end: the write is dropped)."""
+    for at in range(0, len(writes), size):
+        part = np.full((len(writes[0]), size), padding, np.int32)
+        part[:, :len(writes[at:at + size])] = np.array(writes[at:at + size], np.int32).T
+        yield part
+
+
 @functools.partial(jax.jit, donate_argnames=("tables",))
 def write_tables(tables, writes):
     """tables [2, R, W]; writes int32 [4, U]: groups, rows, columns, pages (row R: padding) -> tables."""
@@ -154,7 +155,7 @@ def paged_view(pool, tables, rows, lengths) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
-                   compiler_options=_STEP_OPTIONS)
+                   compiler_options=STEP_OPTIONS)
 def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
     """tokens [P, C] int32, plan [5, P] (rows, counts, starts, ...) -> (logits [P, V] float32 at each
     row's last real token, pool). A padding row (counts 0) writes nothing."""
@@ -201,7 +202,7 @@ def logprobs_first(mesh, logits, plan, settings, first):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
-                   compiler_options=_STEP_OPTIONS)
+                   compiler_options=STEP_OPTIONS)
 def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
     """plan [3, B]: rows, lengths (each row's cached positions), sampling steps (-1: padding) ->
     (logits [B, V], pool)."""
