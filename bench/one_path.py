@@ -44,7 +44,7 @@ def main() -> None:
     import gptoss_jax as gj
     from gptoss_jax.generate import Generator
     from gptoss_jax.sampling import Sampling
-    from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.serving import Engine, EngineConfig, Settings
     from gptoss_jax.serving.scheduler import sliding_most
     from gptoss_jax.testing import random_params_on_device
 
@@ -73,8 +73,9 @@ def main() -> None:
         # What the case needs (the default pool takes most of the free memory, and the next case's
         # Generator would find none): each sequence's full-attention pages and its sliding ones.
         pages = B * (-(-max_len // args.page_size) + sliding_most(config, args.page_size, chunk))
-        engine = Engine(config, params, slots=B, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(B, 8),
-                        max_waiting=B, page_size=args.page_size, decode_sizes=(B,), pages=pages)
+        engine = Engine(config, params,
+                        EngineConfig(slots=B, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(B, 8), max_waiting=B,
+                                     page_size=args.page_size, decode_sizes=(B,), pages=pages))
         engine.warm_up()
         engine.start()
         runs = []
@@ -90,7 +91,7 @@ def main() -> None:
                 runs.append(([r.output_ids for r in requests], rate, first - submitted))
         finally:
             engine.stop()
-            engine._pool = None  # its memory back for the next case
+            engine.device.release()  # its memory back for the next case
             gc.collect()
         return runs[1:]
 

@@ -90,7 +90,7 @@ def run_jax(args) -> dict:
     import gptoss_jax as gj
     from gptoss_jax.generate import Generator
     from gptoss_jax.sampling import Sampling
-    from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.serving import Engine, EngineConfig, Settings
     from gptoss_jax.drafts.prompt_lookup import PromptLookup
     from gptoss_jax.testing import KnownReplies, random_params_on_device
 
@@ -138,11 +138,12 @@ def run_jax(args) -> dict:
             base = drafts[draft.removesuffix("@host")]
             return (lambda context, k: base(context, k)) if draft.endswith("@host") else base
         reuse = len(args.draft) == 1  # several runs send the same prompts: a later one would find them cached
-        engine = Engine(config, params, slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows,
-                        max_waiting=c, kernels=kernels, draft=source(speculating[0]) if speculating else None,
-                        draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c,
-                        speculate_steps=args.speculate_steps, prefix_reuse=reuse,
-                        kv_memory=int(args.kv_gib * 2 ** 30) if args.kv_gib else None)
+        engine = Engine(config, params,
+                        EngineConfig(slots=c, max_len=max_len, prefill_chunk=chunk, prefill_rows=rows, max_waiting=c,
+                                     draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows or c,
+                                     speculate_steps=args.speculate_steps, prefix_reuse=reuse,
+                                     kv_memory=int(args.kv_gib * 2 ** 30) if args.kv_gib else None),
+                        kernels=kernels, draft=source(speculating[0]) if speculating else None)
         speculation = engine.speculation
         t = time.perf_counter()
         engine.warm_up()

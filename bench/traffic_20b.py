@@ -266,7 +266,7 @@ def main() -> None:
 
     import gptoss_jax as gj
     from gptoss_jax.sampling import Sampling
-    from gptoss_jax.serving import Engine, Settings
+    from gptoss_jax.serving import Engine, EngineConfig, Settings
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
@@ -285,10 +285,11 @@ def main() -> None:
 
     def engine_for(slots, max_len, sizes=(), **kw):
         t = time.perf_counter()
-        engine = Engine(config, params, slots=slots, max_len=max_len, prefill_chunk=chunk,
-                        prefill_rows=min(rows, slots), tokenizer=tokenizer,
-                        max_waiting=100_000, kernels=kernels, page_size=args.page_size,
-                        decode_sizes=(*sizes, slots) if args.one_decode_size else None, **kw)
+        engine = Engine(config, params,
+                        EngineConfig(slots=slots, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(rows, slots),
+                                     max_waiting=100_000, page_size=args.page_size,
+                                     decode_sizes=(*sizes, slots) if args.one_decode_size else None, **kw),
+                        tokenizer=tokenizer, kernels=kernels)
         engine.warm_up()
         engine.submit(list(range(16)), Settings(max_new_tokens=4))  # the first steps' host paths, untimed
         engine.run_until_idle()
@@ -299,7 +300,7 @@ def main() -> None:
 
     def close(engine):
         engine.stop()
-        engine._pool = None  # the pool's memory back before the next engine sizes its own
+        engine.device.release()  # the pool's memory back before the next engine sizes its own
         gc.collect()
 
     def record(name, s):

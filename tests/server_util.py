@@ -181,12 +181,14 @@ def demo_served(model: str, *, slots: int, max_len: int, max_waiting: int, keep_
 
     import gptoss_jax as gj
     from gptoss_jax.server.app import Server, create_app
-    from gptoss_jax.serving import Engine
+    from gptoss_jax.serving import Engine, EngineConfig
     from gptoss_jax.testing import random_params
 
     config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=slots, max_len=max_len,
-                    prefill_chunk=64, prefill_rows=2, max_waiting=max_waiting, tokenizer=tk.load_tokenizer(VOCAB))
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32),
+                    EngineConfig(slots=slots, max_len=max_len, prefill_chunk=64, prefill_rows=2,
+                                 max_waiting=max_waiting),
+                    tokenizer=tk.load_tokenizer(VOCAB))
     engine.warm_up()
     engine.start()
     server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=model)

@@ -15,7 +15,7 @@ from server_util import serving_engine
 
 import gptoss_jax as gj
 from gptoss_jax import tokenizer as tk
-from gptoss_jax.serving import Engine
+from gptoss_jax.serving import Engine, EngineConfig
 from gptoss_jax.testing import random_params
 
 pytestmark = needs_vocab
@@ -30,8 +30,9 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def engine():
     config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=4, max_len=1024,
-                    prefill_chunk=256, prefill_rows=2, tokenizer=tk.load_tokenizer(VOCAB))
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32),
+                    EngineConfig(slots=4, max_len=1024, prefill_chunk=256, prefill_rows=2),
+                    tokenizer=tk.load_tokenizer(VOCAB))
     engine.warm_up()
     engine.start()
     try:

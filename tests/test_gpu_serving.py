@@ -14,7 +14,7 @@ import pytest
 
 import gptoss_jax as gj
 import gptoss_jax.serving.speculation as speculation
-from gptoss_jax.serving import Engine
+from gptoss_jax.serving import Engine, EngineConfig
 from gptoss_jax.drafts.prompt_lookup import PromptLookup
 from gptoss_jax.testing import random_params_on_device
 
@@ -35,8 +35,10 @@ def test_checked_steps_on_the_device_update_the_pool_in_place(monkeypatch):
     on one NVIDIA H200 with the oracle as the draft (24 storages, two branches), the whole pool a step."""
     config = gj.ModelConfig.preset("gpt-oss-20b")
     params = random_params_on_device(config, seed=0, dtype="mxfp4")
-    engine = Engine(config, params, slots=1, max_len=2048, prefill_chunk=512, page_size=64, pages=PAGES,
-                    decode_sizes=(1,), draft=PromptLookup(), speculate_steps=4)
+    engine = Engine(config, params,
+                    EngineConfig(slots=1, max_len=2048, prefill_chunk=512, page_size=64, pages=PAGES, decode_sizes=(1,),
+                                 speculate_steps=4),
+                    draft=PromptLookup())
     checked_steps, calls = speculation.checked_steps, []
 
     def spy(*args):  # (the shapes of its arguments: the pool and the history are donated)

@@ -19,7 +19,7 @@ import pytest
 from gptoss_jax.generate import Generator
 from gptoss_jax.paged_cache import FULL, SLIDING, page_bytes, window_pages
 from gptoss_jax.sampling import Sampling
-from gptoss_jax.serving import Engine, Settings
+from gptoss_jax.serving import Engine, EngineConfig, Settings
 from gptoss_jax.serving import pages as pages_module
 from gptoss_jax.serving.pages import Pages, chain, extend_hashes
 from gptoss_jax.testing import KnownReplies
@@ -175,7 +175,7 @@ def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_
 def engine(model):
     """Pages of 8 positions (the window spans 2 of them), prompts prefilled 16 tokens a step."""
     config, params = model
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8))
     engine.warm_up()
     return engine
 
@@ -190,7 +190,7 @@ def test_shared_prefixes_of_every_kind_give_each_request_its_tokens_alone(model,
     computed)."""
     config, params = model
     if page_size != engine.page_size:  # pages larger than the window
-        engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=page_size)
+        engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=page_size))
     P = page_size
     system = _tokens(config, 100 + P, 50)
     first = system + _tokens(config, 1, 20)
@@ -219,7 +219,7 @@ def test_a_broken_page_name_reuses_a_wrong_page_and_the_tokens_show_it(model, al
     (checked over five such pairs, so that the test does not hang on one argmax)."""
     config, params = model
     monkeypatch.setattr(pages_module, "chain", lambda previous, tokens: chain(previous, tokens[:-1]))
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8))
     wrong = 0
     for seed in range(5):
         a = _tokens(config, 200 + seed, 40)
@@ -234,7 +234,7 @@ def test_a_broken_page_name_reuses_a_wrong_page_and_the_tokens_show_it(model, al
 def _poison(engine) -> None:
     """Large keys and values in every free page: a read of a freed page's old contents is seen."""
     free = jnp.asarray(engine.scheduler.pages.free_pages(), jnp.int32)
-    engine._pool = jax.tree.map(lambda a: a.at[free].set(50.0), engine._pool)
+    engine.device.pool = jax.tree.map(lambda a: a.at[free].set(50.0), engine.device.pool)
 
 
 @pytest.mark.slow
@@ -261,7 +261,7 @@ def test_an_attention_that_reads_past_the_length_is_caught(model, alone, monkeyp
     monkeypatch.setattr(paged, "prefix", lambda q, k, v, table, n, **kw: prefix(q, k, v, table, n + 1, **kw))
     jax.clear_caches()  # the steps trace again, with the broken read
     try:
-        engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+        engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8))
         _poison(engine)
         prompts = [_tokens(config, 330 + i, 20 + 5 * i) for i in range(3)]
         requests = _run(engine, prompts, 6, together=True)
@@ -276,7 +276,7 @@ def test_a_page_half_prefilled_is_not_found_by_a_request_that_arrives_meanwhile(
     page is half prefilled finds only the first page cached (a page is named once whole), and its
     tokens are its own (the free pages hold large values, so a read of the missing half would show)."""
     config, params = model
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=24, page_size=32)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=24, page_size=32))
     _poison(engine)
     first = _tokens(config, 350, 100)
     a = engine.submit(first, Settings(max_new_tokens=6, sampling=GREEDY))
@@ -314,7 +314,7 @@ def test_a_pool_too_small_for_everything_running_preempts_and_every_request_comp
     """Four requests that need 16 to 20 pages each at their longest, in a pool of 30: the latest admitted
     are preempted and come back, and every request gets its tokens alone."""
     config, params = model
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30))
     prompts = [_tokens(config, 500 + i, 40 + 10 * i) for i in range(4)]
     requests = _run(engine, prompts, 40, together=True)
     for r in requests:
@@ -337,8 +337,9 @@ def test_speculated_steps_take_their_pages_and_preempt_as_decode_steps_do(model,
     known = KnownReplies(prompts, [replies[tuple(p)] for p in prompts], config.vocab_size, wrong_every=3,
                          by_position=True)
     draft = known if where == "devices" else (lambda context, k: known(context, k))  # (no `propose`: the host)
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, draft=draft,
-                    speculate_steps=4)
+    engine = Engine(config, params,
+                    EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30, speculate_steps=4),
+                    draft=draft)
     assert engine.speculation.most == (4 if where == "devices" else 1)
     requests = [engine.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]
     most = 0
@@ -359,7 +360,7 @@ def test_a_request_preempted_when_its_tokens_fill_whole_pages_computes_its_last_
     them named: it comes back finding every page but the last token's in the cache (the last token is
     computed again, for the logits of the next), and its tokens are its own alone."""
     config, params = model
-    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    engine = Engine(config, params, EngineConfig(slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8))
     prompt = _tokens(config, 560 + read, 40 - read)
     request = engine.submit(prompt, Settings(max_new_tokens=12, sampling=GREEDY))
     while not engine.scheduler.admitted or engine.scheduler.admitted[0].prefilling or len(request.output_ids) < read:
@@ -375,18 +376,19 @@ def test_a_request_preempted_when_its_tokens_fill_whole_pages_computes_its_last_
 
 def test_a_request_that_cannot_fit_alone_is_refused_at_once(model):
     config, params = model
-    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=12)
+    engine = Engine(config, params, EngineConfig(slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=12))
     # 80 positions: 10 pages of the full layers, and the sliding layers' window and chunk, 6.
     with pytest.raises(ValueError, match=r"needs 16 pages of the KV cache, more than its 12 \(96 positions\)"):
         engine.submit([1] * 60, Settings(max_new_tokens=20))
     engine.submit([1] * 20, Settings(max_new_tokens=20))  # 5 + 6 pages: fits
     with pytest.raises(ValueError, match="holds no page"):
-        Engine(config, params, kv_memory=page_bytes(config, 64, jnp.float32) - 1)
+        Engine(config, params, EngineConfig(kv_memory=page_bytes(config, 64, jnp.float32) - 1))
 
 
 def test_without_prefix_reuse_every_prompt_is_computed_whole(model, alone):
     config, params = model
-    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, prefix_reuse=False)
+    engine = Engine(config, params,
+                    EngineConfig(slots=2, max_len=MAX_LEN, prefill_chunk=16, page_size=8, prefix_reuse=False))
     system = _tokens(config, 600, 40)
     requests = _run(engine, [system + _tokens(config, 601, 5), system + _tokens(config, 602, 5)], 6)
     assert [r.cached_tokens for r in requests] == [0, 0]
@@ -408,7 +410,7 @@ def test_penalized_requests_keep_their_tokens_beside_others_and_across_preemptio
     def settings(i):
         return Settings(max_new_tokens=40, sampling=GREEDY, **kinds[i])
 
-    one = Engine(config, params, slots=1, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    one = Engine(config, params, EngineConfig(slots=1, max_len=MAX_LEN, prefill_chunk=16, page_size=8))
     alone = []
     for i, prompt in enumerate(prompts):
         alone.append(one.submit(prompt, settings(i)))
@@ -416,7 +418,7 @@ def test_penalized_requests_keep_their_tokens_beside_others_and_across_preemptio
     plain = [one.submit(p, Settings(max_new_tokens=40, sampling=GREEDY)) for p in prompts]
     one.run_until_idle()
     assert all(a.output_ids != p.output_ids for a, p in zip(alone, plain))
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8, pages=30))
     together = [engine.submit(p, settings(i)) for i, p in enumerate(prompts)]
     engine.run_until_idle()
     assert engine.stats()["preemptions"] > 0
@@ -428,7 +430,7 @@ def test_a_request_after_another_with_its_prompt_waits_for_it_and_finds_the_prom
     """Choices of one API request: the second is admitted once the first has its first token, and then
     finds every whole page of the prompt in the cache (computed once); each gets its tokens alone."""
     config, params = model
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=16, page_size=8))
     prompt = _tokens(config, 800, 45)
     first = engine.submit(prompt, Settings(max_new_tokens=5, sampling=GREEDY))
     second = engine.submit(prompt, Settings(max_new_tokens=5, sampling=GREEDY), after=first)

@@ -26,7 +26,7 @@ import gptoss_jax as gj
 import run_inference
 from gptoss_jax import tokenizer as tk
 from gptoss_jax.sampling import Sampling
-from gptoss_jax.serving import Engine, Settings
+from gptoss_jax.serving import Engine, EngineConfig, Settings
 from gptoss_jax.testing import random_params
 
 pytestmark = needs_vocab
@@ -38,7 +38,8 @@ MAX_LEN = 256
 def engine():
     config = gj.ModelConfig.demo()
     params = random_params(config, seed=0, dtype=jnp.float32)  # what the command line runs for the demo
-    engine = Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64, prefill_rows=4, max_waiting=256,
+    engine = Engine(config, params,
+                    EngineConfig(slots=8, max_len=MAX_LEN, prefill_chunk=64, prefill_rows=4, max_waiting=256),
                     tokenizer=tk.load_tokenizer(VOCAB))
     engine.warm_up()
     engine.start()

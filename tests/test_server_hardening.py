@@ -24,7 +24,7 @@ from gptoss_jax import tokenizer as tk
 from gptoss_jax.server.app import create_app
 from gptoss_jax.server.cli import freeze_start_up_heap
 from gptoss_jax.server.generation import Limits, Server
-from gptoss_jax.serving import Engine, QueueFull, Settings
+from gptoss_jax.serving import Engine, EngineConfig, QueueFull, Settings
 from gptoss_jax.serving.lockstep import LockstepError
 from gptoss_jax.testing import random_params
 
@@ -448,8 +448,8 @@ def test_completions_max_tokens_null_is_the_default(url):
 @pytest.mark.slow
 def test_max_waiting_0_serves_requests_that_find_a_free_slot():
     config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=2, max_len=64, prefill_chunk=16,
-                    max_waiting=0)
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32),
+                    EngineConfig(slots=2, max_len=64, prefill_chunk=16, max_waiting=0))
     first, second = (engine.submit([1, 2, 3], Settings(max_new_tokens=2)) for _ in range(2))
     with pytest.raises(QueueFull):
         engine.submit([1, 2, 3], Settings(max_new_tokens=2))
@@ -462,8 +462,8 @@ def test_a_request_the_kv_cache_cannot_hold_alone_is_a_400():
     """A prompt and budget within the context but beyond what the whole pool of KV pages holds: 400,
     naming the pages, before anything runs (the engine's thread runs, nothing is compiled)."""
     config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=2, max_len=1024, prefill_chunk=64,
-                    page_size=64, pages=4)
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32),
+                    EngineConfig(slots=2, max_len=1024, prefill_chunk=64, page_size=64, pages=4))
     engine.start()
     server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
     server.ready.set()
@@ -599,8 +599,8 @@ def test_429_and_503_say_when_to_retry(conn, engine, server):
 @pytest.mark.slow
 def test_health_is_503_once_the_engines_thread_has_stopped(monkeypatch):
     config = gj.ModelConfig.demo()
-    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32), slots=1, max_len=64, prefill_chunk=16,
-                    tokenizer=tk.load_tokenizer(VOCAB))
+    engine = Engine(config, random_params(config, seed=0, dtype=jnp.float32),
+                    EngineConfig(slots=1, max_len=64, prefill_chunk=16), tokenizer=tk.load_tokenizer(VOCAB))
     server = Server(engine, tk.load_tokenizer(VOCAB), VOCAB, model_name=MODEL)
     server.ready.set()
     engine.start()

@@ -20,7 +20,7 @@ import gptoss_jax as gj
 
 from gptoss_jax.generate import Generator
 from gptoss_jax.sampling import Sampling
-from gptoss_jax.serving import Engine, QueueFull, Settings
+from gptoss_jax.serving import Engine, EngineConfig, QueueFull, Settings
 from conftest import VOCAB, compile_events, needs_vocab
 
 MAX_LEN = 512
@@ -37,7 +37,8 @@ def engine(model):
     """8 slots (decode steps of 2 or 8 rows), prompts prefilled 64 tokens a step, pages of 16 positions;
     warmed up once for the module."""
     config, params = model
-    engine = Engine(config, params, slots=8, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(2, 8))
+    engine = Engine(config, params,
+                    EngineConfig(slots=8, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(2, 8)))
     engine.warm_up()
     return engine
 
@@ -135,7 +136,7 @@ def test_cancelling_half_frees_their_slots_and_leaves_the_others_unchanged(engin
 
 def test_a_full_queue_refuses_at_once(model):
     config, params = model
-    engine = Engine(config, params, slots=1, max_len=64, max_waiting=2)
+    engine = Engine(config, params, EngineConfig(slots=1, max_len=64, max_waiting=2))
     engine.submit([1, 2], Settings(max_new_tokens=1))  # takes the free slot at the next step
     engine.submit([3], Settings(max_new_tokens=1))
     engine.submit([5], Settings(max_new_tokens=1))
@@ -252,7 +253,7 @@ def test_requests_stream_from_other_threads_and_stop_cancels(model, traffic):
     """The engine on its own thread: each client thread reads its tokens as they come."""
     config, params = model
     settings, prompts, want = traffic
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=64)
+    engine = Engine(config, params, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=64))
     engine.start()
     got = {}
 
@@ -282,12 +283,12 @@ def test_on_a_mesh_the_engine_gives_one_device_tokens(model, traffic):
     settings, prompts, want = traffic
     mesh = gj.make_mesh(data=2, expert=2, tensor=2)
     sharded = jax.device_put(params, param_shardings(config, mesh))
-    engine = Engine(config, sharded, slots=4, max_len=MAX_LEN, prefill_chunk=64)
+    engine = Engine(config, sharded, EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=64))
     assert engine.mesh is mesh
     requests = _arrive_at_random(engine, prompts[:10], settings[:10], seed=1)
     for i, r in enumerate(requests):
         assert r.output_ids == want[i], f"request {i}"
-    pool = engine._pool["pages"][0]["k"]  # [pages, page positions, KV heads, head dim]
+    pool = engine.device.pool["pages"][0]["k"]  # [pages, page positions, KV heads, head dim]
     assert pool.sharding.spec[:3] == (None, None, "tensor")
 
 
@@ -300,7 +301,7 @@ def test_stop_strings_end_a_request_where_its_text_first_holds_one(model):
 
     config, params = model
     tokenizer = load_tokenizer(VOCAB)
-    engine = Engine(config, params, slots=2, max_len=MAX_LEN, prefill_chunk=64, tokenizer=tokenizer)
+    engine = Engine(config, params, EngineConfig(slots=2, max_len=MAX_LEN, prefill_chunk=64), tokenizer=tokenizer)
     prompt = np.random.default_rng(5).integers(0, config.vocab_size, 20).tolist()
     full = engine.submit(prompt, Settings(max_new_tokens=60, sampling=GREEDY))
     engine.run_until_idle()
@@ -421,7 +422,8 @@ def test_a_grammar_that_fails_as_it_goes_ends_its_request_alone_as_its_own_error
 
     config, params = model
     settings, prompts, want = traffic
-    engine = Engine(config, params, slots=4, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(4,),
+    engine = Engine(config, params,
+                    EngineConfig(slots=4, max_len=MAX_LEN, prefill_chunk=64, page_size=16, decode_sizes=(4,)),
                     tokenizer=tk.load_tokenizer(VOCAB))
     loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
     grammar = "start: " + _json(loop)

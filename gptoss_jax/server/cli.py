@@ -21,6 +21,7 @@ import threading
 
 from ..hostmem import return_large_blocks
 from ..metadata import expand
+from ..serving.config import EngineConfig
 from ..version import __version__
 from ..cli import devices, inputs, loading
 from ..cli.command import leave, run_command
@@ -66,7 +67,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every "
                                                        "interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    p.add_argument("--slots", type=int, default=16,
+    p.add_argument("--slots", type=int, default=EngineConfig.slots,
                    help="sequences generated at once; their memory is the KV cache's pages (--kv-memory-gb), "
                         "taken as they grow (default: %(default)s)")
     p.add_argument("--max-context", type=int, default=None,
@@ -77,7 +78,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "its share of the KV heads with --mesh tensor=N (default: 85%% of the memory the first "
                         "device has free once the weights are loaded; on a CPU, room for --slots sequences of 8,192 "
                         "tokens and one of --max-context)")
-    p.add_argument("--page-size", type=int, default=64, metavar="POSITIONS",
+    p.add_argument("--page-size", type=int, default=EngineConfig.page_size, metavar="POSITIONS",
                    help="positions of one KV cache page, a multiple of 8: the unit of memory taken and of prefixes "
                         "reused (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true",
@@ -91,25 +92,25 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "distribution, not their draws. Requests with logprobs, a logit bias, penalties or a grammar "
                         "are not speculated. EAGLE-3 draft heads run in run_inference.py (--draft eagle3), not in "
                         "the server (default: none)")
-    p.add_argument("--draft-tokens", type=int, default=3, metavar="K",
+    p.add_argument("--draft-tokens", type=int, default=EngineConfig.draft_tokens, metavar="K",
                    help="with --draft: tokens proposed per request and step, less than --prefill-chunk "
                         "(default: %(default)s)")
-    p.add_argument("--speculate-rows", type=int, default=16, metavar="N",
+    p.add_argument("--speculate-rows", type=int, default=EngineConfig.speculate_rows, metavar="N",
                    help="with --draft: steps speculate only while at most N requests decode; past that a step's "
                         "work grows with its positions and speculation costs throughput (default: %(default)s)")
-    p.add_argument("--speculate-steps", type=int, default=0, metavar="S",
+    p.add_argument("--speculate-steps", type=int, default=EngineConfig.speculate_steps, metavar="S",
                    help="with --draft: 0 drafts on the host, a step at a time; S > 0 drafts on the device and, while "
                         "no prompt is being prefilled or waits, runs up to S checked steps in one call, no more than "
                         "--prefill-chunk / (K + 1) (measured faster than drafting on the host where drafts are "
                         "mostly right, slower where they are mostly wrong: docs/serving.md). A request that stops "
                         "mid-call has its later tokens dropped; a request that arrives waits at most for the call "
                         "(default: %(default)s)")
-    p.add_argument("--max-waiting", type=int, default=1024,
+    p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                    help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
                         "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help="prompt tokens of each request prefilled per engine step (default: %(default)s)")
-    p.add_argument("--prefill-rows", type=int, default=4,
+    p.add_argument("--prefill-rows", type=int, default=EngineConfig.prefill_rows,
                    help="prompts prefilled together per engine step (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the checkpoint folder's name, "
@@ -149,6 +150,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     devices.add_flags(p)
     return p
+
+
+def engine_options(args, max_len: int) -> EngineConfig:
+    """The engine's settings from the flags (their defaults are EngineConfig's)."""
+    return EngineConfig(slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
+                        prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, page_size=args.page_size,
+                        kv_memory=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
+                        prefix_reuse=not args.no_prefix_cache, draft_tokens=args.draft_tokens,
+                        speculate_rows=args.speculate_rows, speculate_steps=args.speculate_steps)
 
 
 def check_flags(args) -> None:
@@ -193,7 +203,7 @@ def kv_cache_line(engine) -> str:
     from ..paged_cache import page_bytes
 
     pages, size = engine.scheduler.pages.count, engine.page_size
-    memory = pages * page_bytes(engine.config, size, engine.dtype)
+    memory = pages * page_bytes(engine.config, size, engine.device.dtype)
     memory = f"{memory / 2**30:.1f} GiB" if memory >= 2**30 / 10 else f"{memory / 2**20:.1f} MiB"
     reuse = "" if engine.scheduler.reuse else "; prefix cache off"
     return f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens), {memory}{reuse}"
@@ -371,13 +381,8 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots, a context of {max_len:,} tokens")
         _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     params = loading.load_params(args, config, mesh)
-    kv_memory = None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30)
-    engine = Engine(config, params, slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
-                    prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, tokenizer=tokenizer,
-                    page_size=args.page_size, kv_memory=kv_memory, prefix_reuse=not args.no_prefix_cache,
-                    draft=PromptLookup() if args.draft == "prompt-lookup" else None,
-                    draft_tokens=args.draft_tokens, speculate_rows=args.speculate_rows,
-                    speculate_steps=args.speculate_steps)
+    engine = Engine(config, params, engine_options(args, max_len), tokenizer=tokenizer,
+                    draft=PromptLookup() if args.draft == "prompt-lookup" else None)
     if main_process:
         _say(kv_cache_line(engine))
     check_pool(engine, max_len)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"Engine": "engine", "QueueFull": "request", "Request": "request", "Settings": "request",
-            "TokenLogprob": "request"}
+_EXPORTS = {"Engine": "engine", "EngineConfig": "config", "QueueFull": "request",
+            "Request": "request", "Settings": "request", "TokenLogprob": "request"}
 
 __all__ = sorted(_EXPORTS)
 

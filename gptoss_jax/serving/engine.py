@@ -1,7 +1,7 @@
 """Continuous batching over a paged KV cache: requests run as soon as a row and pages for them are
 free, and a prompt whose beginning is already cached computes only the rest.
 
-    engine = Engine(config, params, slots=64, max_len=131072)
+    engine = Engine(config, params, EngineConfig(slots=64, max_len=131072))
     engine.start()                                    # a thread runs the steps
     request = engine.submit([1, 2, 3], Settings(max_new_tokens=32))
     for token in request.tokens():
@@ -34,76 +34,61 @@ import threading
 import time
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
 from ..config import ModelConfig
 from ..kernels import Kernels
-from ..paged_cache import init_pool, pool_pages, table_width
+from ..paged_cache import pool_pages, table_width
 from ..sampling import MODES, rows_mode
-from ..sharding import mesh_of, on_every_device, to_host_soon
+from ..sharding import mesh_of, to_host_soon
 from ..drafts.base import Draft
 from ..weight import Params
 from . import steps, stops
 from .constrain import Grammars
-from .lockstep import Lockstep, LockstepError, Message, apply, follow, lose
+from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
-from .picks import Picks
+from .config import EngineConfig
+from .device import Device
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
 from .speculation import Speculation
 from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 
-TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
 log = logging.getLogger("gptoss_jax.serving")
 
 
 class Engine:
-    """Serves many concurrent requests on one set of parameters (see the module's docstring).
+    """Serves many concurrent requests on one set of parameters (see the module's docstring), with
+    the settings `options` (config.py: rows, context, prefill, pages, speculation); draft: a draft
+    source (drafts/base.py) for speculative decoding (speculation.py)."""
 
-    slots: the most sequences running at once (rows of the page tables; a decode step runs the
-    smallest of `decode_sizes` that holds those past their prompts). pages / kv_memory: the pool's
-    size in pages, or in bytes (default: `POOL_SHARE` of the device memory free after the weights;
-    where JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
-    prefix_reuse=False: every prompt is computed whole (for comparison). draft (drafts/base.py): steps
-    of at most `speculate_rows` decoding sequences check `draft_tokens` drafted tokens each, drafted on
-    the host a step at a time (speculate_steps 0), or up to `speculate_steps` a call on the devices."""
-
-    def __init__(self, config: ModelConfig, params: Params, *, slots: int = 8, max_len: int = 4096,
-                 prefill_chunk: int = 256, prefill_rows: int = 4, max_waiting: int = 1024, kernels: Kernels = Kernels(),
-                 tokenizer=None, page_size: int = 64, pages: int | None = None, kv_memory: int | None = None,
-                 decode_sizes: Sequence[int] | None = None, prefix_reuse: bool = True, draft: Draft | None = None,
-                 draft_tokens: int = 3, speculate_rows: int = 16, speculate_steps: int = 0):
+    def __init__(self, config: ModelConfig, params: Params, options: EngineConfig = EngineConfig(), *,
+                 kernels: Kernels = Kernels(), tokenizer=None, draft: Draft | None = None):
+        max_len = options.max_len or config.max_context_length
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
-        if min(slots, prefill_chunk, prefill_rows, page_size) < 1 or max_waiting < 0:
-            raise ValueError("slots, prefill_chunk, prefill_rows and page_size must be positive, max_waiting at "
-                             "least 0")
+        options = options.replace(max_len=max_len, prefill_chunk=min(options.prefill_chunk, max_len))
         self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
-        self.slots, self.max_len, self.prefill_chunk, self.max_waiting = slots, max_len, prefill_chunk, max_waiting
-        self.page_size = page_size
+        self.options = options
+        slots, page_size, prefill_chunk = options.slots, options.page_size, options.prefill_chunk
+        self.slots, self.max_len, self.prefill_chunk, self.page_size = slots, max_len, prefill_chunk, page_size
         # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
-        self.prefill_shapes = sorted({1, min(prefill_rows, slots)})
-        self.decode_sizes = sorted(set(decode_sizes or decode_sizes_for(slots)))
-        if self.decode_sizes[-1] != slots or self.decode_sizes[0] < 1:
-            raise ValueError(f"decode sizes {self.decode_sizes} must lie in [1, {slots}] and include {slots}")
-        self.speculation = None if draft is None else Speculation(draft, draft_tokens, speculate_rows,
-                                                                  self.decode_sizes, prefill_chunk, speculate_steps)
+        self.prefill_shapes = sorted({1, min(options.prefill_rows, slots)})
+        self.decode_sizes = list(options.decode_sizes or decode_sizes_for(slots))
+        self.speculation = None if draft is None else Speculation(draft, options, self.decode_sizes)
         self.mesh = mesh_of(params)
-        self.dtype = params["embedding"].dtype
         self.width = table_width(max_len, page_size)
         self.metrics = Metrics()
         # Where JAX does not say how much memory is free (a CPU): every slot with 8,192 positions, and at
         # least one sequence of the whole context.
         most = sliding_most(config, page_size, prefill_chunk)
         fallback = max(slots * (table_width(min(max_len, 8192), page_size) + most), self.width + most)
-        count = pages if pages is not None else pool_pages(config, page_size, self.dtype, kv_memory, fallback=fallback)
+        count = options.pages or pool_pages(config, page_size, params["embedding"].dtype, options.kv_memory,
+                                            fallback=fallback)
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
-                                   metrics=self.metrics, reuse=prefix_reuse)
-        self._pool = init_pool(config, count, page_size, self.dtype, mesh=self.mesh)
-        self._tables = self.put(np.zeros((2, slots, self.width), np.int32))
-        self._last = self.put(np.zeros(slots, np.int32))  # each row's latest token, on the devices
+                                   metrics=self.metrics, reuse=options.prefix_reuse)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
-        self._picks = Picks(slots, config.vocab_size, self.mesh, self.put, self.grammars, tokenizer)
+        self.device = Device(config, params, kernels, slots=slots, width=self.width, pages=count, page_size=page_size,
+                             grammars=self.grammars, tokenizer=tokenizer)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -149,10 +134,10 @@ class Engine:
             # A request that finds a row free is taken whatever max_waiting says: it waits only until
             # the next step (or until the pool has room).
             free = self.scheduler.rows.count(None)
-            if len(self._waiting) >= self.max_waiting + free:
+            if len(self._waiting) >= self.options.max_waiting + free:
                 self.metrics.rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the most this engine queues "
-                                f"({self.max_waiting} beyond the {free} slots free)")
+                                f"({self.options.max_waiting} beyond the {free} slots free)")
             request = Request(next(self._ids), prompt, settings, listener)
             request._matcher, request._after = matcher, after
             self._waiting.append(request)
@@ -206,28 +191,32 @@ class Engine:
         (LockstepError if it is lost)."""
         if not self._following:
             raise RuntimeError("follow() runs on processes other than 0 of several")
-        follow(self)
+        while not self._stopping:
+            try:
+                self.step()
+            except LockstepError:
+                raise
+            except Exception as e:  # noqa: BLE001 -- as process 0 does: the step failed there as well
+                self._fail_running(f"{type(e).__name__}: {e}")
 
     def warm_up(self) -> list[str]:
         """Compile the steps (nothing is generated, no page or row changes) and say what was compiled."""
-        C = self.prefill_chunk
+        C, device = self.prefill_chunk, self.device
         outputs = []
-        idle = self._picks.rows([None] * self.slots, self.scheduler.changes)[0]
+        idle = device.picks.rows([None] * self.slots, self.scheduler.changes)[0]
         picks = list(itertools.product(MODES, ((False, False), (True, True))))  # alone; with adjust, log-probabilities
         for P, (mode, wants) in itertools.product(self.prefill_shapes, picks):
-            outputs.append(self._prefill_call([None] * P, np.zeros((P, C), np.int32), [0] * P, [0] * P, [False] * P,
-                                              [0] * P, mode, wants, [None] * P))
+            plan = np.array([[self.slots] * P] + [[0] * P] * 4, np.int32)  # padding rows
+            outputs.append(device.prefill(plan, np.zeros((P, C), np.int32), idle, mode, wants, [None] * P))
         for B in self.decode_sizes:
-            decoded = self._decode_call([None] * B, [0] * B)
-            outputs += [self._pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
+            decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B], np.int32))
+            outputs += [device.pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
         checked = [] if self.speculation is None else [self.speculation.warm_up(self)]
-        self._picks.warm_up()
+        device.picks.warm_up()
         if self.grammars is not None:
             self.grammars.load()
-        self.scheduler.table_writes = [(0, self.slots, 0, 0)]  # padding: dropped
-        self._send_table_writes()
-        for x in jax.tree.leaves(outputs):
-            np.asarray(x)
+        device.write_tables([(0, self.slots, 0, 0)])  # padding: dropped
+        device.ready(outputs)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
             f"token picks ({', '.join(MODES)}), adjusted logits, log-probabilities "
@@ -243,20 +232,10 @@ class Engine:
 
     # The steps ---------------------------------------------------------------------------------------------
 
-    def put(self, x):  # a host array onto the engine's devices (on its mesh: a copy on each)
-        return on_every_device(x, self.mesh)
-
     def row_settings(self):
-        """Every row's sampling settings on the devices, and the running rows' sampling mode."""
-        return self._picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)[:2]
-
-    def run_checked(self, call):
-        """call(cache, last) -> (outcome, cache, history, last, state): checked steps (decoding/checked.py)
-        over the engine's pool and latest tokens, which it keeps -> (outcome, history, state)."""
-        outcome, cache, history, self._last, state = call({"pages": self._pool["pages"], "tables": self._tables},
-                                                          self._last)
-        self._pool, self._tables = {"pages": cache["pages"]}, cache["tables"]
-        return outcome, history, state
+        """Every row's sampling settings on the devices, the running rows' sampling mode and what their
+        picks do beyond sampling (steps.wants)."""
+        return self.device.picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)
 
     def step(self) -> bool:
         """One engine step (see the module's docstring); False when there was nothing to do."""
@@ -265,7 +244,7 @@ class Engine:
             if message.stop:
                 self._stopping = True
                 return False
-            apply(self, message)
+            self._apply(message)
         else:
             with self._lock:
                 cancelled, dropped = self._free_cancelled()
@@ -274,7 +253,7 @@ class Engine:
                 if self._lockstep is not None:
                     self._lockstep.send(Message(cancelled, [(s.row, s.request) for s in admitted], dropped=dropped))
         for seq in self.scheduler.taken():  # each request's settings become its row's: a failure is its own
-            self._alone(seq, self._picks.taken, seq.request, seq.row)
+            self._alone(seq, self.device.picks.taken, seq.request, seq.row)
         prefilling = [s for s in self.scheduler.admitted if s.prefilling][:self.prefill_shapes[-1]]
         decoding = [s for s in self.scheduler.admitted
                     if not s.prefilling and s.queued < s.request.settings.max_new_tokens]
@@ -346,24 +325,9 @@ class Engine:
 
     def _send_table_writes(self) -> None:
         writes, self.scheduler.table_writes = self.scheduler.table_writes, []
-        for part in steps.in_parts(writes, TABLE_WRITES, self.slots):
-            self._tables = steps.write_tables(self._tables, self.put(part))
+        self.device.write_tables(writes)
 
     # Prefill and decode ---------------------------------------------------------------------------------
-
-    def _prefill_call(self, seqs: list[Seq | None], tokens: np.ndarray, counts: list[int], starts: list[int],
-                      finishing: list[bool], sample_steps: list[int], mode: str, wants: tuple[bool, bool],
-                      ending: list[Request | None]):
-        """prefill_rows and pick_first for these rows (None: a padding row; ending: the request of each
-        row whose prompt ends) -> (their first tokens [P], with logprobs their log-probabilities
-        (sampling.token_logprobs), else None), on the devices."""
-        rows = [self.slots if s is None else s.row for s in seqs]
-        plan = self.put(np.array([rows, counts, starts, finishing, sample_steps], np.int32))
-        logits, self._pool = steps.prefill_rows(self.config, self.kernels, self.mesh, self.params, self._pool, self._tables,
-                                                self.put(tokens), plan)
-        settings = self.row_settings()[0]
-        first, self._last, logprobs = self._picks.first(logits, self._last, plan, settings, mode, wants, ending)
-        return first, logprobs
 
     def _prefill(self, prefilling: list[Seq]):
         """Queue one chunk of each of these sequences -> (first tokens on the devices, the rows whose
@@ -380,9 +344,10 @@ class Engine:
             sample_steps[i] = seq.queued
         ending = [s.request if i < len(prefilling) and finishing[i] else None for i, s in enumerate(seqs)]
         settings = [r.settings for r in ending if r is not None]
-        first, logprobs = self._prefill_call(seqs, tokens, counts, starts, finishing, sample_steps,
-                                             rows_mode([s.sampling for s in settings]), steps.wants(settings),
-                                             ending)
+        plan = np.array([[self.slots if s is None else s.row for s in seqs], counts, starts, finishing,
+                         sample_steps], np.int32)
+        first, logprobs = self.device.prefill(plan, tokens, self.row_settings()[0],
+                                              rows_mode([s.sampling for s in settings]), steps.wants(settings), ending)
         done = []
         for i, seq in enumerate(prefilling):
             seq.length += counts[i]
@@ -391,21 +356,15 @@ class Engine:
                 done.append((i, seq))
         return to_host_soon(first), done, to_host_soon(logprobs)
 
-    def _decode_call(self, seqs: list[Seq | None], lengths: list[int]):
-        """decode_rows for these rows (None: padding) -> (logits [B, V], the plan), on the devices."""
-        plan = self.put(np.array([[self.slots if s is None else s.row for s in seqs], lengths,
-                                   [-1 if s is None else s.queued for s in seqs]], np.int32))
-        logits, self._pool = steps.decode_rows(self.config, self.kernels, self.mesh, self.params, self._pool, self._tables, self._last, plan)
-        return logits, plan
-
     def _decode(self, decoding: list[Seq]):
         """Queue the model step of one decode step of these sequences -> what `_pick` needs to pick
         their tokens."""
         B = next(b for b in self.decode_sizes if b >= len(decoding))
         seqs = decoding + [None] * (B - len(decoding))
         lengths = [s.length for s in decoding] + [0] * (B - len(decoding))
-        settings = self._picks.rows([s and s.request for s in self.scheduler.rows], self.scheduler.changes)
-        decoded = self._decode_call(seqs, lengths)
+        settings = self.row_settings()
+        decoded = self.device.decode(np.array([[self.slots if s is None else s.row for s in seqs], lengths,
+                                               [-1 if s is None else s.queued for s in seqs]], np.int32))
         for seq in decoding:
             seq.length += 1
             seq.queued += 1
@@ -414,10 +373,8 @@ class Engine:
     def _pick(self, decoded, settings, seqs: list[Seq | None]):
         """Queue the picks of a decode step (decoded: its logits and plan; settings: the rows', their
         mode and wants) -> (their tokens [R], the rows, log-probabilities by row or None)."""
-        (logits, plan), (arrays, mode, wants) = decoded, settings
-        self._last, logprobs = self._picks.next(logits, self._last, plan, arrays, mode, wants,
-                                                [s and s.request for s in seqs])
-        return to_host_soon(self._last), [(s.row, s) for s in seqs if s is not None], to_host_soon(logprobs)
+        last, logprobs = self.device.pick(decoded, settings, [s and s.request for s in seqs])
+        return to_host_soon(last), [(s.row, s) for s in seqs if s is not None], to_host_soon(logprobs)
 
     def _read(self, tokens, rows, logprobs) -> None:
         """Hand a queued step's tokens (and log-probabilities, where asked for) to their requests (those
@@ -457,7 +414,7 @@ class Engine:
 
     def _end_broken(self) -> None:
         """End the requests whose grammars failed at this step's masks: the client's error, each alone."""
-        broken, self._picks.broken = self._picks.broken, []
+        broken, self.device.picks.broken = self.device.picks.broken, []
         for seq, error in [(s, e) for r, e in broken for s in self.scheduler.admitted if s.request is r]:
             self._free(seq, "error", f"the reply cannot follow its grammar: {error}", invalid=True)
 
@@ -474,7 +431,7 @@ class Engine:
             try:
                 self.step()
             except LockstepError as e:  # the other processes are gone: nothing more can run
-                return lose(self, e)
+                return self._lose(e)
             except Exception as e:  # a failed step ends the requests it held, never the engine
                 self._fail_running(f"{type(e).__name__}: {e}")
 
@@ -483,10 +440,7 @@ class Engine:
         cached any more."""
         self.scheduler.reset()
         self._in_flight = []
-        self._pool = init_pool(self.config, self.scheduler.pages.count, self.page_size, self.dtype, mesh=self.mesh)
-        self._tables = self.put(np.zeros((2, self.slots, self.width), np.int32))
-        self._last = self.put(np.zeros(self.slots, np.int32))
-        self._picks.reset()
+        self.device.reset()
 
     def _fail_running(self, message: str) -> None:
         """A failed step, an error of the step itself (the devices'; the host's work of one request ends
@@ -498,3 +452,32 @@ class Engine:
         self._reset()
         for request in ended:
             self._end(request, "error", message)
+
+    # Several processes (lockstep.py) ------------------------------------------------------------------
+
+    def _apply(self, message: Message) -> None:
+        """A follower: process 0's decisions for this step, in the order process 0 made them."""
+        scheduler = self.scheduler
+        for row in message.cancel:
+            self._free(scheduler.rows[row], "cancelled")
+        for request_id in message.dropped:
+            self._drop_preempted(next(r for r in scheduler.preempted if r.id == request_id))
+        scheduler.admit_preempted()
+        for row, request in message.admit:
+            if scheduler.rows[row] is not None:
+                raise LockstepError(f"process {self._lockstep.process_index} differs from process 0: row {row} is "
+                                    f"still taken here")
+            if request.settings.grammar is not None:
+                request._matcher = self.grammars.matcher(request.settings.grammar)
+            scheduler.take(row, request)
+
+    def _lose(self, error: LockstepError) -> None:
+        """The other processes are gone: every request ends with the error, and the engine takes no more."""
+        with self._lock:
+            self._lost = str(error)
+            ended = [*self._waiting, *self.scheduler.preempted, *(s.request for s in self.scheduler.admitted)]
+            self._waiting.clear()
+            self.scheduler.preempted.clear()
+            self._reset()
+        for request in ended:
+            self._end(request, "error", self._lost)

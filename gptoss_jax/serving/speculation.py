@@ -25,8 +25,9 @@ each step synchronous: the drafts follow the tokens of the step before, so those
 (the decode steps' pipelining is given up for the step, also where no sequence then has a draft
 and the step checks one position a sequence). On either path a sequence whose draft was empty or
 wholly rejected waits before it drafts again, at most 2, 4, 8, then `MOST_WAIT` steps
-(decoding/acceptance.py); one accepted drafted token makes it draft every step again. Over text that repeats nothing, once its sequences have backed
-off that far, at most one step in `MOST_WAIT` waits for its tokens (on the host) or checks k + 1
+(decoding/acceptance.py); one accepted drafted token makes it draft every step again. Over text
+that repeats nothing, once its sequences have backed off that far, at most one step in
+`MOST_WAIT` waits for its tokens (on the host) or checks k + 1
 positions. A new sequence (and one taken back after a preemption) drafts at once.
 
 Greedy rows take the model's argmax, so a greedy request's tokens are those it gives without
@@ -51,6 +52,7 @@ from ..decoding.checked import CheckedSteps, Plan, checked_steps
 from ..drafts.base import GIVEN, Draft, on_devices
 from ..sampling import MODES
 from . import steps
+from .config import EngineConfig
 
 log = logging.getLogger("gptoss_jax.serving")
 
@@ -70,22 +72,18 @@ HISTORY_WRITES = 4096  # history entries set by one call (a long prompt takes se
 
 
 class Speculation:
-    """An engine's speculative decoding (see the module): drafts from `draft`, k = `tokens` a step, for
-    steps of at most `rows` decoding sequences, checked `sizes` rows at a time (the engine's decode
-    sizes up to the first that holds `rows`). steps 0: drafts made on the host, a step at a time;
-    else a draft that proposes on the devices runs up to `steps` checked steps a call there while
-    nothing else waits to run (no more than prefill_chunk // (k + 1): the positions a call may
-    write)."""
+    """An engine's speculative decoding (see the module): drafts from `draft`, k = options.draft_tokens
+    a step, for steps of at most options.speculate_rows decoding sequences, checked `sizes` rows at a
+    time (the engine's decode sizes up to the first that holds those rows). speculate_steps 0: drafts
+    made on the host, a step at a time; else a draft that proposes on the devices runs up to that
+    many checked steps a call there while nothing else waits to run (no more than prefill_chunk //
+    (k + 1): the positions a call may write)."""
 
-    def __init__(self, draft: Draft, tokens: int, rows: int, decode_sizes: list[int], prefill_chunk: int,
-                 steps: int = 0):
-        if not (1 <= tokens < prefill_chunk and rows >= 1 and steps >= 0):
-            # (the pool's bound on a sequence's sliding pages)
-            raise ValueError(f"speculation takes 1 <= draft_tokens < prefill_chunk ({prefill_chunk}), "
-                             f"speculate_rows >= 1 and speculate_steps >= 0, got {tokens}, {rows} and {steps}")
+    def __init__(self, draft: Draft, options: EngineConfig, decode_sizes: list[int]):
+        tokens, rows, steps = options.draft_tokens, options.speculate_rows, options.speculate_steps
         self.k, self.rows = tokens, min(rows, decode_sizes[-1])
         self.sizes = [b for b in decode_sizes if b < self.rows] + [next(b for b in decode_sizes if b >= self.rows)]
-        self._steps = min(steps, prefill_chunk // (tokens + 1))  # (0: drafts on the host)
+        self._steps = min(steps, options.prefill_chunk // (tokens + 1))  # (0: drafts on the host)
         self.use(draft)
         self.now = 1  # checked steps the coming call may run
         self.history = None  # [slots, max_len] each row's tokens so far, on the devices (drafted there)
@@ -130,7 +128,7 @@ class Speculation:
         for B in self.sizes:
             jax.block_until_ready(self._check_steps(engine, [None] * B, 0, self._given([None] * B, engine)))
         if self.on_devices:
-            padding = engine.put(np.full((3, HISTORY_WRITES), engine.slots, np.int32))  # dropped
+            padding = engine.device.put(np.full((3, HISTORY_WRITES), engine.slots, np.int32))  # dropped
             self.history = write_history(self._history(engine), padding)
             return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions (or 1), up to "
                     f"{self.most} a call, drafted on the devices")
@@ -161,7 +159,7 @@ class Speculation:
             if seq is not None and self._due(seq):
                 draft = self._draft(seq, engine.config.vocab_size)
                 drafts[i, :len(draft)], counts[i] = draft, len(draft)
-        return {"drafts": engine.put(drafts), "counts": engine.put(counts)}
+        return {"drafts": engine.device.put(drafts), "counts": engine.device.put(counts)}
 
     def queue(self, engine, decoding):
         """Drafted on the devices: queue the call of these sequences' checked steps before the step
@@ -200,17 +198,18 @@ class Speculation:
                          [0 if s is None else s.queued for s in seqs],
                          [0 if s is None else s.draft_misses for s in seqs],
                          [0 if s is None else s.draft_due for s in seqs]], np.int32)
-        settings, mode = engine.row_settings()
+        settings, mode, _ = engine.row_settings()
         run = np.array([steps, self.clock, MODES.index(mode)], np.int32)
         spec = CheckedSteps(engine.config, engine.kernels, engine.mesh, self.draft if given is None else GIVEN,
                             self.k, self.most, MOST_WAIT)
+        put = engine.device.put
         if given is None and self.draft.arrays() is not None and (self._arrays is None or
                                                                   self._arrays[0] is not self.draft):
-            self._arrays = (self.draft, jax.tree.map(engine.put, self.draft.arrays()))
+            self._arrays = (self.draft, jax.tree.map(put, self.draft.arrays()))
         arrays = given if given is not None else None if self._arrays is None else self._arrays[1]
         history = None if given is not None else self._history(engine)
-        outcome, history, _ = engine.run_checked(lambda cache, last: checked_steps(
-            spec, engine.params, cache, history, last, Plan(engine.put(plan), engine.put(run), settings), arrays))
+        outcome, history, _ = engine.device.run_checked(lambda cache, last: checked_steps(
+            spec, engine.params, cache, history, last, Plan(put(plan), put(run), settings), arrays))
         if given is None:
             self.history = history
         return outcome
@@ -219,7 +218,7 @@ class Speculation:
         """The history on the devices: made at the first call, and again after a failed call consumed it
         (the engine's rows were reset then, so each sequence's tokens are written again)."""
         if self.history is None or self.history.is_deleted():
-            self.history = engine.put(np.zeros((engine.slots, engine.max_len), np.int32))
+            self.history = engine.device.put(np.zeros((engine.slots, engine.max_len), np.int32))
         return self.history
 
     def _sync_history(self, engine, live) -> None:
@@ -233,7 +232,7 @@ class Speculation:
             writes += [(seq.row, p, t) for p, t in enumerate(new, at)]
             seq.drafted_from = at + len(new)
         for part in steps.in_parts(writes, HISTORY_WRITES, engine.slots):
-            self.history = write_history(self._history(engine), engine.put(part))
+            self.history = write_history(self._history(engine), engine.device.put(part))
 
     def _read_call(self, engine, live, outcome) -> None:
         """Hand out the tokens of a call of checked steps to its sequences (those that ended meanwhile,

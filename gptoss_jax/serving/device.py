@@ -1,0 +1,102 @@
+"""The serving engine's state on the devices and the calls that run over it: the pool of KV pages
+(paged_cache.py), the page tables [2, R, W], each row's latest token [R], and the picks' settings,
+counts and masks (picks.py). The engine (engine.py) decides what runs; this holds what it runs on,
+and every step goes through here, speculation's checked steps included (`run_checked`).
+
+Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
+decoded together, V = vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ..config import ModelConfig
+from ..kernels import Kernels
+from ..paged_cache import init_pool
+from ..sharding import mesh_of, on_every_device
+from ..weight import Params
+from . import steps
+from .picks import Picks
+
+TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes several)
+
+
+class Device:
+    """One engine's arrays on the devices (see the module): `slots` rows, tables `width` wide, a pool
+    of `pages` pages of `page_size` positions."""
+
+    def __init__(self, config: ModelConfig, params: Params, kernels: Kernels, *, slots: int, width: int, pages: int,
+                 page_size: int, grammars=None, tokenizer=None):
+        self.config, self.params, self.kernels = config, params, kernels
+        self.mesh = mesh_of(params)
+        self.dtype = params["embedding"].dtype
+        self.slots, self.width, self.pages, self.page_size = slots, width, pages, page_size
+        self.picks = Picks(slots, config.vocab_size, self.mesh, self.put, grammars, tokenizer)
+        self._fresh()
+
+    def put(self, x):
+        """A host array onto the engine's devices (on its mesh: a copy on each)."""
+        return on_every_device(x, self.mesh)
+
+    def reset(self) -> None:
+        """A fresh pool, tables and latest tokens, and no row's picks (a failed step may have consumed
+        the donated ones): nothing is held or cached any more."""
+        self._fresh()
+        self.picks.reset()
+
+    def _fresh(self) -> None:
+        self.pool = init_pool(self.config, self.pages, self.page_size, self.dtype, mesh=self.mesh)
+        self.tables = self.put(np.zeros((2, self.slots, self.width), np.int32))
+        self.last = self.put(np.zeros(self.slots, np.int32))  # each row's latest token
+
+    def release(self) -> None:
+        """Give the pool's memory back (the engine runs no step after)."""
+        self.pool = None
+
+    def write_tables(self, writes: list[tuple[int, int, int, int]]) -> None:
+        """Set table entries (group, row, column, page)."""
+        for part in steps.in_parts(writes, TABLE_WRITES, self.slots):
+            self.tables = steps.write_tables(self.tables, self.put(part))
+
+    def prefill(self, plan: np.ndarray, tokens: np.ndarray, settings, mode: str, wants: tuple[bool, bool],
+                ending: list):
+        """prefill_rows and pick_first: plan [5, P] (rows, counts, starts, finishing, sampling steps),
+        tokens [P, C]; settings: every row's (on the devices); ending: the request of each row whose
+        prompt ends, else None -> (their first tokens [P], with logprobs their log-probabilities
+        (sampling.token_logprobs), else None), on the devices."""
+        plan = self.put(plan)
+        logits, self.pool = steps.prefill_rows(self.config, self.kernels, self.mesh, self.params, self.pool,
+                                               self.tables, self.put(tokens), plan)
+        first, self.last, logprobs = self.picks.first(logits, self.last, plan, settings, mode, wants, ending)
+        return first, logprobs
+
+    def decode(self, plan: np.ndarray):
+        """decode_rows: plan [3, B] (rows, lengths, sampling steps; -1: padding) -> (logits [B, V], the
+        plan), on the devices."""
+        plan = self.put(plan)
+        logits, self.pool = steps.decode_rows(self.config, self.kernels, self.mesh, self.params, self.pool,
+                                              self.tables, self.last, plan)
+        return logits, plan
+
+    def pick(self, decoded, settings, requests: list):
+        """The picks of a decode step (decoded: `decode`'s; settings: the rows', their mode and wants;
+        requests: each row's, None for padding) -> (the latest tokens [R], log-probabilities by row or
+        None), on the devices."""
+        (logits, plan), (arrays, mode, wants) = decoded, settings
+        self.last, logprobs = self.picks.next(logits, self.last, plan, arrays, mode, wants, requests)
+        return self.last, logprobs
+
+    def run_checked(self, call):
+        """call(cache, last) -> (outcome, cache, history, last, state): checked steps (decoding/checked.py)
+        over the pool and the latest tokens, which this keeps -> (outcome, history, state)."""
+        outcome, cache, history, self.last, state = call({"pages": self.pool["pages"], "tables": self.tables},
+                                                         self.last)
+        self.pool, self.tables = {"pages": cache["pages"]}, cache["tables"]
+        return outcome, history, state
+
+    def ready(self, outputs) -> None:
+        """Wait for these outputs (a warm-up's)."""
+        for x in jax.tree.leaves(outputs):
+            np.asarray(x)
