@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout, not installed
 
+from gptoss_jax.decoding.steps import pick_next  # noqa: E402
 from gptoss_jax.serving import steps  # noqa: E402
 
 V = 201088
@@ -68,7 +69,7 @@ def main() -> None:
     table = []
     for B in map(int, args.sizes.split(",")):
         logits = jnp.asarray(np.random.default_rng(0).normal(size=(B, V)).astype(np.float32) * 3)
-        plan = jnp.asarray(np.stack([np.arange(B), np.full(B, 100), np.arange(B)]).astype(np.int32))
+        plan = jnp.asarray(np.stack([np.arange(B), np.full(B, 100), np.arange(B), np.ones(B)]).astype(np.int32))
         host = steps.sampling_arrays(B)
         host[1][:], host[2][:], host[3][:] = 0.8, 50, 0.9  # temperature, top-k, top-p
         settings = tuple(jnp.asarray(x) for x in host)
@@ -78,7 +79,7 @@ def main() -> None:
                 last, counts, hidden_in = (state or (jnp.zeros(B, jnp.int32), jnp.zeros((B, V), jnp.int16), hidden))[:3]
                 hidden_out = model(hidden_in) if behind else hidden_in
                 x = steps.adjust_rows(logits, plan, settings, counts, mask) if adjusted else logits
-                (last,) = steps.pick_next(None, mode, x, last, plan, settings)
+                (last,) = pick_next(None, mode, x, last, plan, settings)
                 if adjusted:
                     counts = steps.count_next(None, counts, plan, last, counted=V)
                 out = steps.logprobs_next(None, x, plan, settings, last) if logprobs else ()

@@ -99,6 +99,7 @@ def main() -> None:
     from gptoss_jax.model import extend
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.decoding.checked import CheckedSteps, Plan, checked_steps, row_settings
+    from gptoss_jax.decoding.steps import Model
     from gptoss_jax.drafts.base import GIVEN
     from gptoss_jax.drafts.prompt_lookup import PromptLookup
     from gptoss_jax.testing import random_params_on_device
@@ -143,7 +144,7 @@ def main() -> None:
     def compile_cell(cell):
         b, k = cell
         last, plan, drafts = inputs[cell]
-        spec = CheckedSteps(config, kernels, None, GIVEN, k, most=1)
+        spec = CheckedSteps(Model(config, kernels), GIVEN, k, most=1)
         return cell, checked_steps.lower(spec, params, shapes[b], None, last, plan, drafts).compile()
 
     start = time.perf_counter()

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .convert.sources import SourceError, read_config_json, read_tensor, scan
+from .sources import SourceError, read_config_json, read_tensor, scan
 from .eagle3_config import Eagle3Config
 
 

@@ -88,9 +88,8 @@ class Eagle3Draft(DeviceDraft):
         """k drafts for every row from the state (attending with the target's kernels' variants; beside
         a model on a mesh, the jnp one): all proposed."""
         state = context.state
-        drafts, cache = propose(self.config, k, _attending(context.kernels, context.mesh), context.arrays["head"],
-                                context.embedding, context.arrays["hot"], state["cache"], state["tokens"],
-                                state["states"], state["valid"])
+        drafts, cache = propose(self.config, k, _attending(context.kernels, context.mesh), context.arrays,
+                                context.embedding, state["cache"], (state["tokens"], state["states"], state["valid"]))
         return Proposal(drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "cache": cache})
 
     def observe(self, state: dict, step: StepResult) -> dict:
@@ -110,28 +109,32 @@ def _attending(kernels: Kernels, mesh) -> Kernels:
     return kernels if mesh is None else dataclasses.replace(kernels, attention="blockwise")
 
 
-@functools.partial(jax.jit, static_argnames=("draft", "mesh", "kernels"), donate_argnames=("cache",))
-def head_prefill(draft, mesh, kernels, head_params, embedding, next_tokens, states, valid, cache, pending, last_index,
-                 start):
-    """A prompt chunk's pairs into the head's cache: states [B, T, G] at positions start .. start + T - 1,
-    next_tokens [B, T] the tokens after them, valid [B, T] (positions before each prompt's last);
-    pending [B, G]: the states at each prompt's last position (last_index [B]) once this chunk holds
-    it -> (cache, pending), on every device of `mesh` (None: one device)."""
-    head = _head(draft.config, embedding, _attending(kernels, mesh))
-    _, _, cache = head.apply(head_params, jnp.take(embedding, next_tokens, axis=0), states, cache, valid)
+@functools.partial(jax.jit, static_argnames=("draft", "model"), donate_argnames=("cache",))
+def head_prefill(draft, model, arrays, embedding, chunk, cache, pending, where):
+    """A prompt chunk's pairs into the head's cache: chunk = (next_tokens [B, T] the tokens after the
+    positions start .. start + T - 1, the target's states there [B, T, G], valid [B, T]: positions
+    before each prompt's last); pending [B, G]: the states at each prompt's last position once this
+    chunk holds it; where = (each prompt's last position [B], start) -> (cache, pending), on every
+    device of the target's mesh (model: decoding.steps.Model)."""
+    next_tokens, states, valid = chunk
+    last_index, start = where
+    head = _head(draft.config, embedding, _attending(model.kernels, model.mesh))
+    _, _, cache = head.apply(arrays["head"], jnp.take(embedding, next_tokens, axis=0), states, cache, valid)
     T = states.shape[1]
     here = (last_index >= start) & (last_index < start + T)
     at = jnp.clip(last_index - start, 0, T - 1)
     picked = jnp.take_along_axis(states, at[:, None, None], axis=1)[:, 0]
     out = cache, jnp.where(here[:, None], picked.astype(pending.dtype), pending)
-    return jax.tree.map(lambda x: everywhere(x, mesh), out)  # one layout, call after call
+    return jax.tree.map(lambda x: everywhere(x, model.mesh), out)  # one layout, call after call
 
 
 @functools.partial(jax.jit, static_argnames=("config", "k", "kernels"), donate_argnames=("cache",))
-def propose(config, k, kernels, head_params, embedding, hot, cache, pair_tokens, pair_states, pair_valid):
-    """The pairs not yet in the head's cache (tokens [B, T], states [B, T, G], valid [B, T]: a prefix)
-    into it, then k draft tokens from the last of them on -> (drafts [B, k] target ids, the cache
-    holding the committed pairs only)."""
+def propose(config, k, kernels, arrays, embedding, cache, pairs):
+    """The pairs not yet in the head's cache (pairs: tokens [B, T], states [B, T, G], valid [B, T], a
+    prefix) into it, then k draft tokens from the last of them on (arrays: the head's parameters and
+    hot ids) -> (drafts [B, k] target ids, the cache holding the committed pairs only)."""
+    pair_tokens, pair_states, pair_valid = pairs
+    head_params, hot = arrays["head"], arrays["hot"]
     head = _head(config, embedding, kernels)
     logits, y, cache = head.apply(head_params, jnp.take(embedding, pair_tokens, axis=0), pair_states, cache,
                                   pair_valid)

@@ -27,12 +27,13 @@ import numpy as np
 
 from .cache import init_cache
 from .config import ModelConfig
-from .model import Kernels, Transformer
-from .sampling import Sampling, sample
-from .sharding import everywhere, mesh_of, on_every_device, replicated, to_host_soon, zeros_on_devices
+from .model import Kernels
+from .sampling import Sampling, rows_mode
+from .sharding import mesh_of, on_every_device, replicated, to_host_soon
 from .decoding.checked import CheckedSteps, Plan, checked_steps, mode_index, row_settings
+from .decoding.steps import Decode, Model, decode, pick_first, prefill
 from .drafts.base import GIVEN, Draft, on_devices
-from .eagle3 import captured, init_head_cache
+from .eagle3 import init_head_cache
 from .eagle3_draft import Eagle3Draft, head_prefill
 from .weight import Params
 
@@ -64,69 +65,26 @@ def batch_timings(results: Sequence[Result]) -> dict:
     }
 
 
+@dataclasses.dataclass
+class _Replies:
+    """A batch's replies as the host has them while they are generated: each sequence's tokens so
+    far, which go on, and `add(sequence, token, time)`, which keeps, streams and checks a token."""
+
+    prompts: Sequence[Sequence[int]]
+    outputs: list[list[int]]
+    active: np.ndarray
+    add: Callable[[int, int, float], None]
+    max_new_tokens: int
+
+
 def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
-
-
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "capture"), donate_argnames=("cache",))
-def _prefill_chunk(config, kernels, mesh, capture, params, tokens, cache, last, lengths, start):
-    """Prompt positions [start, start + T) of every sequence, tokens [B, T]; lengths [B]: the prompts'
-    lengths (positions past them are padding). -> (logits of each prompt's last token [B, V], kept in
-    `last` until the chunk holding it, cache; with `capture`, those layers' outputs [B, T, G])."""
-    T = tokens.shape[1]
-    valid = (start + jnp.arange(T))[None] < lengths[:, None]  # [B, T]
-    last_index = lengths - 1
-    i = jnp.clip(last_index - start, 0, T - 1)
-    here = (last_index >= start) & (last_index < start + T)
-    model = Transformer(config, kernels=kernels, mesh=mesh, capture=capture)
-    if not capture:
-        picked, cache = model.apply({"params": params}, tokens, cache, valid, logits_at=i)
-        return everywhere(jnp.where(here[:, None], picked, last), mesh), cache
-    (picked, cache), state = model.apply({"params": params}, tokens, cache, valid, logits_at=i, mutable=["intermediates"])
-    return everywhere(jnp.where(here[:, None], picked, last), mesh), cache, captured(state, capture)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh", "sampling", "steps"),
-                   donate_argnames=("cache",))
-def _decode(config, kernels, mesh, sampling, steps, params, tokens, active, is_stop, limit, cache, seed, step):
-    """`steps` decode steps in one call, each sampling from the last: tokens [B] the last tokens, active
-    [B] the sequences still going, is_stop [V] the stop tokens, limit: the step counter's bound (the
-    step counted `limit` and later ones, a call's surplus past the tokens asked for, run with every
-    sequence inactive, so the cache never grows past its end, where a kernel would read beyond it).
-
-    -> (the new tokens [steps, B], the last of them [B], active, cache, step + steps). On the
-    devices, a sequence stops after a stop token (which it keeps), so the host reads tokens once per
-    call, not per step: one dispatch and one transfer for `steps` tokens. Step `step + i` samples with its own key, so the
-    tokens do not depend on `steps`."""
-    model = Transformer(config, kernels=kernels, mesh=mesh)
-
-    def one(carry, i):  # one decode step: the last tokens in, the next ones out
-        tokens, active, cache = carry
-        valid = active & (step + i < limit)
-        logits, cache = model.apply({"params": params}, tokens[:, None], cache, valid[:, None])
-        tokens = everywhere(sample(logits[:, 0], _step_key(seed, step + i), sampling), mesh)
-        return (tokens, valid & ~is_stop[tokens], cache), tokens
-
-    (tokens, active, cache), new = jax.lax.scan(one, (tokens, active, cache), jnp.arange(steps, dtype=jnp.int32))
-    return (everywhere(new, mesh), everywhere(tokens, mesh), everywhere(active, mesh), cache,
-            everywhere(step + steps, mesh))
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "sampling"))
-def _sample(mesh, sampling, logits, seed):
-    return everywhere(sample(logits, _step_key(seed, 0), sampling), mesh)
-
-
-def _step_key(seed, step):
-    """Step `step`'s sampling key: jax.random.key(seed) folded with the step, made inside the jitted
-    steps (an eager jax.random.key costs the host milliseconds, and no key crosses to the host)."""
-    return jax.random.fold_in(jax.random.key(seed), step)
 
 
 class Generator:
     """Generates for batches of prompts with one set of parameters and a static cache length.
 
-    Each compiled step (a prefill chunk shape, the decode call, the first sampling) is compiled
+    Each compiled step (a prefill chunk shape, the first tokens' pick, the decode call) is compiled
     ahead of time once and kept, so that timings can tell compilation from prefill and decode, and
     a new prompt length inside a bucket compiles nothing new. `decode_steps`: decode steps per call
     to the devices (a loop there; the tokens do not depend on it).
@@ -226,34 +184,33 @@ class Generator:
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p
         put = functools.partial(on_every_device, mesh=self.mesh)
-        seed_dev = put(np.int32(seed))  # the sampling key is made from it inside the jitted steps
+        settings = tuple(put(x) for x in row_settings(sampling, seed, B))  # row b seeded seed + b
+        mode = rows_mode([sampling])
         cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
-        last = zeros_on_devices(jax.ShapeDtypeStruct((B, vocab), jnp.float32),
-                                None if self.mesh is None else replicated(self.mesh))
-        model = (self.config, self.kernels, self.mesh)
-        lengths_dev = put(lengths.astype(np.int32))
+        last = put(np.zeros(B, np.int32))  # each row's latest token, on the devices
         eagle = isinstance(draft, Eagle3Draft)
+        model = Model(self.config, self.kernels, self.mesh, draft.capture if eagle else ())
         if eagle:  # the head's cache follows the prompt: its states at p with the token at p + 1
-            capture, following = draft.config.aux_layers, np.zeros_like(tokens)
+            following = np.zeros_like(tokens)
             following[:, :-1] = tokens[:, 1:]
             arrays = self._head_arrays(draft)
             head_cache = self._replicated(init_head_cache(draft.config, B, self.max_len, self.dtype))
-            pending = self._replicated(jnp.zeros((B, len(capture) * self.config.hidden_size), self.dtype))
+            pending = self._replicated(jnp.zeros((B, len(model.capture) * self.config.hidden_size), self.dtype))
         for start in range(0, padded, chunk):
-            chunk_tokens = put(tokens[:, start:start + chunk])
-            if not eagle:
-                last, cache = self._call(_prefill_chunk, model + ((),), self.params, chunk_tokens, cache, last,
-                                         lengths_dev, put(np.int32(start)))
-                continue
-            last, cache, states = self._call(_prefill_chunk, model + (capture,), self.params, chunk_tokens, cache,
-                                             last, lengths_dev, put(np.int32(start)))
-            before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
-            head_cache, pending = self._call(head_prefill, (draft, self.mesh, self.kernels), arrays["head"],
-                                             self.params["embedding"], put(following[:, start:start + chunk]), states,
-                                             before_last, head_cache, pending, put((lengths - 1).astype(np.int32)),
-                                             put(np.int32(start)))
-        # Stays on the devices as the next step's input.
-        token_dev = self._call(_sample, (self.mesh, sampling), last, seed_dev)
+            counts = np.clip(lengths - start, 0, chunk)
+            finishing = (counts > 0) & (start + counts == lengths)  # the chunk holds the prompt's last token
+            plan = np.stack([np.arange(B), counts, np.minimum(start, lengths), finishing, np.zeros(B)]).astype(np.int32)
+            logits, cache, states = self._call(prefill, (model,), self.params, cache, put(tokens[:, start:start + chunk]),
+                                               put(plan))
+            if finishing.any():  # the first tokens of the prompts this chunk ends (sampling step 0)
+                _, last = self._call(pick_first, (self.mesh, mode), logits, last, put(plan), settings)
+            if eagle:
+                before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
+                head_cache, pending = self._call(
+                    head_prefill, (draft, model), arrays, self.params["embedding"],
+                    (put(following[:, start:start + chunk]), states, before_last), head_cache, pending,
+                    (put((lengths - 1).astype(np.int32)), put(np.int32(start))))
+        token_dev = last  # stays on the devices as the next step's input
         to_host_soon(token_dev)
         token = np.asarray(token_dev)  # the host copy: stop checks and streaming
         first_token_time = time.perf_counter()
@@ -287,20 +244,21 @@ class Generator:
                 add(int(b), int(tokens[b]), now)
             return bool(active.any()) and taken < max_new_tokens
 
-        # The decode calls' other inputs stay on the devices: the active mask and the step counter
-        # come back from each call, which stops sequences itself.
+        # The decode calls' other inputs stay on the devices: the plan (lengths, sampling steps,
+        # budgets) comes back from each call, which stops sequences itself.
         is_stop = np.zeros(vocab, bool)
         is_stop[[t for t in stops if 0 <= t < vocab]] = True
-        is_stop_dev, limit_dev = put(is_stop), put(np.int32(max_new_tokens))
-        carry = (token_dev, put(active), cache, put(np.int32(1)))  # the last tokens, active, cache, step
+        is_stop_dev = put(is_stop)
+        plan = np.stack([np.arange(B), lengths, np.where(active, 1, -1), np.full(B, max_new_tokens - 1)])
+        carry = (cache, token_dev, put(plan.astype(np.int32)))  # the cache, the latest tokens, the plan
+        spec = Decode(Model(self.config, self.kernels, self.mesh), self.decode_steps, mode)
 
         def queue_call(carry):  # the next decode call on the devices, not waited for
-            token_dev, active_dev, cache, step_dev = carry
-            new_dev, *carry = self._call(
-                _decode, model + (sampling, self.decode_steps), self.params, token_dev, active_dev, is_stop_dev,
-                limit_dev, cache, seed_dev, step_dev)
+            cache, last, plan = carry
+            new_dev, last, plan, cache = self._call(decode, (spec,), self.params, cache, last, plan, settings,
+                                                    is_stop_dev)
             to_host_soon(new_dev)
-            return new_dev, tuple(carry)
+            return new_dev, (cache, last, plan)
 
         # The first token is streamed before the decode call compiles. From then on the next call is
         # queued before this call's tokens are read, so the devices run calls back to back while the
@@ -309,8 +267,9 @@ class Generator:
         # the call queued after is waited for, so that its time is not the next generation's).
         going = take(token)
         if draft is not None:
-            drafted, accepted = self._speculate(prompts, outputs, active, add, token_dev, cache, draft, draft_tokens,
-                                                max_new_tokens, sampling, seed, is_stop_dev,
+            drafted, accepted = self._speculate(_Replies(prompts, outputs, active, add, max_new_tokens), token_dev,
+                                                cache, draft, draft_tokens,
+                                                (settings, mode_index([sampling]), is_stop_dev),
                                                 (arrays, head_cache, pending) if eagle else None)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
@@ -347,22 +306,24 @@ class Generator:
             results.append(Result(list(map(int, p)), outputs[b], reasons[b], timings))
         return results
 
-    def _speculate(self, prompts, outputs, active, add, last, cache, draft: Draft, k: int, max_new_tokens: int,
-                   sampling: Sampling, seed: int, is_stop_dev, head=None):
+    def _speculate(self, replies: _Replies, last, cache, draft: Draft, k: int, rows: tuple, head=None):
         """The decode loop with drafts, through the checked steps (decoding/checked.py): drafts made on
         the devices (`drafts.base.DeviceDraft`; head: an EAGLE-3 head's arrays, its cache and the
         prompts' last states after the prefill) run `decode_steps` steps a call, the next call queued
         before this one's tokens are read, as in plain decoding; drafts made on the host run a step a
-        call, each drafted from the tokens so far. -> (tokens drafted [B], accepted [B])."""
+        call, each drafted from the tokens so far. rows: the rows' sampling settings and mode, and the
+        stop tokens, on the devices. -> (tokens drafted [B], accepted [B])."""
+        prompts, outputs, active, add = replies.prompts, replies.outputs, replies.active, replies.add
+        max_new_tokens = replies.max_new_tokens
         B, vocab = len(prompts), self.config.vocab_size
         put = functools.partial(on_every_device, mesh=self.mesh)
         host = not on_devices(draft)
         steps = 1 if host else self.decode_steps
-        spec = CheckedSteps(self.config, self.kernels, self.mesh, GIVEN if host else draft, k, steps)
+        spec = CheckedSteps(Model(self.config, self.kernels, self.mesh), GIVEN if host else draft, k, steps)
         lengths = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, outputs)], np.int32)  # positions cached
         budget = np.where(active, [max_new_tokens - len(o) for o in outputs], 0)
         plan = np.stack([np.arange(B), lengths, budget, [len(o) for o in outputs], np.zeros(B), np.zeros(B)])
-        settings = tuple(put(x) for x in row_settings(sampling, seed, B))
+        settings, mode, is_stop_dev = rows
         history = None
         if not host:
             history = np.zeros((B, self.max_len), np.int32)
@@ -375,7 +336,7 @@ class Generator:
         elif not host and draft.arrays() is not None:
             arrays = self._replicated(draft.arrays())
         carry = (cache, history, last, put(plan.astype(np.int32)),
-                 put(np.array([steps, 0, mode_index([sampling])], np.int32)), state)
+                 put(np.array([steps, 0, mode], np.int32)), state)
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
 
         def given() -> dict:

@@ -146,6 +146,15 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     return jnp.where((temperature > 0)[:, None], drawn, greedy)
 
 
+def draw(key: jax.Array, weights: jax.Array) -> jax.Array:
+    """Token ids [B] int32 drawn with one key from each row's unnormalized probabilities [B, V] (the
+    speculative-sampling rule's draws)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.random.categorical(key, jnp.log(weights), axis=-1).astype(jnp.int32)
+
+
 def token_logprobs(logits: jax.Array, temperature: jax.Array, tokens: jax.Array,
                    k: int = TOP_LOGPROBS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """logits [B, V], temperature [B] (0: greedy), the tokens chosen [B] -> (their log-probabilities

@@ -278,3 +278,105 @@ def test_the_public_names_resolve():
 
     missing = [name for name in gj.__all__ if getattr(gj, name, None) is None]
     assert missing == [] and {"init_params", "load_checkpoint", "param_shardings", "Weight"} <= set(gj.__all__)
+
+
+# The decoding runtime and the engine: their contracts are typed (a config object, a plan, a
+# protocol), never long argument lists or another module's private state.
+RUNTIME = ("generate", "eagle3_draft", "decoding.*", "drafts.*", "serving.*")
+MOST_PARAMETERS = 8  # self and cls not counted
+
+
+def long_signatures(root: str) -> list[str]:
+    """Every function of the decoding runtime or the engine with more than MOST_PARAMETERS parameters."""
+    out = []
+    for name, path in modules(root).items():
+        if not any(fnmatch.fnmatchcase(name, p) or name == p.removesuffix(".*") for p in RUNTIME):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x]
+                names = names[1:] if names[:1] in (["self"], ["cls"]) else names
+                if len(names) > MOST_PARAMETERS:
+                    out.append(f"{name}.{node.name} takes {len(names)}, line {node.lineno}")
+    return out
+
+
+def engine_private_uses(root: str) -> list[str]:
+    """Every use, outside serving/engine.py (in the package and bench/), of an attribute of `Engine`
+    whose name starts with "_": an `engine._x` (or `self.engine._x`) where Engine defines `_x`."""
+    tree = ast.parse(open(os.path.join(root, PACKAGE, "serving", "engine.py")).read())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    private = {n.name for n in engine.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    private |= {t.attr for n in ast.walk(engine) for t in getattr(n, "targets", [getattr(n, "target", None)])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    private = {p for p in private if p.startswith("_") and not p.startswith("__")}
+    paths = [p for n, p in modules(root).items() if n != "serving.engine"]
+    paths += [os.path.join(root, "bench", f) for f in sorted(os.listdir(os.path.join(root, "bench"))) if f.endswith(".py")]
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                holder = node.value
+                named = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", "")
+                if named in ("engine", "Engine"):
+                    out.append(f"{os.path.relpath(path, root)}, line {node.lineno}: {named}.{node.attr}")
+    return out
+
+
+SAMPLING = "sampling"
+
+
+def sampling_outside(root: str) -> list[str]:
+    """Sampling defined outside sampling.py: a draw from `categorical`, or a function named sample*
+    or filtered*."""
+    out = []
+    for name, path in modules(root).items():
+        if name == SAMPLING:
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Attribute) and node.attr == "categorical":
+                out.append(f"{name}, line {node.lineno}: categorical")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.lstrip("_").startswith(
+                    ("sample", "filtered")):
+                out.append(f"{name}, line {node.lineno}: defines {node.name}")
+    return out
+
+
+def private_kernel_imports(root: str) -> list[str]:
+    """Every kernel module importing a private name ("_x") of another kernel module."""
+    out = []
+    for a, path in modules(root).items():
+        if not a.startswith("kernels"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and node.level and node.module:
+                out += [f"{a} imports {node.module}.{x.name}, line {node.lineno}" for x in node.names
+                        if x.name.startswith("_") and not x.name.startswith("__")]
+    return out
+
+
+def test_the_runtime_speaks_through_typed_contracts():
+    """No function of the decoding runtime or the engine takes more than 8 parameters (a config object
+    or a typed plan instead), no attribute of Engine that starts with "_" is used outside its own
+    module, sampling is defined in one module, and no kernel module imports another's private name."""
+    assert long_signatures(ROOT) == []
+    assert engine_private_uses(ROOT) == []
+    assert sampling_outside(ROOT) == []
+    assert private_kernel_imports(ROOT) == []
+
+
+def test_planted_breaches_of_the_contracts_are_found(tmp_path):
+    shutil.copytree(os.path.join(ROOT, PACKAGE), tmp_path / PACKAGE)
+    shutil.copytree(os.path.join(ROOT, "bench"), tmp_path / "bench")
+    with open(tmp_path / PACKAGE / "serving" / "speculation.py", "a") as f:
+        f.write("\n\ndef _planted(engine, a, b, c, d, e, f, g, h):\n    return engine._waiting\n")
+    with open(tmp_path / PACKAGE / "decoding" / "acceptance.py", "a") as f:
+        f.write("\n\ndef sample_greedy(logits):\n    return jax.random.categorical(None, logits)\n")
+    with open(tmp_path / PACKAGE / "kernels" / "decode_moe.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from .triton import _planted_private\n")
+    assert [x.split(",")[0] for x in long_signatures(str(tmp_path))] == ["serving.speculation._planted takes 9"]
+    assert [x.split(":")[-1].strip() for x in engine_private_uses(str(tmp_path))] == ["engine._waiting"]
+    assert [x.split(": ")[1] for x in sampling_outside(str(tmp_path))] == ["defines sample_greedy", "categorical"]
+    assert [x.split(",")[0] for x in private_kernel_imports(str(tmp_path))] == [
+        "kernels.decode_moe imports triton._planted_private"]

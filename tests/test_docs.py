@@ -124,7 +124,7 @@ def program(argv: list[str]) -> tuple[str | None, list[str]]:
     """Which of the project's commands argv runs ("generate", "serve", "finetune", "convert"), and its
     arguments; (None, argv) for any other program."""
     for prefix, name in ((["gptoss-generate"], "generate"), (["python", "run_inference.py"], "generate"),
-                         (["gptoss-serve"], "serve"), (["python", "-m", "gptoss_jax.serving"], "serve"),
+                         (["gptoss-serve"], "serve"), (["python", "-m", "gptoss_jax.server"], "serve"),
                          (["gptoss-finetune"], "finetune"), (["python", "finetune.py"], "finetune"),
                          (["gptoss-convert"], "convert"), (["python", "-m", "convert"], "convert"),
                          (["python", "-m", "gptoss_jax.convert"], "convert")):

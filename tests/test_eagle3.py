@@ -17,7 +17,7 @@ from eagle3_ref import D, F, N, U, Reference, write_head
 from noise import Exact
 
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.convert.sources import SourceError
+from gptoss_jax.sources import SourceError
 from gptoss_jax.eagle3 import Eagle3Head, captured, init_head_cache
 from gptoss_jax.eagle3_config import Eagle3Config
 from gptoss_jax.eagle3_checkpoint import load_eagle3

@@ -103,15 +103,17 @@ def test_decode_steps_per_call_change_no_token(gen, prompts):
 def test_a_calls_steps_past_the_limit_leave_the_cache_alone(gen):
     """Steps counted at or past the limit (a call's surplus beyond max_new_tokens) run with every
     sequence inactive: the cache does not grow (so no kernel sees a length past the cache's end)."""
-    from gptoss_jax.generate import _decode
+    from gptoss_jax.decoding.checked import row_settings
+    from gptoss_jax.decoding.steps import Decode, Model, decode
 
     config = gen.config
     _, cache = gj.extend(config, gen.params, np.ones((2, 395), np.int32), gj.init_cache(config, 2, 400, gen.dtype))
-    new, last, active, cache, step = _decode(config, gen.kernels, None, GREEDY, 8, gen.params, jnp.array([1, 2]),
-                                             jnp.array([True, True]), jnp.zeros(config.vocab_size, bool), jnp.int32(4),
-                                             cache, jnp.int32(0), jnp.int32(1))
+    plan = jnp.array([[0, 1], [395, 395], [1, 1], [3, 3]], jnp.int32)  # rows, lengths, sampling steps, budgets
+    new, last, plan, cache = decode(Decode(Model(config, gen.kernels), 8, "greedy"), gen.params, cache,
+                                    jnp.array([1, 2]), plan, row_settings(GREEDY, 0, 2))
     assert cache["lengths"].tolist() == [398, 398]  # steps 1, 2 and 3 of 1 to 8 ran
-    assert new.shape == (8, 2) and (last == new[-1]).all() and not active.any() and int(step) == 9
+    assert new.shape == (8, 2) and (last == new[2]).all() and plan[3].tolist() == [0, 0]
+    assert plan[1].tolist() == [398, 398] and plan[2].tolist() == [4, 4]
 
 
 def test_generator_rejects_bad_requests(gen, prompts):

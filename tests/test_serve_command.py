@@ -36,7 +36,7 @@ class Process:
     line, and a watchdog that kills it after LIFETIME seconds."""
 
     def __init__(self, *flags: str, code: str | None = None):
-        argv = ["-c", code, *flags] if code else ["-m", "gptoss_jax.serving", *flags]
+        argv = ["-c", code, *flags] if code else ["-m", "gptoss_jax.server", *flags]
         self.process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, env=ENV)
         self.lines: list[str | None] = []  # None: the end

@@ -272,7 +272,7 @@ def test_gptoss_serve_command(tmp_path):
     example as written (on a free port rather than 8000), and on SIGTERM lets a running request
     finish and exits 0."""
     env = {**os.environ, "TIKTOKEN_ENCODINGS_BASE": os.path.dirname(os.path.abspath(VOCAB))}
-    process = subprocess.Popen([sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "2",
+    process = subprocess.Popen([sys.executable, "-m", "gptoss_jax.server", "--port", "0", "--slots", "2",
                                 "--max-context", "128"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -322,7 +322,7 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
-    common = [sys.executable, "-m", "gptoss_jax.serving", "--port", "0", "--slots", "4",
+    common = [sys.executable, "-m", "gptoss_jax.server", "--port", "0", "--slots", "4",
               *(kv_flags or ["--max-context", str(MAX_LEN)]), "--mesh", "data=2,tensor=2",
               "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id"]
     procs = [subprocess.Popen(common + [str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -22,7 +22,9 @@ from conftest import expected_spec, free_port
 from refs import exact_logits
 from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
-from gptoss_jax.generate import Generator, _decode
+from gptoss_jax.decoding import steps
+from gptoss_jax.decoding.checked import row_settings
+from gptoss_jax.generate import Generator
 from gptoss_jax.model import _forward
 from gptoss_jax.params import check_mesh, param_shardings
 from gptoss_jax.sampling import Sampling
@@ -115,10 +117,10 @@ def test_no_weight_is_gathered_in_a_step(single, sizes):
     prefill = _forward.lower(config, abstract, jax.ShapeDtypeStruct((B, T), np.int32), gj.Kernels(), mesh)
     B = 8
     cache = gj.init_cache(config, B, 192, "float32", mesh=mesh)
-    token = jax.ShapeDtypeStruct((B,), np.int32)
-    decode = _decode.lower(config, gj.Kernels(), mesh, GREEDY, 8, abstract, token,
-                           jax.ShapeDtypeStruct((B,), bool), jax.ShapeDtypeStruct((config.vocab_size,), bool),
-                           np.int32(32), cache, np.int32(0), np.int32(1))  # 8 steps; stops, limit, cache, seed, step
+    token, plan = jax.ShapeDtypeStruct((B,), np.int32), jax.ShapeDtypeStruct((4, B), np.int32)
+    settings = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in row_settings(GREEDY, 0, B))
+    decode = steps.decode.lower(steps.Decode(steps.Model(config, gj.Kernels(), mesh), 8, "greedy"), abstract, cache,
+                                token, plan, settings, jax.ShapeDtypeStruct((config.vocab_size,), bool))  # 8 steps
     smallest_expert_weight = min(config.num_experts * 2 * config.intermediate_size * config.hidden_size,
                                  config.num_experts * config.hidden_size * config.intermediate_size) * 4
     for lowered, activations in ((prefill, B * T * config.hidden_size * 4),

@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..hostmem import limit_allocator_arenas
 from .inputs import UsageError
-from .signals import Signals
+from ..signals import Signals
 
 
 def run_command(parse: Callable[[], object], run: Callable[[object, Signals], int], *, raising: bool,

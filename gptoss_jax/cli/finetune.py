@@ -17,7 +17,7 @@ from ..version import __version__
 from . import devices, loading
 from .command import leave, run_command
 from .inputs import UsageError, model_config
-from .signals import Signals
+from ..signals import Signals
 
 DESCRIPTION = """\
 Fine-tune gpt-oss in JAX on harmony conversations: LoRA adapters (the default) or every weight.

@@ -15,7 +15,7 @@ from ..version import __version__
 from . import devices, loading
 from .command import leave, run_command
 from .inputs import UsageError, check_draft, check_fits, check_flags, max_context, model_config, prompt_texts
-from .signals import Signals
+from ..signals import Signals
 
 DESCRIPTION = """\
 Generate text with gpt-oss in JAX, from a raw prompt or a harmony chat, for one prompt or a batch.
@@ -74,7 +74,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
     p.add_argument("--stop-ids", type=parse_ids, default=[], metavar="IDS",
                    help="extra stop token ids (<|return|>, <|call|> and <|endoftext|> always stop)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; prompt b of a batch file samples with seed + b (default: 0)")
     p.add_argument("--decode-steps", type=int, default=8, metavar="N",
                    help="decode steps per call to the device (default: 8): the host dispatches once and reads "
                         "the tokens once per N tokens, which keeps a batch of one from waiting on the host; "

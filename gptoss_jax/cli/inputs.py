@@ -126,7 +126,7 @@ def check_draft(args, config: ModelConfig, max_len: int) -> None:
     if (args.draft == "eagle3") != (args.draft_model is not None):
         raise UsageError("--draft eagle3 and --draft-model DIR go together")
     if args.draft_model is not None:
-        from ..convert.sources import SourceError, read_config_json
+        from ..sources import SourceError, read_config_json
 
         if not os.path.isdir(args.draft_model):
             raise UsageError(f"--draft-model {args.draft_model}: no such folder")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli.signals import Signals
+from ..signals import Signals
 from ..version import __version__
 
 DESCRIPTION = """\

@@ -29,7 +29,7 @@ from ..config import ModelConfig
 from ..metadata import expand, item_names, write_metadata
 from ..mxfp4 import MXFP4, packed, unpack_experts
 from ..version import __version__
-from .sources import SourceError, TensorInfo, read_config_json, read_tensor, scan
+from ..sources import SourceError, TensorInfo, read_config_json, read_tensor, scan
 
 _FLOAT_DTYPES = {"BF16", "F32"}
 _STORE_DTYPE = {"mxfp4": np.dtype(ml_dtypes.bfloat16), "bfloat16": np.dtype(ml_dtypes.bfloat16),

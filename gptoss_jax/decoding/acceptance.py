@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..sampling import MODES, probabilities
+from ..sampling import MODES, draw, probabilities
 
 MOST_WAIT = 16  # steps at most between a row's drafts after a run of misses (the serving engine's)
 
@@ -63,7 +63,7 @@ def accept_sampled(key: jax.Array, target: jax.Array, drafted: jax.Array, valid:
     B, T, V = target.shape
     key_accept, key_next = jax.random.split(key)
     if T == 1:  # nothing drafted: the next token drawn from p_0 (the same draw as with drafts all invalid)
-        nxt = jax.random.categorical(key_next, jnp.log(target[:, 0]), axis=-1).astype(jnp.int32)
+        nxt = draw(key_next, target[:, 0])
         return jnp.zeros((B,), jnp.int32), nxt
     p = jnp.take_along_axis(target[:, :-1], drafted[..., None], axis=-1)[..., 0]  # [B, T - 1]
     q = (jnp.ones_like(p) if draft_probs is None
@@ -80,7 +80,7 @@ def accept_sampled(key: jax.Array, target: jax.Array, drafted: jax.Array, valid:
         q_at = jnp.take_along_axis(draft_probs, jnp.minimum(at, T - 2), axis=1)[:, 0]
     residual = jnp.where(rejected[:, None], jnp.maximum(p_at - q_at, 0.0), p_at)
     residual = jnp.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p_at)  # p == q: any p-draw will do
-    nxt = jax.random.categorical(key_next, jnp.log(residual), axis=-1).astype(jnp.int32)
+    nxt = draw(key_next, residual)
     return accepted, nxt
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,33 +31,18 @@ import numpy as np
 
 from ..cache import roll_back
 from ..config import ModelConfig
-from ..eagle3 import captured
-from ..kernels import Kernels
-from ..model import Transformer
-from ..sampling import MODES, Sampling, rows_mode
-from ..sharding import everywhere
 from ..drafts.base import GIVEN, DeviceDraft, DraftContext, StepResult
+from ..kernels import Kernels
+from ..sampling import MODES, Sampling, rows_mode
+from ..sharding import everywhere, mesh_of
 from .acceptance import accept, backoff, fit_drafts, step_tokens
-
-# XLA's rematerialization pass never runs on the model steps. It counts a donated pool twice (the
-# parameter and the updated pool it writes in place), so once the pool passes about half of the
-# memory free after the weights it decides the step cannot fit and recomputes parts of it, Pallas
-# kernels included: on one NVIDIA H200, gpt-oss-20b's decode step of 256 sequences over a pool of
-# 78.6 GiB ran 11 of its kernels twice and took 21.00 ms against 18.38 over a pool of 12 GiB; from
-# 45.4 GiB on it recomputed some (2026-11-26, docs/benchmarks.md). The steps need no recomputation:
-# their temporaries are under 1.1 GiB beside the pool, which the allocator updates in place.
-STEP_OPTIONS = {"xla_disable_hlo_passes": "rematerialization"}
-
-PLAN_ROWS = ("rows", "lengths", "budget", "sample_steps", "misses", "due_at")
-
+from .steps import STEP_OPTIONS, Model, stored, view
 
 @dataclasses.dataclass(frozen=True)
 class CheckedSteps:
     """What a call of checked steps is compiled for (a static argument)."""
 
-    config: ModelConfig
-    kernels: Kernels
-    mesh: Any  # the parameters' mesh (None: one device)
+    model: Model  # (its `capture` is the draft's)
     draft: DeviceDraft
     k: int  # drafted tokens a step at most
     most: int  # steps a call at most
@@ -67,7 +52,7 @@ class CheckedSteps:
 class Plan(NamedTuple):
     """A call's rows, as arrays on the devices (nothing of it is donated)."""
 
-    rows: jax.Array  # int32 [6, B]: PLAN_ROWS. rows: the caller's row (R: padding); lengths: positions
+    rows: jax.Array  # int32 [6, B]: rows, lengths, budget, sample_steps, misses, due_at. rows: the caller's row (R: padding); lengths: positions
     #                  cached; budget: tokens it may still add (0: not running); sample_steps: its next
     #                  token's sampling step; misses, due_at: back-off (acceptance.backoff)
     run: jax.Array  # int32 [3]: steps to run (<= most), the first step's clock, the mode (an index into MODES)
@@ -87,19 +72,12 @@ class Outcome(NamedTuple):
     run: jax.Array  # [3] the plan's run after it (the clock moved on)
 
 
-def _view(cache: dict, rows, lengths) -> dict:
-    """The model's cache for the call's rows at these lengths: a paged pool ({"pages", "tables"})
-    through the rows' tables; a contiguous cache (its rows are the call's) as it is."""
-    if "tables" in cache:
-        return {"lengths": lengths, "tables": jnp.take(cache["tables"], rows, axis=1, mode="clip"),
-                "pages": cache["pages"]}
-    return {**cache, "lengths": lengths}
-
-
 def _keep(config: ModelConfig, cache: dict, before: dict, written: dict, valid, kept) -> dict:
-    """The cache after a step that wrote `valid` [B, T] positions and keeps the first `kept` [B]."""
-    if "tables" in cache:
-        return {"pages": written["pages"], "tables": cache["tables"]}
+    """The cache after a step that wrote `valid` [B, T] positions and keeps the first `kept` [B]: the
+    contiguous cache rolled back past the others (over one position, nothing to take back); the
+    paged one as written."""
+    if "tables" in cache or valid.shape[1] == 1:
+        return stored(cache, written)
     return roll_back(config, before, written, valid, kept)
 
 
@@ -111,24 +89,21 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
     last [R]: each row's latest token, not in the cache yet; arrays, state: the draft source's
     (`arrays()` placed on the devices; its state, donated).
     -> (Outcome, cache, history, last, state)."""
-    config, k, draft = spec.config, spec.k, spec.draft
+    config, k, draft = spec.model.config, spec.k, spec.draft
+    model = dataclasses.replace(spec.model, capture=draft.capture)
     rows, lengths, budget, sample_steps, misses, due_at = plan.rows
     B, T, R = rows.shape[0], k + 1, last.shape[0]
     at = jnp.arange(T)[None]  # [1, T]
     settings = tuple(jnp.take(x, rows, mode="clip") for x in plan.settings[:5])
-    model = Transformer(config, kernels=spec.kernels, mesh=spec.mesh, capture=draft.capture)
     if history is not None:
         history = history.at[rows, lengths].set(jnp.take(last, rows, mode="clip"), mode="drop")
 
     def check(width, tokens, counts, cache, lengths, sample_steps):
         valid = at[:, :width] < counts[:, None]  # [B, width]
-        before = _view(cache, rows, lengths)
-        if draft.capture:
-            (logits, written), out = model.apply({"params": params}, tokens[:, :width], before, valid,
-                                                 mutable=["intermediates"])
-            states = jnp.pad(captured(out, draft.capture), ((0, 0), (0, T - width), (0, 0)))
-        else:
-            (logits, written), states = model.apply({"params": params}, tokens[:, :width], before, valid), None
+        before = view(cache, rows, lengths)
+        logits, written, states = model.apply(params, tokens[:, :width], before, valid)
+        if states is not None:
+            states = jnp.pad(states, ((0, 0), (0, T - width), (0, 0)))
         accepted, nxt = accept(plan.run[2], logits, tokens[:, :width], valid, settings, sample_steps)
         kept = jnp.where(valid[:, 0], accepted + 1, 0)
         return accepted, nxt, _keep(config, cache, before, written, valid, kept), states
@@ -139,8 +114,8 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
         due = active & (due_at <= clock)
         context = lengths + 1  # each row's tokens so far
         seen = None if history is None else jnp.take(history, rows, axis=0, mode="clip")
-        proposal = draft.propose(DraftContext(seen, context, arrays, state, params["embedding"], spec.kernels,
-                                              spec.mesh), k)
+        proposal = draft.propose(DraftContext(seen, context, arrays, state, params["embedding"], model.kernels,
+                                              model.mesh), k)
         proposed, n = fit_drafts(proposal.drafts, proposal.counts, due, budget, config.vocab_size)
         tokens = jnp.concatenate([jnp.take(last, rows, mode="clip")[:, None], proposed], axis=1)  # [B, T]
         counts = jnp.where(active, n + 1, 0)
@@ -175,7 +150,7 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
         going, one, (jnp.int32(0), cache, history, last, lengths, budget, sample_steps, misses, due_at, state, out))
     run = plan.run.at[1].add(i)
     outcome = Outcome(*out, i, jnp.stack([rows, *rest]), run)
-    put = functools.partial(everywhere, mesh=spec.mesh)
+    put = functools.partial(everywhere, mesh=model.mesh)
     return (jax.tree.map(put, outcome), cache, None if history is None else put(history), put(last),
             jax.tree.map(put, state))
 
@@ -193,13 +168,13 @@ def mode_index(samplings) -> int:
     return MODES.index(rows_mode(samplings))
 
 
-def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels: Kernels = Kernels(), mesh=None,
-                sampling: Sampling = Sampling(temperature=0), seed: int = 0, step: int = 0):
+def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels: Kernels = Kernels(),
+                sampling: Sampling = Sampling(temperature=0), seed: int = 0):
     """One checked step outside `Generator`, over a contiguous cache (cache.py): tokens [B, T] each
     row's last token then its draft, valid [B, T] (a prefix of each row; none: a row not checked) ->
     (accepted drafts [B], the token after them [B], the cache holding each row's last token and
     accepted drafts, nothing more). The cache is donated: use the returned one. Row b samples with
-    seed + b at sampling step `step`."""
+    seed + b at sampling step 0. Parameters on a mesh run on it."""
     tokens, valid = np.asarray(tokens, np.int32), np.asarray(valid, bool)
     B, T = tokens.shape
     slots = min(layer["k"].shape[1] for name, layer in cache.items() if name != "lengths")
@@ -208,8 +183,8 @@ def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kern
                          f"holds {slots} positions), got {T - 1}")
     active = valid[:, 0]
     lengths = np.asarray(cache["lengths"], np.int32)
-    plan = np.stack([np.arange(B), lengths, np.where(active, T + 1, 0), np.full(B, step), np.zeros(B), np.zeros(B)])
-    spec = CheckedSteps(config, kernels, mesh, GIVEN, T - 1, most=1)
+    plan = np.stack([np.arange(B), lengths, np.where(active, T + 1, 0), np.zeros(B), np.zeros(B), np.zeros(B)])
+    spec = CheckedSteps(Model(config, kernels, mesh_of(params)), GIVEN, T - 1, most=1)
     arrays = {"drafts": jnp.asarray(tokens[:, 1:]), "counts": jnp.asarray(valid[:, 1:].sum(axis=1), jnp.int32)}
     run = np.array([1, 0, mode_index([sampling])], np.int32)
     outcome, cache, _, last, _ = checked_steps(spec, params, cache, None, jnp.asarray(tokens[:, 0]),

@@ -47,8 +47,8 @@ except ImportError:
     pltriton = None
 
 from ..mxfp4 import packed
-from .triton import _pow2_at_least, compiler_params, padded_span
-from .triton_mxfp4 import _scale
+from .triton import compiler_params, padded_span, pow2_at_least
+from .triton_mxfp4 import block_scale
 
 HALF_ONE = 2.0 ** 14  # a code decoded as float16 is its value times 2^-14
 # Blocks of 32 values a load of a row spans in up_swiglu and down (`_spans`): gpt-oss's rows of 90
@@ -104,7 +104,7 @@ def _word_dot(words, regs, interpret: bool):
 
 
 def _pow2(n: int) -> int:
-    return _pow2_at_least(n, 1)
+    return pow2_at_least(n, 1)
 
 
 def _masked(ref, shape, axis: int, bound: int):
@@ -242,7 +242,7 @@ def _block_sums(words, scales, regs, interpret: bool):
     """words uint32 [..., G', W], scales uint8 [..., G'], regs 4 x uint32 [..., G', W] broadcastable
     -> float32 [...]: each row's sum over its blocks of (code * input / 2^14 products) * block scale."""
     regs = [jnp.broadcast_to(r, words.shape) for r in regs]
-    per_block = jnp.sum(_word_dot(words, regs, interpret), axis=-1) * _scale(scales)  # 2^(s - 113)
+    per_block = jnp.sum(_word_dot(words, regs, interpret), axis=-1) * block_scale(scales)  # 2^(s - 113)
     return jnp.sum(per_block, axis=-1) * (1.0 / HALF_ONE)
 
 

@@ -35,7 +35,7 @@ from .combine import fold_splits
 from .xla import MASKED
 
 
-def _block(n: int, preferred: int) -> int:
+def block_size(n: int, preferred: int) -> int:
     """The largest power of two <= preferred dividing n (Triton blocks are powers of two)."""
     b = preferred
     while n % b:
@@ -55,7 +55,7 @@ def pair_matvec(x, idx, w, *, interpret: bool = False, block_f: int = 64, block_
     """
     P, D = x.shape
     E, F, _ = w.shape
-    bf, bd = _block(F, block_f), _block(D, block_d)
+    bf, bd = block_size(F, block_f), block_size(D, block_d)
     steps = D // bd
     splits = _splits(steps, P * (F // bf), splits, f"the {steps} steps of {bd} over D={D}")
     per_split = steps // splits
@@ -114,7 +114,7 @@ def _pairs_call(kernel, name, sizes, dtype, interpret, num_warps, num_stages, *i
     return partial.sum(axis=0).astype(dtype)
 
 
-def _pow2_at_least(n: int, least: int = 16) -> int:
+def pow2_at_least(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
@@ -132,8 +132,8 @@ def cache_attention(q, k, v, kv_len, *, interpret: bool = False, block_k: int = 
     """
     B, T, K, G, H = q.shape
     S = k.shape[1]
-    R = _pow2_at_least(T * G)
-    bk = _block(S, block_k)
+    R = pow2_at_least(T * G)
+    bk = block_size(S, block_k)
     if splits is None:  # about 4 programs per SM of a large GPU, one key block per range at least
         splits = max(1, min(S // bk, -(-528 // (B * K))))
     chunk = -(-S // splits // bk) * bk

@@ -31,7 +31,7 @@ except ImportError:
 
 from ..mxfp4 import packed
 from . import pairs
-from .triton import _block, compiler_params, padded_span, pair_matvec
+from .triton import block_size, compiler_params, padded_span, pair_matvec
 
 
 def _e2m1_halves(b):
@@ -87,7 +87,7 @@ def _default_decoder(interpret: bool) -> str:
     return "jnp" if interpret else "ptx"
 
 
-def _scale(s):
+def block_scale(s):
     """uint8 scales -> float32 2^(scale - 127 + 14): the block scale times the 2^14 that
     `_e2m1_halves` leaves out. Scales above 240 (weights beyond 2^113; 255 is NaN in the OCP format)
     give inf; published weights have none."""
@@ -120,7 +120,7 @@ def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_
     P, D = x.shape
     E, F, G, _ = blocks.shape
     decoder = decoder or _default_decoder(interpret)
-    bf, width = _block(F, block_f), 1 << (G - 1).bit_length()
+    bf, width = block_size(F, block_f), 1 << (G - 1).bit_length()
     x_even, x_odd = _even_odd(x, G)  # [P, G, 16] each
 
     def kernel(idx_ref, xe_ref, xo_ref, b_ref, s_ref, o_ref):
@@ -137,7 +137,7 @@ def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_
         xe = masked(xe_ref.at[pl.ds(p, 1), groups, :], (1, width, 16), 1).astype(jnp.float32)  # [width, 16]
         xo = masked(xo_ref.at[pl.ds(p, 1), groups, :], (1, width, 16), 1).astype(jnp.float32)
         low, high = _codes(b, decoder)
-        per_block = jnp.sum(low * xe[None] + high * xo[None], axis=2) * _scale(s)  # [bf, width]
+        per_block = jnp.sum(low * xe[None] + high * xo[None], axis=2) * block_scale(s)  # [bf, width]
         o_ref[p, rows] = jnp.sum(per_block, axis=1)
 
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((P, F), jnp.float32), grid=(P, F // bf),
@@ -174,7 +174,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     num_blocks = block_expert.shape[0]
     if num_blocks * block_m != M:
         raise ValueError(f"{M} rows are not {num_blocks} blocks of {block_m}")
-    bn, gs = _block(F, block_n), 2 if G % 2 == 0 else 1
+    bn, gs = block_size(F, block_n), 2 if G % 2 == 0 else 1
     steps = G // gs
     if unroll is None:
         unroll = next(u for u in (3, 2, 1) if steps % u == 0)
@@ -197,9 +197,9 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                 for u in range(unroll):
                     g0 = (i * unroll + u) * gs
                     low, high = _codes(b_ref[e, n, pl.ds(g0 * 16, width)], decoder)  # [bn, width] each
-                    scale = _scale(s_ref[e, n, g0])[:, None]  # [bn, 1]
+                    scale = block_scale(s_ref[e, n, g0])[:, None]  # [bn, 1]
                     for g in range(1, gs):
-                        scale = jnp.where(group == g, _scale(s_ref[e, n, g0 + g])[:, None], scale)
+                        scale = jnp.where(group == g, block_scale(s_ref[e, n, g0 + g])[:, None], scale)
                     xe = xe_ref[m, pl.ds(g0 * 16, width)]  # [block_m, width]
                     xo = xo_ref[m, pl.ds(g0 * 16, width)]
                     for x, codes in ((xe, low), (xo, high)):  # [bn, width] x [block_m, width]^T

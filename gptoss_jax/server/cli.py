@@ -1,4 +1,4 @@
-"""The serving command line: `gptoss-serve` (and `python -m gptoss_jax.serving`).
+"""The serving command line: `gptoss-serve` (and `python -m gptoss_jax.server`).
 
 Like the generation command, every flag is checked before JAX or the model loads; then the port is
 taken, before anything loads (in use: one line, exit 1). The server answers 503 on /health until the
@@ -26,7 +26,7 @@ from ..version import __version__
 from ..cli import devices, inputs, loading
 from ..cli.command import leave, run_command
 from ..cli.inputs import UsageError, model_config
-from ..cli.signals import Signals
+from ..signals import Signals
 
 DESCRIPTION = """\
 Serve gpt-oss over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def entry(prog: str | None = None) -> None:
-    """The program's entry point (`gptoss-serve`, `python -m gptoss_jax.serving`): main(), then exit
+    """The program's entry point (`gptoss-serve`, `python -m gptoss_jax.server`): main(), then exit
     (command.leave)."""
     leave(main(prog=prog or os.path.basename(sys.argv[0])))
 

@@ -1,7 +1,7 @@
 """Serving many concurrent requests: the continuous-batching engine (engine.py) and its requests.
 
-The names are imported on first use, so that `python -m gptoss_jax.serving` checks its flags and
-takes its signals before JAX starts, as `gptoss-serve` does.
+The names are imported on first use, so that gptoss-serve checks its flags and takes its signals
+before JAX starts (it needs `EngineConfig` for its flags' defaults).
 """
 
 from __future__ import annotations

@@ -12,10 +12,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ..config import ModelConfig
-from ..kernels import Kernels
+from ..decoding.steps import Decode, Model, decode, prefill
 from ..paged_cache import init_pool
-from ..sharding import mesh_of, on_every_device
+from ..sharding import on_every_device
 from ..weight import Params
 from . import steps
 from .picks import Picks
@@ -24,16 +23,16 @@ TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes 
 
 
 class Device:
-    """One engine's arrays on the devices (see the module): `slots` rows, tables `width` wide, a pool
-    of `pages` pages of `page_size` positions."""
+    """One engine's arrays on the devices (see the module) for `model` (decoding.steps.Model): `slots`
+    rows, tables `width` wide, a pool of `pages` pages of `page_size` positions."""
 
-    def __init__(self, config: ModelConfig, params: Params, kernels: Kernels, *, slots: int, width: int, pages: int,
-                 page_size: int, grammars=None, tokenizer=None):
-        self.config, self.params, self.kernels = config, params, kernels
-        self.mesh = mesh_of(params)
+    def __init__(self, model: Model, params: Params, *, slots: int, width: int, pages: int, page_size: int,
+                 grammars=None, tokenizer=None):
+        self.model, self.config, self.params, self.mesh = model, model.config, params, model.mesh
+        self._decode = Decode(self.model)  # one step's model pass, picked apart
         self.dtype = params["embedding"].dtype
         self.slots, self.width, self.pages, self.page_size = slots, width, pages, page_size
-        self.picks = Picks(slots, config.vocab_size, self.mesh, self.put, grammars, tokenizer)
+        self.picks = Picks(slots, self.config.vocab_size, self.mesh, self.put, grammars, tokenizer)
         self._fresh()
 
     def put(self, x):
@@ -62,22 +61,22 @@ class Device:
 
     def prefill(self, plan: np.ndarray, tokens: np.ndarray, settings, mode: str, wants: tuple[bool, bool],
                 ending: list):
-        """prefill_rows and pick_first: plan [5, P] (rows, counts, starts, finishing, sampling steps),
+        """prefill and pick_first (decoding/steps.py): plan [5, P] (rows, counts, starts, finishing, sampling steps),
         tokens [P, C]; settings: every row's (on the devices); ending: the request of each row whose
         prompt ends, else None -> (their first tokens [P], with logprobs their log-probabilities
         (sampling.token_logprobs), else None), on the devices."""
         plan = self.put(plan)
-        logits, self.pool = steps.prefill_rows(self.config, self.kernels, self.mesh, self.params, self.pool,
-                                               self.tables, self.put(tokens), plan)
+        logits, cache, _ = prefill(self.model, self.params, self._cache(), self.put(tokens), plan)
+        self._keep(cache)
         first, self.last, logprobs = self.picks.first(logits, self.last, plan, settings, mode, wants, ending)
         return first, logprobs
 
     def decode(self, plan: np.ndarray):
-        """decode_rows: plan [3, B] (rows, lengths, sampling steps; -1: padding) -> (logits [B, V], the
-        plan), on the devices."""
+        """One step's model pass (decoding/steps.py's decode, no sampling mode): plan [4, B] (rows,
+        lengths, sampling steps: -1 padding, budgets) -> (logits [B, V], the plan), on the devices."""
         plan = self.put(plan)
-        logits, self.pool = steps.decode_rows(self.config, self.kernels, self.mesh, self.params, self.pool,
-                                              self.tables, self.last, plan)
+        logits, cache = decode(self._decode, self.params, self._cache(), self.last, plan)
+        self._keep(cache)
         return logits, plan
 
     def pick(self, decoded, settings, requests: list):
@@ -91,10 +90,16 @@ class Device:
     def run_checked(self, call):
         """call(cache, last) -> (outcome, cache, history, last, state): checked steps (decoding/checked.py)
         over the pool and the latest tokens, which this keeps -> (outcome, history, state)."""
-        outcome, cache, history, self.last, state = call({"pages": self.pool["pages"], "tables": self.tables},
-                                                         self.last)
-        self.pool, self.tables = {"pages": cache["pages"]}, cache["tables"]
+        outcome, cache, history, self.last, state = call(self._cache(), self.last)
+        self._keep(cache)
         return outcome, history, state
+
+    def _cache(self) -> dict:
+        """The pool with its tables: what the decoding steps take (and donate) as a paged cache."""
+        return {"pages": self.pool["pages"], "tables": self.tables}
+
+    def _keep(self, cache: dict) -> None:
+        self.pool, self.tables = {"pages": cache["pages"]}, cache["tables"]
 
     def ready(self, outputs) -> None:
         """Wait for these outputs (a warm-up's)."""

@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..config import ModelConfig
+from ..decoding.steps import Model
 from ..kernels import Kernels
 from ..paged_cache import pool_pages, table_width
 from ..sampling import MODES, rows_mode
@@ -87,8 +88,8 @@ class Engine:
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
                                    metrics=self.metrics, reuse=options.prefix_reuse)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
-        self.device = Device(config, params, kernels, slots=slots, width=self.width, pages=count, page_size=page_size,
-                             grammars=self.grammars, tokenizer=tokenizer)
+        self.device = Device(Model(config, kernels, self.mesh), params, slots=slots, width=self.width, pages=count,
+                             page_size=page_size, grammars=self.grammars, tokenizer=tokenizer)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -209,7 +210,7 @@ class Engine:
             plan = np.array([[self.slots] * P] + [[0] * P] * 4, np.int32)  # padding rows
             outputs.append(device.prefill(plan, np.zeros((P, C), np.int32), idle, mode, wants, [None] * P))
         for B in self.decode_sizes:
-            decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B], np.int32))
+            decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B, [0] * B], np.int32))
             outputs += [device.pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
         checked = [] if self.speculation is None else [self.speculation.warm_up(self)]
         device.picks.warm_up()
@@ -364,7 +365,8 @@ class Engine:
         lengths = [s.length for s in decoding] + [0] * (B - len(decoding))
         settings = self.row_settings()
         decoded = self.device.decode(np.array([[self.slots if s is None else s.row for s in seqs], lengths,
-                                               [-1 if s is None else s.queued for s in seqs]], np.int32))
+                                               [-1 if s is None else s.queued for s in seqs],
+                                               [0 if s is None else 1 for s in seqs]], np.int32))
         for seq in decoding:
             seq.length += 1
             seq.queued += 1

@@ -1,4 +1,4 @@
-"""The serving engine's token picks (steps.pick_first, steps.pick_next) and what they need beside the
+"""The serving engine's token picks (decoding/steps.py's pick_first, pick_next) and what they need beside the
 logits: every row's sampling settings on the devices (sent again only when a row changes hands), the
 counts of each row's generated tokens for the penalties (on the devices, set for a row when a
 penalized request takes it), and the grammar masks of the rows that have a grammar (made on the host
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..decoding.steps import pick_first, pick_next
 from ..sampling import rows_mode
 from . import steps
 from .request import Request
@@ -77,22 +78,22 @@ class Picks:
         return self._put(out)
 
     def first(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], finishing: list):
-        """steps.pick_first for a prefill (finishing: the request of each row whose prompt ends, else
+        """pick_first for a prefill (finishing: the request of each row whose prompt ends, else
         None) -> (first tokens [P], last [R], log-probabilities or None)."""
-        return self._pick(steps.pick_first, steps.count_first, steps.logprobs_first, logits, last, plan, settings,
+        return self._pick((pick_first, steps.count_first, steps.logprobs_first), logits, last, plan, settings,
                           mode, wants, finishing)
 
     def next(self, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], picked: list):
-        """steps.pick_next for a decode (picked: each row's request, None for padding) -> (last [R],
+        """pick_next for a decode (picked: each row's request, None for padding) -> (last [R],
         log-probabilities by row or None)."""
-        return self._pick(steps.pick_next, steps.count_next, steps.logprobs_next, logits, last, plan, settings,
+        return self._pick((pick_next, steps.count_next, steps.logprobs_next), logits, last, plan, settings,
                           mode, wants, picked)
 
-    def _pick(self, pick, count, logprobs_of, logits, last, plan, settings, mode: str, wants: tuple[bool, bool],
-              requests):
+    def _pick(self, steps_of, logits, last, plan, settings, mode: str, wants: tuple[bool, bool], requests):
         """The pick's outputs (a tuple), then the picked tokens' log-probabilities or None: with adjusted
-        logits, the logits adjusted first and the tokens counted after (the counts kept)."""
-        logprobs, adjusted = wants
+        logits, the logits adjusted first and the tokens counted after (the counts kept). steps_of: the
+        pick, its count and its log-probabilities' steps."""
+        (pick, count, logprobs_of), (logprobs, adjusted) = steps_of, wants
         if adjusted:
             logits = steps.adjust_rows(logits, plan, settings, self.counts, self.mask(requests))
         out = pick(self.mesh, mode, logits, last, plan, settings)  # a tuple: its picked tokens first

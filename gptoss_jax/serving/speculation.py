@@ -200,8 +200,7 @@ class Speculation:
                          [0 if s is None else s.draft_due for s in seqs]], np.int32)
         settings, mode, _ = engine.row_settings()
         run = np.array([steps, self.clock, MODES.index(mode)], np.int32)
-        spec = CheckedSteps(engine.config, engine.kernels, engine.mesh, self.draft if given is None else GIVEN,
-                            self.k, self.most, MOST_WAIT)
+        spec = CheckedSteps(engine.device.model, self.draft if given is None else GIVEN, self.k, self.most, MOST_WAIT)
         put = engine.device.put
         if given is None and self.draft.arrays() is not None and (self._arrays is None or
                                                                   self._arrays[0] is not self.draft):

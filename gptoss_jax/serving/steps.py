@@ -1,24 +1,13 @@
-"""The serving engine's jitted steps over the paged KV cache (paged_cache.py): the pool of pages, the
-page tables [2, R, W] and the latest token of every row [R] stay on the devices; the host sends each
-step the rows it runs and where their sequences stand. The latest tokens are never donated (the host
-may still be reading them): a decode step's input is the step before's output, so the host queues
-steps without reading their tokens first.
+"""The serving engine's picks beside the decoding steps (decoding/steps.py: prefill, decode,
+pick_first, pick_next over the paged pool): the rows' sampling settings as arrays, and what some
+requests add around a pick, each a step of its own run only where a row asks for it.
 
 - `sampling_arrays`, `set_row`: the rows' sampling settings as arrays (the host's side of the picks).
 - `write_tables`: set table entries (group, row, column) -> page, U at a time (padding: row R, dropped).
-- `prefill_rows`: a chunk of each of P sequences' prompts (tokens [P, C], row p's first `counts[p]`
-  real) continuing their caches at `starts` (positions already cached, reused or prefilled) -> the
-  logits at each row's last real token; the pool is donated and written in place.
-- `pick_first`: the first tokens of the rows whose chunk ended their prompt (`finishing`), each by its
-  row's settings at its own sampling step, written into those rows' latest tokens.
-- `decode_rows`: one step of B rows (a bucket of the running ones; sampling step -1: padding, whose
-  cache is neither read for a result nor written) from the rows' latest tokens -> logits [B, V].
-- `pick_next`: each active row's next token by its row's settings -> the latest tokens [R], those
-  rows' replaced.
-- What some requests add around a pick, each a step of its own run only where a row asks for it:
-  `adjust_rows` before it (the logits `adjust`ed), `count_first` / `count_next` after it (the picked
-  tokens counted for the penalties), `logprobs_first` / `logprobs_next` after it (the picked tokens'
-  log-probabilities and the top alternatives', sampling.token_logprobs, of the logits picked from).
+- `adjust_rows` before a pick (the logits `adjust`ed), `count_first` / `count_next` after it (the
+  picked tokens counted for the penalties), `logprobs_first` / `logprobs_next` after it (the picked
+  tokens' log-probabilities and the top alternatives', sampling.token_logprobs, of the logits picked
+  from).
 - `adjust`: what a request adds to its logits before sampling, in this order: its logit bias, its
   presence and frequency penalties (from the counts of each row's generated tokens below `counted`:
   harmony's special tokens, which frame the reply's messages, are not counted; kept on the devices
@@ -26,17 +15,13 @@ steps without reading their tokens first.
   it), and its grammar's mask of allowed tokens (one bit a token, [B, ceil(V / 32)] int32, made on
   the host: constrain.py).
 
-What changes from step to step comes as one int32 array (a `plan`), so that the host sends one
-small copy a step: for a prefill [5, P] (rows, counts, starts, finishing, sampling steps), for a
-decode [3, B] (rows, lengths, sampling steps). The sampling settings are held per row [R] on the
-devices, sent again only when a row changes hands, and gathered by the picks.
-
-The picks are apart from the model steps so that the sampling's `mode` (`sampling.rows_mode`) is
-chosen on the host for the rows at hand, without compiling the model step three times or branching
-on the device; what some requests add (`wants`: log-probabilities, adjusted logits) are steps apart
-again, so that a bucket compiles three picks and three of those, not one pick for each combination,
-and a step whose rows ask for neither runs the pick alone. Shapes depend only on (R, W, pool, P, C,
-B), so nothing compiles with the traffic.
+The sampling settings are held per row [R] on the devices, sent again only when a row changes
+hands, and gathered by the picks. The picks are apart from the model steps so that the sampling's
+`mode` (`sampling.rows_mode`) is chosen on the host for the rows at hand, without compiling the
+model step three times or branching on the device; what some requests add (`wants`:
+log-probabilities, adjusted logits) are steps apart again, so that a bucket compiles three picks
+and three of those, not one pick for each combination, and a step whose rows ask for neither runs
+the pick alone. Shapes depend only on (R, W, pool, P, C, B), so nothing compiles with the traffic.
 
 Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
 decoded together, V = vocab, U = table entries set together, K = logit bias entries (300).
@@ -50,9 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..decoding.checked import STEP_OPTIONS
-from ..model import Transformer
-from ..sampling import LOGIT_BIAS_MOST, sample_rows, token_logprobs
+from ..sampling import LOGIT_BIAS_MOST, token_logprobs
 from ..sharding import everywhere
 
 
@@ -150,22 +133,6 @@ def write_tables(tables, writes):
     return tables.at[writes[0], writes[1], writes[2]].set(writes[3], mode="drop")
 
 
-def paged_view(pool, tables, rows, lengths) -> dict:
-    return {"lengths": lengths, "tables": jnp.take(tables, rows, axis=1, mode="clip"), "pages": pool["pages"]}
-
-
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
-                   compiler_options=STEP_OPTIONS)
-def prefill_rows(config, kernels, mesh, params, pool, tables, tokens, plan):
-    """tokens [P, C] int32, plan [5, P] (rows, counts, starts, ...) -> (logits [P, V] float32 at each
-    row's last real token, pool). A padding row (counts 0) writes nothing."""
-    rows, counts, starts = plan[0], plan[1], plan[2]
-    valid = jnp.arange(tokens.shape[1])[None] < counts[:, None]  # [P, C]
-    logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
-        {"params": params}, tokens, paged_view(pool, tables, rows, starts), valid, logits_at=jnp.maximum(counts - 1, 0))
-    return everywhere(logits, mesh), {"pages": view["pages"]}
-
-
 @jax.jit
 def adjust_rows(logits, plan, settings, counts, mask):
     """logits [N, V] of the rows plan[0] [N] -> float32 [N, V] as `adjust` leaves them, by each row's
@@ -174,21 +141,9 @@ def adjust_rows(logits, plan, settings, counts, mask):
     return adjust(logits, plan[0], bias_ids, bias, presence, frequency, counts, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def pick_first(mesh, mode, logits, last, plan, settings):
-    """logits [P, V], plan [5, P] (rows, -, -, finishing, sampling steps), the settings of every row
-    (sampling_arrays, on the devices) -> (first tokens [P] int32, meaningful where finishing; last [R]
-    with the finishing rows set to them)."""
-    rows, finishing, steps = plan[0], plan[3] > 0, plan[4]
-    picks = [jnp.take(x, rows, mode="clip") for x in settings[:5]]
-    first = sample_rows(logits, picks[0], steps, *picks[1:], mode=mode)
-    at = jnp.where(finishing, rows, last.shape[0])  # rows not finishing: dropped
-    return everywhere(first, mesh), everywhere(last.at[at].set(first, mode="drop"), mesh)
-
-
 @functools.partial(jax.jit, static_argnames=("mesh", "counted"), donate_argnames=("counts",))
 def count_first(mesh, counts, plan, first, counted: int):
-    """counts [R, V] with each finishing row's first token [P] (plan as pick_first's) counted."""
+    """counts [R, V] with each finishing row's first token [P] (plan as decoding.steps.pick_first's) counted."""
     at = jnp.where(plan[3] > 0, plan[0], counts.shape[0])
     return everywhere(_count(counts, at, first, counted), mesh)
 
@@ -201,44 +156,21 @@ def logprobs_first(mesh, logits, plan, settings, first):
     return tuple(everywhere(x, mesh) for x in token_logprobs(logits, temperature, first))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("pool",),
-                   compiler_options=STEP_OPTIONS)
-def decode_rows(config, kernels, mesh, params, pool, tables, last, plan):
-    """plan [3, B]: rows, lengths (each row's cached positions), sampling steps (-1: padding) ->
-    (logits [B, V], pool)."""
-    rows, lengths, active = plan[0], plan[1], plan[2] >= 0
-    tokens = jnp.take(last, rows, mode="clip")[:, None]  # [B, 1]
-    logits, view = Transformer(config, kernels=kernels, mesh=mesh).apply(
-        {"params": params}, tokens, paged_view(pool, tables, rows, lengths), active[:, None])
-    return logits[:, 0], {"pages": view["pages"]}
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "mode"))
-def pick_next(mesh, mode, logits, last, plan, settings):
-    """logits [B, V], plan [3, B] (rows, -, sampling steps: -1 padding), the settings of every row ->
-    (last [R],): the active rows' set to their next tokens."""
-    rows, steps = plan[0], plan[2]
-    picks = [jnp.take(x, rows, mode="clip") for x in settings[:5]]
-    next_tokens = sample_rows(logits, picks[0], jnp.maximum(steps, 0), *picks[1:], mode=mode)
-    at = jnp.where(steps >= 0, rows, last.shape[0])  # padding: dropped
-    return (everywhere(last.at[at].set(next_tokens, mode="drop"), mesh),)
-
-
 def _picked(plan, last):
-    """(each active row of a decode plan [3, B], or R for padding: dropped) and its token in last [R]."""
+    """(each running row of a decode plan [4, B], or R for padding: dropped) and its token in last [R]."""
     rows = plan[0]
     return jnp.where(plan[2] >= 0, rows, last.shape[0]), jnp.take(last, rows, mode="clip")
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "counted"), donate_argnames=("counts",))
 def count_next(mesh, counts, plan, last, counted: int):
-    """counts [R, V] with each active row's token (last [R], as pick_next left it) counted."""
+    """counts [R, V] with each running row's token (last [R], as decoding.steps.pick_next left it) counted."""
     return everywhere(_count(counts, *_picked(plan, last), counted), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))
 def logprobs_next(mesh, logits, plan, settings, last):
-    """logits [B, V] the active rows' tokens (last [R], as pick_next left it) were drawn from ->
+    """logits [B, V] the running rows' tokens (last [R], as decoding.steps.pick_next left it) were drawn from ->
     log-probabilities [R], top ids [R, k], top log-probabilities [R, k] by row: this step's rows set,
     the others zero."""
     at, tokens = _picked(plan, last)
