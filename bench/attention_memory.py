@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import gptoss_jax as gj
-from gptoss_jax.attention import attention_blockwise, attention_reference
+from gptoss_jax.model.attention import attention_blockwise, attention_reference
 
 
 def temp_mib(fn, T: int, config: gj.ModelConfig) -> float:

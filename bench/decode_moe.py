@@ -43,7 +43,7 @@ def main() -> None:
 
     import gptoss_jax as gj
     from gptoss_jax.kernels import decode_moe
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.testing import random_params_on_device
     from profile_summary import gpu_kernels, load
 

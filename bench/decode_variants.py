@@ -52,7 +52,7 @@ def main() -> None:
     import numpy as np
 
     import gptoss_jax as gj
-    from gptoss_jax.generate import Generator, batch_timings
+    from gptoss_jax.decoding.generator import Generator, batch_timings
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.testing import random_params_on_device
 

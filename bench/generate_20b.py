@@ -71,7 +71,7 @@ def run_jax(args) -> dict:
     import numpy as np
 
     import gptoss_jax as gj
-    from gptoss_jax.generate import Generator, batch_timings
+    from gptoss_jax.decoding.generator import Generator, batch_timings
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.testing import random_params_on_device
 
@@ -184,7 +184,7 @@ def run_startup(args) -> dict:
 
     import gptoss_jax as gj
     from gptoss_jax.cli.devices import use_compile_cache
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.testing import random_params_on_device
 

@@ -489,7 +489,7 @@ def epilogue(rng):
     output written and read back) against both in the kernel's epilogue ([rows, 2880] written);
     mlp2 with its bias added by XLA against in the epilogue."""
     from gptoss_jax.kernels import mosaic_mxfp4
-    from gptoss_jax.moe import SwiGLU
+    from gptoss_jax.model.moe import SwiGLU
 
     pairs = 16384
     idx = jnp.asarray(rng.integers(0, E, (pairs // 4, 4)), jnp.int32)

@@ -35,7 +35,7 @@ def main() -> None:
     from generate_20b import kernels_from
 
     import gptoss_jax as gj
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset).replace(num_hidden_layers=1)

@@ -42,7 +42,7 @@ def main() -> None:
     import numpy as np
 
     import gptoss_jax as gj
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, EngineConfig, Settings
     from gptoss_jax.serving.scheduler import sliding_most

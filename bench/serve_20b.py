@@ -88,7 +88,7 @@ def run_jax(args) -> dict:
     import jax
 
     import gptoss_jax as gj
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, EngineConfig, Settings
     from gptoss_jax.drafts.prompt_lookup import PromptLookup

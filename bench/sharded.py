@@ -99,7 +99,7 @@ def run_jax(preset: str, axis: str | None, prefill: int, decode: int, batches: l
 
     import gptoss_jax as gj
     from gptoss_jax import sharding as sh
-    from gptoss_jax.generate import Generator, batch_timings
+    from gptoss_jax.decoding.generator import Generator, batch_timings
     from gptoss_jax.layout import default_sizes
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.testing import random_params_on_device

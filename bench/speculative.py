@@ -94,9 +94,9 @@ def main() -> None:
     import numpy as np
 
     import gptoss_jax as gj
-    from gptoss_jax.cache import init_cache
-    from gptoss_jax.generate import Generator
-    from gptoss_jax.model import extend
+    from gptoss_jax.model.cache import init_cache
+    from gptoss_jax.decoding.generator import Generator
+    from gptoss_jax.model.transformer import extend
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.decoding.checked import CheckedSteps, Plan, checked_steps, row_settings
     from gptoss_jax.decoding.steps import Model
@@ -276,9 +276,9 @@ def steered_head(config, dtype, full: tuple):
     import jax.numpy as jnp
     import numpy as np
 
-    from gptoss_jax.eagle3 import Eagle3Head, init_head_cache
+    from gptoss_jax.model.eagle3 import Eagle3Head, init_head_cache
     from gptoss_jax.eagle3_config import Eagle3Config
-    from gptoss_jax.eagle3_draft import Eagle3Draft
+    from gptoss_jax.drafts.eagle3 import Eagle3Draft
 
     L, D = config.num_hidden_layers, config.hidden_size
     shape = {} if D == 2880 else dict(hidden_size=D, intermediate_size=3 * D, head_dim=config.head_dim,

@@ -16,11 +16,12 @@ import importlib
 from .version import __version__
 
 _EXPORTS = {
-    "attention_blockwise": "attention", "attention_reference": "attention",
-    "init_cache": "cache",
+    "attention_blockwise": "model.attention", "attention_reference": "model.attention",
+    "init_cache": "model.cache", "Generator": "decoding.generator",
     "load_checkpoint": "checkpoint",
     "PRESETS": "config", "ModelConfig": "config",
     "Kernels": "kernels", "Transformer": "model", "extend": "model", "forward": "model",
+    "Sampling": "sampling",
     "Weight": "weight", "param_count": "weight",
     "abstract_params": "params", "init_params": "params", "logical_axes": "params", "param_shardings": "params",
     "make_mesh": "sharding", "RULES": "sharding",

@@ -32,7 +32,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .metadata import META_FILE, expand, item_names, read_metadata, write_metadata
-from .moe import EXPERT_WEIGHTS
+from .model.moe import EXPERT_WEIGHTS
 from .mxfp4 import DTYPE, MXFP4, packed, split_dtype, unpack_experts
 from .params import abstract_params, param_shardings
 from .weight import Params, at_path

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import ModelConfig
-from .model import Transformer
-from .moe import MLPBlock
+from .model.moe import MLPBlock
+from .model.transformer import Transformer
 from .mxfp4 import MXFP4, packed, packed_shape, split_dtype
 from .sharding import weight_spec
 from .weight import Params, at_path, path_name

@@ -314,8 +314,8 @@ def exact_moe_block(config: ModelConfig, mlp, x, *, precision: str = "float32"):
     The norm and the routing are ours (gptoss_jax's RMSNorm and route, each checked against both
     references in test_layers.py and test_moe.py), so that a check of expert kernels does not hinge
     on a near-tie a low-precision reference resolves otherwise; the experts are experts_torch's."""
-    from gptoss_jax.layers import RMSNorm
-    from gptoss_jax.moe import route
+    from gptoss_jax.model.layers import RMSNorm
+    from gptoss_jax.model.moe import route
 
     normed = RMSNorm(config).apply({"params": mlp["norm"]}, x).reshape(-1, x.shape[-1])  # x's dtype, as the block
     weights, idx = route(normed, mlp["router_weight"], mlp["router_bias"], config.experts_per_token)

@@ -161,7 +161,7 @@ def direct_kernel_imports(root: str) -> list[str]:
             if not (a == "kernels" or a.startswith("kernels.")) and b.startswith("kernels.")]
 
 
-KERNEL_CHOOSERS = ("model.py", "attention.py", "moe.py")
+KERNEL_CHOOSERS = ("model/transformer.py", "model/attention.py", "model/moe.py")
 
 
 def compared_kernel_names(root: str) -> list[str]:
@@ -188,10 +188,10 @@ def test_the_model_reaches_kernels_only_through_the_kernel_layers_front():
 
 def test_a_planted_kernel_import_and_name_are_found(tmp_path):
     shutil.copytree(os.path.join(ROOT, PACKAGE), tmp_path / PACKAGE)
-    with open(tmp_path / PACKAGE / "moe.py", "a") as f:
-        f.write("\n\ndef _planted(kernels):\n    from .kernels import gpu\n\n"
+    with open(tmp_path / PACKAGE / "model" / "moe.py", "a") as f:
+        f.write("\n\ndef _planted(kernels):\n    from ..kernels import gpu\n\n"
                 "    return gpu if kernels.moe == 'grouped' else None\n")
-    assert [x.split(",")[0] for x in direct_kernel_imports(str(tmp_path))] == ["moe imports kernels.gpu"]
+    assert [x.split(",")[0] for x in direct_kernel_imports(str(tmp_path))] == ["model.moe imports kernels.gpu"]
     assert [x.split(":")[1].strip() for x in compared_kernel_names(str(tmp_path))] == ["'grouped'"]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from gptoss_jax.cache import cache_bytes, ring_positions
+from gptoss_jax.model.cache import cache_bytes, ring_positions
 from gptoss_jax.testing import random_params
 from refs import exact_logits
 

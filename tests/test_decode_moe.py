@@ -12,8 +12,8 @@ import gptoss_jax as gj
 import refs
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.kernels import decode_moe
-from gptoss_jax.layers import RMSNorm
-from gptoss_jax.moe import MLPBlock, route
+from gptoss_jax.model.layers import RMSNorm
+from gptoss_jax.model.moe import MLPBlock, route
 from gptoss_jax.mxfp4 import decode_mxfp4
 from gptoss_jax.testing import random_params
 from noise import Exact

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads (gptoss_jax/eagle3.py, eagle3_checkpoint.py): a head written in the published
+"""EAGLE-3 draft heads (gptoss_jax/model/eagle3.py, drafts/eagle3_load.py, drafts/eagle3.py): a head written in the published
 layout (safetensors and config.json, as SpecForge exports them for SGLang) loads beside a gpt-oss
 config and computes what the reference computes: the EAGLE-3 layer as SGLang's and vLLM's
 `LlamaForCausalLMEagle3` wire it, built from Hugging Face transformers' Llama attention, MLP,
@@ -18,11 +18,11 @@ from noise import Exact
 
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.sources import SourceError
-from gptoss_jax.eagle3 import Eagle3Head, captured, init_head_cache
+from gptoss_jax.model.eagle3 import Eagle3Head, captured, init_head_cache
 from gptoss_jax.eagle3_config import Eagle3Config
-from gptoss_jax.eagle3_checkpoint import load_eagle3
+from gptoss_jax.drafts.eagle3_load import load_eagle3
 from gptoss_jax.drafts.base import Proposal
-from gptoss_jax.eagle3_draft import Eagle3Draft
+from gptoss_jax.drafts.eagle3 import Eagle3Draft
 from gptoss_jax.sampling import Sampling
 
 
@@ -103,7 +103,7 @@ def test_the_target_captures_its_layers_outputs_as_transformers_gives_them(tiny,
     from refs import hf_model
 
     import gptoss_jax as gj
-    from gptoss_jax.model import Transformer
+    from gptoss_jax.model.transformer import Transformer
 
     tokens = torch.from_numpy(long_tokens[:, :40]).long()
     with torch.no_grad():
@@ -175,7 +175,7 @@ def tiny300():
 def test_greedy_tokens_with_an_eagle3_head_are_those_without(tmp_path, tiny300):
     """Generator with a head drafting 3 tokens a step: the greedy tokens of 3 prompts (2 to 40 tokens, a
     prefill of 16-token chunks) over 40 new tokens are those of one token a step."""
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
 
     config, params = tiny300
     draft = tiny_head(tmp_path, config)
@@ -198,8 +198,8 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
     chain. A random head's drafts are never accepted (one pair a step); steered, the head still runs
     but the target's own greedy reply is proposed in its place, so steps accept several drafts and
     commit several pairs at once."""
-    from gptoss_jax.generate import Generator
-    from gptoss_jax.model import Transformer
+    from gptoss_jax.decoding.generator import Generator
+    from gptoss_jax.model.transformer import Transformer
 
     config, params = tiny300
     loaded = tiny_head(tmp_path, config, seed=6)
@@ -258,7 +258,7 @@ def test_a_checked_step_commits_its_accepted_drafts_and_next_token_as_pairs():
     """next_pairs: row 0 accepted 2 of 3 drafts, row 1 none, row 2 was not checked: the pairs are the
     states at positions 0 .. accepted with the tokens after them (the accepted drafts, then the
     target's next token)."""
-    from gptoss_jax.eagle3_draft import next_pairs
+    from gptoss_jax.drafts.eagle3 import next_pairs
 
     tokens = jnp.asarray([[10, 11, 12, 13], [20, 21, 22, 23], [30, 0, 0, 0]], jnp.int32)
     valid = jnp.asarray([[True] * 4, [True] * 4, [False] * 4])
@@ -276,7 +276,7 @@ def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, ti
     prefill chunks and a stop token: the tokens, drafts and acceptances of one device. The head is
     steered (it runs, the target's reply is proposed in its place), so steps accept drafts."""
     import gptoss_jax as gj
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
     from gptoss_jax.params import param_shardings
 
     config, params = tiny300
@@ -316,7 +316,7 @@ def test_beside_a_model_on_a_mesh_the_head_attends_with_the_jnp_path():
     by shard_map); the head's arrays are whole on every device, so on a mesh it takes the jnp
     variant, which XLA partitions, and on one device the model's own kernels."""
     import gptoss_jax as gj
-    from gptoss_jax.eagle3_draft import _attending
+    from gptoss_jax.drafts.eagle3 import _attending
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     named = gj.Kernels(attention="mosaic", moe="gather")

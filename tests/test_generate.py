@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from gptoss_jax.generate import Generator, batch_timings
+from gptoss_jax.decoding.generator import Generator, batch_timings
 from gptoss_jax.sampling import Sampling, sample
 from gptoss_jax.testing import random_params
 

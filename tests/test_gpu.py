@@ -17,10 +17,10 @@ import torch
 
 import gptoss_jax as gj
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
-from gptoss_jax.generate import Generator
+from gptoss_jax.decoding.generator import Generator
 from gptoss_jax.kernels import gpu, mosaic_attention, mosaic_mxfp4, paged, triton, xla
 from gptoss_jax.kernels.combine import combine
-from gptoss_jax.moe import MLPBlock, SwiGLU
+from gptoss_jax.model.moe import MLPBlock, SwiGLU
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.testing import random_params
 from noise import Exact

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from gptoss_jax.eagle3 import Eagle3Head, init_head_cache
+from gptoss_jax.model.eagle3 import Eagle3Head, init_head_cache
 from gptoss_jax.eagle3_config import Eagle3Config
 from noise import Exact
 

@@ -100,7 +100,7 @@ def test_triton_cache_attention_reads_the_filled_part(T):
 def test_triton_decode_attention_in_the_model():
     # The cached model with the Triton cache attention (interpret mode) gives the jnp kernels' tokens,
     # with prompts longer than the sliding window.
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.testing import random_params
 
@@ -233,7 +233,7 @@ sys.meta_path.insert(0, NoTriton())
 import jax, jax.numpy as jnp
 import gptoss_jax as gj
 from gptoss_jax.kernels import triton
-from gptoss_jax.moe import MLPBlock
+from gptoss_jax.model.moe import MLPBlock
 from gptoss_jax.testing import random_params
 assert triton.pltriton is None
 config = gj.ModelConfig.tiny()
@@ -254,7 +254,7 @@ def test_a_packed_only_variant_named_for_16_bit_experts():
     """A variant that takes MXFP4-packed experts only, named over 16-bit ones: an error naming it when
     the block runs; with adapters (training) the jnp paths run instead, as for any variant named
     that does not add them."""
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.testing import random_params
 
     tiny = gj.ModelConfig.tiny()

@@ -8,8 +8,8 @@ import torch
 
 import gptoss_jax as gj
 from conftest import rel_err
-from gptoss_jax.attention import AttentionBlock
-from gptoss_jax.model import TransformerBlock
+from gptoss_jax.model.attention import AttentionBlock
+from gptoss_jax.model.transformer import TransformerBlock
 from gptoss_jax.testing import random_params
 from noise import Exact, check_typical_tokens
 from refs import exact_logits, hf_layer_outputs, hf_model, openai_model

@@ -9,7 +9,7 @@ import pytest
 from noise import Exact
 
 import gptoss_jax as gj
-from gptoss_jax.attention import AttentionBlock
+from gptoss_jax.model.attention import AttentionBlock
 from gptoss_jax.kernels import mosaic_attention, paged, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.testing import random_params

@@ -93,7 +93,7 @@ def test_the_kernels_switch_runs_it(dtype, tokens, impl):
     "mosaic_decode"); "mosaic_slots" (every token through each expert in use, 9 tokens padded to 16
     rows): the jnp gather path's output on the same (decoded) experts within the noise of
     a bfloat16 run of it (measured against float32)."""
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params
     from gptoss_jax.testing import random_params
 

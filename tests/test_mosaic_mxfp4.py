@@ -11,7 +11,7 @@ from noise import Exact
 
 import gptoss_jax as gj
 from gptoss_jax.kernels import mosaic_mxfp4
-from gptoss_jax.moe import SwiGLU
+from gptoss_jax.model.moe import SwiGLU
 from gptoss_jax.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not mosaic_mxfp4.supported(),
@@ -106,7 +106,7 @@ def test_the_kernels_switch_runs_it(hidden, shape, reference):
     and for a decode batch of 3 (12 pairs; both under 1,024 pairs: blocks of 64 rows with the input
     dimension split, split over 3 programs at hidden 256): the jnp path's output on the experts
     decoded first, within the noise of a bfloat16 run of it (measured against float32)."""
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params
     from gptoss_jax.testing import random_params
 

@@ -13,7 +13,7 @@ import gptoss_jax as gj
 import run_inference
 from gptoss_jax.checkpoint import dtype_name, save_checkpoint
 from gptoss_jax.convert.cli import main as convert_main
-from gptoss_jax.generate import Generator
+from gptoss_jax.decoding.generator import Generator
 from gptoss_jax.mxfp4 import MXFP4, decode, decode_mxfp4, decode_params, packed
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.params import check_mesh
@@ -223,7 +223,7 @@ def test_triton_matvec_reads_packed_experts(loaded, tokens):
     registers gives the MoE output of the experts' definition in float64 (refs.exact_moe_block, for
     the experts our router picks), within NOISE_FACTOR x its float32 run's noise; so does the gather
     path on the experts decoded ahead of time."""
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
 
     config, mx, _, f32 = loaded
     mixed = _with_packed_experts(f32, mx)["block_1"]["mlp"]
@@ -243,7 +243,7 @@ def test_triton_grouped_matmul_reads_packed_experts(loaded, tokens):
     noise of that definition run in bfloat16; so does the gather path on the experts decoded ahead of
     time. 40 tokens give experts more than one block of rows; the tiny model's mlp2 rows hold an odd
     number of blocks (3)."""
-    from gptoss_jax.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock
 
     config, mx, bf16, _ = loaded
     x = jax.random.normal(jax.random.key(tokens), (1, tokens, config.hidden_size), jnp.bfloat16)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gptoss_jax.generate import Generator
-from gptoss_jax.paged_cache import FULL, SLIDING, page_bytes, window_pages
+from gptoss_jax.decoding.generator import Generator
+from gptoss_jax.model.paged_cache import FULL, SLIDING, page_bytes, window_pages
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, EngineConfig, Settings
 from gptoss_jax.serving import pages as pages_module

@@ -363,7 +363,7 @@ def _fake_terminal(lines):
 @needs_vocab
 def test_interactive_chat_keeps_the_model_and_compiled_steps_across_turns(monkeypatch, capsys):
     from gptoss_jax import tokenizer as tk
-    from gptoss_jax.generate import Generator
+    from gptoss_jax.decoding.generator import Generator
 
     calls = []
     generate = Generator.generate

@@ -18,7 +18,7 @@ import pytest
 
 import gptoss_jax as gj
 
-from gptoss_jax.generate import Generator
+from gptoss_jax.decoding.generator import Generator
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, EngineConfig, QueueFull, Settings
 from conftest import VOCAB, compile_events, needs_vocab

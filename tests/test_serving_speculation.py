@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import compile_events
-from gptoss_jax.generate import Generator
+from gptoss_jax.decoding.generator import Generator
 from gptoss_jax.sampling import Sampling, filtered, probabilities as row_probabilities, rows_mode
 from gptoss_jax.serving import Engine, EngineConfig, Settings
 from gptoss_jax.serving.request import Request

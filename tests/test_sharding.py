@@ -24,8 +24,8 @@ from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.decoding import steps
 from gptoss_jax.decoding.checked import row_settings
-from gptoss_jax.generate import Generator
-from gptoss_jax.model import _forward
+from gptoss_jax.decoding.generator import Generator
+from gptoss_jax.model.transformer import _forward
 from gptoss_jax.params import check_mesh, param_shardings
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.testing import write_synthetic_checkpoint

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
-from gptoss_jax.cache import init_cache
-from gptoss_jax.generate import Generator
-from gptoss_jax.model import extend
+from gptoss_jax.model.cache import init_cache
+from gptoss_jax.decoding.generator import Generator
+from gptoss_jax.model.transformer import extend
 from gptoss_jax.sampling import Sampling
 from gptoss_jax.decoding.checked import check_draft
 from gptoss_jax.drafts.base import DeviceDraft, DraftContext, Proposal

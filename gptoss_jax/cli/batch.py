@@ -11,8 +11,8 @@ import sys
 import jax
 
 from .. import tokenizer as tk
-from ..generate import batch_timings
-from ..eagle3_draft import Eagle3Draft
+from ..decoding.generator import batch_timings
+from ..drafts.eagle3 import Eagle3Draft
 from ..drafts.prompt_lookup import PromptLookup
 from .display import ChatPrinter, timing_line
 

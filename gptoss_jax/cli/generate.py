@@ -11,11 +11,11 @@ import os
 import sys
 
 from ..metadata import expand
+from ..signals import Signals
 from ..version import __version__
 from . import devices, loading
 from .command import leave, run_command
 from .inputs import UsageError, check_draft, check_fits, check_flags, max_context, model_config, prompt_texts
-from ..signals import Signals
 
 DESCRIPTION = """\
 Generate text with gpt-oss in JAX, from a raw prompt or a harmony chat, for one prompt or a batch.
@@ -177,7 +177,7 @@ def _run(args, signals: Signals) -> int:
     # JAX starts here, once everything that can be checked without it has been.
     import jax
 
-    from ..generate import Generator
+    from ..decoding.generator import Generator
     from ..sharding import describe
     from .batch import run_batch
 

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..cache import roll_back
 from ..config import ModelConfig
 from ..drafts.base import GIVEN, DeviceDraft, DraftContext, StepResult
 from ..kernels import Kernels
+from ..model.cache import roll_back
 from ..sampling import MODES, Sampling, rows_mode
 from ..sharding import everywhere, mesh_of
 from .acceptance import accept, backoff, fit_drafts, step_tokens

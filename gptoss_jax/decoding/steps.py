@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..eagle3 import captured
 from ..kernels import Kernels
-from ..model import Transformer
+from ..model.eagle3 import captured
+from ..model.transformer import Transformer
 from ..sampling import sample_rows
 from ..sharding import everywhere
 

@@ -19,14 +19,14 @@ import signal
 import sys
 import threading
 
-from ..hostmem import return_large_blocks
-from ..metadata import expand
-from ..serving.config import EngineConfig
-from ..version import __version__
 from ..cli import devices, inputs, loading
 from ..cli.command import leave, run_command
 from ..cli.inputs import UsageError, model_config
+from ..hostmem import return_large_blocks
+from ..metadata import expand
+from ..serving.config import EngineConfig
 from ..signals import Signals
+from ..version import __version__
 
 DESCRIPTION = """\
 Serve gpt-oss over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
@@ -200,7 +200,7 @@ def max_context(args, config) -> int:
 
 def kv_cache_line(engine) -> str:
     """The start-up's account of the KV cache: its pages, the tokens they hold, their memory."""
-    from ..paged_cache import page_bytes
+    from ..model.paged_cache import page_bytes
 
     pages, size = engine.scheduler.pages.count, engine.page_size
     memory = pages * page_bytes(engine.config, size, engine.device.dtype)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ..decoding.steps import Decode, Model, decode, prefill
-from ..paged_cache import init_pool
+from ..model.paged_cache import init_pool
 from ..sharding import on_every_device
 from ..weight import Params
 from . import steps

@@ -38,21 +38,21 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..decoding.steps import Model
+from ..drafts.base import Draft
 from ..kernels import Kernels
-from ..paged_cache import pool_pages, table_width
+from ..model.paged_cache import pool_pages, table_width
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, to_host_soon
-from ..drafts.base import Draft
 from ..weight import Params
 from . import steps, stops
+from .config import EngineConfig
 from .constrain import Grammars
+from .device import Device
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
-from .config import EngineConfig
-from .device import Device
+from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
 from .speculation import Speculation
-from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 
 log = logging.getLogger("gptoss_jax.serving")
 

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 
 from ..config import ModelConfig
-from ..paged_cache import FULL, SLIDING, window_pages
+from ..model.paged_cache import FULL, SLIDING, window_pages
 from .metrics import Metrics
 from .pages import Pages, extend_hashes
 from .request import Request

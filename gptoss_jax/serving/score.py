@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels import Kernels
-from ..model import Transformer
+from ..model.transformer import Transformer
 from ..sampling import TOP_LOGPROBS
 from ..sharding import mesh_of, on_every_device
 

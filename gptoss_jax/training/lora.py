@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..attention import AttentionBlock
 from ..config import ModelConfig
-from ..moe import MLPBlock
+from ..model.attention import AttentionBlock
+from ..model.moe import MLPBlock
 from ..weight import Params, Weight
 
 # Group -> the (module, weight) pairs it adapts. Each weight's input axes (what `a` takes) are declared

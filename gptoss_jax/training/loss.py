@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from ..config import ModelConfig
 from ..kernels import Kernels
-from ..model import Transformer
+from ..model.transformer import Transformer
 from ..weight import Params
 
 LOGITS_CHUNK = 1024  # positions whose logits exist at once (times the batch)

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from ..config import ModelConfig
+from ..kernels import Kernels, attention_blockwise, attention_reference, fold_sinks, ring, write_pages
+from ..sharding import CACHE_AXES, constrain
+from ..weight import Weight, declare, low_rank
 from .cache import ring_positions
-from .config import ModelConfig
-from .kernels import Kernels, attention_blockwise, attention_reference, fold_sinks, ring, write_pages
 from .layers import RMSNorm, apply_rope, rope_tables
 from .paged_cache import POOL_AXES, window_pages
-from .sharding import CACHE_AXES, constrain
-from .weight import Weight, declare, low_rank
 
 __all__ = ["AttentionBlock", "attention_blockwise", "attention_reference"]
 

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from .config import ModelConfig
-from .kernels import Kernels, local_experts
+from ..config import ModelConfig
+from ..kernels import Kernels, local_experts
+from ..sharding import spec, weight_spec
+from ..weight import Weight, adapter, declare, low_rank
 from .layers import RMSNorm
-from .sharding import spec, weight_spec
-from .weight import Weight, adapter, declare, low_rank
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
 

@@ -29,9 +29,9 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from .sources import SourceError, read_config_json, read_tensor, scan
-from .eagle3_config import Eagle3Config
+from ..config import ModelConfig
+from ..eagle3_config import Eagle3Config
+from ..sources import SourceError, read_config_json, read_tensor, scan
 
 
 def _layout(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], str, object]]:

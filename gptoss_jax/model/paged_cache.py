@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from .sharding import sharding, zeros_on_devices
+from ..config import ModelConfig
+from ..sharding import sharding, zeros_on_devices
 
 FULL, SLIDING = 0, 1
 POOL_SHARE = 0.85  # of the device memory free after the weights, for the pool when no size is given

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .eagle3_config import Eagle3Config
-from .kernels import Kernels, fold_sinks
+from ..eagle3_config import Eagle3Config
+from ..kernels import Kernels, fold_sinks
+from ..weight import Weight, declare
 from .layers import RMSNorm, apply_rope
-from .weight import Weight, declare
 
 
 def captured(state: dict, layers: tuple[int, ...]) -> jax.Array:

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ..config import ModelConfig
+from ..kernels import Kernels
+from ..sharding import constrain, mesh_of, on_every_device
+from ..weight import Params, Weight, declare
 from .attention import AttentionBlock
-from .config import ModelConfig
-from .kernels import Kernels
 from .layers import RMSNorm
 from .moe import MLPBlock
 from .paged_cache import layer_view, storage_of
-from .sharding import constrain, mesh_of, on_every_device
-from .weight import Params, Weight, declare
 
 
 class TransformerBlock(nn.Module):

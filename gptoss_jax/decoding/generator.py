@@ -25,17 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import init_cache
-from .config import ModelConfig
-from .model import Kernels
-from .sampling import Sampling, rows_mode
-from .sharding import mesh_of, on_every_device, replicated, to_host_soon
-from .decoding.checked import CheckedSteps, Plan, checked_steps, mode_index, row_settings
-from .decoding.steps import Decode, Model, decode, pick_first, prefill
-from .drafts.base import GIVEN, Draft, on_devices
-from .eagle3 import init_head_cache
-from .eagle3_draft import Eagle3Draft, head_prefill
-from .weight import Params
+from ..config import ModelConfig
+from ..drafts.base import GIVEN, Draft, on_devices
+from ..drafts.eagle3 import Eagle3Draft, head_prefill
+from ..model.cache import init_cache
+from ..model.eagle3 import init_head_cache
+from ..model.transformer import Kernels
+from ..sampling import Sampling, rows_mode
+from ..sharding import mesh_of, on_every_device, replicated, to_host_soon
+from ..weight import Params
+from .checked import CheckedSteps, Plan, checked_steps, mode_index, row_settings
+from .steps import Decode, Model, decode, pick_first, prefill
 
 
 @dataclasses.dataclass

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from .sharding import cache_shardings, zeros_on_devices
+from ..config import ModelConfig
+from ..sharding import cache_shardings, zeros_on_devices
 
 
 ALIGN = 128  # full layers' slots are a multiple of this, so fused kernels tile the cache without padding a copy

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from .weight import Weight, declare
+from ..config import ModelConfig
+from ..weight import Weight, declare
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE-3 head beside `Generator` (eagle3.py has the head, eagle3_checkpoint.py
+"""Drafting with an EAGLE-3 head beside `Generator` (model/eagle3.py has the head, eagle3_load.py
 its loading): the head's own KV cache follows the target's, a pair (the target's captured states at
 position p, the token at p + 1) per position, and each step drafts k tokens on the devices.
 
@@ -32,13 +32,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .config import ModelConfig
-from .drafts.base import DeviceDraft, DraftContext, Proposal, StepResult
-from .eagle3 import Eagle3Head
-from .eagle3_config import Eagle3Config
-from .eagle3_checkpoint import load_eagle3
-from .kernels import Kernels
-from .sharding import everywhere
+from ..config import ModelConfig
+from ..eagle3_config import Eagle3Config
+from ..kernels import Kernels
+from ..model.eagle3 import Eagle3Head
+from ..sharding import everywhere
+from .base import DeviceDraft, DraftContext, Proposal, StepResult
+from .eagle3_load import load_eagle3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
