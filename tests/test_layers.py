@@ -10,7 +10,7 @@ import torch
 
 import gptoss_jax as gj
 from noise import Exact
-from gptoss_jax import layers
+from gptoss_jax.model import layers
 from gptoss_jax.model.layers import RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from refs import hf_config, t
 
