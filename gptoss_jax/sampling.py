@@ -41,6 +41,11 @@ class Sampling:
             raise ValueError(f"min-p must be in [0, 1), got {self.min_p}")
 
 
+def wrapped_seed(seed: int) -> int:
+    """A seed wrapped to a signed 32-bit integer (seed + i for row or choice i may pass 2^31 - 1)."""
+    return (seed + 2**31) % 2**32 - 2**31
+
+
 def sample(logits: jax.Array, key: jax.Array, params: Sampling) -> jax.Array:
     """logits [B, V] -> token ids [B] int32, every row by the same settings, drawn with one key (the
     rows' draws from `categorical` over [B, V])."""

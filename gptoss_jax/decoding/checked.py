@@ -33,7 +33,7 @@ from ..config import ModelConfig
 from ..drafts.base import GIVEN, DeviceDraft, DraftContext, StepResult
 from ..kernels import Kernels
 from ..model.cache import roll_back
-from ..sampling import MODES, Sampling, rows_mode
+from ..sampling import MODES, Sampling, rows_mode, wrapped_seed
 from ..sharding import everywhere, mesh_of
 from .acceptance import accept, backoff, fit_drafts, step_tokens
 from .steps import STEP_OPTIONS, Model, stored, view
@@ -158,7 +158,7 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
 def row_settings(sampling: Sampling, seed: int, rows: int) -> tuple[np.ndarray, ...]:
     """The settings arrays of `rows` rows that sample alike: (seeds, temperature, top_k, top_p, min_p)
     [rows], row b seeded seed + b (wrapped to 32 bits), so that equal prompts in one batch differ."""
-    seeds = ((seed + np.arange(rows, dtype=np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)
+    seeds = np.array([wrapped_seed(seed + b) for b in range(rows)], np.int32)
     return (seeds, np.full(rows, sampling.temperature, np.float32), np.full(rows, sampling.top_k, np.int32),
             np.full(rows, sampling.top_p, np.float32), np.full(rows, sampling.min_p, np.float32))
 

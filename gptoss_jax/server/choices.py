@@ -15,6 +15,7 @@ import json
 from typing import AsyncIterator, Callable
 
 from .. import tokenizer as tk
+from ..sampling import wrapped_seed
 from ..serving import Settings
 from . import logprobs
 from .errors import APIError
@@ -43,7 +44,7 @@ def finish_reason(generation: Generation, tool_calls: bool, trimmed: bool) -> st
 
 def seeded(settings: Settings, i: int) -> Settings:
     """Choice i's settings: seed + i, wrapped to a signed 32-bit seed."""
-    return dataclasses.replace(settings, seed=(settings.seed + i + 2**31) % 2**32 - 2**31)
+    return dataclasses.replace(settings, seed=wrapped_seed(settings.seed + i))
 
 
 def start(server: Server, http, prompt: list[int], settings: list[Settings], rid: str,
