@@ -213,8 +213,7 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
     class Recording(Eagle3Draft):  # each step's drafts on the devices, with the pairs committed before them
         def propose(self, context, k):
             drafts, n, after = super().propose(context, k)
-            state = context.state
-            pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)
+            pairs = context.lengths - 1  # x_0 .. x_pairs committed
             jax.debug.callback(lambda p, d: proposed.append((int(p[0]), np.asarray(d)[0].tolist())), pairs, drafts)
             if steered:  # x_0 .. x_pairs are committed: propose x_(pairs + 1) ..
                 drafts = reply[jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], len(reply) - 1)]
@@ -254,22 +253,6 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
         assert drafts == np.asarray(slow(tokens, following, n)).tolist(), (n, drafts)
 
 
-def test_a_checked_step_commits_its_accepted_drafts_and_next_token_as_pairs():
-    """next_pairs: row 0 accepted 2 of 3 drafts, row 1 none, row 2 was not checked: the pairs are the
-    states at positions 0 .. accepted with the tokens after them (the accepted drafts, then the
-    target's next token)."""
-    from gptoss_jax.drafts.eagle3 import next_pairs
-
-    tokens = jnp.asarray([[10, 11, 12, 13], [20, 21, 22, 23], [30, 0, 0, 0]], jnp.int32)
-    valid = jnp.asarray([[True] * 4, [True] * 4, [False] * 4])
-    states = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 2)
-    pair_tokens, pair_states, pair_valid = next_pairs(tokens, valid, jnp.asarray([2, 0, 0]), jnp.asarray([99, 98, 97]),
-                                                      states)
-    assert np.asarray(pair_valid).tolist() == [[True, True, True, False], [True, False, False, False], [False] * 4]
-    assert np.asarray(pair_tokens)[0, :3].tolist() == [11, 12, 99] and int(pair_tokens[1, 0]) == 98
-    np.testing.assert_array_equal(pair_states, states)
-
-
 @pytest.mark.slow
 def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, tiny300):
     """Parameters on a mesh of data=2, expert=2, tensor=2 (8 CPU devices), two prompts of several
@@ -292,8 +275,7 @@ def test_a_head_beside_parameters_on_a_mesh_drafts_as_on_one_device(tmp_path, ti
     class Steered(Eagle3Draft):
         def propose(self, context, k):
             own, n, after = super().propose(context, k)
-            state = context.state
-            pairs = state["cache"]["lengths"] + state["valid"].sum(axis=1)  # x_0 .. x_pairs committed
+            pairs = context.lengths - 1  # x_0 .. x_pairs committed
             at = jnp.minimum(pairs[:, None] + 1 + jnp.arange(k)[None], width - 1)
             return Proposal(jnp.where(own >= 0, jnp.take_along_axis(full, at, axis=1), own), n, after)
 

@@ -5,9 +5,8 @@ A call runs up to `most` checked steps of its rows with no host round trip betwe
 asks the draft source for up to k tokens a row (drafts/base.py: made on the devices, or made on the
 host and `Given`), checks them in one pass of the model over k + 1 positions (over one, where no
 row has a draft), keeps what acceptance.py says (the longest agreeing prefix and the target's next
-token, or the speculative-sampling rule), takes the rest back out of the cache (`keep`: the
-contiguous cache rolls back; the paged one needs nothing, as attention never reads at or past a
-sequence's length and the next step writes over what the rejected drafts left), and appends the
+token, or the speculative-sampling rule), takes the rest back out of the cache (the cache contract's `keep`:
+the contiguous cache rolls back, the paged one needs nothing), and appends the
 new tokens to the rows' history. A call goes on while some row is due to draft (back-off,
 acceptance.py) and ends early once none is.
 
@@ -32,11 +31,12 @@ import numpy as np
 from ..config import ModelConfig
 from ..drafts.base import GIVEN, DeviceDraft, DraftContext, StepResult
 from ..kernels import Kernels
-from ..model.cache import roll_back
+from ..model.cache import layout_of
+from ..model.paged_cache import FULL
 from ..sampling import MODES, Sampling, rows_mode, wrapped_seed
 from ..sharding import everywhere, mesh_of
 from .acceptance import accept, backoff, fit_drafts, step_tokens
-from .steps import STEP_OPTIONS, Model, stored, view
+from .steps import STEP_OPTIONS, Model, view
 
 @dataclasses.dataclass(frozen=True)
 class CheckedSteps:
@@ -72,15 +72,6 @@ class Outcome(NamedTuple):
     run: jax.Array  # [3] the plan's run after it (the clock moved on)
 
 
-def _keep(config: ModelConfig, cache: dict, before: dict, written: dict, valid, kept) -> dict:
-    """The cache after a step that wrote `valid` [B, T] positions and keeps the first `kept` [B]: the
-    contiguous cache rolled back past the others (over one position, nothing to take back); the
-    paged one as written."""
-    if "tables" in cache or valid.shape[1] == 1:
-        return stored(cache, written)
-    return roll_back(config, before, written, valid, kept)
-
-
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("cache", "history", "state"),
                    compiler_options=STEP_OPTIONS)
 def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: Plan, arrays=None, state=None):
@@ -95,6 +86,7 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
     B, T, R = rows.shape[0], k + 1, last.shape[0]
     at = jnp.arange(T)[None]  # [1, T]
     settings = tuple(jnp.take(x, rows, mode="clip") for x in plan.settings[:5])
+    table = None if "tables" not in cache else jnp.take(cache["tables"][FULL], rows, axis=0, mode="clip")
     if history is not None:
         history = history.at[rows, lengths].set(jnp.take(last, rows, mode="clip"), mode="drop")
 
@@ -106,7 +98,7 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
             states = jnp.pad(states, ((0, 0), (0, T - width), (0, 0)))
         accepted, nxt = accept(plan.run[2], logits, tokens[:, :width], valid, settings, sample_steps)
         kept = jnp.where(valid[:, 0], accepted + 1, 0)
-        return accepted, nxt, _keep(config, cache, before, written, valid, kept), states
+        return accepted, nxt, layout_of(cache).keep(config, cache, before, written, valid, kept), states
 
     def one(carry):
         i, cache, history, last, lengths, budget, sample_steps, misses, due_at, state, out = carry
@@ -114,16 +106,20 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
         due = active & (due_at <= clock)
         context = lengths + 1  # each row's tokens so far
         seen = None if history is None else jnp.take(history, rows, axis=0, mode="clip")
+        latest = jnp.take(last, rows, mode="clip")
         proposal = draft.propose(DraftContext(seen, context, arrays, state, params["embedding"], model.kernels,
-                                              model.mesh), k)
+                                              model.mesh, rows, latest, table), k)
         proposed, n = fit_drafts(proposal.drafts, proposal.counts, due, budget, config.vocab_size)
-        tokens = jnp.concatenate([jnp.take(last, rows, mode="clip")[:, None], proposed], axis=1)  # [B, T]
+        tokens = jnp.concatenate([latest[:, None], proposed], axis=1)  # [B, T]
         counts = jnp.where(active, n + 1, 0)
         # A step where no row has a draft checks one position, not k + 1.
         accepted, nxt, cache, states = jax.lax.cond(
             (n > 0).any(), functools.partial(check, T), functools.partial(check, 1),
             tokens, counts, cache, lengths, sample_steps)
-        state = draft.observe(proposal.state, StepResult(tokens, at < counts[:, None], accepted, nxt, states))
+        kept = at < jnp.where(counts > 0, accepted + 1, 0)[:, None]  # the tokens now in the cache
+        state = draft.observe(DraftContext(seen, context, arrays, proposal.state, params["embedding"], model.kernels,
+                                           model.mesh, rows, latest, table),
+                              StepResult(tokens, kept, states, lengths, jnp.zeros_like(active)))
         new = step_tokens(tokens, accepted, nxt)  # [B, T]
         count = jnp.where(active, accepted + 1, 0)
         ended = jnp.zeros_like(active)

@@ -22,20 +22,17 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
 from ..drafts.base import GIVEN, Draft, on_devices
-from ..drafts.eagle3 import Eagle3Draft, head_prefill
 from ..model.cache import init_cache
-from ..model.eagle3 import init_head_cache
 from ..model.transformer import Kernels
 from ..sampling import Sampling, rows_mode
 from ..sharding import mesh_of, on_every_device, replicated, to_host_soon
 from ..weight import Params
 from .checked import CheckedSteps, Plan, checked_steps, mode_index, row_settings
-from .steps import Decode, Model, decode, pick_first, prefill
+from .steps import Decode, Model, decode, follow, pick_first, prefill
 
 
 @dataclasses.dataclass
@@ -105,7 +102,7 @@ class Generator:
         self.mesh = mesh_of(params)  # parameters laid out on a mesh: the cache and every step follow
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self._compile_s = 0.0
-        self._head: tuple = (None, None)  # the last EAGLE-3 head drafted with, and its arrays placed here
+        self._placed: tuple = (None, None)  # the last draft head drafted with, and its arrays placed here
 
     def _compiled(self, fn, statics: tuple, args: tuple):
         """fn's executable for these static arguments and argument shapes, compiled once.
@@ -122,11 +119,11 @@ class Generator:
             self._compile_s += time.perf_counter() - start
         return self.executables[key]
 
-    def _head_arrays(self, draft: Eagle3Draft) -> dict:
-        """An EAGLE-3 head's arrays where the parameters are (on their mesh: replicated), placed once."""
-        if self._head[0] is not draft:
-            self._head = (draft, self._replicated(draft.arrays()))
-        return self._head[1]
+    def _arrays(self, draft) -> dict:
+        """A draft head's arrays where the parameters are (on their mesh: replicated), placed once."""
+        if self._placed[0] is not draft:
+            self._placed = (draft, self._replicated(draft.arrays()))
+        return self._placed[1]
 
     def _replicated(self, tree):
         """Arrays on this Generator's devices: on its mesh, a copy on every device; else as they are."""
@@ -137,7 +134,7 @@ class Generator:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0, stop_tokens: Sequence[int] = (),
-                 on_token: Callable[[int, int], None] | None = None, draft: Draft | Eagle3Draft | None = None,
+                 on_token: Callable[[int, int], None] | None = None, draft: Draft | None = None,
                  draft_tokens: int = 4) -> list[Result]:
         """Generate for a batch of prompts (lists of token ids); on_token(sequence, token) streams.
 
@@ -149,8 +146,8 @@ class Generator:
         of a pass over several positions); sampled, they are drawn from the same distributions (with
         other draws, row b seeded seed + b). The timings then count the drafted tokens and the
         accepted ones kept. A `drafts.base.DeviceDraft` (hashable: a static argument) drafts on the
-        devices, several steps a call; so does an EAGLE-3 head (`eagle3_draft.Eagle3Draft`), from
-        the hidden states the prefill and each checked step capture.
+        devices, several steps a call; so does an EAGLE-3 head (`drafts.eagle3.Eagle3Draft`), which
+        follows every step of the target from the prompt's first chunk on.
         """
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts])
@@ -188,28 +185,22 @@ class Generator:
         mode = rows_mode([sampling])
         cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
         last = put(np.zeros(B, np.int32))  # each row's latest token, on the devices
-        eagle = isinstance(draft, Eagle3Draft)
-        model = Model(self.config, self.kernels, self.mesh, draft.capture if eagle else ())
-        if eagle:  # the head's cache follows the prompt: its states at p with the token at p + 1
-            following = np.zeros_like(tokens)
-            following[:, :-1] = tokens[:, 1:]
-            arrays = self._head_arrays(draft)
-            head_cache = self._replicated(init_head_cache(draft.config, B, self.max_len, self.dtype))
-            pending = self._replicated(jnp.zeros((B, len(model.capture) * self.config.hidden_size), self.dtype))
+        stateful = on_devices(draft) and bool(draft.capture)  # (an EAGLE-3 head)
+        model = Model(self.config, self.kernels, self.mesh, draft.capture if stateful else ())
+        head = None
+        if stateful:  # its own cache beside the target's, following every step from the prompt's on
+            head = (self._arrays(draft), draft.init_state(B, (B, self.max_len), self.mesh))
         for start in range(0, padded, chunk):
             counts = np.clip(lengths - start, 0, chunk)
             finishing = (counts > 0) & (start + counts == lengths)  # the chunk holds the prompt's last token
             plan = np.stack([np.arange(B), counts, np.minimum(start, lengths), finishing, np.zeros(B)]).astype(np.int32)
-            logits, cache, states = self._call(prefill, (model,), self.params, cache, put(tokens[:, start:start + chunk]),
-                                               put(plan))
+            logits, cache, step = self._call(prefill, (model,), self.params, cache, put(tokens[:, start:start + chunk]),
+                                             put(plan))
             if finishing.any():  # the first tokens of the prompts this chunk ends (sampling step 0)
                 _, last = self._call(pick_first, (self.mesh, mode), logits, last, put(plan), settings)
-            if eagle:
-                before_last = put((start + np.arange(chunk))[None] < (lengths - 1)[:, None])
-                head_cache, pending = self._call(
-                    head_prefill, (draft, model), arrays, self.params["embedding"],
-                    (put(following[:, start:start + chunk]), states, before_last), head_cache, pending,
-                    (put((lengths - 1).astype(np.int32)), put(np.int32(start))))
+            if head is not None:
+                head = (head[0], self._call(follow, (model, draft), self.params, head[0], head[1], step,
+                                            put(np.arange(B, dtype=np.int32))))
         token_dev = last  # stays on the devices as the next step's input
         to_host_soon(token_dev)
         token = np.asarray(token_dev)  # the host copy: stop checks and streaming
@@ -269,8 +260,7 @@ class Generator:
         if draft is not None:
             drafted, accepted = self._speculate(_Replies(prompts, outputs, active, add, max_new_tokens), token_dev,
                                                 cache, draft, draft_tokens,
-                                                (settings, mode_index([sampling]), is_stop_dev),
-                                                (arrays, head_cache, pending) if eagle else None)
+                                                (settings, mode_index([sampling]), is_stop_dev), head)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
         while pending is not None:
@@ -308,8 +298,8 @@ class Generator:
 
     def _speculate(self, replies: _Replies, last, cache, draft: Draft, k: int, rows: tuple, head=None):
         """The decode loop with drafts, through the checked steps (decoding/checked.py): drafts made on
-        the devices (`drafts.base.DeviceDraft`; head: an EAGLE-3 head's arrays, its cache and the
-        prompts' last states after the prefill) run `decode_steps` steps a call, the next call queued
+        the devices (`drafts.base.DeviceDraft`; head: an EAGLE-3 head's arrays and its state after the
+        prefill) run `decode_steps` steps a call, the next call queued
         before this one's tokens are read, as in plain decoding; drafts made on the host run a step a
         call, each drafted from the tokens so far. rows: the rows' sampling settings and mode, and the
         stop tokens, on the devices. -> (tokens drafted [B], accepted [B])."""
@@ -332,7 +322,7 @@ class Generator:
             history = put(history)
         arrays, state = None, None
         if head is not None:  # an EAGLE-3 head: its arrays, and its state after the prefill
-            arrays, state = head[0], draft.start(*head[1:], last, put(active), k)
+            arrays, state = head
         elif not host and draft.arrays() is not None:
             arrays = self._replicated(draft.arrays())
         carry = (cache, history, last, put(plan.astype(np.int32)),

@@ -34,8 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from ..drafts.base import DeviceDraft, DraftContext, StepResult
 from ..kernels import Kernels
 from ..model.eagle3 import captured
+from ..model.paged_cache import FULL
 from ..model.transformer import Transformer
 from ..sampling import sample_rows
 from ..sharding import everywhere
@@ -89,15 +91,18 @@ def stored(cache: dict, written: dict) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",), compiler_options=STEP_OPTIONS)
 def prefill(model: Model, params, cache: dict, tokens, plan):
-    """tokens [P, C] int32, plan [5, P] (rows, counts, starts, ...) -> (logits [P, V] float32 at each
-    row's last real token, cache, the captured outputs [P, C, G] or None). A row of no tokens (counts
-    0) writes nothing."""
+    """tokens [P, C] int32, plan [5, P] (rows, counts, starts, ...; a sixth row: the rows whose part of
+    the cache starts at this chunk, else those starting at 0) -> (logits [P, V] float32 at each row's
+    last real token, cache, the chunk as a draft head follows it (a StepResult) or None). A row of
+    no tokens (counts 0) writes nothing."""
     rows, counts, starts = plan[0], plan[1], plan[2]
     valid = jnp.arange(tokens.shape[1])[None] < counts[:, None]  # [P, C]
     logits, written, states = model.apply(params, tokens, view(cache, rows, starts), valid,
                                           logits_at=jnp.maximum(counts - 1, 0))
     put = functools.partial(everywhere, mesh=model.mesh)
-    return put(logits), stored(cache, written), None if states is None else put(states)
+    step = None if states is None else StepResult(tokens, valid, put(states), starts,
+                                                  plan[5] > 0 if plan.shape[0] > 5 else starts == 0)
+    return put(logits), stored(cache, written), step
 
 
 def pick_rows(logits, settings, rows, sample_steps, mode: str):
@@ -143,7 +148,8 @@ def decode(spec: Decode, params, cache: dict, last, plan, settings=None, is_stop
 
     -> with a mode: (the new tokens [steps, B], last, the plan after them, cache): a row stops at a
     stop token or its budget, and a step past every row's end writes nothing, so the host reads tokens
-    once per call. Without one: (logits [B, V], cache) of one step."""
+    once per call. Without one: (logits [B, V], cache, the step as a draft head follows it or None)
+    of one step."""
     model = spec.model
     rows, lengths, sample_steps, budget = plan
     R = last.shape[0]
@@ -152,9 +158,11 @@ def decode(spec: Decode, params, cache: dict, last, plan, settings=None, is_stop
         cache, last, lengths, sample_steps, budget = carry
         running = (sample_steps >= 0) & (budget > 0)
         tokens = jnp.take(last, rows, mode="clip")[:, None]  # [B, 1]
-        logits, written, _ = model.apply(params, tokens, view(cache, rows, lengths), running[:, None])
+        logits, written, states = model.apply(params, tokens, view(cache, rows, lengths), running[:, None])
         if spec.mode is None:
-            return stored(cache, written), logits[:, 0]
+            step = None if states is None else StepResult(tokens, running[:, None], states, lengths,
+                                                          jnp.zeros_like(running))
+            return stored(cache, written), (logits[:, 0], step)
         new = pick_rows(logits[:, 0], settings, rows, sample_steps, spec.mode)
         last = last.at[jnp.where(running, rows, R)].set(new, mode="drop")
         ended = running & (False if is_stop is None else is_stop[new])
@@ -163,9 +171,19 @@ def decode(spec: Decode, params, cache: dict, last, plan, settings=None, is_stop
         return carry, new
 
     if spec.mode is None:
-        cache, logits = one((cache, last, lengths, sample_steps, budget), None)
-        return everywhere(logits, model.mesh), cache
+        cache, (logits, step) = one((cache, last, lengths, sample_steps, budget), None)
+        return everywhere(logits, model.mesh), cache, step
     (cache, last, lengths, sample_steps, budget), new = jax.lax.scan(
         one, (cache, last, lengths, sample_steps, budget), None, length=spec.steps)
     put = functools.partial(everywhere, mesh=model.mesh)
     return put(new), put(last), put(jnp.stack([rows, lengths, sample_steps, budget])), cache
+
+
+@functools.partial(jax.jit, static_argnames=("model", "draft"), donate_argnames=("state",))
+def follow(model: Model, draft: DeviceDraft, params, arrays, state, step: StepResult, rows, tables=None):
+    """A draft source with a state (drafts/base.py) after a prompt chunk or a decode step of `rows`
+    [B] (the caller's; R: padding): its observe -> its state. tables: a paged cache's [2, R, W]
+    (None: a contiguous cache)."""
+    table = None if tables is None else jnp.take(tables[FULL], rows, axis=0, mode="clip")
+    context = DraftContext(None, None, arrays, state, params["embedding"], model.kernels, model.mesh, rows, None, table)
+    return jax.tree.map(functools.partial(everywhere, mesh=model.mesh), draft.observe(context, step))

@@ -10,8 +10,9 @@ Two kinds of source:
   host round trip between them. A subclass is a static argument of those steps, so it must be
   hashable, and equal sources share their compiled steps; everything that tells two equal sources
   apart belongs in `arrays()`, which the steps take as arguments, never as constants. A source
-  with a state (an EAGLE-3 head: its own KV cache and the target's states it has not read yet)
-  gets the target layers named in `capture` after each step (`observe`).
+  with a state (an EAGLE-3 head: its own KV cache beside the target's, and each row's last
+  captured states) names target layers in `capture` and follows every step of the target with
+  their outputs (`observe`), whoever runs it: the command line's `Generator` or the serving engine.
 
 Legend: B = rows checked together, L = the history's positions, k = drafted tokens a step,
 T = k + 1 positions checked, G = the captured layers' outputs side by side.
@@ -27,15 +28,18 @@ HostDraft = Callable[[Sequence[int], int], Sequence[int]]
 
 
 class DraftContext(NamedTuple):
-    """What a device draft proposes from, at one checked step."""
+    """What a device draft proposes from, or follows a step with."""
 
-    history: jax.Array  # [B, L] each row's tokens so far, prompt and reply
+    history: jax.Array | None  # [B, L] each row's tokens so far, prompt and reply (None: not kept)
     lengths: jax.Array  # [B] how many of each row's are its context (the last not in the cache yet)
     arrays: Any = None  # the source's `arrays()`, placed on the devices (None where it has none)
-    state: Any = None  # the source's state (None where it has none)
+    state: Any = None  # the source's state, its per-row parts of the caller's R rows (None where it has none)
     embedding: jax.Array | None = None  # the target's token embedding [V, D]
     kernels: Any = None  # the target's `Kernels`
     mesh: Any = None  # the target's mesh (None: one device)
+    rows: jax.Array | None = None  # [B] the caller's row of each (R: padding)
+    last: jax.Array | None = None  # [B] each row's latest token, not in the cache yet
+    table: jax.Array | None = None  # [B, W] the rows' page table of the full layers (a paged cache), else None
 
 
 class Proposal(NamedTuple):
@@ -45,30 +49,42 @@ class Proposal(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """A checked step, as a stateful source sees it afterwards."""
+    """A step of the target (a prompt chunk, a decode step, a checked step), as a source with a state
+    sees it afterwards."""
 
-    tokens: jax.Array  # [B, T] each row's last token, then its draft
-    valid: jax.Array  # [B, T] the positions checked (a prefix of each row; none: a row not running)
-    accepted: jax.Array  # [B] the drafted tokens kept
-    next_tokens: jax.Array  # [B] the target's token after them
-    states: jax.Array | None  # [B, T, G] the target's outputs of the layers in `capture`
+    tokens: jax.Array  # [B, T] the tokens it ran on (a checked step's: each row's last token, then its draft)
+    kept: jax.Array  # [B, T] those now in the cache (a prefix of each row; none: a row not running)
+    states: jax.Array  # [B, T, G] the target's outputs of the layers in `capture` there
+    start: jax.Array  # [B] the position of each row's first token
+    fresh: jax.Array  # [B] bool: rows whose part of the cache starts here (a prompt's first chunk, after
+    #                   any prefix found cached), so no state before their first token is known
 
 
 class DeviceDraft:
     """A draft source that proposes on the devices (see the module)."""
 
-    capture: tuple[int, ...] = ()  # the target layers whose outputs the checked steps keep for it
+    capture: tuple[int, ...] = ()  # the target layers whose outputs it follows (a source with a state)
 
     def arrays(self) -> Any:
         """The source's arrays, arguments of the steps that draft with it (None: it has none)."""
         return None
 
+    def init_state(self, rows: int, storage: tuple[int, int], mesh=None) -> Any:
+        """A fresh state for `rows` rows beside a cache of `storage`: (rows, positions) for a
+        contiguous cache, (pages, page size) for a paged pool (None: a source without one)."""
+        return None
+
+    def page_bytes(self, page_size: int) -> int:
+        """Device memory its state takes a page of the pool, beside a paged cache."""
+        return 0
+
     def propose(self, context: DraftContext, k: int) -> Proposal:
         raise NotImplementedError(f"{type(self).__name__} must define propose(context, k)")
 
-    def observe(self, state: Any, step: StepResult) -> Any:
-        """The state after a checked step (a source without one keeps None)."""
-        return state
+    def observe(self, context: DraftContext, step: StepResult) -> Any:
+        """The state after a step of the target (`capture` non-empty: after every step, the prompt's
+        chunks and the steps that decode without drafting included; a source without one keeps None)."""
+        return context.state
 
 
 class Given(DeviceDraft):

@@ -1,27 +1,32 @@
-"""Drafting with an EAGLE-3 head beside `Generator` (model/eagle3.py has the head, eagle3_load.py
-its loading): the head's own KV cache follows the target's, a pair (the target's captured states at
-position p, the token at p + 1) per position, and each step drafts k tokens on the devices.
+"""Drafting with an EAGLE-3 head (model/eagle3.py has the head, eagle3_load.py its loading), for
+the command line's `Generator` and the serving engine alike: the head keeps its own keys and
+values beside the target's cache, in the same layout (a contiguous row per sequence, or one more
+storage of the paged pool, reached through the full layers' page tables), one position per pair
+(the target's captured states at position p, the token at p + 1).
 
-For a sequence whose committed tokens are x_0 .. x_n (x_n not yet in the target's cache):
+The head follows every step of the target (`observe`: a prompt's chunks, decode steps, checked
+steps): the step's kept tokens x_p .. pair with the states before them (s_(p-1) .. , the first
+kept from the step before: each row's `pending` states), and go into the head's cache; the states
+at the row's last kept position wait in `pending` for the token after them. A row whose part of
+the cache starts at the step (`fresh`: a prompt's first chunk, after any prefix found cached)
+pairs from its second token on. So before each checked step the head holds the pairs of positions
+0 .. n - 2 of a row whose cache holds n positions; `propose` adds (s_(n-1), the row's latest
+token) at n - 1 and drafts from the head's output there, each later draft from the head's own
+output at the one before (k - 1 single-position passes, written past the committed pairs, where
+the next step's writes land before anything reads them).
 
-- prefill: the prompt's pairs p = 0 .. n - 2 go into the head's cache chunk by chunk
-  (`head_prefill`); the states at the last prompt position wait (`pending`) for the first token;
-- each checked step (`propose`): the pairs not yet in the head's cache (after the prefill, the last
-  prompt position's with the first token; after a checked step, its positions 0 .. a: the
-  target's states there with the accepted drafts and the target's next token, `next_pairs`) go
-  in, the last of them gives the first draft token, and each later one comes from the head's own
-  output at the one before (k - 1 single-position passes). The head's cache counts the committed
-  pairs only: what the drafting passes wrote past them is written over before it is read.
+With a prefix found in the serving engine's cache, the pair at its last position is the one the
+sequence that computed it wrote (its own next token): a draft may differ for it, never a token
+(every draft is checked).
 
-The head attends as the target's full layers do (eagle3.py): over its cache's committed positions
-and the pass's own; on one device with the target's kernels (Hopper's decode kernel reads the
-positions a sequence has, not the whole cache), beside a model on a mesh with the jnp path
-(`_attending`).
+The head attends as the target's full layers do (the cache contract of model/cache.py): over its
+cache's committed positions and the pass's own; on one device with the target's kernels, beside
+a model on a mesh with the jnp path (`_attending`). Drafts are the head's greedy picks, proposed
+with certainty, so greedy and sampled checks take them as they take prompt lookup's
+(decoding/acceptance.py, with no draft probabilities).
 
-Drafts are the head's greedy picks, proposed with certainty, so greedy and sampled checks take
-them as they take prompt lookup's (decoding/acceptance.py, with no draft probabilities).
-
-Legend: B = batch, T = positions, G = the captured states' width, D = hidden, U = the head's vocabulary.
+Legend: B = rows, T = positions, G = the captured states' width, D = hidden, U = the head's
+vocabulary, K = its KV heads, H = its head dim.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from ..config import ModelConfig
 from ..eagle3_config import Eagle3Config
 from ..kernels import Kernels
 from ..model.eagle3 import Eagle3Head
-from ..sharding import everywhere
+from ..sharding import replicated, zeros_on_devices
 from .base import DeviceDraft, DraftContext, Proposal, StepResult
 from .eagle3_load import load_eagle3
 
@@ -77,25 +82,66 @@ class Eagle3Draft(DeviceDraft):
     def arrays(self) -> dict:
         return {"head": self.params, "hot": self.hot}
 
-    def start(self, cache: dict, pending: jax.Array, last: jax.Array, active: jax.Array, k: int) -> dict:
-        """The state after the prefill (`head_prefill`'s cache and each prompt's last states, pending
-        [B, G]; last [B] the first new token): the pairs not yet in the head's cache, padded to k + 1."""
-        pad = ((0, 0), (0, k))
-        return {"cache": cache, "tokens": jnp.pad(last[:, None], pad),
-                "states": jnp.pad(pending[:, None], pad + ((0, 0),)), "valid": jnp.pad(active[:, None], pad)}
+    @property
+    def dtype(self):
+        """Its weights' dtype (the norms' aside), which its cache takes."""
+        return self.params["params"]["fc"].dtype
+
+    def init_state(self, rows: int, storage: tuple[int, int], mesh=None) -> dict:
+        """The head's keys and values [*storage, K, H] beside the target's cache ((rows, positions) or
+        (pages, page size)) and each row's pending states [rows, G], zeros, on every device."""
+        dtype = self.dtype
+        shape = (*storage, self.config.num_key_value_heads, self.config.head_dim)
+        G = len(self.config.aux_layers) * self.config.target_hidden_size
+        shapes = {"k": jax.ShapeDtypeStruct(shape, dtype), "v": jax.ShapeDtypeStruct(shape, dtype),
+                  "pending": jax.ShapeDtypeStruct((rows, G), dtype)}
+        return zeros_on_devices(shapes, None if mesh is None else jax.tree.map(lambda _: replicated(mesh), shapes))
+
+    def page_bytes(self, page_size: int) -> int:
+        """Device memory its keys and values take a page of the pool (beside a paged cache)."""
+        return 2 * page_size * self.config.num_key_value_heads * self.config.head_dim * jnp.dtype(self.dtype).itemsize
 
     def propose(self, context: DraftContext, k: int) -> Proposal:
-        """k drafts for every row from the state (attending with the target's kernels' variants; beside
-        a model on a mesh, the jnp one): all proposed."""
-        state = context.state
+        """k drafts for every row (see the module): all proposed."""
+        state, rows = context.state, context.rows
+        real = rows < state["pending"].shape[0]  # (padding rows write nothing)
+        cache = _layer(state, context.table, context.lengths - 2)  # the pairs before the row's latest token
         drafts, cache = propose(self.config, k, _attending(context.kernels, context.mesh), context.arrays,
-                                context.embedding, state["cache"], (state["tokens"], state["states"], state["valid"]))
-        return Proposal(drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "cache": cache})
+                                context.embedding, cache, (jnp.take(state["pending"], rows, axis=0, mode="clip"),
+                                                           context.last, real))
+        return Proposal(drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "k": cache["k"], "v": cache["v"]})
 
-    def observe(self, state: dict, step: StepResult) -> dict:
-        """The state after a checked step (`next_pairs`): the pairs it commits, waiting."""
-        tokens, states, valid = next_pairs(step.tokens, step.valid, step.accepted, step.next_tokens, step.states)
-        return {**state, "tokens": tokens, "states": states.astype(state["states"].dtype), "valid": valid}
+    def observe(self, context: DraftContext, step: StepResult) -> dict:
+        """The state after a step of the target (see the module): its kept tokens' pairs in the head's
+        cache, each row's states at its last kept position pending."""
+        state, rows = context.state, context.rows
+        R = state["pending"].shape[0]
+        pending = jnp.take(state["pending"], rows, axis=0, mode="clip")
+        states = step.states.astype(pending.dtype)  # [B, T, G]
+        fresh = step.fresh[:, None]
+
+        def later(x):  # from the second position on
+            return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
+        tokens = jnp.where(fresh, later(step.tokens), step.tokens)  # [B, T]
+        before = jnp.concatenate([pending[:, None], states[:, :-1]], axis=1)  # s_(p-1) for each x_p
+        hidden = jnp.where(fresh[..., None], states, before)
+        valid = jnp.where(fresh, later(step.kept), step.kept)
+        head = _head(self.config, context.embedding, _attending(context.kernels, context.mesh))
+        cache = _layer(state, context.table, step.start - 1 + step.fresh)
+        _, _, cache = head.apply(context.arrays["head"], jnp.take(context.embedding, tokens, axis=0), hidden, cache,
+                                 valid)
+        n = step.kept.sum(axis=1)
+        last = jnp.take_along_axis(states, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, G]
+        at = jnp.where((n > 0) & (rows < R), rows, R)  # rows that kept nothing: dropped
+        return {"k": cache["k"], "v": cache["v"], "pending": state["pending"].at[at].set(last, mode="drop")}
+
+
+def _layer(state: dict, table, lengths) -> dict:
+    """The head's cache as its attention reads it: its keys and values, with the rows' page table
+    beside a paged cache, at these lengths [B]."""
+    cache = {"k": state["k"], "v": state["v"], "lengths": lengths}
+    return cache if table is None else {**cache, "table": table}
 
 
 def _head(config: Eagle3Config, embedding, kernels: Kernels):
@@ -109,54 +155,19 @@ def _attending(kernels: Kernels, mesh) -> Kernels:
     return kernels if mesh is None else dataclasses.replace(kernels, attention="blockwise")
 
 
-@functools.partial(jax.jit, static_argnames=("draft", "model"), donate_argnames=("cache",))
-def head_prefill(draft, model, arrays, embedding, chunk, cache, pending, where):
-    """A prompt chunk's pairs into the head's cache: chunk = (next_tokens [B, T] the tokens after the
-    positions start .. start + T - 1, the target's states there [B, T, G], valid [B, T]: positions
-    before each prompt's last); pending [B, G]: the states at each prompt's last position once this
-    chunk holds it; where = (each prompt's last position [B], start) -> (cache, pending), on every
-    device of the target's mesh (model: decoding.steps.Model)."""
-    next_tokens, states, valid = chunk
-    last_index, start = where
-    head = _head(draft.config, embedding, _attending(model.kernels, model.mesh))
-    _, _, cache = head.apply(arrays["head"], jnp.take(embedding, next_tokens, axis=0), states, cache, valid)
-    T = states.shape[1]
-    here = (last_index >= start) & (last_index < start + T)
-    at = jnp.clip(last_index - start, 0, T - 1)
-    picked = jnp.take_along_axis(states, at[:, None, None], axis=1)[:, 0]
-    out = cache, jnp.where(here[:, None], picked.astype(pending.dtype), pending)
-    return jax.tree.map(lambda x: everywhere(x, model.mesh), out)  # one layout, call after call
-
-
 @functools.partial(jax.jit, static_argnames=("config", "k", "kernels"), donate_argnames=("cache",))
-def propose(config, k, kernels, arrays, embedding, cache, pairs):
-    """The pairs not yet in the head's cache (pairs: tokens [B, T], states [B, T, G], valid [B, T], a
-    prefix) into it, then k draft tokens from the last of them on (arrays: the head's parameters and
-    hot ids) -> (drafts [B, k] target ids, the cache holding the committed pairs only)."""
-    pair_tokens, pair_states, pair_valid = pairs
-    head_params, hot = arrays["head"], arrays["hot"]
+def propose(config, k, kernels, arrays, embedding, cache, latest):
+    """k draft tokens of each row (arrays: the head's parameters and hot ids): the pair (its pending
+    states, its latest token) at the cache's lengths, then k - 1 from the head's own outputs; latest
+    = (pending [B, G], last [B], real [B]: rows that write) -> (drafts [B, k] target ids, the cache's
+    keys and values, written at the lengths and after)."""
+    pending, last, real = latest
     head = _head(config, embedding, kernels)
-    logits, y, cache = head.apply(head_params, jnp.take(embedding, pair_tokens, axis=0), pair_states, cache,
-                                  pair_valid)
-    last = jnp.maximum(pair_valid.sum(axis=1) - 1, 0)[:, None, None]
-    logits, y = jnp.take_along_axis(logits, last, axis=1)[:, 0], jnp.take_along_axis(y, last, axis=1)[:, 0]
-    drafts = [hot[jnp.argmax(logits, axis=-1)]]
-    ahead = cache
-    B = pair_tokens.shape[0]
-    for _ in range(k - 1):
-        logits, y, ahead = head.apply(head_params, jnp.take(embedding, drafts[-1], axis=0)[:, None], y[:, None],
-                                      ahead, jnp.ones((B, 1), bool))
-        y = y[:, 0]
-        drafts.append(hot[jnp.argmax(logits[:, 0], axis=-1)])
-    return jnp.stack(drafts, axis=1).astype(jnp.int32), {**ahead, "lengths": cache["lengths"]}
-
-
-@jax.jit
-def next_pairs(tokens, valid, accepted, nxt, states):
-    """After a checked step (tokens [B, T]: each sequence's last token then its draft; accepted [B], nxt
-    [B]; states [B, T, G] the target's there) -> the pairs it commits: (tokens [B, T]: the accepted
-    drafts then the next token, states, valid [B, T]: positions 0 .. accepted of the checked rows)."""
-    j = jnp.arange(tokens.shape[1])[None]
-    after = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    pair_tokens = jnp.where(j < accepted[:, None], after, nxt[:, None])
-    return pair_tokens, states, (j <= accepted[:, None]) & valid[:, :1]
+    drafts, hidden, tokens = [], pending[:, None], last
+    for _ in range(k):
+        logits, y, cache = head.apply(arrays["head"], jnp.take(embedding, tokens, axis=0)[:, None], hidden, cache,
+                                      real[:, None])
+        tokens = arrays["hot"][jnp.argmax(logits[:, 0], axis=-1)]
+        drafts.append(tokens)
+        hidden = y
+    return jnp.stack(drafts, axis=1).astype(jnp.int32), cache

@@ -23,12 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ..config import ModelConfig
-from ..kernels import Kernels, attention_blockwise, attention_reference, fold_sinks, ring, write_pages
-from ..sharding import CACHE_AXES, constrain
+from ..kernels import Kernels, attention_blockwise, attention_reference, fold_sinks
 from ..weight import Weight, declare, low_rank
-from .cache import ring_positions
+from .cache import layout_of
 from .layers import RMSNorm, apply_rope, rope_tables
-from .paged_cache import POOL_AXES, window_pages
 
 __all__ = ["AttentionBlock", "attention_blockwise", "attention_reference"]
 
@@ -101,7 +99,13 @@ class AttentionBlock(nn.Module):
         window = cfg.sliding_window if cfg.is_sliding(self.layer) else None
         ops = self.kernels.attention_ops(T, q.dtype, mesh=self.mesh)
         if layer_cache is not None:
-            o, new_cache = self._cached(ops, q, k, v, sinks, positions, layer_cache, lengths, valid, window)
+            # The cache's earlier positions (the contiguous cache's or the pool's, cache.layout_of) and
+            # the new tokens among themselves (padding follows the real tokens, so causality hides it),
+            # two parts combined with the sinks.
+            k, v = k.astype(layer_cache["k"].dtype), v.astype(layer_cache["v"].dtype)
+            before, new_cache = layout_of(layer_cache).attend(ops, q, k, v, layer_cache, positions, lengths, valid,
+                                                              window, self.mesh)
+            o = fold_sinks([before, ops.causal(q, k, v, window)], sinks, q.dtype)
         else:
             o, new_cache = ops.whole(q, k, v, sinks, positions, window), None
             if o is None:
@@ -110,59 +114,3 @@ class AttentionBlock(nn.Module):
         out = jnp.einsum("btnh,nhd->btd", o, w["out_weight"]) + w["out_bias"]
         out = out + low_rank(self, "out_weight", o, "btnh,nhr->btr", "btr,rd->btd")
         return out if layer_cache is None else (out, new_cache)
-
-    def _cached(self, ops, q, k, v, sinks, positions, layer_cache, lengths, valid, window):
-        """Attention over (the cache's earlier positions) and (the new tokens), two parts combined with
-        the sinks; the cache is written after it is read, so donating it updates it in place."""
-        if "table" in layer_cache:
-            return self._paged(ops, q, k, v, positions, layer_cache, lengths, valid, window, sinks)
-        cache_k, cache_v = layer_cache["k"], layer_cache["v"]  # [B, S, K, H]
-        B, S = cache_k.shape[:2]
-        T = k.shape[1]
-        k, v = k.astype(cache_k.dtype), v.astype(cache_v.dtype)
-        # The new tokens among themselves: padding follows the real tokens, so causality hides it.
-        own = ops.causal(q, k, v, window)
-        if window is None:
-            # Full attention: the cache's first `lengths` positions, then write the new keys at
-            # their positions (padding is dropped).
-            o = fold_sinks([ops.prefix(q, cache_k, cache_v, lengths), own], sinks, q.dtype)
-            rows = jnp.arange(B)[:, None]
-            at = jnp.where(valid, positions, S)  # out of range -> dropped
-            cache_k = cache_k.at[rows, at].set(k, mode="drop")
-            cache_v = cache_v.at[rows, at].set(v, mode="drop")
-            return o, self._pin({"k": cache_k, "v": cache_v})
-        # Sliding window: the ring holds the last S positions before the new tokens (at most
-        # window of them are visible to any new token), then keeps the last S positions.
-        ring_pos = ring_positions(lengths, S)  # [B, S]
-        o = fold_sinks([ring(q, cache_k, cache_v, ring_pos, positions, window), own], sinks, q.dtype)
-        new_pos = ring_positions(lengths + valid.sum(axis=1), S)  # [B, S]
-        from_new = new_pos >= lengths[:, None]
-        index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)[..., None, None]  # [B, S, 1, 1]
-        ring_k = jnp.where(from_new[..., None, None], jnp.take_along_axis(k, index, axis=1), cache_k)
-        ring_v = jnp.where(from_new[..., None, None], jnp.take_along_axis(v, index, axis=1), cache_v)
-        return o, self._pin({"k": ring_k, "v": ring_v})
-
-    def _paged(self, ops, q, k, v, positions, layer_cache, lengths, valid, window, sinks):
-        """As `_cached`, over a paged cache (paged_cache.py): the layer's storage [N, P, K, H] and its
-        group's table [B, W]; the new keys and values are written at their positions after the read."""
-        pool_k, pool_v, table = layer_cache["k"], layer_cache["v"], layer_cache["table"]
-        k, v = k.astype(pool_k.dtype), v.astype(pool_v.dtype)
-        own = ops.causal(q, k, v, window)
-        if window is None:
-            before = ops.paged_full(q, pool_k, pool_v, table, lengths)
-        else:
-            before = ops.paged_window(q, pool_k, pool_v, table, lengths, positions, window,
-                                      window_pages(self.config, pool_k.shape[1]))
-        # The write must follow the read: nothing else orders the kernel that reads the storage before
-        # the scatter that updates it, and inside a loop's branch (several checked steps a call,
-        # decoding/checked.py) XLA then copied every storage before writing it, a copy of the whole
-        # pool each step. The barrier makes the write depend on the read, so it updates in place.
-        before, pool_k, pool_v = jax.lax.optimization_barrier((before, pool_k, pool_v))
-        o = fold_sinks([before, own], sinks, q.dtype)
-        pool_k = write_pages(pool_k, table, positions, valid, k)
-        pool_v = write_pages(pool_v, table, positions, valid, v)
-        return o, {name: constrain(a, POOL_AXES, self.mesh) for name, a in (("k", pool_k), ("v", pool_v))}
-
-    def _pin(self, layer_cache: dict) -> dict:
-        """Keep the updated cache in the layout it came in, so that donating it reuses its buffers."""
-        return {name: constrain(a, CACHE_AXES, self.mesh) for name, a in layer_cache.items()}

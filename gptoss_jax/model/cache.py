@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..sharding import cache_shardings, zeros_on_devices
+from ..kernels import ring
+from ..sharding import CACHE_AXES, cache_shardings, constrain, zeros_on_devices
+from .paged_cache import Paged
 
 
 ALIGN = 128  # full layers' slots are a multiple of this, so fused kernels tile the cache without padding a copy
@@ -74,26 +76,68 @@ def max_positions(cache: dict) -> int:
     return max(int(np.shape(layer["k"])[1]) for name, layer in cache.items() if name != "lengths")
 
 
-def roll_back(config: ModelConfig, before: dict, written: dict, valid: jax.Array, kept: jax.Array) -> dict:
-    """The cache after a step that wrote the `valid` [B, T] positions from `before`'s lengths on
-    (`written`), keeping only the first `kept` [B] of them (a checked step's rejected drafts dropped): full layers' other positions zeroed, the
-    sliding layers' ring slots they took given back their earlier positions (`before`'s)."""
-    lengths = before["lengths"]
-    new_lengths = lengths + kept
-    T = valid.shape[1]
-    dropped = valid & (jnp.arange(T)[None] >= kept[:, None])  # [B, T]
-    out = {"lengths": new_lengths}
-    for name, layer in written.items():
-        if name == "lengths":
-            continue
-        B, S = layer["k"].shape[:2]
-        if config.is_sliding(int(name.split("_")[1])):
-            # A slot whose position (for the kept length) is from this step holds it in `written`
-            # (T <= S, so no later position of the step took the slot); any other, in `before`.
-            from_step = (ring_positions(new_lengths, S) >= lengths[:, None])[..., None, None]  # [B, S, 1, 1]
-            out[name] = {x: jnp.where(from_step, layer[x], before[name][x]) for x in ("k", "v")}
-        else:
-            at = jnp.where(dropped, lengths[:, None] + jnp.arange(T)[None], S)  # out of range -> dropped
+class Contiguous:
+    """The contiguous layout's side of the cache contract (attention.py reads and writes a layer
+    through `layout_of(layer_cache)`; paged_cache.Paged is the other side): row b of the cache is
+    row b of the call."""
+
+    @staticmethod
+    def attend(ops, q, k, v, layer_cache: dict, positions, lengths, valid, window: int | None, mesh=None):
+        """The new tokens' queries q [B, T, K, G, H] over the layer's earlier positions -> ((o, lse),
+        the layer cache with the new keys and values k, v [B, T, K, H] written; read before the write,
+        so donating it updates it in place). Full layers: the first `lengths` positions, the new ones
+        written at `positions` (valid [B, T]; padding dropped). Sliding layers: the ring holds the last
+        S positions before the new tokens (at most `window` of them are visible to any new token),
+        then keeps the last S positions."""
+        cache_k, cache_v = layer_cache["k"], layer_cache["v"]  # [B, S, K, H]
+        B, S = cache_k.shape[:2]
+        T = k.shape[1]
+        if window is None:
+            before = ops.prefix(q, cache_k, cache_v, jnp.minimum(lengths, S))
+            at = jnp.where(valid, positions, S)  # out of range -> dropped
             rows = jnp.arange(B)[:, None]
-            out[name] = {x: layer[x].at[rows, at].set(0, mode="drop") for x in ("k", "v")}
-    return out
+            written = {"k": cache_k.at[rows, at].set(k, mode="drop"), "v": cache_v.at[rows, at].set(v, mode="drop")}
+        else:
+            before = ring(q, cache_k, cache_v, ring_positions(lengths, S), positions, window)
+            new_pos = ring_positions(lengths + valid.sum(axis=1), S)  # [B, S]
+            from_new = (new_pos >= lengths[:, None])[..., None, None]
+            index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)[..., None, None]  # [B, S, 1, 1]
+            written = {"k": jnp.where(from_new, jnp.take_along_axis(k, index, axis=1), cache_k),
+                       "v": jnp.where(from_new, jnp.take_along_axis(v, index, axis=1), cache_v)}
+        # Kept in the layout it came in, so that donating it reuses its buffers.
+        return before, {name: constrain(a, CACHE_AXES, mesh) for name, a in written.items()}
+
+    @staticmethod
+    def keep(config: ModelConfig, cache: dict, before: dict, written: dict, valid: jax.Array,
+             kept: jax.Array) -> dict:
+        """The cache after a step that wrote the `valid` [B, T] positions from `before`'s lengths on
+        (`written`), keeping only the first `kept` [B] of them (a checked step's rejected drafts
+        dropped): full layers' other positions zeroed, the sliding layers' ring slots they took given
+        back their earlier positions (`before`'s). Over one position there is nothing to take back."""
+        if valid.shape[1] == 1:
+            return written
+        lengths = before["lengths"]
+        new_lengths = lengths + kept
+        T = valid.shape[1]
+        dropped = valid & (jnp.arange(T)[None] >= kept[:, None])  # [B, T]
+        out = {"lengths": new_lengths}
+        for name, layer in written.items():
+            if name == "lengths":
+                continue
+            B, S = layer["k"].shape[:2]
+            if config.is_sliding(int(name.split("_")[1])):
+                # A slot whose position (for the kept length) is from this step holds it in `written`
+                # (T <= S, so no later position of the step took the slot); any other, in `before`.
+                from_step = (ring_positions(new_lengths, S) >= lengths[:, None])[..., None, None]  # [B, S, 1, 1]
+                out[name] = {x: jnp.where(from_step, layer[x], before[name][x]) for x in ("k", "v")}
+            else:
+                at = jnp.where(dropped, lengths[:, None] + jnp.arange(T)[None], S)  # out of range -> dropped
+                rows = jnp.arange(B)[:, None]
+                out[name] = {x: layer[x].at[rows, at].set(0, mode="drop") for x in ("k", "v")}
+        return out
+
+
+def layout_of(cache: dict):
+    """The side of the cache contract a cache, or a layer's view of it, is on: `Paged` where it has
+    page tables, else `Contiguous`."""
+    return Paged if "tables" in cache or "table" in cache else Contiguous

@@ -34,6 +34,7 @@ import numpy as np
 from ..eagle3_config import Eagle3Config
 from ..kernels import Kernels, fold_sinks
 from ..weight import Weight, declare
+from .cache import layout_of
 from .layers import RMSNorm, apply_rope
 
 
@@ -75,8 +76,9 @@ class Eagle3Head(nn.Module):
     @nn.compact
     def __call__(self, embedded: jax.Array, hidden: jax.Array, cache: dict, valid: jax.Array):
         """embedded [B, T, D]: the target's embedding of the tokens after the states' positions; hidden
-        [B, T, G] the target's captured states, or [B, T, D] the head's own earlier outputs; cache
-        (`init_head_cache`), continued at its lengths; valid [B, T] a prefix of each row ->
+        [B, T, G] the target's captured states, or [B, T, D] the head's own earlier outputs; cache: its
+        keys and values in either layout (`init_head_cache`'s, or a pool's storage with the rows'
+        "table") with "lengths", continued there; valid [B, T] a prefix of each row ->
         (logits [B, T, U] float32, outputs [B, T, D], the cache with the valid positions written)."""
         cfg = self.config
         if hidden.shape[-1] != cfg.hidden_size:
@@ -91,21 +93,17 @@ class Eagle3Head(nn.Module):
         q = apply_rope(jnp.einsum("bta,anh->btnh", x, declare(self, "q")), cos, sin)
         k = apply_rope(jnp.einsum("bta,akh->btkh", x, declare(self, "k")), cos, sin)
         v = jnp.einsum("bta,akh->btkh", x, declare(self, "v"))
-        B, T, S = x.shape[0], x.shape[1], cache["k"].shape[1]
+        B, T = x.shape[:2]
         N, K = cfg.num_attention_heads, cfg.num_key_value_heads
         q = q.reshape(B, T, K, N // K, cfg.head_dim)
         k, v = k.astype(cache["k"].dtype), v.astype(cache["v"].dtype)
-        # As the target's full layers attend (attention.py): the cache's first `lengths` positions
-        # (the Hopper decode kernel reads those only, not all S) and the new positions among
-        # themselves (padding follows the real ones), folded without sinks; the cache written after
-        # the read. Drafting past the cache's end (drafts the budget then cuts) reads S positions.
+        # As the target's full layers attend (attention.py, through the cache contract of either
+        # layout): the cache's first `lengths` positions and the new ones among themselves, folded
+        # without sinks; the cache written after the read.
         ops = self.kernels.attention_ops(T, q.dtype)
-        before = ops.prefix(q, cache["k"], cache["v"], jnp.minimum(lengths, S))
+        before, written = layout_of(cache).attend(ops, q, k, v, cache, positions, lengths, valid, None)
         attended = fold_sinks([before, ops.causal(q, k, v, None)], jnp.full((K, N // K), -1e30, jnp.float32), q.dtype)
-        at = jnp.where(valid, positions, S)  # padding: dropped
-        rows = jnp.arange(B)[:, None]
-        cache = {"k": cache["k"].at[rows, at].set(k, mode="drop"), "v": cache["v"].at[rows, at].set(v, mode="drop"),
-                 "lengths": lengths + valid.sum(axis=1).astype(jnp.int32)}
+        cache = {**cache, **written, "lengths": lengths + valid.sum(axis=1).astype(jnp.int32)}
         r = hidden + jnp.einsum("btnh,nhd->btd", attended.reshape(B, T, N, cfg.head_dim), declare(self, "o"))
         n = RMSNorm(cfg, name="post_norm")(r)
         gated = jax.nn.silu(n @ declare(self, "gate")) * (n @ declare(self, "up"))  # [B, T, F]

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
-from ..sharding import sharding, zeros_on_devices
+from ..kernels import write_pages
+from ..sharding import constrain, sharding, zeros_on_devices
 
 FULL, SLIDING = 0, 1
 POOL_SHARE = 0.85  # of the device memory free after the weights, for the pool when no size is given
@@ -60,7 +61,11 @@ def table_width(max_len: int, page_size: int) -> int:
 def window_pages(config: ModelConfig, page_size: int) -> int:
     """Pages a sliding layer reads for the positions before a step's first new token: those of the
     last window - 1 positions, wherever a page boundary falls."""
-    return -(-(config.sliding_window - 1) // page_size) + 1
+    return pages_for_window(config.sliding_window, page_size)
+
+
+def pages_for_window(window: int, page_size: int) -> int:
+    return -(-(window - 1) // page_size) + 1
 
 
 def page_bytes(config: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
@@ -111,3 +116,33 @@ def layer_view(config: ModelConfig, cache: dict, layer: int) -> dict:
     """What a layer's attention reads and writes: {"k", "v": its storage, "table": [B, W] of its group}."""
     storage = cache["pages"][storage_of(config, layer)]
     return {"k": storage["k"], "v": storage["v"], "table": cache["tables"][group_of(config, layer)]}
+
+
+class Paged:
+    """The paged layout's side of the cache contract (cache.Contiguous is the other): a layer's
+    view is its storage {"k", "v": [N, P, K, H]} and its group's table [B, W]."""
+
+    @staticmethod
+    def attend(ops, q, k, v, layer_cache: dict, positions, lengths, valid, window: int | None, mesh=None):
+        """As cache.Contiguous.attend, through the rows' page table: the new keys and values are
+        written at their positions after the read."""
+        pool_k, pool_v, table = layer_cache["k"], layer_cache["v"], layer_cache["table"]
+        if window is None:
+            before = ops.paged_full(q, pool_k, pool_v, table, lengths)
+        else:
+            before = ops.paged_window(q, pool_k, pool_v, table, lengths, positions, window,
+                                      pages_for_window(window, pool_k.shape[1]))
+        # The write must follow the read: nothing else orders the kernel that reads the storage before
+        # the scatter that updates it, and inside a loop's branch (several checked steps a call,
+        # decoding/checked.py) XLA then copied every storage before writing it, a copy of the whole
+        # pool each step. The barrier makes the write depend on the read, so it updates in place.
+        before, pool_k, pool_v = jax.lax.optimization_barrier((before, pool_k, pool_v))
+        written = {"k": write_pages(pool_k, table, positions, valid, k), "v": write_pages(pool_v, table, positions, valid, v)}
+        return before, {name: constrain(a, POOL_AXES, mesh) for name, a in written.items()}
+
+    @staticmethod
+    def keep(config: ModelConfig, cache: dict, before: dict, written: dict, valid: jax.Array,
+             kept: jax.Array) -> dict:
+        """Nothing of a rejected draft needs taking back: attention never reads a position at or past a
+        sequence's length, and the next step writes over what the rejected drafts left."""
+        return {"pages": written["pages"], "tables": cache["tables"]}
