@@ -157,14 +157,13 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
         (["--temperature", "0", "--draft", "prompt-lookup", "--draft-tokens", "16"], 2,
          "--draft-tokens must be less than 16 for this model"),
-        (eagle + ["--draft", "eagle3"], 2, "--draft eagle3 and --draft-model DIR go together"),
-        (eagle + ["--draft-model", str(head)], 2, "--draft eagle3 and --draft-model DIR go together"),
-        (eagle + ["--draft", "eagle3", "--draft-model", str(tmp_path / "nowhere")], 2,
-         f"--draft-model {tmp_path}/nowhere: no such folder"),
-        (eagle + ["--draft", "eagle3", "--draft-model", str(tmp_path)], 2,
-         f"--draft-model: {tmp_path}/config.json: config.json not found"),
-        (eagle + ["--draft", "eagle3", "--draft-model", str(head)], 2,
-         f"--draft-model {head}: a head for a model of vocabulary 300 and hidden size 64, not 1024 and 64"),
+        (eagle + ["--draft", "eagle3"], 2, "argument --draft: choose none, prompt-lookup or eagle3:DIR"),
+        (eagle + ["--draft", f"eagle3:{tmp_path / 'nowhere'}"], 2,
+         f"--draft eagle3:{tmp_path}/nowhere: no such folder"),
+        (eagle + ["--draft", f"eagle3:{tmp_path}"], 2,
+         f"--draft eagle3:{tmp_path}: {tmp_path}/config.json: config.json not found"),
+        (eagle + ["--draft", f"eagle3:{head}"], 2,
+         f"--draft eagle3:{head}: a head for a model of vocabulary 300 and hidden size 64, not 1024 and 64"),
         (["--checkpoint", str(tmp_path / "nowhere"), "--prompt-ids", "1"], 1, "checkpoint directory not found"),
         (["--checkpoint", str(tmp_path), "--prompt-ids", "1"], 1, "not a gptoss-jax checkpoint"),
         (["--mesh", "gpus=2"], 2, "--mesh gpus=2: unknown mesh axis 'gpus'; the axes are data, expert, tensor"),
@@ -304,7 +303,7 @@ def test_prompt_lookup_drafts_give_the_same_tokens(checkpoint, capsys):
 
 @pytest.mark.slow
 def test_eagle3_drafts_give_the_same_tokens(checkpoint, tmp_path, capsys):
-    """--draft eagle3 --draft-model DIR: a random head in the published layout for the tiny model
+    """--draft eagle3:DIR: a random head in the published layout for the tiny model
     drafts 3 tokens a step; the greedy tokens are those without it."""
     from eagle3_ref import U, Reference, write_head
 
@@ -314,7 +313,7 @@ def test_eagle3_drafts_give_the_same_tokens(checkpoint, tmp_path, capsys):
     common = ["--checkpoint", str(checkpoint / "converted"), "--temperature", "0", "--max-new-tokens", "24",
               "--json", "--max-context", "128", "--prompt-ids", "5,6,7,8,9"]
     records = []
-    for extra in ([], ["--draft", "eagle3", "--draft-model", str(tmp_path), "--draft-tokens", "3"]):
+    for extra in ([], ["--draft", f"eagle3:{tmp_path}", "--draft-tokens", "3"]):
         assert run_inference.main(common + extra) == 0
         (record,) = _json_lines(capsys.readouterr().out)
         records.append(record)

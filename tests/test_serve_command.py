@@ -425,6 +425,8 @@ def test_allowed_hosts():
      r"--draft-tokens must be less than --prefill-chunk \(64\), got 64"),
     (["--draft", "prompt-lookup", "--speculate-rows", "0"], "--speculate-rows must be at least 1, got 0"),
     (["--draft", "prompt-lookup", "--speculate-steps", "-1"], "--speculate-steps must be at least 0, got -1"),
+    (["--draft", "eagle3:/a/head", "--speculate-steps", "0"],
+     "--draft eagle3:DIR drafts on the device: --speculate-steps must be at least 1, got 0"),
 ])
 def test_the_new_flags_are_checked(flags, message):
     with pytest.raises(cli.UsageError, match=message):
@@ -432,7 +434,15 @@ def test_the_new_flags_are_checked(flags, message):
 
 
 def test_drafts_are_made_on_the_host_unless_asked():
-    assert cli.build_parser().parse_args(["--draft", "prompt-lookup"]).speculate_steps == 0
+    """Prompt lookup drafts on the host by default; an EAGLE-3 head, which drafts on the device only,
+    runs several checked steps a call; --draft takes the forms it names."""
+    parse = cli.build_parser().parse_args
+    assert cli.speculate_steps(parse(["--draft", "prompt-lookup"])) == 0
+    assert cli.speculate_steps(parse(["--draft", "eagle3:/a/head"])) == cli.HEAD_STEPS
+    assert cli.speculate_steps(parse(["--draft", "eagle3:/a/head", "--speculate-steps", "2"])) == 2
+    for bad in ("eagle3", "eagle3:", "lookup"):
+        with pytest.raises(SystemExit):
+            parse(["--draft", bad])
 
 
 # The transport alone, for each HTTP implementation -----------------------------------------------------

@@ -15,6 +15,7 @@ from ..decoding.generator import batch_timings
 from ..drafts.eagle3 import Eagle3Draft
 from ..drafts.prompt_lookup import PromptLookup
 from .display import ChatPrinter, timing_line
+from .inputs import head_folder
 
 
 def peak_memory() -> str:
@@ -40,8 +41,8 @@ def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, pri
             printer.feed(token)
 
     draft = PromptLookup() if args.draft == "prompt-lookup" else None
-    if args.draft == "eagle3":
-        draft = Eagle3Draft.load(args.draft_model, generator.config, generator.dtype)
+    if head_folder(args) is not None:
+        draft = Eagle3Draft.load(head_folder(args), generator.config, generator.dtype)
     results = generator.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                                  stop_tokens=stops, on_token=on_token, draft=draft, draft_tokens=args.draft_tokens)
     if stream:

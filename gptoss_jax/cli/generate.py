@@ -15,7 +15,8 @@ from ..signals import Signals
 from ..version import __version__
 from . import devices, loading
 from .command import leave, run_command
-from .inputs import UsageError, check_draft, check_fits, check_flags, max_context, model_config, prompt_texts
+from .inputs import (DRAFT_CHOICES, UsageError, check_draft, check_fits, check_flags, draft_flag, max_context,
+                     model_config, prompt_texts)
 
 DESCRIPTION = """\
 Generate text with gpt-oss in JAX, from a raw prompt or a harmony chat, for one prompt or a batch.
@@ -80,16 +81,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "the tokens once per N tokens, which keeps a batch of one from waiting on the host; "
                         "text streams N tokens at a time; the device may run up to N - 1 steps past the last token "
                         "(2N - 1 when stop tokens end every sequence: the call after is already queued)")
-    p.add_argument("--draft", choices=["none", "prompt-lookup", "eagle3"], default="none",
-                   help="speculative decoding: each step checks up to --draft-tokens proposed tokens at once and "
-                        "keeps those the model accepts (greedy: the same tokens as without it, up to the rounding of "
-                        "a pass over several positions; sampled: drawn from the same distributions); prompt-lookup "
-                        "proposes what followed the last 1-3 tokens where they occurred earlier in the prompt or "
-                        "reply (pays off where replies quote their context); eagle3 drafts with a published "
-                        "EAGLE-3 head (--draft-model) from the model's own hidden states")
-    p.add_argument("--draft-model", metavar="DIR", type=expand,
-                   help="with --draft eagle3: the head's folder (config.json and safetensors, as published for "
-                        "gpt-oss by SpecForge and SGLang)")
+    p.add_argument("--draft", type=draft_flag, default="none", metavar="DRAFT",
+                   help=f"speculative decoding, {DRAFT_CHOICES}: each step checks up to --draft-tokens proposed "
+                        "tokens at once and keeps those the model accepts (greedy: the same tokens as without it, up "
+                        "to the rounding of a pass over several positions; sampled: drawn from the same "
+                        "distributions); prompt-lookup proposes what followed the last 1-3 tokens where they "
+                        "occurred earlier in the prompt or reply (pays off where replies quote their context); "
+                        "eagle3:DIR drafts with a published EAGLE-3 head (config.json and safetensors, as SpecForge "
+                        "and SGLang publish them for gpt-oss) from the model's own hidden states (default: none)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="with --draft: tokens proposed and checked per step (default: 4; less than the sliding "
                         "window, 128 for gpt-oss, and than --max-context)")

@@ -7,6 +7,7 @@ one line naming the flag or file.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -120,27 +121,48 @@ def max_context(args, config: ModelConfig) -> int:
     return args.max_context
 
 
+DRAFT_CHOICES = "none, prompt-lookup or eagle3:DIR (the folder of an EAGLE-3 head)"
+
+
+def draft_flag(value: str) -> str:
+    """--draft's value (an argparse type), checked for its form: none, prompt-lookup, or eagle3:DIR
+    (the folder of a published EAGLE-3 head; ~ expanded)."""
+    if value in ("none", "prompt-lookup"):
+        return value
+    if value.startswith("eagle3:") and value != "eagle3:":
+        return "eagle3:" + expand(value[len("eagle3:"):])
+    raise argparse.ArgumentTypeError(f"choose {DRAFT_CHOICES}, not {value!r}")
+
+
+def head_folder(args) -> str | None:
+    """The EAGLE-3 head's folder that --draft names, if it names one."""
+    return args.draft[len("eagle3:"):] if args.draft.startswith("eagle3:") else None
+
+
+def check_head(args, config: ModelConfig) -> None:
+    """--draft eagle3:DIR's head against the model, from its config.json alone."""
+    folder = head_folder(args)
+    if folder is None:
+        return
+    from ..sources import SourceError, read_config_json
+
+    if not os.path.isdir(folder):
+        raise UsageError(f"--draft eagle3:{folder}: no such folder")
+    from ..eagle3_config import Eagle3Config
+
+    try:
+        head = Eagle3Config.from_json(read_config_json(folder), config.num_hidden_layers, f"{folder}/config.json")
+    except (SourceError, ValueError, KeyError) as e:
+        raise UsageError(f"--draft eagle3:{folder}: {e}") from None
+    if head.vocab_size != config.vocab_size or head.target_hidden_size != config.hidden_size:
+        raise UsageError(f"--draft eagle3:{folder}: a head for a model of vocabulary {head.vocab_size} and hidden "
+                         f"size {head.target_hidden_size}, not {config.vocab_size} and {config.hidden_size}")
+
+
 def check_draft(args, config: ModelConfig, max_len: int) -> None:
-    """--draft-tokens against the model (a step's drafted positions must not wrap the sliding ring), and
-    --draft-model's head against the model, from its config.json alone."""
-    if (args.draft == "eagle3") != (args.draft_model is not None):
-        raise UsageError("--draft eagle3 and --draft-model DIR go together")
-    if args.draft_model is not None:
-        from ..sources import SourceError, read_config_json
-
-        if not os.path.isdir(args.draft_model):
-            raise UsageError(f"--draft-model {args.draft_model}: no such folder")
-        from ..eagle3_config import Eagle3Config
-
-        try:
-            head = Eagle3Config.from_json(read_config_json(args.draft_model), config.num_hidden_layers,
-                                          f"{args.draft_model}/config.json")
-        except (SourceError, ValueError, KeyError) as e:
-            raise UsageError(f"--draft-model: {e}") from None
-        if head.vocab_size != config.vocab_size or head.target_hidden_size != config.hidden_size:
-            raise UsageError(f"--draft-model {args.draft_model}: a head for a model of vocabulary {head.vocab_size} "
-                             f"and hidden size {head.target_hidden_size}, not {config.vocab_size} and "
-                             f"{config.hidden_size}")
+    """--draft's head against the model (`check_head`), and --draft-tokens: a step's drafted positions
+    must not wrap the sliding ring."""
+    check_head(args, config)
     ring = min(config.sliding_window, max_len)
     if args.draft != "none" and args.draft_tokens >= ring:
         raise UsageError(f"--draft-tokens must be less than {ring} for this model (its sliding window, or "

@@ -74,10 +74,12 @@ def page_bytes(config: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
     return storages(config) * page_size * per_position
 
 
-def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None, *, fallback: int) -> int:
-    """Pages in `kv_memory` bytes; by default in `POOL_SHARE` of the memory the first device has free
-    (after the weights), or `fallback` pages where JAX does not say (CPU)."""
-    per_page = page_bytes(config, page_size, dtype)
+def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None, *, fallback: int,
+               extra: int = 0) -> int:
+    """Pages in `kv_memory` bytes, each taking `extra` bytes beside its own (a draft head's cache); by
+    default in `POOL_SHARE` of the memory the first device has free (after the weights), or
+    `fallback` pages where JAX does not say (CPU)."""
+    per_page = page_bytes(config, page_size, dtype) + extra
     if kv_memory is None:
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:

@@ -21,7 +21,7 @@ import threading
 
 from ..cli import devices, inputs, loading
 from ..cli.command import leave, run_command
-from ..cli.inputs import UsageError, model_config
+from ..cli.inputs import DRAFT_CHOICES, UsageError, check_head, draft_flag, head_folder, model_config
 from ..hostmem import return_large_blocks
 from ..metadata import expand
 from ..serving.config import EngineConfig
@@ -83,28 +83,30 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "reused (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt whole, even where its beginning is cached (for comparison)")
-    p.add_argument("--draft", choices=["none", "prompt-lookup"], default="none",
-                   help="speculative decoding while few requests decode (--speculate-rows): each step checks up to "
-                        "--draft-tokens proposed tokens per request in one pass and keeps those the model agrees "
-                        "with. prompt-lookup proposes what followed the latest earlier occurrence of the last tokens "
-                        "(pays off on edits, code, quoting); a request whose drafts miss drafts again after 2, 4, "
-                        "8, then 16 steps. Greedy replies are unchanged; sampled ones keep their "
-                        "distribution, not their draws. Requests with logprobs, a logit bias, penalties or a grammar "
-                        "are not speculated. EAGLE-3 draft heads run in run_inference.py (--draft eagle3), not in "
-                        "the server (default: none)")
+    p.add_argument("--draft", type=draft_flag, default="none", metavar="DRAFT",
+                   help=f"speculative decoding while few requests decode (--speculate-rows), {DRAFT_CHOICES}: "
+                        "each step checks up to --draft-tokens proposed tokens per request in one pass and keeps "
+                        "those the model agrees with. prompt-lookup proposes what followed the latest earlier "
+                        "occurrence of the last tokens (pays off on edits, code, quoting); eagle3:DIR drafts with a "
+                        "published EAGLE-3 head (the folder run_inference.py takes) from the model's own hidden "
+                        "states, on the device. A request whose drafts miss drafts again after 2, 4, 8, then 16 "
+                        "steps. Greedy replies are unchanged; sampled ones keep their distribution, not their draws. "
+                        "Requests with logprobs, a logit bias, penalties or a grammar are not speculated "
+                        "(default: none)")
     p.add_argument("--draft-tokens", type=int, default=EngineConfig.draft_tokens, metavar="K",
                    help="with --draft: tokens proposed per request and step, less than --prefill-chunk "
                         "(default: %(default)s)")
     p.add_argument("--speculate-rows", type=int, default=EngineConfig.speculate_rows, metavar="N",
                    help="with --draft: steps speculate only while at most N requests decode; past that a step's "
                         "work grows with its positions and speculation costs throughput (default: %(default)s)")
-    p.add_argument("--speculate-steps", type=int, default=EngineConfig.speculate_steps, metavar="S",
+    p.add_argument("--speculate-steps", type=int, default=None, metavar="S",
                    help="with --draft: 0 drafts on the host, a step at a time; S > 0 drafts on the device and, while "
                         "no prompt is being prefilled or waits, runs up to S checked steps in one call, no more than "
                         "--prefill-chunk / (K + 1) (measured faster than drafting on the host where drafts are "
                         "mostly right, slower where they are mostly wrong: docs/serving.md). A request that stops "
                         "mid-call has its later tokens dropped; a request that arrives waits at most for the call "
-                        "(default: %(default)s)")
+                        f"(default: {EngineConfig.speculate_steps} with prompt-lookup; {HEAD_STEPS} with eagle3, "
+                        "which drafts on the device only)")
     p.add_argument("--max-waiting", type=int, default=EngineConfig.max_waiting,
                    help="requests queued while every slot is taken or the KV cache is full; beyond that the server "
                         "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
@@ -158,7 +160,17 @@ def engine_options(args, max_len: int) -> EngineConfig:
                         prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, page_size=args.page_size,
                         kv_memory=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
                         prefix_reuse=not args.no_prefix_cache, draft_tokens=args.draft_tokens,
-                        speculate_rows=args.speculate_rows, speculate_steps=args.speculate_steps)
+                        speculate_rows=args.speculate_rows, speculate_steps=speculate_steps(args))
+
+
+HEAD_STEPS = 4  # checked steps a call by default with an EAGLE-3 head
+
+
+def speculate_steps(args) -> int:
+    """--speculate-steps, or its default for the draft source (a head drafts on the device only)."""
+    if args.speculate_steps is not None:
+        return args.speculate_steps
+    return HEAD_STEPS if head_folder(args) else EngineConfig.speculate_steps
 
 
 def check_flags(args) -> None:
@@ -168,7 +180,7 @@ def check_flags(args) -> None:
                                ("--max-connections", args.max_connections, 1),
                                ("--stored-responses", args.stored_responses, 0),
                                ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1),
-                               ("--speculate-steps", args.speculate_steps, 0)):
+                               ("--speculate-steps", speculate_steps(args), 0)):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}, got {value}")
     if not 0 <= args.port < 65536:
@@ -183,6 +195,8 @@ def check_flags(args) -> None:
         if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
+    if head_folder(args) and speculate_steps(args) == 0:
+        raise UsageError("--draft eagle3:DIR drafts on the device: --speculate-steps must be at least 1, got 0")
     if args.draft != "none" and args.draft_tokens >= args.prefill_chunk:
         raise UsageError(f"--draft-tokens must be less than --prefill-chunk ({args.prefill_chunk}), got "
                          f"{args.draft_tokens}")
@@ -327,6 +341,7 @@ def _run(args, signals: Signals) -> int:
         raise UsageError("--draft runs on one process (a mesh of its devices), not with --num-processes")
     mesh_sizes = devices.mesh_sizes(args)
     config, what = model_config(args)
+    check_head(args, config)
     max_len = max_context(args, config)
     if config.vocab_size != tk.VOCAB_SIZE:
         raise UsageError(f"this model's vocabulary has {config.vocab_size} tokens, not o200k_harmony's "
@@ -357,6 +372,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     import jax
 
     from ..serving import Engine
+    from ..drafts.eagle3 import Eagle3Draft
     from ..drafts.prompt_lookup import PromptLookup
     from ..serving.lockstep import LockstepError
     from ..sharding import describe
@@ -381,8 +397,13 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots, a context of {max_len:,} tokens")
         _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     params = loading.load_params(args, config, mesh)
-    engine = Engine(config, params, engine_options(args, max_len), tokenizer=tokenizer,
-                    draft=PromptLookup() if args.draft == "prompt-lookup" else None)
+    draft = PromptLookup() if args.draft == "prompt-lookup" else None
+    if head_folder(args) is not None:
+        draft = Eagle3Draft.load(head_folder(args), config, params["embedding"].dtype)
+        if main_process:
+            _say(f"draft: the EAGLE-3 head in {head_folder(args)}, reading layers "
+                 f"{', '.join(map(str, draft.config.aux_layers))}")
+    engine = Engine(config, params, engine_options(args, max_len), tokenizer=tokenizer, draft=draft)
     if main_process:
         _say(kv_cache_line(engine))
     check_pool(engine, max_len)

@@ -1,6 +1,6 @@
 """The serving engine's state on the devices and the calls that run over it: the pool of KV pages
-(paged_cache.py), the page tables [2, R, W], each row's latest token [R], and the picks' settings,
-counts and masks (picks.py). The engine (engine.py) decides what runs; this holds what it runs on,
+(paged_cache.py), the page tables [2, R, W], each row's latest token [R], the picks' settings,
+counts and masks (picks.py), and a draft head's state (its keys and values a page beside the pool's). The engine (engine.py) decides what runs; this holds what it runs on,
 and every step goes through here, speculation's checked steps included (`run_checked`).
 
 Legend: R = rows, W = table width, P = prompts prefilled together, C = prefill chunk, B = rows
@@ -9,10 +9,12 @@ decoded together, V = vocab.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
-from ..decoding.steps import Decode, Model, decode, prefill
+from ..decoding.steps import Decode, Model, decode, follow, prefill
 from ..model.paged_cache import init_pool
 from ..sharding import on_every_device
 from ..weight import Params
@@ -33,7 +35,16 @@ class Device:
         self.dtype = params["embedding"].dtype
         self.slots, self.width, self.pages, self.page_size = slots, width, pages, page_size
         self.picks = Picks(slots, self.config.vocab_size, self.mesh, self.put, grammars, tokenizer)
+        self.head = None  # (a draft source with a state that follows every step, its arrays here)
         self._fresh()
+
+    def draft_with(self, draft) -> None:
+        """Have a draft source with a state (an EAGLE-3 head: drafts/base.py) follow every step from
+        now on, its state beside the pool (the steps capture the layers it reads)."""
+        self.model = dataclasses.replace(self.model, capture=draft.capture)
+        self._decode = Decode(self.model)
+        self.head = (draft, jax.tree.map(self.put, draft.arrays()))
+        self.state = draft.init_state(self.slots, (self.pages, self.page_size), self.mesh)
 
     def put(self, x):
         """A host array onto the engine's devices (on its mesh: a copy on each)."""
@@ -49,10 +60,12 @@ class Device:
         self.pool = init_pool(self.config, self.pages, self.page_size, self.dtype, mesh=self.mesh)
         self.tables = self.put(np.zeros((2, self.slots, self.width), np.int32))
         self.last = self.put(np.zeros(self.slots, np.int32))  # each row's latest token
+        self.state = None if self.head is None else self.head[0].init_state(self.slots, (self.pages, self.page_size),
+                                                                           self.mesh)
 
     def release(self) -> None:
         """Give the pool's memory back (the engine runs no step after)."""
-        self.pool = None
+        self.pool = self.state = None
 
     def write_tables(self, writes: list[tuple[int, int, int, int]]) -> None:
         """Set table entries (group, row, column, page)."""
@@ -61,13 +74,15 @@ class Device:
 
     def prefill(self, plan: np.ndarray, tokens: np.ndarray, settings, mode: str, wants: tuple[bool, bool],
                 ending: list):
-        """prefill and pick_first (decoding/steps.py): plan [5, P] (rows, counts, starts, finishing, sampling steps),
-        tokens [P, C]; settings: every row's (on the devices); ending: the request of each row whose
-        prompt ends, else None -> (their first tokens [P], with logprobs their log-probabilities
-        (sampling.token_logprobs), else None), on the devices."""
+        """prefill and pick_first (decoding/steps.py): plan [6, P] (rows, counts, starts, finishing, sampling
+        steps, fresh: the rows whose part of the cache starts at this chunk), tokens [P, C]; settings:
+        every row's (on the devices); ending: the request of each row whose prompt ends, else None ->
+        (their first tokens [P], with logprobs their log-probabilities (sampling.token_logprobs), else
+        None), on the devices."""
         plan = self.put(plan)
-        logits, cache, _ = prefill(self.model, self.params, self._cache(), self.put(tokens), plan)
+        logits, cache, step = prefill(self.model, self.params, self._cache(), self.put(tokens), plan)
         self._keep(cache)
+        self._follow(step, plan[0])
         first, self.last, logprobs = self.picks.first(logits, self.last, plan, settings, mode, wants, ending)
         return first, logprobs
 
@@ -75,9 +90,16 @@ class Device:
         """One step's model pass (decoding/steps.py's decode, no sampling mode): plan [4, B] (rows,
         lengths, sampling steps: -1 padding, budgets) -> (logits [B, V], the plan), on the devices."""
         plan = self.put(plan)
-        logits, cache = decode(self._decode, self.params, self._cache(), self.last, plan)
+        logits, cache, step = decode(self._decode, self.params, self._cache(), self.last, plan)
         self._keep(cache)
+        self._follow(step, plan[0])
         return logits, plan
+
+    def _follow(self, step, rows) -> None:
+        """The draft with a state after a step (its StepResult) of these rows."""
+        if self.head is not None:
+            self.state = follow(self.model, self.head[0], self.params, self.head[1], self.state, step, rows,
+                                self.tables)
 
     def pick(self, decoded, settings, requests: list):
         """The picks of a decode step (decoded: `decode`'s; settings: the rows', their mode and wants;
@@ -88,11 +110,12 @@ class Device:
         return self.last, logprobs
 
     def run_checked(self, call):
-        """call(cache, last) -> (outcome, cache, history, last, state): checked steps (decoding/checked.py)
-        over the pool and the latest tokens, which this keeps -> (outcome, history, state)."""
-        outcome, cache, history, self.last, state = call(self._cache(), self.last)
+        """call(cache, last, state) -> (outcome, cache, history, last, state): checked steps
+        (decoding/checked.py) over the pool, the latest tokens and the draft's state, which this keeps
+        -> (outcome, history)."""
+        outcome, cache, history, self.last, self.state = call(self._cache(), self.last, self.state)
         self._keep(cache)
-        return outcome, history, state
+        return outcome, history
 
     def _cache(self) -> dict:
         """The pool with its tables: what the decoding steps take (and donate) as a paged cache."""

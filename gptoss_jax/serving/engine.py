@@ -52,7 +52,7 @@ from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
 from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
-from .speculation import Speculation
+from .speculation import Speculation, stateful
 
 log = logging.getLogger("gptoss_jax.serving")
 
@@ -83,13 +83,16 @@ class Engine:
         # least one sequence of the whole context.
         most = sliding_most(config, page_size, prefill_chunk)
         fallback = max(slots * (table_width(min(max_len, 8192), page_size) + most), self.width + most)
+        head = draft if stateful(draft) else None  # follows every step, its cache a page beside the pool's
         count = options.pages or pool_pages(config, page_size, params["embedding"].dtype, options.kv_memory,
-                                            fallback=fallback)
+                                            fallback=fallback, extra=head.page_bytes(page_size) if head else 0)
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
                                    metrics=self.metrics, reuse=options.prefix_reuse)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
         self.device = Device(Model(config, kernels, self.mesh), params, slots=slots, width=self.width, pages=count,
                              page_size=page_size, grammars=self.grammars, tokenizer=tokenizer)
+        if head is not None:
+            self.device.draft_with(head)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
@@ -207,7 +210,7 @@ class Engine:
         idle = device.picks.rows([None] * self.slots, self.scheduler.changes)[0]
         picks = list(itertools.product(MODES, ((False, False), (True, True))))  # alone; with adjust, log-probabilities
         for P, (mode, wants) in itertools.product(self.prefill_shapes, picks):
-            plan = np.array([[self.slots] * P] + [[0] * P] * 4, np.int32)  # padding rows
+            plan = np.array([[self.slots] * P] + [[0] * P] * 5, np.int32)  # padding rows
             outputs.append(device.prefill(plan, np.zeros((P, C), np.int32), idle, mode, wants, [None] * P))
         for B in self.decode_sizes:
             decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B, [0] * B], np.int32))
@@ -345,8 +348,9 @@ class Engine:
             sample_steps[i] = seq.queued
         ending = [s.request if i < len(prefilling) and finishing[i] else None for i, s in enumerate(seqs)]
         settings = [r.settings for r in ending if r is not None]
+        fresh = [s is not None and s.length == s.computed_from for s in seqs]  # its part of the cache starts here
         plan = np.array([[self.slots if s is None else s.row for s in seqs], counts, starts, finishing,
-                         sample_steps], np.int32)
+                         sample_steps, fresh], np.int32)
         first, logprobs = self.device.prefill(plan, tokens, self.row_settings()[0],
                                               rows_mode([s.sampling for s in settings]), steps.wants(settings), ending)
         done = []

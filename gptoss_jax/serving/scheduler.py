@@ -47,6 +47,7 @@ class Seq:
     draft_due: int = 0  # speculation.py: the engine step from which it drafts again
     draft_misses: int = 0  # speculation.py: its drafting steps since one accepted a drafted token
     drafted_from: int = 0  # speculation.py: its tokens (prompt and reply) in the history on the devices
+    computed_from: int = 0  # the position from which its admission computes (after a prefix found cached)
 
     @property
     def prefilling(self) -> bool:
@@ -135,7 +136,7 @@ class Scheduler:
         for page in itertools.chain(full, sliding.values()):
             self.pages.share(page)
         seq = Seq(request, row, self._tokens_of(request), full, sliding, length=len(full) * self.page_size,
-                  queued=len(request.output_ids), named=len(full))
+                  queued=len(request.output_ids), named=len(full), computed_from=len(full) * self.page_size)
         self.table_writes += [(FULL, row, i, page) for i, page in enumerate(full)]
         self.table_writes += [(SLIDING, row, i, page) for i, page in sliding.items()]
         self.rows[row] = seq

@@ -57,6 +57,11 @@ from .config import EngineConfig
 log = logging.getLogger("gptoss_jax.serving")
 
 
+def stateful(draft) -> bool:
+    """Whether a draft source keeps a state that follows every step (an EAGLE-3 head)."""
+    return on_devices(draft) and bool(draft.capture)
+
+
 def speculable(settings) -> bool:
     """Whether a request's steps may be speculated: no log-probabilities, nothing adjusting its logits."""
     return settings.logprobs is None and not steps.adjusted(settings)
@@ -99,6 +104,9 @@ class Speculation:
         if not (callable(draft) or (self._steps > 0 and on_devices(draft))):
             raise ValueError(f"a draft source of the engine proposes on the host (a callable) or, with "
                              f"speculate_steps > 0, on the devices; {type(draft).__name__} does neither")
+        if stateful(getattr(self, "_source", None)) or (stateful(draft) and hasattr(self, "_source")):
+            raise ValueError("a draft source with a state (an EAGLE-3 head) follows every step of the engine from "
+                             "its start: give it to Engine(draft=...), and change to no other")
         self._source = draft
         self.on_devices = self._steps > 0 and on_devices(draft)
         self.most = self._steps if self.on_devices else 1
@@ -201,14 +209,16 @@ class Speculation:
         settings, mode, _ = engine.row_settings()
         run = np.array([steps, self.clock, MODES.index(mode)], np.int32)
         spec = CheckedSteps(engine.device.model, self.draft if given is None else GIVEN, self.k, self.most, MOST_WAIT)
-        put = engine.device.put
+        put, head = engine.device.put, engine.device.head
         if given is None and self.draft.arrays() is not None and (self._arrays is None or
                                                                   self._arrays[0] is not self.draft):
-            self._arrays = (self.draft, jax.tree.map(put, self.draft.arrays()))
+            placed = head[1] if head is not None and head[0] is self.draft else jax.tree.map(put, self.draft.arrays())
+            self._arrays = (self.draft, placed)
         arrays = given if given is not None else None if self._arrays is None else self._arrays[1]
         history = None if given is not None else self._history(engine)
-        outcome, history, _ = engine.device.run_checked(lambda cache, last: checked_steps(
-            spec, engine.params, cache, history, last, Plan(put(plan), put(run), settings), arrays))
+        outcome, history = engine.device.run_checked(lambda cache, last, state: checked_steps(
+            spec, engine.params, cache, history, last, Plan(put(plan), put(run), settings), arrays,
+            state if given is None else None))
         if given is None:
             self.history = history
         return outcome
