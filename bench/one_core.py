@@ -123,7 +123,8 @@ def main() -> None:
              if name not in ("base", "json", "only")]
     rows = {}
     for name, tree in (("base", args.base), ("this", ROOT)):
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(tree),
+                                                                          os.environ.get("PYTHONPATH")]))}
         run = subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--only"], env=env, cwd=tree,
                              stdout=subprocess.PIPE, text=True, check=True)
         rows[name] = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
