@@ -157,7 +157,7 @@ def test_inputs_are_checked_before_anything_loads(checkpoint, tmp_path):
         (["--max-context", "200000"], 2, "--max-context 200000 exceeds the model's context of 8192 tokens"),
         (["--temperature", "0", "--draft", "prompt-lookup", "--draft-tokens", "16"], 2,
          "--draft-tokens must be less than 16 for this model"),
-        (eagle + ["--draft", "eagle3"], 2, "argument --draft: choose none, prompt-lookup or eagle3:DIR"),
+        (eagle + ["--draft", "eagle3"], 2, "--draft: choose none, prompt-lookup or eagle3:DIR"),
         (eagle + ["--draft", f"eagle3:{tmp_path / 'nowhere'}"], 2,
          f"--draft eagle3:{tmp_path}/nowhere: no such folder"),
         (eagle + ["--draft", f"eagle3:{tmp_path}"], 2,

@@ -441,8 +441,8 @@ def test_drafts_are_made_on_the_host_unless_asked():
     assert cli.speculate_steps(parse(["--draft", "eagle3:/a/head"])) == cli.HEAD_STEPS
     assert cli.speculate_steps(parse(["--draft", "eagle3:/a/head", "--speculate-steps", "2"])) == 2
     for bad in ("eagle3", "eagle3:", "lookup"):
-        with pytest.raises(SystemExit):
-            parse(["--draft", bad])
+        with pytest.raises(cli.UsageError, match="--draft: choose none, prompt-lookup or eagle3:DIR"):
+            cli.check_flags(parse(["--draft", bad]))
 
 
 # The transport alone, for each HTTP implementation -----------------------------------------------------

@@ -7,7 +7,6 @@ one line naming the flag or file.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -95,6 +94,7 @@ def check_flags(args, warn) -> None:
             warn("--hide-reasoning has no effect without --chat")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_draft_form(args)
     if args.decode_steps < 1:
         raise UsageError(f"--decode-steps must be at least 1, got {args.decode_steps}")
     if args.draft_tokens < 1:
@@ -125,18 +125,20 @@ DRAFT_CHOICES = "none, prompt-lookup or eagle3:DIR (the folder of an EAGLE-3 hea
 
 
 def draft_flag(value: str) -> str:
-    """--draft's value (an argparse type), checked for its form: none, prompt-lookup, or eagle3:DIR
-    (the folder of a published EAGLE-3 head; ~ expanded)."""
-    if value in ("none", "prompt-lookup"):
-        return value
-    if value.startswith("eagle3:") and value != "eagle3:":
-        return "eagle3:" + expand(value[len("eagle3:"):])
-    raise argparse.ArgumentTypeError(f"choose {DRAFT_CHOICES}, not {value!r}")
+    """--draft's value (an argparse type): eagle3:DIR's folder with ~ expanded (`check_draft_form`
+    checks the form, so that a wrong one is one line)."""
+    return "eagle3:" + expand(value[len("eagle3:"):]) if value.startswith("eagle3:") and value != "eagle3:" else value
 
 
 def head_folder(args) -> str | None:
     """The EAGLE-3 head's folder that --draft names, if it names one."""
-    return args.draft[len("eagle3:"):] if args.draft.startswith("eagle3:") else None
+    return args.draft[len("eagle3:"):] if args.draft.startswith("eagle3:") and args.draft != "eagle3:" else None
+
+
+def check_draft_form(args) -> None:
+    """--draft: none, prompt-lookup or eagle3:DIR."""
+    if args.draft not in ("none", "prompt-lookup") and head_folder(args) is None:
+        raise UsageError(f"--draft: choose {DRAFT_CHOICES}, not {args.draft!r}")
 
 
 def check_head(args, config: ModelConfig) -> None:

@@ -21,7 +21,8 @@ import threading
 
 from ..cli import devices, inputs, loading
 from ..cli.command import leave, run_command
-from ..cli.inputs import DRAFT_CHOICES, UsageError, check_head, draft_flag, head_folder, model_config
+from ..cli.inputs import (DRAFT_CHOICES, UsageError, check_draft_form, check_head, draft_flag, head_folder,
+                          model_config)
 from ..hostmem import return_large_blocks
 from ..metadata import expand
 from ..serving.config import EngineConfig
@@ -195,6 +196,7 @@ def check_flags(args) -> None:
         if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
+    check_draft_form(args)
     if head_folder(args) and speculate_steps(args) == 0:
         raise UsageError("--draft eagle3:DIR drafts on the device: --speculate-steps must be at least 1, got 0")
     if args.draft != "none" and args.draft_tokens >= args.prefill_chunk:
