@@ -4,8 +4,8 @@
     python bench/decode_moe.py [--preset gpt-oss-20b] [--layers 8] [--tokens 1,8]
         [--settings '{"up": {"num_warps": 8}}' ...]
 
-Variants: the per-pair path (kernels/triton_mxfp4.py's matvec with XLA's router, bias and SwiGLU
-between) and the fused kernels (kernels/decode_moe.py) with their defaults, then each --settings
+Variants: the per-pair path (kernels/triton/mxfp4.py's matvec with XLA's router, bias and SwiGLU
+between) and the fused kernels (kernels/triton/decode_moe.py) with their defaults, then each --settings
 (a JSON object of keyword arguments for `route`, `up` and `down`). Each variant's output is
 compared with the per-pair path's (relative to its largest value). Host-timed medians of a jitted
 call hide what matters here (launch costs equal kernel times at batch 1), hence the profiler.
@@ -42,7 +42,7 @@ def main() -> None:
     import numpy as np
 
     import gptoss_jax as gj
-    from gptoss_jax.kernels import decode_moe
+    from gptoss_jax.kernels.triton import decode_moe
     from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.testing import random_params_on_device
     from profile_summary import gpu_kernels, load

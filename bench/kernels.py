@@ -22,9 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax.kernels import gpu, xla
+from gptoss_jax.kernels.attention import flash
+from gptoss_jax.kernels.experts import ragged as ragged_dots
+from gptoss_jax.kernels.attention import xla
 from gptoss_jax.kernels.combine import combine
-from gptoss_jax.kernels.triton import cache_attention, pair_matvec
+from gptoss_jax.kernels.triton.attention import cache_attention
+from gptoss_jax.kernels.triton.matvec import pair_matvec
 
 K, G, H, D, F2, E = 8, 8, 64, 2880, 5760, 32
 ROWS = []
@@ -80,7 +83,7 @@ def attention():
         tag = f"attention causal T={T} window={window}"
         for name, fn in (("xla blockwise", lambda q, k, v, s: combine([xla.causal(q, k, v, window=window, block=512)],
                                                                       s, q.dtype)),
-                         ("tokamax", lambda q, k, v, s: combine([gpu.causal(q, k, v, window=window)], s, q.dtype))):
+                         ("tokamax", lambda q, k, v, s: combine([flash.causal(q, k, v, window=window)], s, q.dtype))):
             timed(f"{tag} {name}", fn, q, k, v, sinks, ref=ref, flops=flops)
     S = 4224
     for B, T in ((1, 1), (64, 1), (1, 512), (8, 512)):
@@ -94,7 +97,7 @@ def attention():
         tag = f"attention prefix B={B} T={T} S={S}"
         kv_bytes = 2 * B * int(kv_len[0]) * K * H * 2
         for name, fn in (("xla", lambda q, k, v, s: combine([xla.prefix(q, k, v, kv_len, block=512)], s, q.dtype)),
-                         ("tokamax", lambda q, k, v, s: combine([gpu.prefix(q, k, v, kv_len)], s, q.dtype))):
+                         ("tokamax", lambda q, k, v, s: combine([flash.prefix(q, k, v, kv_len)], s, q.dtype))):
             timed(f"{tag} {name}", fn, q, k, v, sinks, ref=ref, kv_bytes=kv_bytes)
 
 
@@ -116,7 +119,7 @@ def ragged(rng):
             if M <= 256 else None
         bytes_read = experts * F2 * D * 2
         tag = f"ragged M={M} experts={experts}"
-        timed(f"{tag} tokamax [E,F,D]", lambda x, w: gpu.ragged_dot(x, w, sizes), x, w, ref=ref, weight_bytes=bytes_read)
+        timed(f"{tag} tokamax [E,F,D]", lambda x, w: ragged_dots.ragged_dot(x, w, sizes), x, w, ref=ref, weight_bytes=bytes_read)
         timed(f"{tag} tokamax [E,D,F]", lambda x, wt: tokamax.ragged_dot(x, wt, sizes, implementation="mosaic"),
               x, wt, ref=ref, weight_bytes=bytes_read)
         timed(f"{tag} jax mgpu transpose_rhs", lambda x, w: ragged_dot_mgpu.ragged_dot(
@@ -149,7 +152,7 @@ def tiles(rng, rows=(256, 2048, 16384)):
                 jnp.zeros((M, F), jnp.float32)))(x, w)
             tag = f"tiles [{E},{F},{D}] M={M}"
             flops = 2 * M * F * D
-            timed(f"{tag} tokamax [E,F,D]", lambda x, w: gpu.ragged_dot(x, w, sizes), x, w, ref=ref, flops=flops)
+            timed(f"{tag} tokamax [E,F,D]", lambda x, w: ragged_dots.ragged_dot(x, w, sizes), x, w, ref=ref, flops=flops)
             timed(f"{tag} tokamax [E,D,F]", lambda x, wt: tokamax.ragged_dot(x, wt, sizes, implementation="mosaic"),
                   x, wt, ref=ref, flops=flops)
             configs = [(bm, bn, steps, gbn) for bm in (64, 128) for bn in (64, 128, 192, 256)
@@ -214,7 +217,7 @@ def experts64(rng):
         ref = jnp.einsum("pd,pfd->pf", x, w[flat], preferred_element_type=jnp.float32)
         tag = f"experts b64 [{E},{F},{D}]"
         timed(f"{tag} mosaic ragged dot (chosen tiles)",
-              lambda x, w: gpu.mosaic_ragged_dot(x[order], w, sizes)[jnp.argsort(order)], x, w, ref=ref,
+              lambda x, w: ragged_dots.mosaic_ragged_dot(x[order], w, sizes)[jnp.argsort(order)], x, w, ref=ref,
               weight_bytes=E * F * D * 2)
         for bm in (64, 128):
             timed(f"{tag} mosaic ragged dot m={bm} n=192",
@@ -267,7 +270,7 @@ def _packed_layers(L, F):
 def matvec_mxfp4(rng):
     """The decode expert matvec over MXFP4-packed experts at batch 1 (4 pairs), 8 layers' calls per
     jitted function, against decoding first; bytes read are the packed blocks and scales."""
-    from gptoss_jax.kernels.triton_mxfp4 import pair_matvec_mxfp4
+    from gptoss_jax.kernels.triton.mxfp4 import pair_matvec_mxfp4
     from gptoss_jax.mxfp4 import decode
 
     L, P = 8, 4
@@ -294,8 +297,8 @@ def decode_experts(rng):
     kernels the decode path uses (the per-pair matvec; the grouped matmul at 256
     pairs) against the Pallas Mosaic GPU grouped matmul with decode's settings (blocks of 64, split
     steps), its grouping of the pairs included."""
-    from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4, mosaic_pair
-    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
+    from gptoss_jax.kernels.experts import mosaic_decode, mosaic_mxfp4, mosaic_pair
+    from gptoss_jax.kernels.triton.mxfp4 import grouped_matmul_mxfp4, pair_matvec_mxfp4
     from gptoss_jax.kernels.pairs import decode_block, to_blocks
     from gptoss_jax.mxfp4 import decode
 
@@ -336,7 +339,7 @@ def decode_experts(rng):
 
             timed(f"{tag} mosaic grouped, blocks of 64 {settings}", mosaic, x, *args, ref=ref, weight_bytes=nbytes, n=30)
             G = D // 32
-            if P == 4:  # one token: a row per pair, no tensor cores (kernels/mosaic_pair.py)
+            if P == 4:  # one token: a row per pair, no tensor cores (kernels/experts/mosaic_pair.py)
                 pair_default = mosaic_pair.pair_settings(G)
                 for pair_settings in (pair_default, {**pair_default, "splits": 15}, {**pair_default, "splits": 3},
                                       {**pair_default, "splits": 1}, {**pair_default, "block_f": 128},
@@ -372,7 +375,7 @@ def decode_experts_16bit(rng):
     jitted function: the Pallas Triton per-pair matvec and, at 256 pairs, the Mosaic GPU ragged dot
     (the previous defaults) against the Pallas Mosaic GPU decode kernel (products transposed, blocks
     of 8 to 16 rows), its grouping of the pairs included, with variants of its settings."""
-    from gptoss_jax.kernels import mosaic_decode
+    from gptoss_jax.kernels.experts import mosaic_decode
     from gptoss_jax.kernels.pairs import decode_block, pair_inputs, sort_by_expert, to_blocks, unsort
 
     L = 8
@@ -393,7 +396,7 @@ def decode_experts_16bit(rng):
                 def ragged(x, *w):
                     order, _, sizes = sort_by_expert(idx, E)
                     rows = pair_inputs(x, order, 4)
-                    return jnp.stack([unsort(gpu.mosaic_ragged_dot(rows, wi, sizes), order) for wi in w])
+                    return jnp.stack([unsort(ragged_dots.mosaic_ragged_dot(rows, wi, sizes), order) for wi in w])
 
                 timed(f"{tag} mosaic ragged dot", ragged, x, *ws, ref=ref, weight_bytes=nbytes, n=30)
             block = decode_block(P, E)
@@ -428,7 +431,7 @@ def grouped_mxfp4(rng):
     """Experts over MXFP4-packed weights at a 4096-token prompt (16,384 pairs) and at a decode batch of
     64 (256 pairs): the Triton grouped matmul's settings against the bf16 weights' Mosaic GPU ragged
     dot and against decoding the layer first (what packed prompts did before)."""
-    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
+    from gptoss_jax.kernels.triton.mxfp4 import grouped_matmul_mxfp4
     from gptoss_jax.mxfp4 import decode
 
     for F, name in ((F2, "mlp1"), (D, "mlp2")):
@@ -444,17 +447,17 @@ def grouped_mxfp4(rng):
             xs = x[np.argsort(flat, kind="stable")]
             flops = 2 * pairs * F * D
             tag = f"{name} [{E},{F},{D}] pairs={pairs}"
-            ref = timed(f"{tag} bf16 weights, mosaic ragged dot", lambda x, w: gpu.mosaic_ragged_dot(x, w, sizes),
+            ref = timed(f"{tag} bf16 weights, mosaic ragged dot", lambda x, w: ragged_dots.mosaic_ragged_dot(x, w, sizes),
                         xs, w, flops=flops)
             timed(f"{tag} decode layer + mosaic ragged dot",
-                  lambda x, b, s: gpu.mosaic_ragged_dot(x, decode(b, s), sizes), xs, blocks, scales, ref=ref,
+                  lambda x, b, s: ragged_dots.mosaic_ragged_dot(x, decode(b, s), sizes), xs, blocks, scales, ref=ref,
                   flops=flops)
             prompt = ((128, 128, 8, 3, "ptx"), (128, 128, 4, 2, "ptx"), (128, 128, 4, 3, "jnp"),
                       (256, 128, 8, 2, "ptx"), (256, 128, 4, 2, "ptx"), (64, 128, 4, 3, "ptx"))
             batch = ((16, 64, 4, 3, "ptx"), (16, 64, 4, 3, "jnp"), (16, 32, 4, 3, "ptx"), (16, 64, 4, 2, "ptx"),
                      (32, 64, 4, 3, "ptx"))
             if pairs > 256:
-                from gptoss_jax.kernels import mosaic_mxfp4
+                from gptoss_jax.kernels.experts import mosaic_mxfp4
                 mosaic_variants = ((128, 256, 2, 4, "ptx"), (128, 128, 4, 3, "ptx"), (128, 256, 2, 3, "ptx"),
                                    (256, 128, 2, 3, "ptx"), (192, 128, 2, 4, "ptx"))
                 if not MOSAIC_ONLY:
@@ -468,7 +471,7 @@ def grouped_mxfp4(rng):
                           rows, blocks, scales, ref=ref, flops=flops)
                 if MOSAIC_ONLY:
                     continue
-                from gptoss_jax.kernels import mosaic_decode
+                from gptoss_jax.kernels.experts import mosaic_decode
                 for block, bf, gs in ((64, 256, 3), (128, 128, 3), (128, 256, 2), (128, 256, 3), (64, 128, 6)):
                     rows, dest, block_expert, used = _expert_blocks(x, idx, block)
                     timed(f"{tag} mosaic transposed, weights from registers, block={block} block_f={bf} gs={gs}",
@@ -488,7 +491,7 @@ def epilogue(rng):
     of 128): mlp1 with its bias and SwiGLU applied by XLA after the kernel (the kernel's [rows, 5760]
     output written and read back) against both in the kernel's epilogue ([rows, 2880] written);
     mlp2 with its bias added by XLA against in the epilogue."""
-    from gptoss_jax.kernels import mosaic_mxfp4
+    from gptoss_jax.kernels.experts import mosaic_mxfp4
     from gptoss_jax.model.moe import SwiGLU
 
     pairs = 16384
@@ -556,7 +559,7 @@ def decode64():
 def decode_attention():
     """Decode attention to a cache (filled part only): the Pallas Mosaic GPU kernel's settings against
     the Pallas Triton kernel's default and the jnp pass over the whole cache."""
-    from gptoss_jax.kernels import mosaic_attention
+    from gptoss_jax.kernels.attention import mosaic_cache
 
     for B, S, filled in ((1, 4224, 4100), (1, 4224, 256), (8, 4224, 4100), (64, 4224, 4100), (1, 32896, 32800),
                          (16, 32896, 32800)):
@@ -568,7 +571,7 @@ def decode_attention():
               q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
         for bk, splits in ((None, None), (64, None), (128, None), (256, None), (128, 4)):
             timed(f"{tag} mosaic block={bk} splits={splits}", lambda q, k, v, s: combine(
-                [mosaic_attention.cache_attention(q, k, v, kv_len, block_k=bk, splits=splits)], s, q.dtype),
+                [mosaic_cache.cache_attention(q, k, v, kv_len, block_k=bk, splits=splits)], s, q.dtype),
                 q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
 
 

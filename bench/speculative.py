@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="",
                     help="gj.Kernels fields, e.g. moe=mosaic_pair,moe_pair_max_pairs=64 (as generate_20b.py's)")
     ap.add_argument("--moe-settings", default="",
-                    help="a JSON object of settings for the fused Triton decode MoE (kernels/decode_moe.py's moe, "
+                    help="a JSON object of settings for the fused Triton decode MoE (kernels/triton/decode_moe.py's moe, "
                          "as bench/decode_moe.py's --settings), in place of its defaults")
     ap.add_argument("--drafts", default="oracle,prompt-lookup", help="the drafts timed beside plain decoding: "
                                                                      "oracle, and prompt-lookup (--eagle3 adds the head)")
@@ -107,7 +107,7 @@ def main() -> None:
     if args.moe_settings:  # the fused block's settings for every call that traces it in this process
         import functools
 
-        from gptoss_jax.kernels import decode_moe
+        from gptoss_jax.kernels.triton import decode_moe
         decode_moe.moe = functools.partial(decode_moe.moe, settings=json.loads(args.moe_settings))
     config = gj.ModelConfig.preset(args.preset)
     params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype=args.dtype))

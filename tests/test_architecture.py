@@ -189,9 +189,9 @@ def test_the_model_reaches_kernels_only_through_the_kernel_layers_front():
 def test_a_planted_kernel_import_and_name_are_found(tmp_path):
     shutil.copytree(os.path.join(ROOT, PACKAGE), tmp_path / PACKAGE)
     with open(tmp_path / PACKAGE / "model" / "moe.py", "a") as f:
-        f.write("\n\ndef _planted(kernels):\n    from ..kernels import gpu\n\n"
-                "    return gpu if kernels.moe == 'grouped' else None\n")
-    assert [x.split(",")[0] for x in direct_kernel_imports(str(tmp_path))] == ["model.moe imports kernels.gpu"]
+        f.write("\n\ndef _planted(kernels):\n    from ..kernels import tokamax\n\n"
+                "    return tokamax if kernels.moe == 'grouped' else None\n")
+    assert [x.split(",")[0] for x in direct_kernel_imports(str(tmp_path))] == ["model.moe imports kernels.tokamax"]
     assert [x.split(":")[1].strip() for x in compared_kernel_names(str(tmp_path))] == ["'grouped'"]
 
 
@@ -356,6 +356,21 @@ def private_kernel_imports(root: str) -> list[str]:
     return out
 
 
+FAMILIES = ("attention", "experts", "triton")  # kernels/'s folders, a family of variants each
+
+
+def family_crossings(root: str) -> list[str]:
+    """Every import of one kernel family's folder by a module of another (the registries, each
+    family folder's __init__ of attention/ and experts/, name variants of every family: they are
+    exempt), so that a family is removed with its folder and its registry rows."""
+    out = []
+    for a, b, line in imports(root):
+        fa, fb = (x.split(".")[1] if x.startswith("kernels.") and x.count(".") >= 1 else None for x in (a, b))
+        if fa in FAMILIES and fb in FAMILIES and fa != fb and a not in ("kernels.attention", "kernels.experts"):
+            out.append(f"{a} imports {b}, line {line}")
+    return out
+
+
 def test_the_runtime_speaks_through_typed_contracts():
     """No function of the decoding runtime or the engine takes more than 8 parameters (a config object
     or a typed plan instead), no attribute of Engine that starts with "_" is used outside its own
@@ -364,6 +379,7 @@ def test_the_runtime_speaks_through_typed_contracts():
     assert engine_private_uses(ROOT) == []
     assert sampling_outside(ROOT) == []
     assert private_kernel_imports(ROOT) == []
+    assert family_crossings(ROOT) == []
 
 
 def test_planted_breaches_of_the_contracts_are_found(tmp_path):
@@ -373,10 +389,12 @@ def test_planted_breaches_of_the_contracts_are_found(tmp_path):
         f.write("\n\ndef _planted(engine, a, b, c, d, e, f, g, h):\n    return engine._waiting\n")
     with open(tmp_path / PACKAGE / "decoding" / "acceptance.py", "a") as f:
         f.write("\n\ndef sample_greedy(logits):\n    return jax.random.categorical(None, logits)\n")
-    with open(tmp_path / PACKAGE / "kernels" / "decode_moe.py", "a") as f:
-        f.write("\n\ndef _planted():\n    from .triton import _planted_private\n")
+    with open(tmp_path / PACKAGE / "kernels" / "triton" / "decode_moe.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from .common import _planted_private\n    from ..experts import xla\n")
     assert [x.split(",")[0] for x in long_signatures(str(tmp_path))] == ["serving.speculation._planted takes 9"]
     assert [x.split(":")[-1].strip() for x in engine_private_uses(str(tmp_path))] == ["engine._waiting"]
     assert [x.split(": ")[1] for x in sampling_outside(str(tmp_path))] == ["defines sample_greedy", "categorical"]
     assert [x.split(",")[0] for x in private_kernel_imports(str(tmp_path))] == [
-        "kernels.decode_moe imports triton._planted_private"]
+        "kernels.triton.decode_moe imports common._planted_private"]
+    assert [x.split(",")[0] for x in family_crossings(str(tmp_path))] == [
+        "kernels.triton.decode_moe imports kernels.experts.xla"]

@@ -14,7 +14,7 @@ import torch
 from noise import Exact
 from gptoss_jax.kernels import Kernels
 from gptoss_jax.model.attention import AttentionBlock, attention_blockwise, attention_reference
-from gptoss_jax.kernels.xla import key_block_range
+from gptoss_jax.kernels.attention.xla import key_block_range
 from refs import exact_attention, openai_model
 
 

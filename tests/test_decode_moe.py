@@ -1,4 +1,4 @@
-"""The fused decode MoE over MXFP4 experts (kernels/decode_moe.py) in Pallas interpret mode on CPU:
+"""The fused decode MoE over MXFP4 experts (kernels/triton/decode_moe.py) in Pallas interpret mode on CPU:
 each kernel against decoding the experts first and plain float32 products, and the MoE block that
 uses them against the gather path. tests/test_gpu.py runs the same checks on the GPU's PTX."""
 
@@ -11,7 +11,7 @@ import torch
 import gptoss_jax as gj
 import refs
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
-from gptoss_jax.kernels import decode_moe
+from gptoss_jax.kernels.triton import decode_moe
 from gptoss_jax.model.layers import RMSNorm
 from gptoss_jax.model.moe import MLPBlock, route
 from gptoss_jax.mxfp4 import decode_mxfp4

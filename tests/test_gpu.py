@@ -18,7 +18,12 @@ import torch
 import gptoss_jax as gj
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.decoding.generator import Generator
-from gptoss_jax.kernels import gpu, mosaic_attention, mosaic_mxfp4, paged, triton, xla
+from gptoss_jax.kernels import needs, tokamax
+from gptoss_jax.kernels.attention import flash
+from gptoss_jax.kernels.experts import ragged
+from gptoss_jax.kernels.triton import attention as triton_attention
+from gptoss_jax.kernels.attention import mosaic_cache, paged, xla
+from gptoss_jax.kernels.experts import mosaic_mxfp4
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.model.moe import MLPBlock, SwiGLU
 from gptoss_jax.sampling import Sampling
@@ -40,7 +45,7 @@ def _on_gpu():
 def named_triton(named: bool = True):
     """Around code that runs a Pallas Triton kernel, named explicitly: JAX warns, as it compiles the
     kernel, that the backend is deprecated; the test expects that warning. ("auto" picks one only for
-    MXFP4 experts at small decode batches on Hopper, where it measured fastest: kernels/experts.py.)
+    MXFP4 experts at small decode batches on Hopper, where it measured fastest: kernels/experts/__init__.py.)
     JAX's caches are cleared first: a kernel an earlier test compiled (through "auto") would not
     compile, nor warn, again."""
     if not named:
@@ -62,7 +67,7 @@ def _precision(dtype) -> str:
 @pytest.mark.parametrize("window", [None, 16])
 def test_flash_attention_and_its_statistics(window):
     q, k, v, sinks = _qkv(300, 300, jnp.bfloat16)
-    o, lse = gpu.causal(q, k, v, window=window)
+    o, lse = flash.causal(q, k, v, window=window)
     o_ref, lse_ref = xla.causal(q, k, v, window=window, block=64)
     # The statistics: float32, natural log, every row saw its own key.
     assert lse.dtype == jnp.float32 and lse.shape == lse_ref.shape
@@ -99,7 +104,7 @@ def _check_prefix(q, k, v, sinks, kv_len, outputs, precision):
 def test_flash_attention_over_a_cache_prefix():
     q, k, v, sinks = _qkv(40, 384, jnp.bfloat16, seed=1)
     kv_len = jnp.array([0, 250], jnp.int32)  # an empty prefix gives lse = -inf and no contribution
-    _check_prefix(q, k, v, sinks, kv_len, {"flash": gpu.prefix(q, k, v, kv_len),
+    _check_prefix(q, k, v, sinks, kv_len, {"flash": flash.prefix(q, k, v, kv_len),
                                            "jnp": xla.prefix(q, k, v, kv_len, block=64)}, "bfloat16")
 
 
@@ -112,8 +117,8 @@ def test_flash_attention_over_a_paged_prefix_a_piece_at_a_time():
     table = jax.random.permutation(jax.random.key(7), B * S // P).reshape(B, S // P).astype(jnp.int32)
     pool_k, pool_v = (jnp.zeros((B * S // P, P) + a.shape[2:], a.dtype).at[table].set(
         a.reshape(B, S // P, P, *a.shape[2:])) for a in (k, v))
-    o, lse = paged.in_pieces(q, pool_k, pool_v, table, kv_len, gpu.prefix, pages=5)
-    _check_prefix(q, k, v, sinks, kv_len, {"flash in pieces": (o, lse), "flash": gpu.prefix(q, k, v, kv_len)},
+    o, lse = paged.in_pieces(q, pool_k, pool_v, table, kv_len, flash.prefix, pages=5)
+    _check_prefix(q, k, v, sinks, kv_len, {"flash in pieces": (o, lse), "flash": flash.prefix(q, k, v, kv_len)},
                   "bfloat16")
 
 
@@ -125,13 +130,13 @@ def test_cache_attention(dtype, T):
     with jax.default_matmul_precision("highest"):  # the jnp code in float32 in full, not TF32
         ref = xla.prefix(q, k, v, kv_len, block=512)
     with named_triton():
-        outputs = {"triton": triton.cache_attention(q, k, v, kv_len), "jnp": ref}
-    if gpu.is_hopper() and mosaic_attention.fits(q.shape, k.shape[1], dtype):
+        outputs = {"triton": triton_attention.cache_attention(q, k, v, kv_len), "jnp": ref}
+    if needs.is_hopper() and mosaic_cache.fits(q.shape, k.shape[1], dtype):
         # 33 blocks of 128 keys, the last one cut at 4100; by default 66 ranges (half of them empty),
         # and 5 ranges of 7 blocks (the last one short)
-        outputs["mosaic"] = mosaic_attention.cache_attention(q, k, v, kv_len)
-        outputs["mosaic, 5 ranges"] = mosaic_attention.cache_attention(q, k, v, kv_len, splits=5)
-        outputs["mosaic, blocks of 64"] = mosaic_attention.cache_attention(q, k, v, kv_len, block_k=64, splits=3)
+        outputs["mosaic"] = mosaic_cache.cache_attention(q, k, v, kv_len)
+        outputs["mosaic, 5 ranges"] = mosaic_cache.cache_attention(q, k, v, kv_len, splits=5)
+        outputs["mosaic, blocks of 64"] = mosaic_cache.cache_attention(q, k, v, kv_len, block_k=64, splits=3)
     _check_prefix(q, k, v, sinks, kv_len, outputs, _precision(dtype))
 
 
@@ -149,7 +154,7 @@ def test_mosaic_cache_attention_reads_only_the_filled_part():
     exact = exact_attention(q, k, v, sinks, np.full((B, 2), S), np.where(beyond[..., 0, 0], -1, np.arange(S)[None]),
                             None, precision="bfloat16")
     for splits in (None, 1, 2):
-        o, lse = mosaic_attention.cache_attention(q, k, v, kv_len, splits=splits)
+        o, lse = mosaic_cache.cache_attention(q, k, v, kv_len, splits=splits)
         exact.check(combine([(o, lse)], sinks, jnp.float32), f"splits={splits}")
 
 
@@ -175,7 +180,7 @@ def test_mosaic_ragged_dot_tiles(rows, F):
     used = int(sizes.sum())
     x = jax.random.normal(jax.random.key(0), (rows, 256), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (4, F, 256), jnp.bfloat16)
-    got = gpu.mosaic_ragged_dot(x, w, sizes)[:used]
+    got = ragged.mosaic_ragged_dot(x, w, sizes)[:used]
     Exact.measure(grouped_torch(x, w, sizes, "bfloat16"), grouped_torch(x, w, sizes, "float64"),
                   precision="bfloat16").check(got)
 
@@ -200,15 +205,15 @@ def test_greedy_tokens_equal_the_jnp_kernels_in_float32():
 def test_auto_picks_the_gpu_kernels():
     """What "auto" picks on this GPU: Pallas Mosaic GPU on Hopper, the jnp paths before it, and a
     Pallas Triton kernel (a deprecated backend) only for MXFP4 decode on Hopper while JAX ships it."""
-    from gptoss_jax.kernels import triton_mxfp4
+    from gptoss_jax.kernels.triton import mxfp4
 
     k = gj.Kernels()
-    mosaic = gpu.is_hopper() and mosaic_mxfp4.supported()
-    triton = gpu.is_hopper() and triton_mxfp4.pltriton is not None
+    mosaic = needs.is_hopper() and mosaic_mxfp4.supported()
+    triton = needs.is_hopper() and mxfp4.pltriton is not None
     assert k.moe_for(4) == ("mosaic_decode" if mosaic else "gather")
     assert k.moe_for(4, jnp.float32) == "gather"
-    fused = gpu.available()
-    assert k.moe_for(4096) == (("mosaic_gpu" if gpu.is_hopper() else "tokamax") if fused else "grouped")
+    fused = tokamax.available()
+    assert k.moe_for(4096) == (("mosaic_gpu" if needs.is_hopper() else "tokamax") if fused else "grouped")
     assert k.moe_for(4096, jnp.float32) == "grouped"
     assert k.moe_for(4096, packed=True) == ("mosaic_grouped" if mosaic else "grouped")
     assert k.moe_for(512, packed=True) == ("mosaic_decode" if mosaic else "grouped")
@@ -217,7 +222,7 @@ def test_auto_picks_the_gpu_kernels():
     assert k.moe_for(65, packed=True) == ("mosaic_decode" if mosaic else "gather")
     assert k.moe_for(4096, jnp.float32, packed=True) == "grouped"
     assert k.attention_for(4096) == ("tokamax" if fused else "blockwise")
-    decode = "mosaic" if gpu.is_hopper() and mosaic_attention.supported() else "blockwise"
+    decode = "mosaic" if needs.is_hopper() and mosaic_cache.supported() else "blockwise"
     assert k.attention_for(4096, jnp.float32) == "blockwise" and k.attention_for(1) == decode
     assert k.attention_for(1, jnp.float32) == "blockwise"  # the Mosaic GPU kernel takes 16-bit inputs
 
@@ -249,7 +254,7 @@ def test_mosaic_decode_settings_at_gpt_oss_shapes():
     scale extremes; the MXFP4 decode kernel (blocks of 8 rows, weights handed to the tensor cores
     from registers and through shared memory) and the row-per-pair kernel, split likewise; the
     16-bit decode kernel, blocks of 8 rows."""
-    from gptoss_jax.kernels import mosaic_decode, mosaic_pair
+    from gptoss_jax.kernels.experts import mosaic_decode, mosaic_pair
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     rng = np.random.default_rng(11)
@@ -314,7 +319,7 @@ def test_mosaic_mxfp4_kernels_decode_every_byte_and_scale_exactly(kernel, decode
     that each output is one decoded weight times 1, exactly: every byte value and every scale from
     2^-125 to 2^113 (the range both decoders are exact in), equal to the table decoder's values. A
     wrong code, sign, nibble order or scale changes a value."""
-    from gptoss_jax.kernels import mosaic_decode, mosaic_pair
+    from gptoss_jax.kernels.experts import mosaic_decode, mosaic_pair
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     F, G = 256, 16
@@ -401,7 +406,7 @@ def test_grouped_mxfp4_matmul_equals_decoding_then_a_plain_matmul(block_m, decod
     """The prompt kernel for packed experts on gpt-oss's input width (90 blocks a row), every used
     block of rows against its expert decoded first and a matmul in float64 (noise: in torch
     bfloat16, the kernel's output dtype), with scale extremes; blocks past `used` are left alone."""
-    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
+    from gptoss_jax.kernels.triton.mxfp4 import grouped_matmul_mxfp4
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     rng = np.random.default_rng(block_m)
@@ -426,7 +431,7 @@ def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P, decoder):
     """The packed decode kernel on gpt-oss's input width (90 blocks a row) against decoding first and
     a float64 matmul (noise: in torch float32), with rows of tiny (2^-117) and large (2^73) scales
     among typical ones, each group of rows on its own bound."""
-    from gptoss_jax.kernels.triton_mxfp4 import pair_matvec_mxfp4
+    from gptoss_jax.kernels.triton.mxfp4 import pair_matvec_mxfp4
     from gptoss_jax.mxfp4 import decode_mxfp4
 
     rng = np.random.default_rng(P)
@@ -444,7 +449,7 @@ def test_mxfp4_matvec_equals_decoding_then_a_plain_matmul(P, decoder):
 
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_fused_decode_moe_on_the_gpu(tokens):
-    """kernels/decode_moe.py's PTX: the route kernel against RMSNorm and the jnp router, and the
+    """kernels/triton/decode_moe.py's PTX: the route kernel against RMSNorm and the jnp router, and the
     MoE block (which takes the fused path at decode) and the gather path against the experts'
     definition (test_decode_moe.check_block)."""
     from test_decode_moe import check_block, check_route
@@ -477,7 +482,7 @@ def test_mosaic_ragged_dot_backward_pass_equals_its_definition(E, F, D, M):
     sizes = jnp.asarray(np.random.default_rng(0).multinomial(M, np.ones(E) / E), jnp.int32)
 
     def kernel(x, w):
-        return gpu.mosaic_ragged_dot(x, w, sizes).astype(jnp.float32)
+        return ragged.mosaic_ragged_dot(x, w, sizes).astype(jnp.float32)
 
     got, got_vjp = jax.vjp(kernel, x, w)
     dx, dw = got_vjp(dy)

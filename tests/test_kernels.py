@@ -12,7 +12,9 @@ import pytest
 import gptoss_jax as gj
 from noise import Exact
 from gptoss_jax.kernels import experts as experts_registry
-from gptoss_jax.kernels import tpu, triton, xla
+from gptoss_jax.kernels.attention import splash
+from gptoss_jax.kernels.triton import attention as triton_attention, matvec
+from gptoss_jax.kernels.attention import xla
 from gptoss_jax.kernels.combine import combine
 from refs import exact_attention
 
@@ -53,7 +55,7 @@ def test_a_part_that_sees_nothing_contributes_nothing():
 def test_splash_attention_in_interpret_mode(window):
     rng = np.random.default_rng(2)
     q, k, v, _ = _qkv(rng, 1, 256, 2, 2, 64)
-    o, lse = tpu.causal(q, k, v, window=window, interpret=True)
+    o, lse = splash.causal(q, k, v, window=window, interpret=True)
     pos = np.arange(256)[None]
     exact_o, exact_lse = exact_attention(q, k, v, None, pos, pos, window, with_lse=True)
     for name, (out, out_lse) in (("splash", (o, lse)), ("jnp", xla.causal(q, k, v, window=window, block=64))):
@@ -67,7 +69,7 @@ def test_triton_matvec_in_interpret_mode(splits):
     x = rng.standard_normal((6, 128)).astype(np.float32)
     w = rng.standard_normal((4, 192, 128)).astype(np.float32)
     idx = np.array([3, 0, 2, 2, 1, 0])
-    got = triton.pair_matvec(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), interpret=True, splits=splits)
+    got = matvec.pair_matvec(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), interpret=True, splits=splits)
     exact = Exact.measure(np.einsum("pd,pfd->pf", x, w[idx]), np.einsum("pd,pfd->pf", x.astype(np.float64), w[idx]))
     exact.check(got)
 
@@ -90,7 +92,7 @@ def test_triton_cache_attention_reads_the_filled_part(T):
     exact_o.check(o_ref[1:], "o, jnp")
     exact_lse.check(lse_ref[1:], "lse, jnp")
     for splits in (None, 3):
-        o, lse = triton.cache_attention(q, k, v, kv_len, interpret=True, block_k=32, splits=splits)
+        o, lse = triton_attention.cache_attention(q, k, v, kv_len, interpret=True, block_k=32, splits=splits)
         assert bool(jnp.all(jnp.isneginf(lse[0]))) and bool(jnp.all(o[0] == 0))
         exact_o.check(o[1:], f"o, splits={splits}")
         exact_lse.check(lse[1:], f"lse, splits={splits}")
@@ -136,7 +138,7 @@ def test_kernel_choice_on_cpu_and_bad_names():
 
 
 def test_mosaic_ragged_dot_tiles_by_rows_and_width():
-    from gptoss_jax.kernels.gpu import mosaic_tiles
+    from gptoss_jax.kernels.experts.ragged import mosaic_tiles
 
     prompt, decode = mosaic_tiles(16384, 2880), mosaic_tiles(256, 5760)
     assert (prompt["block_m"], prompt["block_n"], prompt["grid_block_n"]) == (128, 192, 4)
@@ -166,10 +168,10 @@ def _on_a_gpu(monkeypatch, hopper: bool, triton: bool):
     import gptoss_jax.kernels as kernels
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(kernels.gpu, "is_hopper", lambda: hopper)
-    monkeypatch.setattr(kernels.gpu, "available", lambda: True)
+    monkeypatch.setattr(kernels.needs, "is_hopper", lambda: hopper)
+    monkeypatch.setattr(kernels.tokamax, "available", lambda: True)
     monkeypatch.setattr(kernels.mosaic, "supported", lambda: True)
-    monkeypatch.setattr(kernels.triton_mxfp4, "pltriton", object() if triton else None)
+    monkeypatch.setattr(kernels.triton.mxfp4, "pltriton", object() if triton else None)
     return kernels
 
 
@@ -198,13 +200,13 @@ def test_auto_on_a_gpu(monkeypatch, hopper, triton):
     assert (k.attention_for(1), k.attention_for(4096)) == ("mosaic" if hopper else "blockwise", "tokamax")
     # Without tokamax, a large decode batch's 16-bit experts stay on Mosaic GPU (not the jnp grouped
     # path, four times slower at batch 256 on one H200); prompts beyond that go to the jnp path.
-    monkeypatch.setattr(kernels.gpu, "available", lambda: False)
+    monkeypatch.setattr(kernels.tokamax, "available", lambda: False)
     assert (k.moe_for(1024), k.moe_for(1025)) == (("mosaic_decode", "grouped") if hopper else ("grouped", "grouped"))
 
 
 @pytest.mark.parametrize("case", sorted(experts_registry.MEASURED))
 def test_auto_picks_the_fastest_measured_variant(monkeypatch, case):
-    """For each decode class measured on one H100 80GB (kernels/experts.py, MEASURED: gpt-oss-20b's 32
+    """For each decode class measured on one H100 80GB (kernels/experts/__init__.py, MEASURED: gpt-oss-20b's 32
     and gpt-oss-120b's 128 experts, batches 1 to 64, MXFP4 experts), "auto" on that machine (Hopper,
     tokamax, Pallas Triton) picks the variant that decoded fastest there."""
     _on_a_gpu(monkeypatch, hopper=True, triton=True)
@@ -232,16 +234,16 @@ class NoTriton:
 sys.meta_path.insert(0, NoTriton())
 import jax, jax.numpy as jnp
 import gptoss_jax as gj
-from gptoss_jax.kernels import triton
+from gptoss_jax.kernels.triton import common, matvec
 from gptoss_jax.model.moe import MLPBlock
 from gptoss_jax.testing import random_params
-assert triton.pltriton is None
+assert common.pltriton is None
 config = gj.ModelConfig.tiny()
 params = random_params(config, seed=0, dtype=jnp.float32)["block_0"]["mlp"]
 x = jnp.ones((1, 1, config.hidden_size))
 MLPBlock(config, jnp.float32, gj.Kernels()).apply({"params": params}, x)
 try:
-    triton.pair_matvec(x[0], jnp.zeros(1, jnp.int32), params["mlp1_weight"], interpret=True)
+    matvec.pair_matvec(x[0], jnp.zeros(1, jnp.int32), params["mlp1_weight"], interpret=True)
 except RuntimeError as e:
     assert "no longer has Pallas's Triton backend" in str(e), e
     print("ok")
@@ -271,10 +273,10 @@ def test_a_packed_only_variant_named_for_16_bit_experts():
 
 @pytest.mark.slow
 def test_slots_number_the_experts_in_use_in_expert_order():
-    """kernels/mosaic_slots.py's slots: the experts some pair picked, each once, in expert order (the
+    """kernels/experts/mosaic_slots.py's slots: the experts some pair picked, each once, in expert order (the
     rest of the S = min(pairs, E) slots unread), how many, and each pair's slot; dropped pairs
     (negative or >= E: another device's experts) take no slot."""
-    from gptoss_jax.kernels.mosaic_slots import slots
+    from gptoss_jax.kernels.experts.mosaic_slots import slots
 
     idx = jnp.asarray([[5, 2, -1], [2, 7, 9], [0, 5, 7]], jnp.int32)  # E = 8: 9 and -1 dropped
     slot_expert, used, pair_slot, valid = jax.jit(slots, static_argnums=1)(idx, 8)

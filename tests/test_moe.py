@@ -11,7 +11,7 @@ import torch
 
 from noise import Exact
 from gptoss_jax.kernels import Kernels
-from gptoss_jax.kernels.jnp_experts import gather, grouped
+from gptoss_jax.kernels.experts.xla import gather, grouped
 from gptoss_jax.model.moe import MLPBlock, route, swiglu
 from gptoss_jax.kernels.pairs import group_by_expert, pair_inputs, sort_by_expert, to_blocks, unsort
 from refs import hf_model, openai_model, t

@@ -1,4 +1,4 @@
-"""The Pallas Mosaic GPU decode attention to the cache (kernels/mosaic_attention.py) on CPU, in Mosaic
+"""The Pallas Mosaic GPU decode attention to the cache (kernels/mosaic_cache.py) on CPU, in Mosaic
 GPU's interpret mode (simulated warpgroup, shared memory, TMA copies and barriers), which JAX offers
 from 0.11 on for these kernels; tests/test_gpu.py runs the same kernel compiled on a GPU."""
 
@@ -10,11 +10,11 @@ from noise import Exact
 
 import gptoss_jax as gj
 from gptoss_jax.model.attention import AttentionBlock
-from gptoss_jax.kernels import mosaic_attention, paged, xla
+from gptoss_jax.kernels.attention import mosaic_cache, paged, xla
 from gptoss_jax.kernels.combine import combine
 from gptoss_jax.testing import random_params
 
-pytestmark = pytest.mark.skipif(not mosaic_attention.supported(),
+pytestmark = pytest.mark.skipif(not mosaic_cache.supported(),
                                 reason=f"Mosaic GPU interpret mode of these kernels needs JAX >= 0.11 (this is "
                                        f"{jax.__version__}); tests/run.sh runs them under Python >= 3.12")
 
@@ -40,7 +40,7 @@ def test_cache_attention_reads_only_the_filled_part(T):
                           _with_sinks64(exact_o, exact_lse, sinks), precision="bfloat16")
     exact_lse = Exact.measure(np.asarray(low_lse, np.float64), exact_lse, precision="bfloat16")
     for splits in (None, 3):  # by default 4 ranges of one block each; 3 ranges: 2, 2 and 0 blocks for 256 keys
-        o, lse = mosaic_attention.cache_attention(q, k, v, kv_len, block_k=64, splits=splits, interpret=True)
+        o, lse = mosaic_cache.cache_attention(q, k, v, kv_len, block_k=64, splits=splits, interpret=True)
         assert bool(jnp.all(jnp.isneginf(lse[0])))
         assert not np.any(np.asarray(combine([(o, lse)], sinks, jnp.float32)[0]))
         exact_lse.check(lse[1:], f"lse, splits={splits}")
@@ -70,7 +70,7 @@ def test_cache_attention_reads_a_paged_cache_through_its_table(page):
     exact_o = Exact.measure(np.asarray(low_o, np.float64), exact_o, precision="bfloat16")
     exact_lse = Exact.measure(np.asarray(low_lse, np.float64), exact_lse, precision="bfloat16")
     for block_k in (64, 128):
-        o, lse = mosaic_attention.cache_attention(q, pool_k, pool_v, kv_len, table=table, block_k=block_k,
+        o, lse = mosaic_cache.cache_attention(q, pool_k, pool_v, kv_len, table=table, block_k=block_k,
                                                   interpret=True)
         assert bool(jnp.all(jnp.isneginf(lse[0])))
         exact_lse.check(lse[1:], f"lse, pages of {page}, blocks of {block_k}")
@@ -104,7 +104,7 @@ def test_cache_attention_over_a_sliding_window_of_pages(T):
     pool_v = jnp.zeros((B * W, P, K, H), jnp.bfloat16).at[table].set(v.reshape(B, W, P, K, H))
     first = jnp.maximum(lengths - window + 1, 0) // P
     ids = jnp.take_along_axis(table, jnp.minimum(first[:, None] + jnp.arange(n), W - 1), axis=1)
-    o, lse = mosaic_attention.cache_attention(q, pool_k, pool_v, lengths - first * P, table=ids,
+    o, lse = mosaic_cache.cache_attention(q, pool_k, pool_v, lengths - first * P, table=ids,
                                               start=lengths - window + 1 - first * P, block_k=64, interpret=True)
     # float64: every query's keys in its window; bfloat16 jnp (the same window through the pages) for the noise
     qq, kk64, vv = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -206,8 +206,8 @@ def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monk
 
     exact = Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32), precision="bfloat16")
     windows = []
-    kernel = mosaic_attention.cache_attention
-    monkeypatch.setattr(mosaic_attention, "cache_attention",
+    kernel = mosaic_cache.cache_attention
+    monkeypatch.setattr(mosaic_cache, "cache_attention",
                         lambda *a, **kw: windows.append(kw.get("start") is not None) or kernel(*a, **kw))
     exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), f"mosaic, pages of {page}")
     assert windows == [True]  # the sliding layer's window ran on the kernel

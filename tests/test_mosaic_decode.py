@@ -1,5 +1,5 @@
-"""The Pallas Mosaic GPU decode kernels for the experts (kernels/mosaic_decode.py and
-kernels/mosaic_pair.py) on CPU, in Mosaic GPU's interpret mode (JAX >= 0.11); tests/test_gpu.py runs
+"""The Pallas Mosaic GPU decode kernels for the experts (kernels/experts/mosaic_decode.py and
+kernels/experts/mosaic_pair.py) on CPU, in Mosaic GPU's interpret mode (JAX >= 0.11); tests/test_gpu.py runs
 them compiled on a GPU, at gpt-oss-20b's shapes too."""
 
 import jax
@@ -10,7 +10,7 @@ from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from noise import Exact
 
 import gptoss_jax as gj
-from gptoss_jax.kernels import mosaic_decode, mosaic_mxfp4, mosaic_pair
+from gptoss_jax.kernels.experts import mosaic_decode, mosaic_mxfp4, mosaic_pair
 from gptoss_jax.mxfp4 import decode_mxfp4
 
 pytestmark = pytest.mark.skipif(not mosaic_decode.supported(),
@@ -61,7 +61,7 @@ def test_matvec_of_mxfp4_experts(E, settings):
 
 @pytest.mark.parametrize("settings", [{}, {"block_f": 128, "gs": 2, "splits": 2}, {"gs": 2}])
 def test_pair_matvec_of_mxfp4_experts(settings):
-    """One row per pair (kernels/mosaic_pair.py) over MXFP4-packed experts with scale extremes: 320
+    """One row per pair (kernels/experts/mosaic_pair.py) over MXFP4-packed experts with scale extremes: 320
     outputs (tiles of 64, or of 128 with the last one cut), 4 scale blocks in one step of 6 (the
     last two past the end: zeros from the TMA copy), in 2 steps, or in 2 steps split over 2
     programs; two pairs share an expert.

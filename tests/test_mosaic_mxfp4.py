@@ -1,4 +1,4 @@
-"""The Pallas Mosaic GPU grouped matmul over MXFP4-packed experts (kernels/mosaic_mxfp4.py) on CPU, in
+"""The Pallas Mosaic GPU grouped matmul over MXFP4-packed experts (kernels/experts/mosaic_mxfp4.py) on CPU, in
 Mosaic GPU's interpret mode (simulated warpgroups, shared memory, TMA copies and barriers), which
 JAX offers from 0.11 on for these kernels; tests/test_gpu.py runs the same kernel compiled on a GPU."""
 
@@ -10,7 +10,7 @@ from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from noise import Exact
 
 import gptoss_jax as gj
-from gptoss_jax.kernels import mosaic_mxfp4
+from gptoss_jax.kernels.experts import mosaic_mxfp4
 from gptoss_jax.model.moe import SwiGLU
 from gptoss_jax.mxfp4 import decode_mxfp4
 

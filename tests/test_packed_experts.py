@@ -260,7 +260,7 @@ def test_grouped_mxfp4_kernel_equals_decoding_then_a_matmul(scale):
     """grouped_matmul_mxfp4 (interpret mode) on random bytes around one scale: every used block against
     its expert decoded then multiplied in float64, within NOISE_FACTOR x the noise of that product in
     torch bfloat16 (bfloat16 output, as the kernel's); blocks past `used` are not computed."""
-    from gptoss_jax.kernels.triton_mxfp4 import grouped_matmul_mxfp4
+    from gptoss_jax.kernels.triton.mxfp4 import grouped_matmul_mxfp4
 
     rng = np.random.default_rng(scale)
     E, F, G, block = 3, 64, 4, 16

@@ -99,10 +99,10 @@ def test_pages_are_shared_cached_and_evicted_least_recently_released_first():
 
 @pytest.mark.slow
 def test_attention_through_page_tables_is_the_contiguous_caches(model):
-    """kernels/paged.py: prompt chunks and decode over pages in shuffled order (gathered whole, or a
+    """kernels/attention/paged.py: prompt chunks and decode over pages in shuffled order (gathered whole, or a
     block of pages at a time up to the longest sequence) against the definition in float64, within the
     noise of the contiguous cache's jnp attention in float32; positions past a length hold huge values."""
-    from gptoss_jax.kernels import paged, xla
+    from gptoss_jax.kernels.attention import paged, xla
     from noise import Exact
 
     B, S, K, G, H, P = 3, 128, 2, 4, 16, 8
@@ -137,11 +137,12 @@ def test_attention_through_page_tables_is_the_contiguous_caches(model):
 
 @pytest.mark.slow
 def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_time(monkeypatch):
-    """kernels/gpu.py: the flash kernel's path over a paged prefix gathers the whole table where
+    """kernels/attention/flash.py: the flash kernel's path over a paged prefix gathers the whole table where
     sequences x width x page <= GATHER_FOR_FLASH, else pieces of a power of two columns under that
     bound; either way the jnp path's output (the kernel stood in for by the jnp attention, which it
     matches on GPUs: tests/test_gpu.py)."""
-    from gptoss_jax.kernels import gpu, paged, xla
+    from gptoss_jax.kernels.attention import flash
+    from gptoss_jax.kernels.attention import paged, xla
     from noise import Exact
 
     B, T, W, P, K, G, H = 2, 20, 16, 8, 2, 4, 16
@@ -159,11 +160,11 @@ def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_
     low = paged.prefix(q, pool_k, pool_v, table, lengths, block=16, dense_keys=0)
     exact = Exact.measure(low[0], exact_o), Exact.measure(low[1], exact_lse)
     spans = []
-    monkeypatch.setattr(gpu, "prefix", lambda q, k, v, n: spans.append(k.shape[1]) or xla.prefix(q, k, v, n, block=16))
+    monkeypatch.setattr(flash, "prefix", lambda q, k, v, n: spans.append(k.shape[1]) or xla.prefix(q, k, v, n, block=16))
     for bound, span in ((B * W * P, W * P), (B * W * P - 1, 8 * P), (5 * B * P, 4 * P)):
-        monkeypatch.setattr(gpu, "GATHER_FOR_FLASH", bound)
+        monkeypatch.setattr(flash, "GATHER_FOR_FLASH", bound)
         spans.clear()
-        o, lse = gpu.tokamax_paged_full(q, pool_k, pool_v, table, lengths, kernels=None, mesh=None)
+        o, lse = flash.tokamax_paged_full(q, pool_k, pool_v, table, lengths, kernels=None, mesh=None)
         assert spans == [span], (bound, spans)  # whole, then pieces of 8 and 4 pages
         exact[0].check(o, f"o, bound {bound}")
         exact[1].check(lse, f"lse, bound {bound}")
@@ -254,7 +255,7 @@ def test_a_freed_page_never_reaches_another_sequence(model, alone, engine):
 def test_an_attention_that_reads_past_the_length_is_caught(model, alone, monkeypatch):
     """The check above can fail: attention to one more position than the sequence holds reads
     whatever its page held before (the large values), and the tokens change."""
-    import gptoss_jax.kernels.paged as paged
+    import gptoss_jax.kernels.attention.paged as paged
 
     config, params = model
     prefix = paged.prefix

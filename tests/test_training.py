@@ -20,9 +20,9 @@ from conftest import rel_err
 from noise import Exact, scalar
 
 import gptoss_jax as gj
-from gptoss_jax.kernels.attention_vjp import causal_attention
+from gptoss_jax.kernels.attention.vjp import causal_attention
 from gptoss_jax.kernels.combine import combine
-from gptoss_jax.kernels.xla import dense, visible
+from gptoss_jax.kernels.attention.xla import dense, visible
 from gptoss_jax.testing import random_params
 from gptoss_jax.training.lora import LoraConfig, attach, init_adapters, merge
 from gptoss_jax.training.loss import loss

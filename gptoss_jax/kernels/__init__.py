@@ -2,10 +2,10 @@
 
 The choices are written once, as two registries of variants, each variant with what it takes, what
 it needs, when "auto" picks it (with the measurement behind that) and its call:
-- kernels/attention.py, `ATTENTION`: attention over a prompt, a cache or a paged cache's tables
+- kernels/attention/__init__.py, `ATTENTION`: attention over a prompt, a cache or a paged cache's tables
   (tokamax flash attention for prompts on NVIDIA GPUs, splash attention on TPUs, the Pallas Mosaic
   GPU cache attention for decode on Hopper, the jnp blockwise path everywhere);
-- kernels/experts.py, `EXPERTS`: the selected (token, expert) pairs' products, over 16-bit or
+- kernels/experts/__init__.py, `EXPERTS`: the selected (token, expert) pairs' products, over 16-bit or
   MXFP4-packed experts (Pallas Mosaic GPU decode, pair and grouped kernels and the Mosaic GPU ragged
   dot on Hopper, tokamax's ragged dot before Hopper, megablox on TPUs, jnp gather and grouped paths
   everywhere, and those alone with low-rank adapters).
@@ -15,7 +15,7 @@ calls `Kernels.attention_ops` and `Kernels.experts_for` / `local_experts` and na
 JAX 0.11 deprecated Pallas's Triton backend. While JAX ships it, "auto" picks one of its kernels
 where it still measured fastest: the experts "triton" for MXFP4 experts at decode on one Hopper GPU
 (no mesh) at small batches (below one (token, expert) pair per expert for up to 32 experts, up to one for
-more; `experts.EXPERTS` has the rules), as the whole MoE block, norm and router included (kernels/decode_moe.py's
+more; `experts.EXPERTS` has the rules), as the whole MoE block, norm and router included (kernels/triton/decode_moe.py's
 four fused kernels; `experts.MEASURED`). The
 others are by name only (JAX warns when they compile): attention "triton" (decode attention to the
 cache) and experts "triton_grouped" (MXFP4 experts, prompts). Once the backend is gone "auto" picks
@@ -40,8 +40,8 @@ from .. import mxfp4
 from . import attention, experts
 from .combine import combine as fold_sinks  # exported under a name of its own: `combine` is also a module
 from .experts import local_experts
-from .paged import write as write_pages
-from .xla import attention_blockwise, attention_reference, ring
+from .attention.paged import write as write_pages
+from .attention.xla import attention_blockwise, attention_reference, ring
 
 __all__ = ["ATTENTION", "MOE", "Kernels", "attention_blockwise", "attention_reference", "fold_sinks", "local_experts",
            "ring", "write_pages"]
@@ -74,11 +74,11 @@ class Kernels:
 
     def attention_for(self, queries: int, dtype=jnp.bfloat16) -> str:
         """The name of the attention variant for a call with this many query positions per sequence,
-        of this dtype (kernels/attention.py)."""
+        of this dtype (kernels/attention/__init__.py)."""
         return attention.pick(self, queries, dtype).name
 
     def attention_ops(self, queries: int, dtype, *, mesh=None) -> attention.Ops:
-        """The attention operations of one call (kernels/attention.py, `Ops`)."""
+        """The attention operations of one call (kernels/attention/__init__.py, `Ops`)."""
         return attention.Ops(attention.pick(self, queries, dtype), self, mesh)
 
     def prompt_chunk(self, dtype) -> int:
@@ -89,7 +89,7 @@ class Kernels:
         """The name of the expert variant for a call with this many (token, expert) pairs over
         `num_experts` experts (gpt-oss-20b's 32 unless given), weights of this dtype (for MXFP4-packed
         experts, `packed`: the activations' dtype, which they are decoded to). The variants and
-        "auto"'s tests: kernels/experts.py."""
+        "auto"'s tests: kernels/experts/__init__.py."""
         return experts.pick(self, pairs, dtype, packed, experts=num_experts).name
 
     def experts_for(self, pairs: int, dtype, weight, *, adapters: bool = False, mesh=None) -> experts.Variant:

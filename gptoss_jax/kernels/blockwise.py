@@ -9,7 +9,7 @@ several such parts and the sinks into the exact result.
 - `blockwise`: online softmax over key blocks (flash-attention style), never more than
   [q_block, kv_block] scores per head, visiting only the key blocks that can be visible: memory is
   linear in T. Its key loop has a data-dependent trip count (on a GPU, a host sync per block), so
-  the GPU and TPU kernels replace it there, and JAX cannot differentiate it: attention_vjp.py gives
+  the GPU and TPU kernels replace it there, and JAX cannot differentiate it: attention/vjp.py gives
   it a backward pass of its own.
 
 Legend: B = batch, T = query positions, S = key positions, K = KV heads, G = query heads per KV

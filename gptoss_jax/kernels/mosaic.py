@@ -1,4 +1,4 @@
-"""What the Pallas Mosaic GPU kernels (mosaic_attention.py, mosaic_mxfp4.py) share: the JAX they are
+"""What the Pallas Mosaic GPU kernels (attention/mosaic_cache.py, experts/mosaic_*.py) share: the JAX they are
 written for, their interpret mode, and the swizzled shared-memory tiles wgmma reads."""
 
 from __future__ import annotations

@@ -29,3 +29,9 @@ TRITON = Needs("gpu", True, "NVIDIA GPUs")  # Pallas Triton: interpret mode runs
 HOPPER = Needs("gpu", True, "NVIDIA Hopper GPUs")  # Pallas Mosaic GPU
 HOPPER_NATIVE = Needs("gpu", False, "NVIDIA Hopper GPUs")
 TPU = Needs("tpu", True, "TPUs")
+
+
+def is_hopper() -> bool:
+    """Whether the first device is an NVIDIA Hopper GPU (compute capability 9.0)."""
+    devices = jax.devices()
+    return devices[0].platform == "gpu" and getattr(devices[0], "compute_capability", "") == "9.0"

@@ -1,6 +1,6 @@
 """(token, expert) pairs laid out for the expert kernels: sorted by expert (the ragged dots), in
 blocks of rows of one expert each (the grouped kernels), or, for one token, each pair a block of its
-own (the decode kernels). kernels/experts.py runs the experts over these layouts.
+own (the decode kernels). kernels/experts/__init__.py runs the experts over these layouts.
 
 Legend: N = tokens, D = embed, E = experts, A = active experts per token, P = pairs = N * A.
 """

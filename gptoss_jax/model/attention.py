@@ -3,7 +3,7 @@
 Attention is softmax([q.k * scale, sink]) @ v with the sink column dropped:
 - `attention_reference`: the plain [T, S] score matrix, kept as the readable definition for tests.
 - `attention_blockwise`: the same, blockwise (online softmax, memory linear in T).
-  (Both are the kernel layer's jnp code, kernels/xla.py, named here as the model's definition.)
+  (Both are the kernel layer's jnp code, kernels/attention/xla.py, named here as the model's definition.)
 - `AttentionBlock` asks the kernel layer for the call's attention operations (`Kernels.attention_ops`:
   sink-free attention over each set of keys, with its softmax statistics) and folds the sinks in
   exactly (`fold_sinks`, kernels/combine.py): one part without a cache; with one, the cache's earlier positions

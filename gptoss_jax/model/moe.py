@@ -3,7 +3,7 @@
 The experts compute exactly the selected (token, expert) pairs, never every expert for every token
 (`jax.lax.ragged_dot` is not used: on CPU and on CUDA GPUs it lowers to a dense product over all
 experts). Who computes them is the kernel layer's choice (`Kernels.experts_for`, one variant per
-call from the registry in kernels/experts.py: readable jnp paths, Pallas Mosaic GPU on Hopper,
+call from the registry in kernels/experts/__init__.py: readable jnp paths, Pallas Mosaic GPU on Hopper,
 megablox on TPU); this module holds the mathematics: routing, the SwiGLU, the weighted sum, and the
 experts split over a mesh. Expert matrices may be held packed in MXFP4 (`mxfp4.MXFP4`, its blocks
 and scales); the variants read them packed or decode them inside the jitted step.
@@ -60,7 +60,7 @@ def route(x: jax.Array, weight: jax.Array, bias: jax.Array, k: int, extra=0.0) -
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
     """The experts' activation with its constants (`swiglu`), hashable: the prompt kernel over MXFP4
-    experts applies it in its epilogue (kernels/mosaic_mxfp4.py), reading the constants from here."""
+    experts applies it in its epilogue (kernels/experts/mosaic_mxfp4.py), reading the constants from here."""
 
     alpha: float
     limit: float

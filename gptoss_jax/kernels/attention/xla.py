@@ -3,12 +3,12 @@
 Two entry points, as the model calls them, each returning (o, lse) as every attention kernel here
 does (blockwise.py says what they are):
 - `causal`: queries and keys of the same positions; dense for decode-sized inputs, else blockwise
-  with its own backward pass (attention_vjp.py), so that it can be differentiated;
+  with its own backward pass (vjp.py), so that it can be differentiated;
 - `prefix`: queries after every key of a cache's earlier positions; dense for decode, else blockwise.
 
 With the sinks (the model's definition): `attention_reference`, the plain [T, S] score matrix kept
 as the readable definition, and `attention_blockwise`, the same blockwise. `ring`: new tokens to a
-sliding layer's ring. The attention variants "blockwise" and "reference" (kernels/attention.py) are
+sliding layer's ring. The attention variants "blockwise" and "reference" (kernels/attention/__init__.py) are
 the functions at the end of this file.
 
 The building blocks (`dense`, `blockwise`, `visible`, `MASKED`, `key_block_range`) live in
@@ -25,8 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .attention_vjp import causal_attention
-from .blockwise import MASKED, blockwise, dense, key_block_range, visible
+from .vjp import causal_attention
+from ..blockwise import MASKED, blockwise, dense, key_block_range, visible
 
 __all__ = ["MASKED", "attention_blockwise", "attention_reference", "blockwise", "causal", "dense", "key_block_range",
            "prefix", "ring", "visible"]
@@ -101,7 +101,7 @@ def ring(q, ring_k, ring_v, ring_pos, positions, window: int) -> tuple[jax.Array
     return o, lse
 
 
-# The variants "blockwise" (dense up to 16 queries) and "reference" (dense always), kernels/attention.py.
+# The variants "blockwise" (dense up to 16 queries) and "reference" (dense always), kernels/attention/__init__.py.
 def blockwise_causal(q, k, v, *, window, kernels, dense_max: int = 16):
     return causal(q, k, v, window=window, block=kernels.attention_block, dense_max=dense_max)
 

@@ -5,14 +5,14 @@ its expert's packed weights once and a multiply-add per weight.
 A program takes one pair, `block_f` output rows and one range of the input dimension: one
 warpgroup copies its rows' scales, as stored, into shared memory, then runs a pipeline that has
 the TMA engine bring each step's packed bytes ([block_f, 16 gs]) and the pair's even and odd inputs
-([2, 16 gs]) `stages` deep while it decodes the step before (kernels/mosaic_mxfp4.py's decoder, in
+([2, 16 gs]) `stages` deep while it decodes the step before (kernels/experts/mosaic_mxfp4.py's decoder, in
 the wgmma register layout), multiplies the weights by the inputs broadcast down the rows and adds
 into float32 registers [rows, 16]. Programs are small (64 rows, at most `stages` steps), so that
 several run on each SM and hide each other's memory latency, as a matvec needs (a warp-specialized
 form, one warpgroup copying and two computing 128 rows, held one program an SM and took 33 / 20
 us a layer, docs/benchmarks.md). The last step's sums are added across each row's 16 columns
 (within a thread, then across the four threads of a row), and the ranges' partial sums after the
-kernel. Unlike kernels/mosaic_decode.py nothing waits on the tensor cores, no row is padding, and
+kernel. Unlike kernels/experts/mosaic_decode.py nothing waits on the tensor cores, no row is padding, and
 nothing of the weights is sliced or transposed outside the kernel. On one H100 80GB (gpt-oss-20b,
 batch 1) its two projections take 23 / 13 us a layer against 26 / 15 for the Pallas Triton matvec
 (`pair_settings`).
@@ -31,9 +31,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..mxfp4 import packed
-from . import mosaic_decode, mosaic_mxfp4, pairs
-from .mosaic import interpret_params, supported
+from ...mxfp4 import packed
+from . import mosaic_decode, mosaic_mxfp4
+from .. import pairs
+from ..mosaic import interpret_params, supported
 
 __all__ = ["pair_matvec_mxfp4", "pair_settings", "supported"]
 
@@ -133,7 +134,7 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
 
 
 def experts(x, idx, w, act, *, kernels):
-    """The experts' variant "mosaic_pair" (kernels/experts.py): up to `kernels.moe_pair_max_pairs`
+    """The experts' variant "mosaic_pair" (kernels/experts/__init__.py): up to `kernels.moe_pair_max_pairs`
     pairs over MXFP4-packed experts a row each, in their own order (no sorting, no tensor cores, no
     padding rows; an expert two pairs share is read twice); any other call as "mosaic_decode".
     x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""

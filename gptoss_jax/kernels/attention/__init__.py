@@ -29,9 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from ..sharding import CACHE_AXES, spec
-from . import gpu, mosaic, mosaic_attention, paged, tpu, triton, xla
-from .needs import GPU, HOPPER, TPU, TRITON, Needs
+from ...sharding import CACHE_AXES, spec
+from .. import mosaic, tokamax
+from .. import needs
+from ..needs import GPU, HOPPER, TPU, TRITON, Needs
+from ..triton import attention as triton
+from . import flash, mosaic_cache, paged, splash, xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +69,13 @@ class Variant:
 ATTENTION = {v.name: v for v in (
     Variant("tokamax", GPU, prompt_chunk=4096,
             auto=lambda c: c.queries > 16 and c.backend == "gpu" and c.sixteen_bit and c.tokamax,
-            causal=gpu.tokamax_causal, prefix=gpu.tokamax_prefix, paged_full=gpu.tokamax_paged_full),
+            causal=flash.tokamax_causal, prefix=flash.tokamax_prefix, paged_full=flash.tokamax_paged_full),
     Variant("splash", TPU, prompt_chunk=4096, auto=lambda c: c.queries > 16 and c.backend == "tpu",
-            causal=tpu.splash_causal),
+            causal=splash.splash_causal),
     # Decode over the filled cache only (full and sliding layers, contiguous or paged).
     Variant("mosaic", HOPPER, auto=lambda c: c.queries <= 16 and c.backend == "gpu" and c.sixteen_bit and c.mosaic,
-            prefix=mosaic_attention.mosaic_prefix, paged_full=mosaic_attention.mosaic_paged_full,
-            paged_window=mosaic_attention.mosaic_paged_window),
+            prefix=mosaic_cache.mosaic_prefix, paged_full=mosaic_cache.mosaic_paged_full,
+            paged_window=mosaic_cache.mosaic_paged_window),
     Variant("blockwise", auto=lambda c: True, jnp=True, causal=xla.blockwise_causal, prefix=xla.blockwise_prefix,
             paged_full=paged.blockwise_paged_full, paged_window=paged.blockwise_paged_window,
             whole=xla.blockwise_whole),
@@ -93,8 +96,8 @@ def pick(kernels, queries: int, dtype) -> Variant:
         return named
     backend = jax.default_backend()
     call = Call(queries=queries, dtype=jnp.dtype(dtype), backend=backend,
-                mosaic=backend == "gpu" and gpu.is_hopper() and mosaic.supported(),
-                tokamax=backend == "gpu" and gpu.available())
+                mosaic=backend == "gpu" and needs.is_hopper() and mosaic.supported(),
+                tokamax=backend == "gpu" and tokamax.available())
     return next(v for v in ATTENTION.values() if v.auto(call))
 
 

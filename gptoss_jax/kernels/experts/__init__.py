@@ -17,31 +17,31 @@ Legend: N = tokens, D = embed, A = active experts per token, P = (token, expert)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from ..mxfp4 import packed
-from . import (decode_moe, gpu, jnp_experts, mosaic, mosaic_decode, mosaic_mxfp4, mosaic_pair, mosaic_slots, pairs, tpu,
-               triton_mxfp4)
-from .needs import GPU, HOPPER, HOPPER_NATIVE, TPU, TRITON, Needs
+from ...mxfp4 import packed
+from .. import mosaic, pairs, tokamax
+from .. import needs
+from ..needs import GPU, HOPPER, HOPPER_NATIVE, TPU, TRITON, Needs
+from ..triton import decode_moe, mxfp4 as triton_mxfp4
+from . import megablox, mosaic_decode, mosaic_mxfp4, mosaic_pair, mosaic_slots, ragged, xla
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
     """What "auto" weighs: the call (pairs, the weights' dtype, or for packed experts the
-    activations'; packed or not) and the machine."""
+    activations'; packed or not), the machine, and the `Kernels` asked (whose thresholds the
+    variants' tests read)."""
 
     pairs: int
     dtype: jnp.dtype
     packed: bool
-    decode: bool  # pairs <= Kernels.moe_gather_max_pairs
-    pair: bool  # pairs <= Kernels.moe_pair_max_pairs
     experts: int  # the layer's experts (all devices')
     sharded: bool  # the MoE runs on a mesh (per device, in shard_map), so no variant runs the block whole
-    small: bool  # pairs < Kernels.moe_mosaic_min_pairs
-    at_most_min: bool  # pairs <= Kernels.moe_mosaic_min_pairs
+    kernels: Any
     backend: str
     hopper: bool  # an NVIDIA Hopper GPU (compute capability 9.0)
     mosaic: bool  # Hopper and a JAX whose Pallas Mosaic GPU these kernels need
@@ -88,12 +88,13 @@ def _fused_block(x, norm_scale, w, config, kernels):
 # In "auto"'s order of preference. The measurements behind each test are in docs/benchmarks.md, and
 # `MEASURED` below holds the decode rates that tests/test_kernels.py checks "auto" against.
 EXPERTS = {v.name: v for v in (
-    # Decode batches of one to two pairs per expert without sorting the pairs (kernels/mosaic_slots.py),
+    # Decode batches of one to two pairs per expert without sorting the pairs (kernels/experts/mosaic_slots.py),
     # MXFP4 experts on one Hopper GPU: fastest there for gpt-oss-20b's 32 experts (`MEASURED`: batches
     # 8 and 16). Not for more experts: with gpt-oss-120b's 128 it gathers the used experts' scales
     # for each call, and measured a third slower than the Triton block at batches 8 and 16.
     Variant("mosaic_slots", mosaic_slots.experts, needs=HOPPER,
-            auto=lambda c: (c.packed and c.bf16 and c.mosaic and c.decode and not c.sharded and c.experts <= 32
+            auto=lambda c: (c.packed and c.bf16 and c.mosaic and c.pairs <= c.kernels.moe_gather_max_pairs
+                            and not c.sharded and c.experts <= 32
                             and c.experts <= c.pairs <= 2 * c.experts)),
     # Pallas Triton (deprecated by JAX 0.11; "auto" picks it while JAX ships it): at decode on one
     # device with 16-bit activations and MXFP4 experts, the whole block as decode_moe.py's four
@@ -105,27 +106,28 @@ EXPERTS = {v.name: v for v in (
     # One token's MXFP4 pairs a row each, on Hopper without Pallas Triton (`MEASURED`: within a few
     # percent of the fused Triton block at a batch of one, below it in most runs).
     Variant("mosaic_pair", mosaic_pair.experts, needs=HOPPER,
-            auto=lambda c: c.packed and c.bf16 and c.mosaic and c.pair),
+            auto=lambda c: c.packed and c.bf16 and c.mosaic and c.pairs <= c.kernels.moe_pair_max_pairs),
     # Decode's experts on Hopper, each selected expert read once, in place; MXFP4 experts up to
     # `moe_mosaic_min_pairs` pairs; 16-bit ones at decode, and without tokamax up to that many pairs
     # (one NVIDIA H200, gpt-oss-20b's decode step at batch 256, 1,024 pairs: 19.7 ms against 79.3 on
     # the jnp grouped path, 17.5 with tokamax's ragged dot, 2026-11-26).
     Variant("mosaic_decode", mosaic_decode.experts, needs=HOPPER,
-            auto=lambda c: c.mosaic and ((c.packed and c.bf16 and c.small)
-                                         or (not c.packed and c.sixteen_bit and c.decode)
-                                         or (not c.packed and c.sixteen_bit and c.at_most_min and not c.tokamax))),
-    Variant("gather", jnp_experts.gather, adapters=True, auto=lambda c: c.decode),
+            auto=lambda c: c.mosaic and (
+                (c.packed and c.bf16 and c.pairs < c.kernels.moe_mosaic_min_pairs)
+                or (not c.packed and c.sixteen_bit and c.pairs <= c.kernels.moe_gather_max_pairs)
+                or (not c.packed and c.sixteen_bit and c.pairs <= c.kernels.moe_mosaic_min_pairs and not c.tokamax))),
+    Variant("gather", xla.gather, adapters=True, auto=lambda c: c.pairs <= c.kernels.moe_gather_max_pairs),
     # MXFP4 prompts on Hopper: decoded into shared memory for the tensor cores, never written back.
     Variant("mosaic_grouped", mosaic_mxfp4.experts, weights="packed", needs=HOPPER,
             auto=lambda c: c.packed and c.bf16 and c.mosaic),
-    Variant("megablox", tpu.experts, needs=TPU, auto=lambda c: c.backend == "tpu"),
+    Variant("megablox", megablox.experts, needs=TPU, auto=lambda c: c.backend == "tpu"),
     # The GPU ragged dots take 16-bit inputs (float32 would be TF32 there); the Mosaic GPU one hands
     # shapes off its tiles (gpt-oss's mlp2) to tokamax's, so it too needs tokamax.
-    Variant("mosaic_gpu", gpu.mosaic_experts, needs=HOPPER_NATIVE,
+    Variant("mosaic_gpu", ragged.mosaic_experts, needs=HOPPER_NATIVE,
             auto=lambda c: not c.packed and c.backend == "gpu" and c.sixteen_bit and c.tokamax and c.hopper),
-    Variant("tokamax", gpu.tokamax_experts, needs=GPU,
+    Variant("tokamax", ragged.tokamax_experts, needs=GPU,
             auto=lambda c: not c.packed and c.backend == "gpu" and c.sixteen_bit and c.tokamax and not c.hopper),
-    Variant("grouped", jnp_experts.grouped, adapters=True, auto=lambda c: True),
+    Variant("grouped", xla.grouped, adapters=True, auto=lambda c: True),
     # Pallas Triton's grouped MXFP4 matmul: by name only.
     Variant("triton_grouped", triton_mxfp4.grouped_experts, weights="packed", needs=TRITON),
 )}
@@ -156,12 +158,10 @@ MEASURED = {
 
 def call_of(kernels, pairs: int, dtype, is_packed: bool, experts: int, sharded: bool = False) -> Call:
     backend = jax.default_backend()
-    hopper = backend == "gpu" and gpu.is_hopper()
-    return Call(pairs=pairs, dtype=jnp.dtype(dtype), packed=is_packed, decode=pairs <= kernels.moe_gather_max_pairs,
-                pair=pairs <= kernels.moe_pair_max_pairs, experts=experts, sharded=sharded,
-                small=pairs < kernels.moe_mosaic_min_pairs, at_most_min=pairs <= kernels.moe_mosaic_min_pairs,
-                backend=backend, hopper=hopper, mosaic=hopper and mosaic.supported(),
-                tokamax=backend == "gpu" and gpu.available(), triton=triton_mxfp4.pltriton is not None)
+    hopper = backend == "gpu" and needs.is_hopper()
+    return Call(pairs=pairs, dtype=jnp.dtype(dtype), packed=is_packed, experts=experts, sharded=sharded,
+                kernels=kernels, backend=backend, hopper=hopper, mosaic=hopper and mosaic.supported(),
+                tokamax=backend == "gpu" and tokamax.available(), triton=triton_mxfp4.pltriton is not None)
 
 
 def pick(kernels, pairs: int, dtype, is_packed: bool = False, *, experts: int, adapters: bool = False,

@@ -32,8 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .blockwise import MASKED, blockwise, visible
-from .loops import late_map
+from ..blockwise import MASKED, blockwise, visible
+from ..loops import late_map
 
 
 def causal_attention(q, k, v, window: int | None, block: int, sinks=None) -> tuple[jax.Array, jax.Array]:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..mxfp4 import decode, packed
-from .loops import late_map
-from .pairs import num_experts, to_blocks
+from ...mxfp4 import decode, packed
+from ..loops import late_map
+from ..pairs import num_experts, to_blocks
 
 
 def expert_rows(weight, idx, dtype) -> jax.Array:

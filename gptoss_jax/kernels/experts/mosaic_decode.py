@@ -25,9 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ..mxfp4 import packed
-from . import mosaic_mxfp4, pairs
-from .mosaic import interpret_params, splits_for, supported, tiles
+from ...mxfp4 import packed
+from . import mosaic_mxfp4
+from .. import pairs
+from ..mosaic import interpret_params, splits_for, supported, tiles
 
 # Rows a block takes at most: its tiles and float32 sums in a Hopper SM's 227 KB of shared memory
 # (the MXFP4 kernel at 128 rows asks 239 KB).
@@ -51,7 +52,7 @@ def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: in
     (16-bit) -> [M, F] in rows' dtype, float32 sums. block_m: a multiple of 8 up to MAX_ROWS; block_f: of
     64 (F need not be one: the last tile is cut); D: a multiple of block_k, whose steps `splits`
     divides. `shared_rows`: rows is one block [block_m, D] that every block multiplies by its expert
-    (-> [len(block_expert) * block_m, F]; kernels/mosaic_slots.py)."""
+    (-> [len(block_expert) * block_m, F]; kernels/experts/mosaic_slots.py)."""
     M, D = rows.shape
     E, F, _ = w.shape
     blocks = block_expert.shape[0]
@@ -137,7 +138,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
                          gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
                          decoder: str = "ptx", weights: str = "registers", shared_rows: bool = False) -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
-    [E, F, G]; rows bfloat16), decoded on the chip as kernels/mosaic_mxfp4.py does, products
+    [E, F, G]; rows bfloat16), decoded on the chip as kernels/experts/mosaic_mxfp4.py does, products
     transposed: two warpgroups each decode half of the program's `block_f` weight rows and multiply
     them (the tensor cores' left operand, 64 rows an instruction) by the block's even and odd
     inputs; a third has the TMA engine bring each step's packed bytes, scales and inputs (`gs` scale
@@ -240,7 +241,7 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
 
 
 def experts(x, idx, w, act, *, kernels):
-    """The experts' variant "mosaic_decode" (kernels/experts.py) for decode-sized calls: products
+    """The experts' variant "mosaic_decode" (kernels/experts/__init__.py) for decode-sized calls: products
     transposed, so that an expert's few pairs take blocks of as few as 8 rows (`decode_block`; one
     token's pairs each a block of its own), 16-bit or MXFP4-packed experts (decoded on the chip).
     x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""

@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from . import pairs
-from .mosaic import interpret_params, splits_for, supported, tiles
+from .. import pairs
+from ..mosaic import interpret_params, splits_for, supported, tiles
 
 __all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "load_rows_strided",
            "operands", "scales_by_step", "step_scales", "supported"]
@@ -229,7 +229,7 @@ def decode_settings(blocks_bound: int, F: int, G: int) -> dict:
     """Settings for few rows (decode: blocks of 64, about one per expert in use): 2 scale blocks a
     step, and the steps split over enough programs (blocks x output tiles x splits) for two per SM
     of a large GPU, their float32 partial sums added after. The model's decode runs
-    kernels/mosaic_decode.py instead (blocks of 8 rows; as fast or faster, docs/benchmarks.md); these
+    kernels/experts/mosaic_decode.py instead (blocks of 8 rows; as fast or faster, docs/benchmarks.md); these
     settings stay for comparison (bench/kernels.py --part decode-experts)."""
     gs = 2
     steps = -(-G // gs)
@@ -362,7 +362,7 @@ def grouped_matmul_mxfp4(rows, block_expert, used, blocks, scales, bias=None, *,
 
 
 def experts(x, idx, w, act, *, kernels):
-    """The experts' variant "mosaic_grouped" (kernels/experts.py): MXFP4-packed experts over the
+    """The experts' variant "mosaic_grouped" (kernels/experts/__init__.py): MXFP4-packed experts over the
     pairs in expert blocks of 128 rows, the biases and the activation (`act`: alpha, limit) applied
     in the kernel's epilogue. x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
     def matmul(inputs, name, block_expert, used):

@@ -5,7 +5,7 @@ At a decode batch of a few tokens, laying the pairs out in expert blocks (kernel
 `to_blocks`: a sort, counts, offsets, a scatter and two gathers, about ten small kernels a layer)
 costs more than the products: the tensor cores have rows to spare (8 at least, whatever few a block
 holds), and the work is reading each selected expert's weights once. Here the experts in use are
-numbered in expert order (a count over the E experts, no sort), and kernels/mosaic_decode.py's
+numbered in expert order (a count over the E experts, no sort), and kernels/experts/mosaic_decode.py's
 kernels run one block per slot, every block the same rows: the whole batch (`shared_rows`) for
 the first projection, each slot's own activations for the second. A slot's products for tokens
 that did not pick its expert are computed and never read. Each selected expert is read once, as in
@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import mosaic_decode, pairs
+from . import mosaic_decode
+from .. import pairs
 
 def slots(idx: jax.Array, num_experts: int):
     """The experts in use by idx [N, A] (negative or >= E: dropped), in expert order.
@@ -39,7 +40,7 @@ def slots(idx: jax.Array, num_experts: int):
 
 
 def experts(x, idx, w, act, *, kernels):
-    """The experts' variant "mosaic_slots" (kernels/experts.py): x [N, D], idx [N, A] (negative:
+    """The experts' variant "mosaic_slots" (kernels/experts/__init__.py): x [N, D], idx [N, A] (negative:
     dropped) -> [N, A, D], 16-bit or MXFP4-packed experts; more tokens than a block takes
     (mosaic_decode.MAX_ROWS) as "mosaic_decode"."""
     N, A = idx.shape

@@ -46,9 +46,9 @@ try:  # deprecated in JAX 0.11, to be removed: the package imports without it, a
 except ImportError:
     pltriton = None
 
-from ..mxfp4 import packed
-from .triton import compiler_params, padded_span, pow2_at_least
-from .triton_mxfp4 import block_scale
+from ...mxfp4 import packed
+from .common import compiler_params, padded_span, pow2_at_least
+from .mxfp4 import block_scale
 
 HALF_ONE = 2.0 ** 14  # a code decoded as float16 is its value times 2^-14
 # Blocks of 32 values a load of a row spans in up_swiglu and down (`_spans`): gpt-oss's rows of 90

@@ -34,9 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import paged
-from .blockwise import MASKED
-from .combine import fold_splits, lse_of
-from .mosaic import interpret_params, supported, tiles
+from ..blockwise import MASKED
+from ..combine import fold_splits, lse_of
+from ..mosaic import interpret_params, supported, tiles
 
 ROWS = 64  # query rows of one program: one wgmma's M
 LOG2E = math.log2(math.e)
@@ -215,7 +215,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
     return fold_splits(o[:, :, :, : T * G], lse[..., : T * G], T, G)
 
 
-# The attention variant "mosaic" (kernels/attention.py): decode-sized calls on Hopper; None where
+# The attention variant "mosaic" (kernels/attention/__init__.py): decode-sized calls on Hopper; None where
 # the kernel does not take the call (the jnp path runs it).
 def mosaic_prefix(q, k, v, lengths, *, kernels):
     if not fits(q.shape, k.shape[1], q.dtype):

@@ -8,7 +8,7 @@ Both kernels take the activations' even and odd inputs apart, so that a byte's t
 inputs without any interleaving.
 
 - `pair_matvec_mxfp4`, decode: one matrix-vector product per (token, expert) pair, reading the
-  pair's expert rows in place, whole rows at a time (the packed form of triton.py's `pair_matvec`).
+  pair's expert rows in place, whole rows at a time (the packed form of matvec.py's `pair_matvec`).
 - `grouped_matmul_mxfp4`, prompts and large batches: rows laid out in blocks of `block_m` rows, each
   block for one expert (pairs.group_by_expert); a program multiplies one block by one expert's tile of
   output rows on the tensor cores, decoding each weight tile once for the whole block.
@@ -29,9 +29,10 @@ try:  # deprecated in JAX 0.11, to be removed: the package imports without it, a
 except ImportError:
     pltriton = None
 
-from ..mxfp4 import packed
-from . import pairs
-from .triton import block_size, compiler_params, padded_span, pair_matvec
+from ...mxfp4 import packed
+from .. import pairs
+from .common import block_size, compiler_params, padded_span, pltriton
+from .matvec import pair_matvec
 
 
 def _e2m1_halves(b):
@@ -105,7 +106,7 @@ def _even_odd(x, G):
 def pair_matvec_mxfp4(x, idx, blocks, scales, *, interpret: bool = False, block_f: int = 4, num_warps: int = 4,
                       decoder: str | None = None) -> jax.Array:
     """x [P, D], idx [P] (each pair's expert), blocks uint8 [E, F, G, 16], scales uint8 [E, F, G]
-    -> [P, F] in x's dtype, float32 sums: triton.py's `pair_matvec` over packed experts.
+    -> [P, F] in x's dtype, float32 sums: matvec.py's `pair_matvec` over packed experts.
 
     No loop: each program loads `block_f` whole rows of its pair's expert in one masked load
     ([block_f, G rounded up to a power of two, 16] bytes; nothing past G is read) with their scales,
@@ -225,7 +226,7 @@ def _grouped_settings(block: int, name: str) -> dict:
 
 
 def grouped_experts(x, idx, w, act, *, kernels):
-    """The experts' variant "triton_grouped" (kernels/experts.py): MXFP4-packed experts over the
+    """The experts' variant "triton_grouped" (kernels/experts/__init__.py): MXFP4-packed experts over the
     pairs in expert blocks sized to the pairs per expert (16 rows at a batch of 64, 128 on long
     prompts). x [N, D], idx [N, A] (negative: dropped) -> [N, A, D]."""
     E = pairs.num_experts(w["mlp1_weight"])
@@ -240,7 +241,7 @@ def grouped_experts(x, idx, w, act, *, kernels):
 
 
 def pairwise_experts(x, idx, w, act, *, kernels):
-    """The experts' variant "triton" (kernels/experts.py): each pair's expert rows read in place by
+    """The experts' variant "triton" (kernels/experts/__init__.py): each pair's expert rows read in place by
     a Pallas Triton kernel, 16-bit or MXFP4-packed (decoded in registers). x [N, D], idx [N, A]
     (negative: held elsewhere, computed with expert 0 and weighted zero) -> [N, A, D]."""
     def matvec(inputs, weight):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import xla
-from .combine import merge
+from ..combine import merge
 
 
 def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
@@ -105,7 +105,7 @@ def write(pool: jax.Array, table: jax.Array, positions: jax.Array, valid: jax.Ar
     return pool.at[page, positions % P].set(new.astype(pool.dtype), mode="drop")
 
 
-# The variants "blockwise" and "reference" over the paged cache (kernels/attention.py).
+# The variants "blockwise" and "reference" over the paged cache (kernels/attention/__init__.py).
 _window = window  # the name their `window` argument hides
 
 def blockwise_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh, dense_max: int = 16):
