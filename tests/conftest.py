@@ -70,7 +70,7 @@ def pytest_configure(config):
 LONGEST_FILES = ("test_server.py", "test_serving_speculation.py", "test_run_inference.py",
                  "test_training_sharded.py", "test_training.py", "test_packed_experts.py", "test_docs.py",
                  "test_paged.py", "test_sharding.py", "test_serving.py", "test_serve_command.py",
-                 "test_eagle3.py", "test_speculative.py", "test_clients.py", "test_convert.py",
+                 "test_eagle3.py", "test_serving_eagle3.py", "test_speculative.py", "test_clients.py", "test_convert.py",
                  "test_server_hardening.py")
 
 
