@@ -296,9 +296,7 @@ def steered_head(config, dtype, full: tuple):
     class Steered(Eagle3Draft):
         def propose(self, context, k):
             own, n, after = super().propose(context, k)
-            state = context.state
-            committed = state["cache"]["lengths"] + state["valid"].sum(axis=1) + 1  # tokens x_0 .. x_n
-            drafts = oracle.propose(context._replace(lengths=committed), k).drafts
+            drafts = oracle.propose(context, k).drafts  # (context.lengths: the tokens x_0 .. x_n)
             return Proposal(jnp.where(own >= 0, drafts, own), n, after)  # (the head's drafts are computed)
 
     return Steered(head, params, hot)

@@ -109,7 +109,7 @@ def test_flash_attention_over_a_cache_prefix():
 
 
 def test_flash_attention_over_a_paged_prefix_a_piece_at_a_time():
-    """kernels/paged.in_pieces with the flash kernel (a prompt chunk after a long cached prefix): pages
+    """kernels/attention/paged.in_pieces with the flash kernel (a prompt chunk after a long cached prefix): pages
     of 16 in shuffled order, pieces of 5 pages (the last one past the table), merged by their lse."""
     q, k, v, sinks = _qkv(40, 384, jnp.bfloat16, seed=1)
     kv_len = jnp.array([0, 250], jnp.int32)

@@ -1,4 +1,4 @@
-"""The Pallas Mosaic GPU decode attention to the cache (kernels/mosaic_cache.py) on CPU, in Mosaic
+"""The Pallas Mosaic GPU decode attention to the cache (kernels/attention/mosaic_cache.py) on CPU, in Mosaic
 GPU's interpret mode (simulated warpgroup, shared memory, TMA copies and barriers), which JAX offers
 from 0.11 on for these kernels; tests/test_gpu.py runs the same kernel compiled on a GPU."""
 

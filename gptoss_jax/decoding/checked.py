@@ -108,7 +108,7 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
         seen = None if history is None else jnp.take(history, rows, axis=0, mode="clip")
         latest = jnp.take(last, rows, mode="clip")
         proposal = draft.propose(DraftContext(seen, context, arrays, state, params["embedding"], model.kernels,
-                                              model.mesh, rows, latest, table), k)
+                                              model.mesh, rows, latest, table, budget), k)
         proposed, n = fit_drafts(proposal.drafts, proposal.counts, due, budget, config.vocab_size)
         tokens = jnp.concatenate([latest[:, None], proposed], axis=1)  # [B, T]
         counts = jnp.where(active, n + 1, 0)

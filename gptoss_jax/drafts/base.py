@@ -40,6 +40,7 @@ class DraftContext(NamedTuple):
     rows: jax.Array | None = None  # [B] the caller's row of each (R: padding)
     last: jax.Array | None = None  # [B] each row's latest token, not in the cache yet
     table: jax.Array | None = None  # [B, W] the rows' page table of the full layers (a paged cache), else None
+    budget: jax.Array | None = None  # [B] the tokens each row may still add (a proposal writes no further)
 
 
 class Proposal(NamedTuple):

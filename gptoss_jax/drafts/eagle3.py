@@ -15,9 +15,11 @@ token) at n - 1 and drafts from the head's output there, each later draft from t
 output at the one before (k - 1 single-position passes, written past the committed pairs, where
 the next step's writes land before anything reads them).
 
-With a prefix found in the serving engine's cache, the pair at its last position is the one the
-sequence that computed it wrote (its own next token): a draft may differ for it, never a token
-(every draft is checked).
+With a prefix found in the serving engine's cache, the pair at its last position is whatever the
+page's last writer left there (the sequence that computed it pairs that position with its own next
+token, and may have ended first): a draft may differ for it, never a token (every draft is
+checked). A proposal writes no further than the positions a row's budget holds, which are its
+own.
 
 The head attends as the target's full layers do (the cache contract of model/cache.py): over its
 cache's committed positions and the pass's own; on one device with the target's kernels, beside
@@ -104,11 +106,13 @@ class Eagle3Draft(DeviceDraft):
     def propose(self, context: DraftContext, k: int) -> Proposal:
         """k drafts for every row (see the module): all proposed."""
         state, rows = context.state, context.rows
-        real = rows < state["pending"].shape[0]  # (padding rows write nothing)
+        # Pass j writes at n - 1 + j: a row writes no further than the positions its budget holds
+        # (the paged pool's pages past them are other sequences'); padding rows write nothing.
+        writes = (rows < state["pending"].shape[0])[:, None] & (jnp.arange(k)[None] <= context.budget[:, None])
         cache = _layer(state, context.table, context.lengths - 2)  # the pairs before the row's latest token
         drafts, cache = propose(self.config, k, _attending(context.kernels, context.mesh), context.arrays,
                                 context.embedding, cache, (jnp.take(state["pending"], rows, axis=0, mode="clip"),
-                                                           context.last, real))
+                                                           context.last, writes))
         return Proposal(drafts, jnp.full(drafts.shape[:1], k, jnp.int32), {**state, "k": cache["k"], "v": cache["v"]})
 
     def observe(self, context: DraftContext, step: StepResult) -> dict:
@@ -140,7 +144,7 @@ class Eagle3Draft(DeviceDraft):
 def _layer(state: dict, table, lengths) -> dict:
     """The head's cache as its attention reads it: its keys and values, with the rows' page table
     beside a paged cache, at these lengths [B]."""
-    cache = {"k": state["k"], "v": state["v"], "lengths": lengths}
+    cache = {"k": state["k"], "v": state["v"], "lengths": jnp.maximum(lengths, 0)}
     return cache if table is None else {**cache, "table": table}
 
 
@@ -159,14 +163,14 @@ def _attending(kernels: Kernels, mesh) -> Kernels:
 def propose(config, k, kernels, arrays, embedding, cache, latest):
     """k draft tokens of each row (arrays: the head's parameters and hot ids): the pair (its pending
     states, its latest token) at the cache's lengths, then k - 1 from the head's own outputs; latest
-    = (pending [B, G], last [B], real [B]: rows that write) -> (drafts [B, k] target ids, the cache's
-    keys and values, written at the lengths and after)."""
-    pending, last, real = latest
+    = (pending [B, G], last [B], writes [B, k]: whether each pass writes, row by row) -> (drafts
+    [B, k] target ids, the cache's keys and values, written at the lengths and after)."""
+    pending, last, writes = latest
     head = _head(config, embedding, kernels)
     drafts, hidden, tokens = [], pending[:, None], last
-    for _ in range(k):
+    for j in range(k):
         logits, y, cache = head.apply(arrays["head"], jnp.take(embedding, tokens, axis=0)[:, None], hidden, cache,
-                                      real[:, None])
+                                      writes[:, j:j + 1])
         tokens = arrays["hot"][jnp.argmax(logits[:, 0], axis=-1)]
         drafts.append(tokens)
         hidden = y
