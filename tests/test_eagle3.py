@@ -242,6 +242,7 @@ def test_each_step_drafts_what_the_head_gives_over_the_whole_sequence(tmp_path, 
         stats = engine.stats()
         emitted, accepted = request.output_ids, stats["accepted_draft_tokens"]
         assert steered or stats["drafting_steps"] < 20  # backing off, the head follows decode steps
+        assert engine.speculation.history is None  # a head drafts from its own state: no token history kept
     assert emitted == reply[len(prompt):len(prompt) + 30].tolist()
     assert (accepted >= 20) == steered, accepted
     head = Eagle3Head(draft.config, param_dtype=jnp.float32)

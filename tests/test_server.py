@@ -318,9 +318,9 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
     to process 0 ends both with exit 0. The test fails if process 1 misses a step (its collectives
     would hang, then the requests time out). With a pool too small for everything running, the
     requests are preempted and resumed on both processes alike (counted: more than none)."""
-    from conftest import free_port
+    from conftest import command_env, free_port
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env = command_env()
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
     common = [sys.executable, "-m", "gptoss_jax.server", "--port", "0", "--slots", "4",
               *(kv_flags or ["--max-context", str(MAX_LEN)]), "--mesh", "data=2,tensor=2",

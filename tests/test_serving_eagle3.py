@@ -41,6 +41,7 @@ class Steered(Eagle3Draft):
     drafts' place: right, or wrong at every n-th token of a reply."""
 
     known: Any = None
+    reads_history = True  # (the known replies are found from each row's tokens so far)
 
     def arrays(self) -> dict:
         return {**super().arrays(), "known": self.known.arrays()}

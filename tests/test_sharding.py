@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import gptoss_jax as gj
-from conftest import expected_spec, free_port
+from conftest import command_env, expected_spec, free_port
 from refs import exact_logits
 from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
@@ -154,7 +154,7 @@ def test_bad_mesh_flags_fail_before_loading(checkpoint, tmp_path):
     cases = [("expert=4,tensor=2", "spans 8 devices, but there is 1"), ("expert=3", "expert=3 does not divide"),
              ("gpus=2", "unknown mesh axis 'gpus'"), ("expert=two", "expected an integer")]
     for flag, message in cases:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+        env = command_env()
         run = subprocess.run([sys.executable, "run_inference.py", "--checkpoint", str(checkpoint), "--prompt-ids",
                               "1,2", "--mesh", flag], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, run.stderr
@@ -219,7 +219,7 @@ def wide_checkpoint(tmp_path_factory, tiny):
 def test_two_processes_generate_as_one_and_read_only_their_slices(wide_checkpoint, tmp_path):
     argv = ["--checkpoint", str(wide_checkpoint), "--prompt-ids", ",".join(str(i) for i in range(3, 153)),
             "--temperature", "0", "--dtype", "float32", "--json", "--max-new-tokens", "12", "--quiet"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env = command_env()
     one = subprocess.run([sys.executable, "-c", _WORKER, str(tmp_path / "one.json")] + argv, cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr

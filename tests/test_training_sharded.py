@@ -30,7 +30,7 @@ import numpy as np
 import optax
 import pytest
 import refs
-from conftest import VOCAB, expected_spec, free_port, needs_vocab
+from conftest import VOCAB, command_env, expected_spec, free_port, needs_vocab
 from noise import Exact, scalar
 from jax.sharding import NamedSharding
 
@@ -181,7 +181,7 @@ def test_two_processes_fine_tune_as_one(tmp_path):
     common = ["--data", str(data), "--steps", "3", "--lora-rank", "4", "--lora-targets", "attention,experts",
               "--lr", "1e-2", "--json", "--quiet"]
     pairs = ["--batch-size", "2"]  # two sequences a step
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    env = command_env()
     env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(VOCAB), PYTHONUNBUFFERED="1")
     finetune = [sys.executable, os.path.join(ROOT, "finetune.py")]
     one = subprocess.run(finetune + common + pairs + ["--out", str(tmp_path / "one")], cwd=ROOT, env=env,

@@ -315,7 +315,7 @@ class Generator:
         plan = np.stack([np.arange(B), lengths, budget, [len(o) for o in outputs], np.zeros(B), np.zeros(B)])
         settings, mode, is_stop_dev = rows
         history = None
-        if not host:
+        if not host and draft.reads_history:  # (an EAGLE-3 head drafts from its own state)
             history = np.zeros((B, self.max_len), np.int32)
             for b, p in enumerate(prompts):
                 history[b, :len(p) + len(outputs[b])] = [*p, *outputs[b]]

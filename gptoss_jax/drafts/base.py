@@ -65,6 +65,7 @@ class DeviceDraft:
     """A draft source that proposes on the devices (see the module)."""
 
     capture: tuple[int, ...] = ()  # the target layers whose outputs it follows (a source with a state)
+    reads_history: bool = True  # it proposes from context.history (False: the callers keep none)
 
     def arrays(self) -> Any:
         """The source's arrays, arguments of the steps that draft with it (None: it has none)."""
@@ -91,6 +92,8 @@ class DeviceDraft:
 class Given(DeviceDraft):
     """Drafts made on the host (a `HostDraft`'s), handed to a checked step as its arrays: drafts [B, k]
     and how many of each row's are proposed [B]."""
+
+    reads_history = False
 
     def __hash__(self):
         return hash(Given)

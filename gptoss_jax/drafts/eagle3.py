@@ -56,6 +56,7 @@ class Eagle3Draft(DeviceDraft):
     config: Eagle3Config
     params: dict
     hot: jax.Array
+    reads_history = False  # it drafts from the target's captured states and its own cache
 
     # A static argument of the steps that draft with it, its arrays their arguments: heads alike in
     # kind, shape and dtypes share compiled steps (and a head in another dtype gets its own).

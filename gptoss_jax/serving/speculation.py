@@ -110,6 +110,7 @@ class Speculation:
         self._source = draft
         self.on_devices = self._steps > 0 and on_devices(draft)
         self.most = self._steps if self.on_devices else 1
+        self.keeps_history = self.on_devices and draft.reads_history  # (the rows' tokens on the devices)
         self._arrays = None  # (the draft, its arrays on the devices) once placed
 
     def wanted(self, decoding, alone: bool = True) -> bool:
@@ -135,9 +136,10 @@ class Speculation:
         """Compile the checked steps (padding rows only: nothing changes) -> what was compiled."""
         for B in self.sizes:
             jax.block_until_ready(self._check_steps(engine, [None] * B, 0, self._given([None] * B, engine)))
-        if self.on_devices:
+        if self.keeps_history:
             padding = engine.device.put(np.full((3, HISTORY_WRITES), engine.slots, np.int32))  # dropped
             self.history = write_history(self._history(engine), padding)
+        if self.on_devices:
             return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions (or 1), up to "
                     f"{self.most} a call, drafted on the devices")
         return (f"checked drafts [{', '.join(map(str, self.sizes))}] x {self.k + 1} positions (or 1), "
@@ -177,7 +179,8 @@ class Speculation:
         live = [s for s in decoding if engine.scheduler.rows[s.row] is s]
         if not (self.on_devices and any(self._due(s) for s in live)):
             return None
-        self._sync_history(engine, live)  # (but the tokens not read yet: the call writes the latest)
+        if self.keeps_history:
+            self._sync_history(engine, live)  # (but the tokens not read yet: the call writes the latest)
         B = next(b for b in self.sizes if b >= len(live))
         return live, self._check_steps(engine, live + [None] * (B - len(live)), self.now)
 
@@ -215,11 +218,11 @@ class Speculation:
             placed = head[1] if head is not None and head[0] is self.draft else jax.tree.map(put, self.draft.arrays())
             self._arrays = (self.draft, placed)
         arrays = given if given is not None else None if self._arrays is None else self._arrays[1]
-        history = None if given is not None else self._history(engine)
+        history = self._history(engine) if given is None and self.keeps_history else None
         outcome, history = engine.device.run_checked(lambda cache, last, state: checked_steps(
             spec, engine.params, cache, history, last, Plan(put(plan), put(run), settings), arrays,
             state if given is None else None))
-        if given is None:
+        if history is not None:
             self.history = history
         return outcome
 
