@@ -77,11 +77,11 @@ def pytest_configure(config):
 # whole file at a time (--dist loadfile, so a file's compiled steps and fixtures are made once), in the
 # order collected, so these go first and the short files fill in at the end. Only the wall time depends
 # on this order.
-LONGEST_FILES = ("test_server.py", "test_serving_speculation.py", "test_run_inference.py",
-                 "test_training_sharded.py", "test_training.py", "test_packed_experts.py", "test_docs.py",
-                 "test_paged.py", "test_sharding.py", "test_serving.py", "test_serve_command.py",
-                 "test_eagle3.py", "test_serving_eagle3.py", "test_speculative.py", "test_clients.py", "test_convert.py",
-                 "test_server_hardening.py")
+LONGEST_FILES = ("test_server.py", "test_serving_speculation.py", "test_run_inference.py", "test_training.py",
+                 "test_sharding.py", "test_training_sharded.py", "test_docs.py", "test_eagle3.py",
+                 "test_packed_experts.py", "test_speculative.py", "test_paged.py", "test_convert.py",
+                 "test_serving.py", "test_server_bounds.py", "test_serve_command.py", "test_serving_eagle3.py",
+                 "test_convert_interrupts.py", "test_clients.py", "test_generate.py", "test_finetune.py")
 
 
 def pytest_collection_modifyitems(config, items):
