@@ -33,9 +33,11 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
 # tests that run many steps, such as a fine-tuning run, take longer). The optimisations change how
 # fast the code runs, not what it computes: XLA asks LLVM for no fast-math on the CPU, so no level
 # may reorder or fuse floating-point operations.
-# In XLA_FLAGS so that the commands the tests start compile the same way (command_env).
-XLA_FLAGS_FOR_THE_TESTS = "--xla_backend_optimization_level=0"
-if XLA_FLAGS_FOR_THE_TESTS not in os.environ.get("XLA_FLAGS", ""):
+# In XLA_FLAGS so that the commands the tests start compile the same way (command_env). A level given
+# in XLA_FLAGS stands (the GPU tests, say: XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
+_level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level=")]
+XLA_FLAGS_FOR_THE_TESTS = _level[-1] if _level else "--xla_backend_optimization_level=0"
+if not _level:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS_FOR_THE_TESTS}".strip()
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
 # cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
