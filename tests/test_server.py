@@ -320,8 +320,7 @@ def test_two_processes_serve_as_one(client, tmp_path, kv_flags):
     requests are preempted and resumed on both processes alike (counted: more than none)."""
     from conftest import command_env, free_port
 
-    env = command_env()
-    env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
+    env = command_env(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")
     common = [sys.executable, "-m", "gptoss_jax.server", "--port", "0", "--slots", "4",
               *(kv_flags or ["--max-context", str(MAX_LEN)]), "--mesh", "data=2,tensor=2",
               "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id"]

@@ -181,8 +181,7 @@ def test_two_processes_fine_tune_as_one(tmp_path):
     common = ["--data", str(data), "--steps", "3", "--lora-rank", "4", "--lora-targets", "attention,experts",
               "--lr", "1e-2", "--json", "--quiet"]
     pairs = ["--batch-size", "2"]  # two sequences a step
-    env = command_env()
-    env.update(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(VOCAB), PYTHONUNBUFFERED="1")
+    env = command_env(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(VOCAB), PYTHONUNBUFFERED="1")
     finetune = [sys.executable, os.path.join(ROOT, "finetune.py")]
     one = subprocess.run(finetune + common + pairs + ["--out", str(tmp_path / "one")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
