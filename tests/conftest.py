@@ -37,17 +37,8 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
 # in XLA_FLAGS stands (the GPU tests, say: XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
 _level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level=")]
 XLA_FLAGS_FOR_THE_TESTS = _level[-1] if _level else "--xla_backend_optimization_level=0"
-# Under pytest-xdist (tests/run.sh: one worker a core) every core already runs a worker, so each
-# worker's libraries compute on one thread: a second thread per worker only contends for the cores,
-# and thread pools that spin while they wait for work (torch's OpenMP, XLA's Eigen products) burn
-# time the other worker needs (on 2 cores: an eighth less CPU time and wall time over the training,
-# model, paged-cache, generation and MoE tests). Set before torch starts; the commands the tests
-# start inherit both (command_env).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    XLA_FLAGS_FOR_THE_TESTS += " --xla_cpu_multi_thread_eigen=false"
-_given = os.environ.get("XLA_FLAGS", "").split()
-os.environ["XLA_FLAGS"] = " ".join(_given + [f for f in XLA_FLAGS_FOR_THE_TESTS.split() if f not in _given])
+if not _level:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS_FOR_THE_TESTS}".strip()
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
 # cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
 # first process of a run makes it and removes it at its exit; pytest-xdist's workers and the commands
