@@ -1,14 +1,21 @@
-"""Time of gpt-oss's MoE block (norm, router, experts) over MXFP4 experts by `Kernels` variant, for a
-few tokens: the block of one layer (full size, synthetic weights) chained 24 times in one jitted
-call (x = x + 0.01 moe(x), so each block routes anew), host-timed, the median of 15 calls divided
-by 24. Each variant's output for the first block is compared with the first variant's (largest
-difference relative to the largest value). Prints a table last.
+"""gpt-oss's MoE block (norm, router, experts) for a few tokens, by `Kernels` variant: its time and
+the rate at which it reads what it must (each expert in use once, with its scales and biases, and
+the router), against the GPU's copy bandwidth measured in the same run.
 
-    python bench/moe_block.py --preset gpt-oss-20b --tokens 1,2,4,8 \\
-        triton=moe=triton pair64=moe=mosaic_pair,moe_pair_max_pairs=64 slots=moe=mosaic_slots
+`--layers` distinct layers of full-size synthetic weights are chained in one jitted call (x = x +
+0.01 moe(x), so each block routes anew), so that no layer's experts are still in the L2 cache when
+the next block reads its own; the call is timed on the host, the median of `--runs` calls divided
+by the layers. The bytes a block must read come from the routing of the same chain (experts in use
+counted per layer). Each variant's output for the first layer is compared with the first
+variant's (largest difference relative to the largest value): make the first the jnp path.
 
-A variant is NAME=FIELD=VALUE,FIELD=VALUE (values as in bench/generate_20b.py --kernels). A
-speculative step's check of k = 3 drafted tokens for one sequence is 4 tokens.
+    python bench/moe_block.py --preset gpt-oss-20b --dtype mxfp4,bfloat16 --tokens 1,2,4,8,16,64 \\
+        jnp=moe=gather auto= triton=moe=triton
+
+A variant is NAME=FIELD=VALUE,FIELD=VALUE (values as in bench/generate_20b.py --kernels; NAME= alone:
+"auto"). A variant that cannot run a dtype (an MXFP4-only kernel over bf16 experts) is reported as
+such and skipped. A speculative step's check of k = 3 drafted tokens for one sequence is 4 tokens.
+The copy bandwidth: bytes read and written by x + 1 over a 4 GiB array, the best of 10.
 """
 
 from __future__ import annotations
@@ -22,10 +29,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def copy_bandwidth(gib: float = 4.0, runs: int = 10) -> float:
+    """Bytes a second that x + 1 reads and writes over a `gib` GiB uint8 array (the best of `runs`)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros((int(gib * 2**30),), jnp.uint8)
+    step = jax.jit(lambda x: x + 1, donate_argnums=0)
+    x = jax.block_until_ready(step(x))
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        x = jax.block_until_ready(step(x))
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.size / best
+
+
+def expert_bytes(layer) -> tuple[int, int]:
+    """(bytes of one expert's weights, scales and biases; bytes of the router) of one layer's MoE
+    parameters (stacked over layers: the first axis is the layer)."""
+    import jax
+
+    def size(x):
+        return sum(leaf[0].size * leaf.dtype.itemsize for leaf in jax.tree.leaves(x))
+
+    E = layer["router_bias"].shape[1]
+    experts = sum(size(layer[name]) for name in ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias"))
+    return experts // E, size(layer["router_weight"]) + size(layer["router_bias"]) + size(layer["norm"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt-oss-20b")
-    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--dtype", default="mxfp4", help="experts' dtypes, comma-separated: mxfp4, bfloat16")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64")
+    ap.add_argument("--layers", type=int, default=8, help="distinct layers chained in a call (default 8)")
+    ap.add_argument("--runs", type=int, default=15, help="timed calls; the median is reported (default 15)")
+    ap.add_argument("--copy-gib", type=float, default=4.0, help="array size of the copy-bandwidth measurement")
     ap.add_argument("variants", nargs="+", help="NAME=FIELD=VALUE,FIELD=VALUE ...")
     args = ap.parse_args()
 
@@ -35,36 +75,68 @@ def main() -> None:
     from generate_20b import kernels_from
 
     import gptoss_jax as gj
-    from gptoss_jax.model.moe import MLPBlock
+    from gptoss_jax.model.moe import MLPBlock, route
+    from gptoss_jax.model.layers import RMSNorm
     from gptoss_jax.testing import random_params_on_device
 
-    config = gj.ModelConfig.preset(args.preset).replace(num_hidden_layers=1)
-    params = jax.block_until_ready(random_params_on_device(config, seed=0, dtype="mxfp4"))["block_0"]["mlp"]
+    config = gj.ModelConfig.preset(args.preset).replace(num_hidden_layers=args.layers)
     variants = {name: kernels_from(fields) for name, _, fields in (spec.partition("=") for spec in args.variants)}
-    print(f"{args.preset} MoE block on {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    device = jax.devices()[0].device_kind
+    copy = copy_bandwidth(args.copy_gib)
+    print(f"{args.preset} MoE block on {device}, jax {jax.__version__}; copy bandwidth {copy / 1e12:.2f} TB/s "
+          f"(70%: {0.7 * copy / 1e12:.2f})", flush=True)
     rows = []
-    for n in [int(t) for t in args.tokens.split(",")]:
-        x = jax.random.normal(jax.random.key(n), (n, 1, config.hidden_size), jnp.bfloat16)
-        first = None
-        for name, kernels in variants.items():
-            block = MLPBlock(config, jnp.bfloat16, kernels)
-            one = jax.jit(lambda p, x, block=block: block.apply({"params": p}, x))
-            chained = jax.jit(lambda p, x, block=block: jax.lax.fori_loop(
-                0, 24, lambda i, x: (x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype), x))
-            y = np.asarray(one(params, x), np.float32)
-            first = y if first is None else first
-            diff = float(np.abs(y - first).max() / np.abs(first).max())
-            jax.block_until_ready(chained(params, x))
-            times = []
-            for _ in range(15):
-                t = time.perf_counter()
-                jax.block_until_ready(chained(params, x))
-                times.append(time.perf_counter() - t)
-            rows.append((n, name, 1e6 * float(np.median(times)) / 24, diff))
-            print(f"{n} tokens, {name}: {rows[-1][2]:.1f} us a block, difference {diff:.2e}", flush=True)
-    print("\n| tokens | variant | us a block | difference from the first |\n|---:|---|---:|---:|")
-    for n, name, us, diff in rows:
-        print(f"| {n} | {name} | {us:.1f} | {diff:.1e} |")
+    for dtype in args.dtype.split(","):
+        params = random_params_on_device(config, seed=0, dtype=dtype)
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[f"block_{i}"]["mlp"] for i in range(args.layers)))
+        del params
+        per_expert, router = expert_bytes(layers)
+
+        def used_experts(layers, x):
+            """Experts in use per layer [L] along the chain (the auto variant's outputs feed it)."""
+            block = MLPBlock(config, jnp.bfloat16, gj.Kernels())
+
+            def one(x, p):
+                t = RMSNorm(config).apply({"params": p["norm"]}, x).reshape(-1, config.hidden_size)
+                _, idx = route(t, p["router_weight"], p["router_bias"], config.experts_per_token)
+                used = jnp.zeros((config.num_experts,), bool).at[idx.reshape(-1)].set(True).sum()
+                return (x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype), used
+
+            return jax.lax.scan(one, x, layers)[1]
+
+        for n in [int(t) for t in args.tokens.split(",")]:
+            x = jax.random.normal(jax.random.key(n), (n, 1, config.hidden_size), jnp.bfloat16)
+            used = np.asarray(jax.jit(used_experts)(layers, x))
+            must_read = float(np.mean(used) * per_expert + router)
+            first = None
+            for name, kernels in variants.items():
+                block = MLPBlock(config, jnp.bfloat16, kernels)
+                one = jax.jit(lambda p, x, block=block: block.apply({"params": jax.tree.map(lambda a: a[0], p)}, x))
+                chained = jax.jit(lambda p, x, block=block: jax.lax.scan(
+                    lambda x, p: ((x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype), None), x, p)[0])
+                try:
+                    y = np.asarray(one(layers, x), np.float32)
+                except (ValueError, RuntimeError) as e:  # a variant that cannot run these experts
+                    print(f"{dtype}, {n} tokens, {name}: skipped ({str(e).splitlines()[0]})", flush=True)
+                    continue
+                first = y if first is None else first
+                diff = float(np.abs(y - first).max() / np.abs(first).max())
+                jax.block_until_ready(chained(layers, x))
+                times = []
+                for _ in range(args.runs):
+                    t = time.perf_counter()
+                    jax.block_until_ready(chained(layers, x))
+                    times.append(time.perf_counter() - t)
+                seconds = float(np.median(times)) / args.layers
+                rows.append((dtype, n, name, 1e6 * seconds, float(np.mean(used)), must_read / seconds, diff))
+                print(f"{dtype}, {n} tokens, {name}: {1e6 * seconds:.1f} us a block, {must_read / 2**20:.1f} MiB "
+                      f"to read, {must_read / seconds / 1e12:.2f} TB/s, difference {diff:.2e}", flush=True)
+        del layers
+    print(f"\n{args.preset} MoE block, {device}: copy bandwidth {copy / 1e12:.2f} TB/s")
+    print("\n| experts | tokens | variant | us a block | experts read | TB/s | of copy | difference |\n"
+          "|---|---:|---|---:|---:|---:|---:|---:|")
+    for dtype, n, name, us, used, rate, diff in rows:
+        print(f"| {dtype} | {n} | {name} | {us:.1f} | {used:.1f} | {rate / 1e12:.2f} | {rate / copy:.0%} | {diff:.1e} |")
 
 
 if __name__ == "__main__":
