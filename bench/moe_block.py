@@ -13,8 +13,9 @@ variant's (largest difference relative to the largest value): make the first the
         jnp=moe=gather auto= triton=moe=triton
 
 A variant is NAME=FIELD=VALUE,FIELD=VALUE (values as in bench/generate_20b.py --kernels; NAME= alone:
-"auto"). A variant that cannot run a dtype (an MXFP4-only kernel over bf16 experts) is reported as
-such and skipped. A speculative step's check of k = 3 drafted tokens for one sequence is 4 tokens.
+"auto"). A variant the registry refuses for a dtype or machine (an MXFP4-only kernel over bf16
+experts, a Hopper kernel elsewhere) is reported as such and skipped, its row in the table saying so.
+A speculative step's check of k = 3 drafted tokens for one sequence is 4 tokens.
 The copy bandwidth: bytes read and written by x + 1 over a 4 GiB array, the best of 10.
 """
 
@@ -116,8 +117,9 @@ def main() -> None:
                     lambda x, p: ((x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype), None), x, p)[0])
                 try:
                     y = np.asarray(one(layers, x), np.float32)
-                except (ValueError, RuntimeError) as e:  # a variant that cannot run these experts
+                except ValueError as e:  # the registry's refusal: a variant that cannot run these experts here
                     print(f"{dtype}, {n} tokens, {name}: skipped ({str(e).splitlines()[0]})", flush=True)
+                    rows.append((dtype, n, name, None, float(np.mean(used)), None, None))
                     continue
                 first = y if first is None else first
                 diff = float(np.abs(y - first).max() / np.abs(first).max())
@@ -136,7 +138,11 @@ def main() -> None:
     print("\n| experts | tokens | variant | us a block | experts read | TB/s | of copy | difference |\n"
           "|---|---:|---|---:|---:|---:|---:|---:|")
     for dtype, n, name, us, used, rate, diff in rows:
-        print(f"| {dtype} | {n} | {name} | {us:.1f} | {used:.1f} | {rate / 1e12:.2f} | {rate / copy:.0%} | {diff:.1e} |")
+        if us is None:
+            print(f"| {dtype} | {n} | {name} | skipped: cannot run here | {used:.1f} | | | |")
+            continue
+        print(f"| {dtype} | {n} | {name} | {us:.1f} | {used:.1f} | {rate / 1e12:.2f} | {rate / copy:.0%} "
+              f"| {diff:.1e} |")
 
 
 if __name__ == "__main__":
