@@ -12,6 +12,8 @@ names, without allocating. Everything here derives from that trace, so it sits a
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -55,7 +57,15 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> Para
 
 
 def _abstract_boxed(config: ModelConfig, dtype) -> Params:
-    """Abstract parameters still boxed with their logical axis names (one trace, no allocation)."""
+    """Abstract parameters still boxed with their logical axis names (no allocation)."""
+    return _abstract_boxed_of(config, jnp.dtype(dtype))
+
+
+@functools.cache
+def _abstract_boxed_of(config: ModelConfig, dtype: jnp.dtype) -> Params:
+    # One trace of the model's init per config and dtype in a process (gpt-oss-120b's takes 0.6 s on
+    # a CPU; loading asks for the shapes and the axes several times). Callers get trees of immutable
+    # leaves and build new trees from them (unbox, get_partition_spec, tree_map).
     return jax.eval_shape(lambda: _model(config, dtype).init(jax.random.key(0), _init_tokens()))["params"]
 
 
