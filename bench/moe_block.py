@@ -16,12 +16,15 @@ A variant is NAME=FIELD=VALUE,FIELD=VALUE (values as in bench/generate_20b.py --
 "auto"). A variant the registry refuses for a dtype or machine (an MXFP4-only kernel over bf16
 experts, a Hopper kernel elsewhere) is reported as such and skipped, its row in the table saying so.
 A speculative step's check of k = 3 drafted tokens for one sequence is 4 tokens.
+With --profile DIR, each variant's chain at the --profile-tokens sizes is traced once more
+(DIR/<dtype>_<tokens>_<variant>) and its kernels are listed last, per block (bench/profile_summary.py).
 The copy bandwidth: bytes read and written by x + 1 over a 4 GiB array, the best of 10.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -67,6 +70,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct layers chained in a call (default 8)")
     ap.add_argument("--runs", type=int, default=15, help="timed calls; the median is reported (default 15)")
     ap.add_argument("--copy-gib", type=float, default=4.0, help="array size of the copy-bandwidth measurement")
+    ap.add_argument("--profile", metavar="DIR", help="trace each variant's chain and list its kernels per block")
+    ap.add_argument("--profile-tokens", default="1,8", help="the sizes --profile traces (default 1,8)")
+    ap.add_argument("--top", type=int, default=8, help="kernels listed per profiled variant (default 8)")
     ap.add_argument("variants", nargs="+", help="NAME=FIELD=VALUE,FIELD=VALUE ...")
     args = ap.parse_args()
 
@@ -74,6 +80,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     from generate_20b import kernels_from
+    from profile_summary import gpu_kernels, load
 
     import gptoss_jax as gj
     from gptoss_jax.model.moe import MLPBlock, route
@@ -86,7 +93,7 @@ def main() -> None:
     copy = copy_bandwidth(args.copy_gib)
     print(f"{args.preset} MoE block on {device}, jax {jax.__version__}; copy bandwidth {copy / 1e12:.2f} TB/s "
           f"(70%: {0.7 * copy / 1e12:.2f})", flush=True)
-    rows = []
+    rows, profiles = [], []
     for dtype in args.dtype.split(","):
         params = random_params_on_device(config, seed=0, dtype=dtype)
         layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[f"block_{i}"]["mlp"] for i in range(args.layers)))
@@ -131,9 +138,25 @@ def main() -> None:
                     times.append(time.perf_counter() - t)
                 seconds = float(np.median(times)) / args.layers
                 rows.append((dtype, n, name, 1e6 * seconds, float(np.mean(used)), must_read / seconds, diff))
+                if args.profile and str(n) in args.profile_tokens.split(","):
+                    folder = os.path.join(args.profile, f"{dtype}_{n}_{name}")
+                    with jax.profiler.trace(folder, create_perfetto_trace=True):
+                        for _ in range(3):
+                            jax.block_until_ready(chained(layers, x))
+                    profiles.append((f"{dtype}, {n} tokens, {name}", folder, 3 * args.layers))
                 print(f"{dtype}, {n} tokens, {name}: {1e6 * seconds:.1f} us a block, {must_read / 2**20:.1f} MiB "
                       f"to read, {must_read / seconds / 1e12:.2f} TB/s, difference {diff:.2e}", flush=True)
         del layers
+    for title, folder, blocks in profiles:
+        kernels = gpu_kernels(load(folder))
+        by_name, count = collections.Counter(), collections.Counter()
+        for e in kernels:
+            by_name[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+        busy = sum(by_name.values())
+        print(f"\n{title}: GPU busy {busy / blocks:.1f} us a block\n| kernel | calls a block | us a block |\n|---|---:|---:|")
+        for kernel, us in by_name.most_common(args.top):
+            print(f"| {kernel[:90]} | {count[kernel] / blocks:.1f} | {us / blocks:.1f} |")
     print(f"\n{args.preset} MoE block, {device}: copy bandwidth {copy / 1e12:.2f} TB/s")
     print("\n| experts | tokens | variant | us a block | experts read | TB/s | of copy | difference |\n"
           "|---|---:|---|---:|---:|---:|---:|---:|")
