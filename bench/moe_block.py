@@ -2,7 +2,7 @@
 the rate at which it reads what it must (each expert in use once, with its scales and biases, and
 the router), against the GPU's copy bandwidth measured in the same run.
 
-`--layers` distinct layers of full-size synthetic weights are chained in one jitted call (x = x +
+`--layers` distinct layers of full-size synthetic weights (each its own arrays) are chained in one jitted call (x = x +
 0.01 moe(x), so each block routes anew), so that no layer's experts are still in the L2 cache when
 the next block reads its own; the call is timed on the host, the median of `--runs` calls divided
 by the layers. The bytes a block must read come from the routing of the same chain (experts in use
@@ -34,11 +34,12 @@ sys.path.insert(0, ROOT)
 
 
 def copy_bandwidth(gib: float = 4.0, runs: int = 10) -> float:
-    """Bytes a second that x + 1 reads and writes over a `gib` GiB uint8 array (the best of `runs`)."""
+    """Bytes a second that x + 1 reads and writes over a `gib` GiB uint32 array (the best of `runs`;
+    4-byte elements: over bytes, XLA's elementwise kernel reads far below the memory's rate)."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.zeros((int(gib * 2**30),), jnp.uint8)
+    x = jnp.zeros((int(gib * 2**30) // 4,), jnp.uint32)
     step = jax.jit(lambda x: x + 1, donate_argnums=0)
     x = jax.block_until_ready(step(x))
     best = float("inf")
@@ -46,18 +47,18 @@ def copy_bandwidth(gib: float = 4.0, runs: int = 10) -> float:
         t = time.perf_counter()
         x = jax.block_until_ready(step(x))
         best = min(best, time.perf_counter() - t)
-    return 2 * x.size / best
+    return 2 * x.nbytes / best
 
 
 def expert_bytes(layer) -> tuple[int, int]:
     """(bytes of one expert's weights, scales and biases; bytes of the router) of one layer's MoE
-    parameters (stacked over layers: the first axis is the layer)."""
+    parameters."""
     import jax
 
     def size(x):
-        return sum(leaf[0].size * leaf.dtype.itemsize for leaf in jax.tree.leaves(x))
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(x))
 
-    E = layer["router_bias"].shape[1]
+    E = layer["router_bias"].shape[0]
     experts = sum(size(layer[name]) for name in ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias"))
     return experts // E, size(layer["router_weight"]) + size(layer["router_bias"]) + size(layer["norm"])
 
@@ -96,21 +97,23 @@ def main() -> None:
     rows, profiles = [], []
     for dtype in args.dtype.split(","):
         params = random_params_on_device(config, seed=0, dtype=dtype)
-        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[f"block_{i}"]["mlp"] for i in range(args.layers)))
+        # Each layer's weights their own arrays, as in the model (slices of one stacked array would
+        # be copied out for the kernels each call).
+        layers = [params[f"block_{i}"]["mlp"] for i in range(args.layers)]
         del params
-        per_expert, router = expert_bytes(layers)
+        per_expert, router = expert_bytes(layers[0])
 
         def used_experts(layers, x):
             """Experts in use per layer [L] along the chain (the auto variant's outputs feed it)."""
             block = MLPBlock(config, jnp.bfloat16, gj.Kernels())
 
-            def one(x, p):
+            counts = []
+            for p in layers:
                 t = RMSNorm(config).apply({"params": p["norm"]}, x).reshape(-1, config.hidden_size)
                 _, idx = route(t, p["router_weight"], p["router_bias"], config.experts_per_token)
-                used = jnp.zeros((config.num_experts,), bool).at[idx.reshape(-1)].set(True).sum()
-                return (x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype), used
-
-            return jax.lax.scan(one, x, layers)[1]
+                counts.append(jnp.zeros((config.num_experts,), bool).at[idx.reshape(-1)].set(True).sum())
+                x = (x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype)
+            return jnp.stack(counts)
 
         for n in [int(t) for t in args.tokens.split(",")]:
             x = jax.random.normal(jax.random.key(n), (n, 1, config.hidden_size), jnp.bfloat16)
@@ -119,9 +122,13 @@ def main() -> None:
             first = None
             for name, kernels in variants.items():
                 block = MLPBlock(config, jnp.bfloat16, kernels)
-                one = jax.jit(lambda p, x, block=block: block.apply({"params": jax.tree.map(lambda a: a[0], p)}, x))
-                chained = jax.jit(lambda p, x, block=block: jax.lax.scan(
-                    lambda x, p: ((x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype), None), x, p)[0])
+                def chain(layers, x, block=block):
+                    for p in layers:
+                        x = (x + 0.01 * block.apply({"params": p}, x)).astype(x.dtype)
+                    return x
+
+                one = jax.jit(lambda layers, x, block=block: block.apply({"params": layers[0]}, x))
+                chained = jax.jit(chain)
                 try:
                     y = np.asarray(one(layers, x), np.float32)
                 except ValueError as e:  # the registry's refusal: a variant that cannot run these experts here
