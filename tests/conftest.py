@@ -29,16 +29,19 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
     os.environ["NPROC"] = str(NPROC_FOR_THE_TESTS)
 # The tests' programs are compiled by XLA's CPU backend without LLVM's optimisations: most of the
 # suite's time is compiling the tiny models' steps, which this cuts by about a third, and their runs
-# on tensors of a few thousand numbers barely notice (the whole suite: a fifth less time; the few
-# tests that run many steps, such as a fine-tuning run, take longer). XLA's CPU backend uses no
-# fast-math at any level, so what the programs compute differs at most by the float noise the tests
-# measure: every test asserts the same at either level.
-# In XLA_FLAGS so that the commands the tests start compile the same way (command_env). A level given
-# in XLA_FLAGS stands (the GPU tests, say: XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
+# on tensors of a few thousand numbers barely notice (the whole suite: a fifth less time). A file
+# whose tests run many steps on the demo model (its 201,088-token vocabulary makes each step's
+# logits and token picks the costly part) is marked `pytest.mark.optimized` and compiles at XLA's
+# default level (`_optimisation_level` below): tests/test_server.py took 120 s at it against 194 s.
+# XLA's CPU backend uses no fast-math at any level, so what the programs compute differs at most by
+# the float noise the tests measure: every test asserts the same at either level.
+# In the tests' processes through JAX's `jax_disable_most_optimizations` (read at each compilation),
+# in the commands they start through XLA_FLAGS (command_env). A level given in XLA_FLAGS stands for
+# every file (the GPU tests, say: XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
 _level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level=")]
 XLA_FLAGS_FOR_THE_TESTS = _level[-1] if _level else "--xla_backend_optimization_level=0"
-if not _level:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_FLAGS_FOR_THE_TESTS}".strip()
+LEVEL_GIVEN = bool(_level)
+jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
 # cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
 # first process of a run makes it and removes it at its exit; pytest-xdist's workers and the commands
@@ -145,6 +148,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _optimisation_level(request):
+    """A file marked `pytest.mark.optimized` compiles at XLA's default level (see the top of this
+    file); the others at the lowest, unless XLA_FLAGS gives a level."""
+    optimized = request.node.get_closest_marker("optimized") is not None
+    jax.config.update("jax_disable_most_optimizations", not (LEVEL_GIVEN or optimized))
+    yield
+    jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -18,7 +18,7 @@ from gptoss_jax import tokenizer as tk
 from gptoss_jax.serving import Engine, EngineConfig
 from gptoss_jax.testing import random_params
 
-pytestmark = needs_vocab
+pytestmark = [needs_vocab, pytest.mark.optimized]  # many steps of the demo model: tests/conftest.py
 MODEL = "gpt-oss-demo"
 
 

@@ -29,7 +29,7 @@ from gptoss_jax.sampling import Sampling
 from gptoss_jax.serving import Engine, EngineConfig, Settings
 from gptoss_jax.testing import random_params
 
-pytestmark = needs_vocab
+pytestmark = [needs_vocab, pytest.mark.optimized]  # many steps of the demo model: tests/conftest.py
 MODEL = "gpt-oss-demo"
 MAX_LEN = 256
 

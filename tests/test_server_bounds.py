@@ -29,7 +29,7 @@ from test_server_fuzz import VALID, Connection, is_openai_error, places
 
 from gptoss_jax.server.cli import freeze_start_up_heap
 
-pytestmark = needs_vocab
+pytestmark = [needs_vocab, pytest.mark.optimized]  # many steps of the demo model: tests/conftest.py
 MODEL = "gpt-oss-test"  # (the name VALID's bodies use)
 POSTS = tuple(VALID)
 EDGES = [-2**63, -2**63 + 1, -2**31 - 1, -2**31, -1, 0, 1, 2, 20, 21, 128, 129, 201087, 201088, 201089,
