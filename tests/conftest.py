@@ -35,12 +35,16 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
 # default level (`_optimisation_level` below): tests/test_server.py took 120 s at it against 194 s.
 # XLA's CPU backend uses no fast-math at any level, so what the programs compute differs at most by
 # the float noise the tests measure: every test asserts the same at either level.
-# In the tests' processes through JAX's `jax_disable_most_optimizations` (read at each compilation),
-# in the commands they start through XLA_FLAGS (command_env). A level given in XLA_FLAGS stands for
-# every file (the GPU tests, say: XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
+# Through JAX's `jax_disable_most_optimizations` (level 0, and LLVM's expensive passes left out), read
+# at each compilation: in the tests' processes by file (below), in the commands they start through
+# its environment variable, which they inherit (command_env passes the level in XLA_FLAGS instead).
+# A level given in XLA_FLAGS stands for every file and command (the GPU tests, say:
+# XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
 _level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level=")]
 XLA_FLAGS_FOR_THE_TESTS = _level[-1] if _level else "--xla_backend_optimization_level=0"
 LEVEL_GIVEN = bool(_level)
+if not LEVEL_GIVEN:
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
 # cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
