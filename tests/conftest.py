@@ -37,11 +37,10 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
 # the float noise the tests measure: every test asserts the same at either level.
 # Through JAX's `jax_disable_most_optimizations` (level 0, and LLVM's expensive passes left out), read
 # at each compilation: in the tests' processes by file (below), in the commands they start through
-# its environment variable, which they inherit (command_env passes the level in XLA_FLAGS instead).
+# its environment variable, JAX_DISABLE_MOST_OPTIMIZATIONS, which they inherit or command_env passes.
 # A level given in XLA_FLAGS stands for every file and command (the GPU tests, say:
 # XLA_FLAGS=--xla_backend_optimization_level=3 pytest -m gpu).
 _level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level=")]
-XLA_FLAGS_FOR_THE_TESTS = _level[-1] if _level else "--xla_backend_optimization_level=0"
 LEVEL_GIVEN = bool(_level)
 if not LEVEL_GIVEN:
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
@@ -140,9 +139,11 @@ def expected_spec(axes, shape, mesh, rules):
 
 def command_env(**extra: str) -> dict:
     """The environment for a command a test starts as a process: this one's without its JAX settings
-    and XLA flags (the command's own flags choose its devices), the tests' XLA flags kept, and `extra`."""
+    and XLA flags (the command's own flags choose its devices), the tests' optimisation level kept
+    (see the top of this file), and `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    return {**env, "XLA_FLAGS": XLA_FLAGS_FOR_THE_TESTS, **extra}
+    level = {"XLA_FLAGS": _level[-1]} if LEVEL_GIVEN else {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    return {**env, **level, **extra}
 
 
 def free_port() -> int:
