@@ -210,7 +210,7 @@ def test_auto_picks_the_gpu_kernels():
     k = gj.Kernels()
     mosaic = needs.is_hopper() and mosaic_mxfp4.supported()
     triton = needs.is_hopper() and mxfp4.pltriton is not None
-    assert k.moe_for(4) == ("mosaic_decode" if mosaic else "gather")
+    assert k.moe_for(4) == ("mosaic_slots" if mosaic else "gather")
     assert k.moe_for(4, jnp.float32) == "gather"
     fused = tokamax.available()
     assert k.moe_for(4096) == (("mosaic_gpu" if needs.is_hopper() else "tokamax") if fused else "grouped")

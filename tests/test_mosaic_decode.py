@@ -1,6 +1,7 @@
-"""The Pallas Mosaic GPU decode kernels for the experts (kernels/experts/mosaic_decode.py and
-kernels/experts/mosaic_pair.py) on CPU, in Mosaic GPU's interpret mode (JAX >= 0.11); tests/test_gpu.py runs
-them compiled on a GPU, at gpt-oss-20b's shapes too."""
+"""The Pallas Mosaic GPU decode kernels for the experts (kernels/experts/mosaic_decode.py,
+kernels/experts/mosaic_pair.py and kernels/experts/mosaic_slots.py) on CPU, in Mosaic GPU's interpret mode (JAX
+>= 0.11), and lowered for CUDA there; tests/test_gpu.py runs them compiled on a GPU, at gpt-oss-20b's shapes
+too."""
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +91,8 @@ def test_the_kernels_switch_runs_it(dtype, tokens, impl):
     """Kernels(moe="mosaic_decode") in the MoE block, 16-bit and MXFP4-packed experts, for one token
     (its pairs each a block of their own) and for 3 (12 pairs sorted into expert blocks); and
     "mosaic_pair" (every pair over MXFP4 experts a row each, up to 64 pairs here; 16-bit experts as
-    "mosaic_decode"); "mosaic_slots" (every token through each expert in use, 9 tokens padded to 16
-    rows): the jnp gather path's output on the same (decoded) experts within the noise of
+    "mosaic_decode"); "mosaic_slots" (every token through each expert in use, the weighted sum in
+    its second kernel; 9 tokens padded to 16 rows): the jnp gather path's output on the same (decoded) experts within the noise of
     a bfloat16 run of it (measured against float32)."""
     from gptoss_jax.model.moe import MLPBlock
     from gptoss_jax.mxfp4 import decode_params
@@ -131,3 +132,31 @@ def test_mxfp4_kernels_name_themselves_in_errors():
     with pytest.raises(ValueError, match="decode matvec takes bfloat16 rows"):
         mosaic_decode.grouped_matvec_mxfp4(jnp.zeros((8, 96), jnp.float32), jnp.zeros((1,), jnp.int32), 1, blocks,
                                            scales, gs=3, interpret=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,experts,tokens", [("mxfp4", 32, 1), ("mxfp4", 128, 32), ("bfloat16", 32, 16)])
+def test_the_slot_kernels_lower_for_a_gpu_at_gpt_oss_shapes(dtype, experts, tokens):
+    """kernels/experts/mosaic_slots.py's two kernels traced and lowered for CUDA on this CPU, at
+    gpt-oss's widths: what interpret mode never runs (the SwiGLU epilogue's register shuffles and
+    stores, the scales' strided loads, the decoder's PTX, the tensor cores' register operands) reaches
+    Mosaic GPU's lowering here, and an error in it fails here rather than on a GPU."""
+    from gptoss_jax.kernels.experts import mosaic_slots
+    from gptoss_jax.model.moe import SwiGLU
+    from gptoss_jax.mxfp4 import MXFP4
+
+    D = F = 2880
+    spec = jax.ShapeDtypeStruct
+
+    def weight(out, inp):
+        if dtype == "mxfp4":
+            return MXFP4(spec((experts, out, inp // 32, 16), jnp.uint8), spec((experts, out, inp // 32), jnp.uint8))
+        return spec((experts, out, inp), jnp.bfloat16)
+
+    w = dict(mlp1_weight=weight(2 * F, D), mlp2_weight=weight(D, F), mlp1_bias=spec((experts, 2 * F), jnp.bfloat16),
+             mlp2_bias=spec((experts, D), jnp.bfloat16))
+    block = jax.jit(lambda x, idx, weights, w: mosaic_slots.weighted_sum(x, idx, weights, w, SwiGLU(1.702, 7.0),
+                                                                         kernels=gj.Kernels()))
+    lowered = block.trace(spec((tokens, D), jnp.bfloat16), spec((tokens, 4), jnp.int32), spec((tokens, 4), jnp.float32),
+                          w).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("mosaic_gpu") >= 2  # both kernels, as Mosaic GPU custom calls

@@ -3,7 +3,8 @@
 A variant says what it takes (16-bit or MXFP4-packed experts, low-rank adapters), what it needs (a
 backend), when "auto" picks it (`auto`, a test of the call and the machine), and its call:
 run(x [N, D], idx [N, A], w, act, kernels=) -> the pairs' outputs [N, A, D], idx holding the pairs'
-local experts (negative: held by another device). "auto" takes the first variant in `EXPERTS` whose
+local experts (negative: held by another device); a variant marked `summed` takes the routing weights
+too and returns their weighted sum [N, D] itself. "auto" takes the first variant in `EXPERTS` whose
 test passes; a variant named explicitly is checked against the backend and the weights. Removing a
 variant is deleting its module and its entry below. The model asks for a variant
 (`Kernels.experts_for`) and runs it through `local_experts`; it names none.
@@ -70,6 +71,7 @@ class Variant:
     needs: Needs | None = None
     adapters: bool = False  # adds the experts' low-rank adapters (training)
     auto: Callable[[Call], bool] = lambda call: False  # "auto" picks it (in registry order) where this holds
+    summed: bool = False  # run(x, idx, weights, w, act, kernels=) -> [N, D] float32: the weighted sum itself
     block: Callable | None = None  # block(x, norm_scale, w, config, kernels) -> [N, D]: the whole MoE block
     block_fits: Callable = lambda x, w, config: False
 
@@ -88,14 +90,19 @@ def _fused_block(x, norm_scale, w, config, kernels):
 # In "auto"'s order of preference. The measurements behind each test are in docs/benchmarks.md, and
 # `MEASURED` below holds the decode rates that tests/test_kernels.py checks "auto" against.
 EXPERTS = {v.name: v for v in (
-    # Decode batches of one to two pairs per expert without sorting the pairs (kernels/experts/mosaic_slots.py),
-    # MXFP4 experts on one Hopper GPU: fastest there for gpt-oss-20b's 32 experts (`MEASURED`: batches
-    # 8 and 16). Not for more experts: with gpt-oss-120b's 128 it gathers the used experts' scales
-    # for each call, and measured a third slower than the Triton block at batches 8 and 16.
-    Variant("mosaic_slots", mosaic_slots.experts, needs=HOPPER,
-            auto=lambda c: (c.packed and c.bf16 and c.mosaic and c.pairs <= c.kernels.moe_gather_max_pairs
-                            and not c.sharded and c.experts <= 32
-                            and c.experts <= c.pairs <= 2 * c.experts)),
+    # Decode batches of up to 16 tokens in two kernels, the weighted sum included, nothing sorted
+    # (kernels/experts/mosaic_slots.py), on one Hopper GPU. 16-bit experts up to 64 pairs: one NVIDIA
+    # H200, 2026-11-30, bench/moe_block.py, gpt-oss-20b's block at 4, 8 and 16 tokens in 257, 400 and
+    # 494 us (73 to 80% of the copy bandwidth) against 320, 451 and 513 for "mosaic_decode" (even at
+    # one token, at 32 tokens slower: 727 against 566). MXFP4 experts from one to two pairs per expert
+    # for up to 32 experts (`MEASURED`: batches 8 and 16, the kernel before these two; the same day
+    # on one H200, the experts alone at batch 8 took 0.81 of "mosaic_decode"'s time against 0.85 for
+    # that kernel, at batch 16 1.0 against 0.85). Not for more experts: gpt-oss-120b's 128 at batch
+    # 32, 2,130 us against 671 for "auto".
+    Variant("mosaic_slots", mosaic_slots.weighted_sum, needs=HOPPER, summed=True,
+            auto=lambda c: c.mosaic and not c.sharded and (
+                (not c.packed and c.sixteen_bit and c.pairs <= c.kernels.moe_gather_max_pairs)
+                or (c.packed and c.bf16 and c.experts <= 32 and c.experts <= c.pairs <= 2 * c.experts))),
     # Pallas Triton (deprecated by JAX 0.11; "auto" picks it while JAX ships it): at decode on one
     # device with 16-bit activations and MXFP4 experts, the whole block as decode_moe.py's four
     # fused kernels (fewer launches and no layout kernels between them, against the Mosaic GPU
@@ -199,6 +206,8 @@ def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, variant: V
         raise ValueError(f"the {variant.name} expert kernel takes MXFP4-packed experts only")
     local = idx - first
     mine = (local >= 0) & (local < pairs.num_experts(w["mlp1_weight"]))
+    if variant.summed:
+        return variant.run(x, jnp.where(mine, local, -1), jnp.where(mine, weights, 0.0), w, act, kernels=kernels)
     y = variant.run(x, jnp.where(mine, local, -1), w, act, kernels=kernels)
     # A weighted sum XLA fuses with the un-sorting gather of the grouped paths (an einsum would be a
     # separate batched product reading a materialized [N, A, D]).
