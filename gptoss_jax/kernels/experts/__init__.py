@@ -98,11 +98,11 @@ EXPERTS = {v.name: v for v in (
     # for up to 32 experts (`MEASURED`: batches 8 and 16, the kernel before these two; the same day
     # on one H200, the experts alone at batch 8 took 0.81 of "mosaic_decode"'s time against 0.85 for
     # that kernel, at batch 16 1.0 against 0.85). Not for more experts: gpt-oss-120b's 128 at batch
-    # 32, 2,130 us against 671 for "auto".
+    # 32, 2,130 us against 671 for "auto" (every empty slot's programs still start).
     Variant("mosaic_slots", mosaic_slots.weighted_sum, needs=HOPPER, summed=True,
-            auto=lambda c: c.mosaic and not c.sharded and (
+            auto=lambda c: c.mosaic and not c.sharded and c.experts <= 32 and (
                 (not c.packed and c.sixteen_bit and c.pairs <= c.kernels.moe_gather_max_pairs)
-                or (c.packed and c.bf16 and c.experts <= 32 and c.experts <= c.pairs <= 2 * c.experts))),
+                or (c.packed and c.bf16 and c.experts <= c.pairs <= 2 * c.experts))),
     # Pallas Triton (deprecated by JAX 0.11; "auto" picks it while JAX ships it): at decode on one
     # device with 16-bit activations and MXFP4 experts, the whole block as decode_moe.py's four
     # fused kernels (fewer launches and no layout kernels between them, against the Mosaic GPU
