@@ -94,11 +94,12 @@ EXPERTS = {v.name: v for v in (
     # (kernels/experts/mosaic_slots.py), on one Hopper GPU. 16-bit experts up to 64 pairs: one NVIDIA
     # H200, 2026-11-30, bench/moe_block.py, gpt-oss-20b's block at 4, 8 and 16 tokens in 257, 400 and
     # 494 us (73 to 80% of the copy bandwidth) against 320, 451 and 513 for "mosaic_decode" (even at
-    # one token, at 32 tokens slower: 727 against 566). MXFP4 experts from one to two pairs per expert
-    # for up to 32 experts (`MEASURED`: batches 8 and 16, the kernel before these two; the same day
-    # on one H200, the experts alone at batch 8 took 0.81 of "mosaic_decode"'s time against 0.85 for
-    # that kernel, at batch 16 1.0 against 0.85). Not for more experts: gpt-oss-120b's 128 at batch
-    # 32, 2,130 us against 671 for "auto" (every empty slot's programs still start).
+    # one token, at 32 tokens slower: 727 against 566; that run's kernels had three warpgroups a
+    # program, and the one-warpgroup form took 6% less at 8 tokens). MXFP4 experts from one to two
+    # pairs per expert for up to 32 experts (`MEASURED`: batches 8 and 16, the kernel before these
+    # two; the same day on one H200 the experts alone took 0.71 and 0.79 of "mosaic_decode"'s time at
+    # batches 8 and 16, against 0.85 for that kernel's blocks). Not for more experts: gpt-oss-120b's
+    # 128 at batch 32, 2,130 us against 671 for "auto" (every empty slot's programs still start).
     Variant("mosaic_slots", mosaic_slots.weighted_sum, needs=HOPPER, summed=True,
             auto=lambda c: c.mosaic and not c.sharded and c.experts <= 32 and (
                 (not c.packed and c.sixteen_bit and c.pairs <= c.kernels.moe_gather_max_pairs)

@@ -20,13 +20,15 @@ A slot's products for tokens that did not pick its expert are computed and weigh
 tensor cores have rows to spare (they take 8 or more), and decode reads weights at the memory's rate.
 
 The products run transposed, out^T = W x^T: the weights' rows are the tensor cores' 64-row operand
-and the tokens the narrow one. Each program has the TMA engine bring its weight tiles (and the
-tokens' tiles) `stages` deep in one warpgroup while two others multiply, each half the program's
-rows. MXFP4 weights are decoded on the chip as in kernels/experts/mosaic_mxfp4.py, their scales read
-as stored ([E, F, G], no transpose or gather per call): a program's rows' scales are copied into
-shared memory once, before its first step.
+and the tokens the narrow one. A program is one warpgroup over 64 or 128 rows (`rows_per_program`):
+it has the TMA engine bring its weight tiles (and the tokens') `stages` deep and multiplies them,
+and several programs share an SM, hiding each other's memory latency. (Three warpgroups a program,
+one bringing the tiles while two multiplied, held one program an SM, 168 registers a thread, and
+measured 13 to 20% slower on one NVIDIA H200: docs/benchmarks.md.) MXFP4 weights are decoded on the
+chip as in kernels/experts/mosaic_mxfp4.py, their scales read as stored ([E, F, G], no transpose or
+gather per call): a program's rows' scales are copied into shared memory once, before its first step.
 
-Legend: N = tokens (Nq: padded to 16 or 32), A = experts per token, P = pairs = N * A, E = experts,
+Legend: N = tokens (Nq: padded to a multiple of 8), A = experts per token, P = pairs = N * A, E = experts,
 S = slots, D = embed, F = the experts' intermediate size (mlp1 has 2F rows), G = input blocks of 32.
 """
 
@@ -51,10 +53,10 @@ from . import mosaic_decode, mosaic_mxfp4
 from .. import pairs
 from ..mosaic import interpret_params, supported, tiles
 
-__all__ = ["MAX_TOKENS", "slot_matvec", "supported", "two_kernels", "weighted_sum"]
+__all__ = ["MAX_TOKENS", "slot_matvec", "supported", "weighted_sum"]
 
 MAX_TOKENS = 32  # the tokens a call takes: every slot multiplies all of them
-_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a warpgroup's [rows, Nq] products
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a program's [rows, Nq] products
 _COLUMN = plgpu.Layout.WGMMA.reduce(0)  # one value per column (token)
 
 
@@ -84,7 +86,7 @@ def _slot_expert(idx_ref, slot, P: int, E: int):
 
 
 def _store_swiglu_split(h, out, parts: int, alpha: float, limit: float):
-    """gpt-oss's clamped SwiGLU of a warpgroup's products h [rows, Nq] (float32, the wgmma layout;
+    """gpt-oss's clamped SwiGLU of a program's products h [rows, Nq] (float32, the wgmma layout;
     rows in (gate, linear) pairs: unit u's are rows 2u and 2u + 1) into out [parts, Nq, rows / 2 /
     parts] (bfloat16, shared memory, untransformed): unit u at out[u % parts, :, u // parts]. A row's
     partner is held by the thread four lanes away (the wgmma layout puts rows r and r ^ 1 there),
@@ -125,7 +127,7 @@ def _swiglu_split(h, parts: int, act):
 
 @functools.partial(jax.jit, static_argnames=("act", "block_f", "gs", "block_k", "stages", "splits", "interpret",
                                              "decoder"))
-def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 128, gs: int = 6, block_k: int = 64,
+def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64, gs: int = 6, block_k: int = 64,
                 stages: int = 4, splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
     """One of the two kernels: rows [R, parts, Nq, K / parts] bfloat16 (R = 1: every slot's, the
     first kernel's tokens; R = S: each slot's own, the second's h), idx [P] int32 (the pairs'
@@ -135,8 +137,8 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 12
       bfloat16 (`up`; splits must be 1);
     - with wd [E, Nq] float32 (each token's routing weight for each expert): y [S, splits, F', Nq]
       float32, F' = F rounded up to whole tiles (`down`).
-    block_f: rows of a program, a multiple of 128 (two warpgroups of 64 or more); gs: scale blocks a
-    MXFP4 step, block_k: inputs a 16-bit step; `splits` divides the steps."""
+    block_f: rows of a program (a multiple of 64); gs: scale blocks a MXFP4 step, block_k: inputs a
+    16-bit step; `splits` divides the steps."""
     R, parts, Nq, half_k = rows.shape
     P = idx.shape[0]
     is_packed = packed(weight)
@@ -151,10 +153,9 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 12
                          f"{list(rows.shape)} {rows.dtype}")
     if not is_packed and weight.dtype != rows.dtype:
         raise ValueError(f"16-bit experts of the rows' dtype {rows.dtype}, got {weight.dtype}")
-    if block_f % 128 or (act is not None and splits != 1):
-        raise ValueError(f"tiles of {block_f} rows (a multiple of 128); the SwiGLU takes whole sums (splits=1, got "
+    if block_f % 64 or (act is not None and splits != 1):
+        raise ValueError(f"tiles of {block_f} rows (a multiple of 64); the SwiGLU takes whole sums (splits=1, got "
                          f"{splits})")
-    half = block_f // 2  # a compute warpgroup's rows
     tiles_f = pl.cdiv(F, block_f)
     bias = jnp.pad(bias.astype(jnp.float32), ((0, 0), (0, tiles_f * block_f - F)))  # whole tiles
     if is_packed:
@@ -185,7 +186,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 12
     x_tiles = mosaic_mxfp4.TILES if is_packed else tiles(rows.dtype, block_k * 2)
     w_tiles = () if is_packed else tiles(rows.dtype, block_k * 2)
     up = act is not None
-    out_rows = half // 2 // parts  # a warpgroup's units a part (up)
+    out_rows = block_f // 2 // parts  # a program's units a part (up)
 
     def body(idx_ref, rows_ref, w_ref, *refs, o_smem, s_smem=None, s_arrived=None, w_low=None, w_high=None):
         if is_packed:
@@ -193,124 +194,109 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 12
         bias_ref, *refs = refs
         wd_ref, o_ref = refs if not up else (None, refs[0])
         j, part, slot = lax.axis_index("f"), lax.axis_index("k"), lax.axis_index("s")
-        wg = lax.axis_index("wg")
         e, used = _slot_expert(idx_ref, slot, P, E)
         first = part * per
-        row0 = j * block_f + wg * half  # this warpgroup's first row (compute warpgroups 0 and 1)
+        row0 = j * block_f  # this program's first row
         source = rows_ref.at[0 if R == 1 else slot]
 
         if not up:
-            @pl.when(~used & (wg < 2))
+            @pl.when(~used)
             def _():  # no expert holds this slot: zeros, for XLA's sum over the slots
-                o_smem[wg] = jnp.zeros((half, Nq), jnp.float32)
+                o_smem[...] = jnp.zeros((block_f, Nq), jnp.float32)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[slot, part, pl.ds(row0, half)])
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, part, pl.ds(row0, block_f)])
                 plgpu.wait_smem_to_gmem(0)
 
-        def pipeline(step, compute_context):
-            if is_packed:
-                specs = [plgpu.BlockSpec((Nq, K), lambda k: (0, first + k), transforms=x_tiles),
-                         plgpu.BlockSpec((Nq, K), lambda k: (0, first + k), transforms=x_tiles),
-                         plgpu.BlockSpec((block_f, K), lambda k: (j, first + k))]
-            else:
-                specs = [plgpu.BlockSpec((Nq, K), lambda k: (0, first + k), transforms=x_tiles),
-                         plgpu.BlockSpec((block_f, K), lambda k: (j, first + k), transforms=w_tiles)]
-            return plgpu.emit_pipeline_warp_specialized(
-                step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=stages, compute_context=compute_context, in_specs=specs)
-
+        if is_packed:
+            specs = [plgpu.BlockSpec((Nq, K), lambda k: (0, first + k), transforms=x_tiles),
+                     plgpu.BlockSpec((Nq, K), lambda k: (0, first + k), transforms=x_tiles),
+                     plgpu.BlockSpec((block_f, K), lambda k: (j, first + k))]
+        else:
+            specs = [plgpu.BlockSpec((Nq, K), lambda k: (0, first + k), transforms=x_tiles),
+                     plgpu.BlockSpec((block_f, K), lambda k: (j, first + k), transforms=w_tiles)]
         operands = ((source.at[0], source.at[1], w_ref.at[e]) if is_packed else (source.at[0], w_ref.at[e]))
-        ignore = lambda *_, **__: None  # noqa: E731
+
+        def epilogue(acc):
+            """The sums [block_f, Nq] + bias, then the SwiGLU (up) or the routing weights (down), out."""
+            b = mosaic_mxfp4.load(bias_ref.at[e], pl.ds(row0, block_f), _ROW, interpret)
+            if splits > 1:  # the bias once: in the first range's sums
+                b = b * jnp.where(part == 0, 1.0, 0.0)
+            h = acc[...] + b[:, None]
+            if up:
+                if interpret:
+                    o_smem[...] = _swiglu_split(h, parts, act).astype(o_smem.dtype)
+                else:
+                    _store_swiglu_split(h, o_smem, parts, act.alpha, act.limit)
+                plgpu.commit_smem()
+                for q in range(parts):
+                    plgpu.copy_smem_to_gmem(o_smem.at[q], o_ref.at[slot, q, :, pl.ds(row0 // 2 // parts, out_rows)])
+            else:
+                h = h * mosaic_mxfp4.load(wd_ref.at[e], pl.ds(0, Nq), _COLUMN, interpret)[None, :]
+                o_smem[...] = h
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, part, pl.ds(row0, block_f)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def column_scales(step_index, g):
+            """The program's rows' scales of scale block g of the step: [block_f] uint8, _ROW."""
+            col = (first + step_index) * gs + g
+            if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
+                col = jnp.minimum(col, G - 1)
+            if interpret:
+                return s_smem[...].reshape(block_f, G)[:, col]
+            table = s_smem.reshape(block_f * G)
+            return mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
+
+        def step_packed(index, xe, xo, codes, acc):  # [Nq, K] [Nq, K] [block_f, K]
+            for g in range(gs):
+                low, high = mosaic_mxfp4.decode_group(codes, column_scales(index[0], g), pl.ds(0, block_f), g,
+                                                      interpret, decoder)
+                cols = pl.ds(16 * g, 16)
+                if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
+                    w_low[...] = low
+                    w_high[...] = high
+                    low, high = w_low, w_high
+                plgpu.wgmma(acc, low, xe.at[:, cols].T)  # [block_f, Nq] += W_even x_even^T
+                plgpu.wgmma(acc, high, xo.at[:, cols].T)
+                if interpret:
+                    plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(0)  # before the pipeline reuses the step's buffers
+
+        def step_16bit(_, xs, ws, acc):  # [Nq, K] [block_f, K]
+            plgpu.wgmma(acc, ws, xs.T)  # [block_f, Nq] += W x^T
+            plgpu.wgmma_wait(0)
+
+        step = step_packed if is_packed else step_16bit
 
         @pl.when(used)
         def _():
             if is_packed:  # this program's rows' scales, [block_f / r, n, c], once
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds(j * (block_f // r), block_f // r)], s_smem, s_arrived)
-
+                plgpu.copy_gmem_to_smem(s_ref.at[e, pl.ds(j * (block_f // r), block_f // r)], s_smem, s_arrived)
                 plgpu.barrier_wait(s_arrived)
 
-            @functools.partial(pl.run_scoped, collective_axes="wg",
-                               allocs=pipeline(ignore, ignore).get_allocations(*operands))
-            def _(allocs):
-                mine = pl.ds(wg * half, half)
-
-                def compute_context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((half, Nq), jnp.float32))
-                    def _(acc):
-                        run(acc)
-                        b = mosaic_mxfp4.load(bias_ref.at[e], pl.ds(row0, half), _ROW, interpret)
-                        if splits > 1:  # the bias once: in the first range's sums
-                            b = b * jnp.where(part == 0, 1.0, 0.0)
-                        h = acc[...] + b[:, None]
-                        if up:
-                            if interpret:
-                                o_smem[wg] = _swiglu_split(h, parts, act).astype(o_smem.dtype)
-                            else:
-                                _store_swiglu_split(h, o_smem.at[wg], parts, act.alpha, act.limit)
-                            plgpu.commit_smem()
-                            for q in range(parts):
-                                plgpu.copy_smem_to_gmem(o_smem.at[wg, q],
-                                                        o_ref.at[slot, q, :, pl.ds(row0 // 2 // parts, out_rows)])
-                        else:
-                            h = h * mosaic_mxfp4.load(wd_ref.at[e], pl.ds(0, Nq), _COLUMN, interpret)[None, :]
-                            o_smem[wg] = h
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[slot, part, pl.ds(row0, half)])
-                        plgpu.wait_smem_to_gmem(0)
-
-                def column_scales(step_index, g):
-                    """This warpgroup's rows' scales of scale block g of the step: [half] uint8, _ROW."""
-                    col = (first + step_index) * gs + g
-                    if G % gs:  # past the last scale block (its packed bytes are zeros): any stored scale
-                        col = jnp.minimum(col, G - 1)
-                    if interpret:
-                        return lax.dynamic_slice_in_dim(s_smem[...].reshape(block_f, G)[:, col], wg * half, half)
-                    table = s_smem.reshape(block_f * G)
-                    return mosaic_mxfp4.load_rows_strided(table.at[pl.ds(wg * half * G + col, (half - 1) * G + 1)],
-                                                          half, G)
-
-                def step_packed(index, xe, xo, codes, acc):  # [Nq, K] [Nq, K] [block_f, K]
-                    for g in range(gs):
-                        low, high = mosaic_mxfp4.decode_group(codes, column_scales(index[0], g), mine, g, interpret,
-                                                              decoder)
-                        cols = pl.ds(16 * g, 16)
-                        if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
-                            w_low[wg] = low
-                            w_high[wg] = high
-                            low, high = w_low.at[wg], w_high.at[wg]
-                        plgpu.wgmma(acc, low, xe.at[:, cols].T)  # [half, Nq] += W_even x_even^T
-                        plgpu.wgmma(acc, high, xo.at[:, cols].T)
-                        if interpret:
-                            plgpu.wgmma_wait(0)
-                    plgpu.wgmma_wait(0)  # before the pipeline reuses the step's buffers
-                    return acc
-
-                def step_16bit(_, xs, ws, acc):  # [Nq, K] [block_f, K]
-                    plgpu.wgmma(acc, ws.at[mine], xs.T)  # [half, Nq] += W x^T
-                    plgpu.wgmma_wait(0)
-                    return acc
-
-                pipeline(step_packed if is_packed else step_16bit, compute_context)(*operands, allocations=allocs)
+            @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_f, Nq), jnp.float32))
+            def _(acc):
+                plgpu.emit_pipeline(lambda index, *tiles: step(index, *tiles, acc), grid=(per,), in_specs=specs,
+                                    max_concurrent_steps=stages)(*operands)
+                epilogue(acc)
 
     if up:
         # Whole tiles: the units past F / 2 (zero weights and biases) are SwiGLU(0, 0) = 0, which the
         # second kernel multiplies by its zeros past the end of its inputs.
         out_type = jax.ShapeDtypeStruct((S, parts, Nq, tiles_f * block_f // 2 // parts), rows.dtype)
-        o_smem = plgpu.SMEM((2, parts, Nq, out_rows), rows.dtype)
+        o_smem = plgpu.SMEM((parts, Nq, out_rows), rows.dtype)
     else:
         out_type = jax.ShapeDtypeStruct((S, splits, tiles_f * block_f, Nq), jnp.float32)
-        o_smem = plgpu.SMEM((2, half, Nq), jnp.float32)
+        o_smem = plgpu.SMEM((block_f, Nq), jnp.float32)
     scratch = dict(o_smem=o_smem)
     if is_packed:
         scratch.update(s_smem=plgpu.SMEM((block_f // r, n, c), jnp.uint8), s_arrived=plgpu.Barrier())
         if interpret:
-            scratch.update(w_low=plgpu.SMEM((2, half, 16), jnp.bfloat16, transforms=mosaic_mxfp4.TILES),
-                           w_high=plgpu.SMEM((2, half, 16), jnp.bfloat16, transforms=mosaic_mxfp4.TILES))
+            scratch.update(w_low=plgpu.SMEM((block_f, 16), jnp.bfloat16, transforms=mosaic_mxfp4.TILES),
+                           w_high=plgpu.SMEM((block_f, 16), jnp.bfloat16, transforms=mosaic_mxfp4.TILES))
     kernel = plgpu.kernel(
-        body, out_type=out_type, grid=(tiles_f, splits, S), grid_names=("f", "k", "s"), num_threads=3,
-        thread_name="wg", interpret=interpret_params(interpret), scratch_types=scratch)
+        body, out_type=out_type, grid=(tiles_f, splits, S), grid_names=("f", "k", "s"),
+        interpret=interpret_params(interpret), scratch_types=scratch)
     args = [idx.astype(jnp.int32), rows, flat if is_packed else weight]
     if is_packed:
         args.append(scale_table)
@@ -337,38 +323,36 @@ def as_parts(x, is_packed: bool):
     return jnp.stack([pairs_[..., 0], pairs_[..., 1]])[None]
 
 
-# Output rows a program of each kernel: on one NVIDIA H200 (docs/benchmarks.md, "Decode batches in two
-# kernels") 256 and 128 were the fastest of 128 and 256 each for MXFP4 experts at 1 and 8 tokens.
-UP_BLOCK_F, DOWN_BLOCK_F = 256, 128
+def rows_per_program(slots: int) -> int:
+    """Output rows a program of either kernel: 64 for fewer than 8 slots (one token: twice the programs
+    to spread over the SMs), 128 from 8 on. On one NVIDIA H200 (docs/benchmarks.md, "Decode batches in
+    two kernels"), gpt-oss-20b's MXFP4 experts alone: 91.3 us at one token against 114.2 with 128;
+    224.8 and 288.4 us at 8 and 16 tokens against 236.3 and 328.1 with 64."""
+    return 64 if slots < 8 else 128
 
 
 def weighted_sum(x, idx, weights, w, act, *, kernels) -> jax.Array:
     """The experts' variant "mosaic_slots" (kernels/experts/__init__.py), summed: x [N, D], idx [N, A]
     (negative: dropped), weights [N, A] -> sum over a of weights[n, a] * expert idx[n, a] (x[n]),
-    [N, D] float32, in the two kernels (`two_kernels`); 16-bit or MXFP4-packed experts. More than
-    MAX_TOKENS tokens run as "mosaic_decode"."""
+    [N, D] float32, in the two kernels; 16-bit or MXFP4-packed experts. More than MAX_TOKENS tokens
+    run as "mosaic_decode"."""
     if idx.shape[0] > MAX_TOKENS:
         y = mosaic_decode.experts(x, idx, w, act, kernels=kernels)  # [N, A, D]
         return jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1)
-    return two_kernels(x, idx, weights, w, act, interpret=kernels.interpret)
-
-
-def two_kernels(x, idx, weights, w, act, *, interpret: bool, up_block_f: int = UP_BLOCK_F,
-                down_block_f: int = DOWN_BLOCK_F):
-    """`weighted_sum` for up to MAX_TOKENS tokens, with each kernel's output rows a program given."""
     N, A = idx.shape
     Nq = padded_tokens(N)
     E = pairs.num_experts(w["mlp1_weight"])
     is_packed = packed(w["mlp1_weight"])
     D = x.shape[1]
+    block_f = rows_per_program(min(N * A, E))
     flat = jnp.where((idx >= 0) & (idx < E), idx, -1).reshape(-1).astype(jnp.int32)
     # Each token's routing weight for each expert, 0 where it picked none: [E, Nq].
     wd = jnp.sum(jnp.where(idx[..., None] == jnp.arange(E), weights[..., None].astype(jnp.float32), 0.0), axis=1)
     wd = jnp.pad(wd, ((0, Nq - N), (0, 0))).T
     rows = as_parts(jnp.pad(x.astype(jnp.bfloat16), ((0, Nq - N), (0, 0))), is_packed)
-    h = slot_matvec(rows, flat, w["mlp1_weight"], w["mlp1_bias"], act=act, interpret=interpret, block_f=up_block_f)
+    h = slot_matvec(rows, flat, w["mlp1_weight"], w["mlp1_bias"], act=act, block_f=block_f, interpret=kernels.interpret)
     S = h.shape[0]
     F = (w["mlp2_weight"].blocks.shape[2] * 32) if is_packed else w["mlp2_weight"].shape[2]
-    y = slot_matvec(h, flat, w["mlp2_weight"], w["mlp2_bias"], wd, interpret=interpret, block_f=down_block_f,
-                    **down_settings(S * pl.cdiv(D, down_block_f), F, is_packed))
+    y = slot_matvec(h, flat, w["mlp2_weight"], w["mlp2_bias"], wd, block_f=block_f, interpret=kernels.interpret,
+                    **down_settings(S * pl.cdiv(D, block_f), F, is_packed))
     return jnp.sum(y, axis=(0, 1))[:D, :N].T  # [N, D]
