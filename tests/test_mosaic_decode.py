@@ -134,6 +134,45 @@ def test_mxfp4_kernels_name_themselves_in_errors():
                                            scales, gs=3, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "mxfp4"])
+def test_the_slot_kernels_keep_only_this_devices_pairs_over_cut_tiles(dtype):
+    """kernels/experts/mosaic_slots.py through `local_experts` as on a device of a mesh holding experts
+    4 to 11 of 16: the pairs of other devices' experts (and a dropped one, -1) weigh nothing, and
+    widths of 192 cut the second kernel's last tile of 128 outputs and its last step of 6 scale
+    blocks; the jnp gather path's result on the same (decoded) experts within the noise of a bfloat16
+    run of it (measured against float32)."""
+    from gptoss_jax.kernels.experts import EXPERTS, local_experts
+    from gptoss_jax.model.moe import SwiGLU
+    from gptoss_jax.mxfp4 import MXFP4, decode
+
+    rng = np.random.default_rng(5)
+    E, D, F, N = 8, 192, 192, 3
+
+    def weight(out, inp):
+        if dtype == "mxfp4":
+            return MXFP4(jnp.asarray(rng.integers(0, 256, (E, out, inp // 32, 16), dtype=np.uint8)),
+                         jnp.asarray(rng.integers(118, 124, (E, out, inp // 32), dtype=np.uint8)))
+        return jnp.asarray(rng.standard_normal((E, out, inp)) * 0.05, jnp.bfloat16)
+
+    w = dict(mlp1_weight=weight(2 * F, D), mlp2_weight=weight(D, F),
+             mlp1_bias=jnp.asarray(rng.standard_normal((E, 2 * F)) * 0.1, jnp.bfloat16),
+             mlp2_bias=jnp.asarray(rng.standard_normal((E, D)) * 0.1, jnp.bfloat16))
+    decoded = {k: decode(v.blocks, v.scales, jnp.bfloat16) if isinstance(v, MXFP4) else v for k, v in w.items()}
+    x = jnp.asarray(rng.standard_normal((N, D)), jnp.bfloat16)
+    idx = jnp.asarray([[4, 0, 11, 7], [-1, 5, 15, 4], [12, 9, 3, 6]], jnp.int32)  # 4..11 held here
+    weights = jnp.asarray(rng.random((N, 4)), jnp.float32)
+    act = SwiGLU(1.702, 7.0)
+    kernels = gj.Kernels(interpret=True)
+
+    def run(variant, w, x):
+        return np.asarray(local_experts(x, weights, idx, w, act, first=4, variant=EXPERTS[variant], kernels=kernels))
+
+    got = run("mosaic_slots", w, x)
+    want = run("gather", decoded, x)
+    exact = run("gather", jax.tree.map(lambda a: a.astype(jnp.float32), decoded), x.astype(jnp.float32))
+    Exact.measure(want.astype(np.float64), exact.astype(np.float64), precision="bfloat16").check(got, dtype)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,experts,tokens", [("mxfp4", 32, 1), ("mxfp4", 128, 32), ("bfloat16", 32, 16)])
 def test_the_slot_kernels_lower_for_a_gpu_at_gpt_oss_shapes(dtype, experts, tokens):

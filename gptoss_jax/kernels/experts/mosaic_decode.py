@@ -43,21 +43,19 @@ def decode_settings(blocks_bound: int, F: int, D: int, *, block_f: int = 128, bl
     return dict(block_f=block_f, block_k=block_k, splits=splits_for(D // block_k, blocks_bound * -(-F // block_f)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "block_k", "stages", "splits", "interpret",
-                                             "shared_rows"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_f", "block_k", "stages", "splits", "interpret"))
 def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: int = 128, block_k: int = 64,
-                   stages: int = 4, splits: int = 1, interpret: bool = False, shared_rows: bool = False) -> jax.Array:
+                   stages: int = 4, splits: int = 1, interpret: bool = False) -> jax.Array:
     """rows [M, D] in blocks of block_m rows, block_expert [M / block_m] (each block's expert), used
     (blocks from `used` on are skipped; their outputs are undefined), w [E, F, D] of rows' dtype
     (16-bit) -> [M, F] in rows' dtype, float32 sums. block_m: a multiple of 8 up to MAX_ROWS; block_f: of
     64 (F need not be one: the last tile is cut); D: a multiple of block_k, whose steps `splits`
-    divides. `shared_rows`: rows is one block [block_m, D] that every block multiplies by its expert
-    (-> [len(block_expert) * block_m, F]; kernels/experts/mosaic_slots.py)."""
+    divides."""
     M, D = rows.shape
     E, F, _ = w.shape
     blocks = block_expert.shape[0]
-    if M != (block_m if shared_rows else blocks * block_m):
-        raise ValueError(f"{M} rows for {blocks} blocks of {block_m}" + (" (shared: one block)" if shared_rows else ""))
+    if M != blocks * block_m:
+        raise ValueError(f"{M} rows for {blocks} blocks of {block_m}")
     if not supported():
         raise RuntimeError(f"the Mosaic GPU decode matvec needs JAX >= 0.11, this is {jax.__version__}")
     if w.dtype != rows.dtype or jnp.dtype(rows.dtype).itemsize != 2:
@@ -79,7 +77,7 @@ def grouped_matvec(rows, block_expert, used, w, *, block_m: int = 8, block_f: in
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=1,
                 max_concurrent_steps=stages, compute_context=compute_context,
                 in_specs=[plgpu.BlockSpec((block_f, block_k), lambda k: (j, first + k), transforms=operand),
-                          plgpu.BlockSpec((block_m, block_k), lambda k: (0 if shared_rows else b, first + k),
+                          plgpu.BlockSpec((block_m, block_k), lambda k: (b, first + k),
                                           transforms=operand)])
 
         ignore = lambda *_, **__: None  # noqa: E731
@@ -133,10 +131,10 @@ def decode_settings_mxfp4(blocks_bound: int, F: int, G: int, *, block_m: int = 8
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_f", "gs", "stages", "splits", "interpret", "decoder",
-                                             "weights", "shared_rows"))
+                                             "weights"))
 def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: int = 8, block_f: int = 256,
                          gs: int = 3, stages: int = 3, splits: int = 1, interpret: bool = False,
-                         decoder: str = "ptx", weights: str = "registers", shared_rows: bool = False) -> jax.Array:
+                         decoder: str = "ptx", weights: str = "registers") -> jax.Array:
     """As `grouped_matvec` over MXFP4-packed experts (blocks uint8 [E, F, G, 16], scales uint8
     [E, F, G]; rows bfloat16), decoded on the chip as kernels/experts/mosaic_mxfp4.py does, products
     transposed: two warpgroups each decode half of the program's `block_f` weight rows and multiply
@@ -149,12 +147,12 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
     projections at 4 and 256 pairs, docs/benchmarks.md). Three compute warpgroups of 64 rows failed
     there (misaligned address) and four cannot get their registers. block_m: a multiple of 8 up to
     MAX_ROWS; block_f: of 128 (F need not be one: the last tile is cut); `splits` divides the
-    cdiv(G, gs) steps. `shared_rows`: as in `grouped_matvec`."""
+    cdiv(G, gs) steps."""
     M = rows.shape[0]
     E, F, G, _ = blocks.shape
     nblocks = block_expert.shape[0]
-    if M != (block_m if shared_rows else nblocks * block_m):
-        raise ValueError(f"{M} rows for {nblocks} blocks of {block_m}" + (" (shared: one block)" if shared_rows else ""))
+    if M != nblocks * block_m:
+        raise ValueError(f"{M} rows for {nblocks} blocks of {block_m}")
     steps = pl.cdiv(G, gs)
     if M % block_m or block_m % 8 or block_m > MAX_ROWS or block_f % 128 or steps % splits:
         raise ValueError(f"{M} rows in blocks of {block_m} (a multiple of 8), output tiles of {block_f} (of 128), "
@@ -177,14 +175,13 @@ def grouped_matvec_mxfp4(rows, block_expert, used, blocks, scales, *, block_m: i
         e = be_ref[b]
         s_ref = s_ref.at[b if by_block else e]
         first = part * per
-        row_block = 0 if shared_rows else b
 
         def pipeline(step, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(per,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
                 max_concurrent_steps=stages, compute_context=compute_context,
-                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (row_block, first + k), transforms=x_tiles),
-                          plgpu.BlockSpec((block_m, K), lambda k: (row_block, first + k), transforms=x_tiles),
+                in_specs=[plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
+                          plgpu.BlockSpec((block_m, K), lambda k: (b, first + k), transforms=x_tiles),
                           plgpu.BlockSpec((block_f, K), lambda k: (j, first + k)),
                           plgpu.BlockSpec((gs, block_f), lambda k: (first + k, j))])
 
@@ -253,7 +250,7 @@ def experts(x, idx, w, act, *, kernels):
     return pairs.blocked(x, idx, w, act, block=block, matmul=matmul)
 
 
-def matvec(rows, weight, block_expert, used, *, block_m: int, shared_rows: bool = False, interpret: bool):
+def matvec(rows, weight, block_expert, used, *, block_m: int, interpret: bool):
     """rows by `weight` (16-bit [E, F, D] or MXFP4-packed) in blocks of block_m rows, each block's
     expert from block_expert, with decode's settings for that many blocks: `grouped_matvec_mxfp4` or
     `grouped_matvec`."""
@@ -261,8 +258,7 @@ def matvec(rows, weight, block_expert, used, *, block_m: int, shared_rows: bool 
     if packed(weight):
         _, F, G, _ = weight.blocks.shape
         return grouped_matvec_mxfp4(rows, block_expert, used, weight.blocks, weight.scales, block_m=block_m,
-                                    shared_rows=shared_rows, interpret=interpret,
-                                    **decode_settings_mxfp4(bound, F, G, block_m=block_m))
+                                    interpret=interpret, **decode_settings_mxfp4(bound, F, G, block_m=block_m))
     _, F, D = weight.shape
-    return grouped_matvec(rows, block_expert, used, weight, block_m=block_m, shared_rows=shared_rows,
-                          interpret=interpret, **decode_settings(bound, F, D))
+    return grouped_matvec(rows, block_expert, used, weight, block_m=block_m, interpret=interpret,
+                          **decode_settings(bound, F, D))

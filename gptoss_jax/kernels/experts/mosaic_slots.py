@@ -9,13 +9,13 @@ its first pair, token-major; at most S = min(N * A, E) of them), and each kernel
 out its slot's expert from the routing itself, then multiplies the whole batch (the Nq tokens,
 padded) by its rows of that expert:
 - `up`: program (tile of mlp1's output rows, slot): + bias, then gpt-oss's clamped SwiGLU of each
-  (gate, linear) pair of rows, written as h [S, parts, Nq, F / parts], parts = 2 for MXFP4 experts
-  (the even units, then the odd ones: the two halves the second kernel's decoder multiplies), 1 for
-  16-bit ones;
+  (gate, linear) pair of rows, written as h [S, parts, Nq, F / parts] (F rounded up to whole
+  tiles), parts = 2 for MXFP4 experts (the even units, then the odd ones: the two halves the second
+  kernel's decoder multiplies), 1 for bfloat16 ones;
 - `down`: program (tile of outputs, range of the inputs, slot): h[slot] by mlp2, + bias (the first
   range), times each token's routing weight for the slot's expert (0 where the token did not pick
-  it), written as float32 partial sums y [S, ranges, D, Nq] that XLA adds (with what reads the
-  block's output). Slots no expert holds are written as zeros.
+  it), written as float32 partial sums y [S, ranges, D, Nq] (D rounded up to whole tiles) that XLA
+  adds (with what reads the block's output). Slots no expert holds are written as zeros.
 A slot's products for tokens that did not pick its expert are computed and weighted by zero: the
 tensor cores have rows to spare (they take 8 or more), and decode reads weights at the memory's rate.
 
@@ -24,7 +24,7 @@ and the tokens the narrow one. A program is one warpgroup over 64 or 128 rows (`
 it has the TMA engine bring its weight tiles (and the tokens') `stages` deep and multiplies them,
 and several programs share an SM, hiding each other's memory latency. (Three warpgroups a program,
 one bringing the tiles while two multiplied, held one program an SM, 168 registers a thread, and
-measured 13 to 20% slower on one NVIDIA H200: docs/benchmarks.md.) MXFP4 weights are decoded on the
+took 14 to 25% more time on one NVIDIA H200: docs/benchmarks.md.) MXFP4 weights are decoded on the
 chip as in kernels/experts/mosaic_mxfp4.py, their scales read as stored ([E, F, G], no transpose or
 gather per call): a program's rows' scales are copied into shared memory once, before its first step.
 
@@ -90,7 +90,7 @@ def _store_swiglu_split(h, out, parts: int, alpha: float, limit: float):
     rows in (gate, linear) pairs: unit u's are rows 2u and 2u + 1) into out [parts, Nq, rows / 2 /
     parts] (bfloat16, shared memory, untransformed): unit u at out[u % parts, :, u // parts]. A row's
     partner is held by the thread four lanes away (the wgmma layout puts rows r and r ^ 1 there),
-    so one shuffle a register brings it; the even row's thread stores the register's first token,
+    so a shuffle of each register brings it; the even row's thread stores the register's first token,
     the odd row's its second. A GPU only: interpret mode computes the same with jnp."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
@@ -131,14 +131,14 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
                 stages: int = 4, splits: int = 1, interpret: bool = False, decoder: str = "ptx") -> jax.Array:
     """One of the two kernels: rows [R, parts, Nq, K / parts] bfloat16 (R = 1: every slot's, the
     first kernel's tokens; R = S: each slot's own, the second's h), idx [P] int32 (the pairs'
-    experts), weight 16-bit [E, F, K] or MXFP4-packed (parts = 2: the rows' even and odd inputs),
+    experts), weight bfloat16 [E, F, K] or MXFP4-packed (parts = 2: the rows' even and odd inputs),
     bias [E, F] ->
-    - with `act` (the model's SwiGLU, hashable, with alpha and limit): h [S, parts, Nq, F / 2 / parts]
-      bfloat16 (`up`; splits must be 1);
+    - with `act` (the model's SwiGLU, hashable, with alpha and limit): h [S, parts, Nq, F' / 2 / parts]
+      bfloat16, F' = F rounded up to whole tiles (`up`; splits must be 1);
     - with wd [E, Nq] float32 (each token's routing weight for each expert): y [S, splits, F', Nq]
       float32, F' = F rounded up to whole tiles (`down`).
     block_f: rows of a program (a multiple of 64); gs: scale blocks a MXFP4 step, block_k: inputs a
-    16-bit step; `splits` divides the steps."""
+    bfloat16 step; `splits` divides the steps."""
     R, parts, Nq, half_k = rows.shape
     P = idx.shape[0]
     is_packed = packed(weight)
@@ -152,7 +152,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
         raise ValueError(f"rows [1 or {S}, {2 if is_packed else 1}, a multiple of 8, K / parts] bfloat16, got "
                          f"{list(rows.shape)} {rows.dtype}")
     if not is_packed and weight.dtype != rows.dtype:
-        raise ValueError(f"16-bit experts of the rows' dtype {rows.dtype}, got {weight.dtype}")
+        raise ValueError(f"bfloat16 or MXFP4-packed experts, got {weight.dtype}")
     if block_f % 64 or (act is not None and splits != 1):
         raise ValueError(f"tiles of {block_f} rows (a multiple of 64); the SwiGLU takes whole sums (splits=1, got "
                          f"{splits})")
@@ -307,7 +307,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
 
 
 def down_settings(programs: int, K: int, is_packed: bool) -> dict:
-    """Ranges of the second kernel's steps (MXFP4: of 6 scale blocks; 16-bit: of 64 inputs) so that
+    """Ranges of the second kernel's steps (MXFP4: of 6 scale blocks; bfloat16: of 64 inputs) so that
     its `programs` (slots x output tiles) times the ranges reach about two programs per SM of a large
     GPU (264), among the steps' divisors (the first kernel takes whole sums)."""
     steps = pl.cdiv(K // 32, 6) if is_packed else K // 64
@@ -334,7 +334,7 @@ def rows_per_program(slots: int) -> int:
 def weighted_sum(x, idx, weights, w, act, *, kernels) -> jax.Array:
     """The experts' variant "mosaic_slots" (kernels/experts/__init__.py), summed: x [N, D], idx [N, A]
     (negative: dropped), weights [N, A] -> sum over a of weights[n, a] * expert idx[n, a] (x[n]),
-    [N, D] float32, in the two kernels; 16-bit or MXFP4-packed experts. More than MAX_TOKENS tokens
+    [N, D] float32, in the two kernels; bfloat16 or MXFP4-packed experts. More than MAX_TOKENS tokens
     run as "mosaic_decode"."""
     if idx.shape[0] > MAX_TOKENS:
         y = mosaic_decode.experts(x, idx, w, act, kernels=kernels)  # [N, A, D]
