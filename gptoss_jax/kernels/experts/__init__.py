@@ -91,16 +91,17 @@ def _fused_block(x, norm_scale, w, config, kernels):
 # `MEASURED` below holds the decode rates that tests/test_kernels.py checks "auto" against.
 EXPERTS = {v.name: v for v in (
     # Decode batches of up to 16 tokens in two kernels, the weighted sum included, nothing sorted
-    # (kernels/experts/mosaic_slots.py), on one Hopper GPU. 16-bit experts up to 64 pairs: one NVIDIA
+    # (kernels/experts/mosaic_slots.py), on one Hopper GPU. bfloat16 experts up to 64 pairs: one NVIDIA
     # H200, 2026-11-30, bench/moe_block.py, gpt-oss-20b's block at 4, 8 and 16 tokens in 257, 400 and
     # 494 us (73 to 80% of the copy bandwidth) against 320, 451 and 513 for "mosaic_decode" (even at
     # one token, at 32 tokens slower: 727 against 566; that run's kernels had three warpgroups a
     # program, and the one-warpgroup form took 3% less at 8 tokens). MXFP4 experts from one to two
-    # pairs per expert for up to 32 experts (`MEASURED`: batches 8 and 16 on one H100, the kernel before
-    # these two; the same day on one H200 the experts alone took 0.71 and 0.79 of "mosaic_decode"'s
-    # time at batches 8 and 16, against 0.85 for that kernel's blocks; at batch 8 they took 225 us
-    # against 217 for the whole Triton block of an earlier run there: not yet measured side by side). Not for more experts: gpt-oss-120b's
-    # 128 at batch 32, 2,130 us against 671 for "auto" (every empty slot's programs still start).
+    # pairs per expert for up to 32 experts (`MEASURED`: batches 8 and 16 on one H100, the kernel
+    # before these two; the same day on one H200 the experts alone took 0.71 and 0.79 of
+    # "mosaic_decode"'s time at batches 8 and 16, against 0.85 for that kernel's blocks; at batch 8
+    # 225 us against 217 for the whole Triton block of an earlier run there: not yet measured side by
+    # side). Not for more experts: gpt-oss-120b's 128 at batch 32, 2,130 us against 671 for "auto"
+    # (every empty slot's programs still start).
     Variant("mosaic_slots", mosaic_slots.weighted_sum, needs=HOPPER, summed=True,
             auto=lambda c: c.mosaic and not c.sharded and c.experts <= 32 and (
                 (not c.packed and c.bf16 and c.pairs <= c.kernels.moe_gather_max_pairs)

@@ -25,6 +25,7 @@ blocks per row.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from .. import pairs
 from ..mosaic import interpret_params, splits_for, supported, tiles
 
 __all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "load_rows_strided",
-           "operands", "scales_by_step", "step_scales", "supported"]
+           "operands", "scale_rows", "scales_by_step", "step_scales", "supported"]
 
 TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
 
@@ -188,6 +189,20 @@ def operands(what: str, rows, blocks):
         raise ValueError(f"the {what} takes rows of {32 * G} inputs ({G} scale blocks), got {D}")
     pairs = rows.reshape(M, G, 16, 2)
     return pairs[..., 0].reshape(M, G * 16), pairs[..., 1].reshape(M, G * 16), blocks.reshape(E, F, G * 16)
+
+
+def scale_rows(scales):
+    """Scales uint8 [E, F, G] as stored, for a program to copy its rows' at once with the TMA engine
+    (whose strides are multiples of 16 bytes): [E, F / r, n, c], r rows' scales a row (r = 16 /
+    gcd(G, 16): 8 for gpt-oss's G = 90) cut into n pieces of c <= 256 bytes, and r. Read back in
+    shared memory as [rows, G] (`load_rows_strided`). F: a multiple of r."""
+    E, F, G = scales.shape
+    r = 16 // math.gcd(G, 16)
+    row_bytes = r * G
+    c = max(d for d in range(16, min(row_bytes, 256) + 1, 16) if row_bytes % d == 0)
+    if F % r:
+        raise ValueError(f"{F} outputs: a multiple of {r} (the scales' rows a TMA row)")
+    return scales.reshape(E, F // r, row_bytes // c, c), r
 
 
 def scales_by_step(scales, experts=None):

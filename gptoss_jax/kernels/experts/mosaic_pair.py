@@ -23,7 +23,6 @@ Legend: P = pairs, D = input features, F = output features, E = experts, G = D /
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +63,13 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
     P = rows.shape[0]
     E, F, G, _ = blocks.shape
     steps = pl.cdiv(G, gs)
-    r = 16 // math.gcd(G, 16)
-    if block_f % 64 or gs % 2 or steps % splits or F % r:
+    # The scales as stored, read a program's rows at once before the first step and read back as
+    # [block_f, G] (`scale_rows`). (Transposing them for each call instead took 7.6 us a layer on one
+    # H100 80GB.)
+    scales, r = mosaic_mxfp4.scale_rows(scales)
+    if block_f % 64 or gs % 2 or steps % splits:
         raise ValueError(f"output tiles of {block_f} (of 64), {steps} steps of {gs} (an even number of) scale "
-                         f"blocks split {splits} ways, {F} outputs (a multiple of {r})")
+                         f"blocks split {splits} ways")
     per = steps // splits
     x_even, x_odd, flat = mosaic_mxfp4.operands("Mosaic GPU MXFP4 pair matvec", rows, blocks)
     # [P, 2, D / 2]: a step's even and odd inputs in one buffer of 64 gs bytes. The TMA engine writes
@@ -76,14 +78,6 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
     x = jnp.stack([x_even, x_odd], axis=1)
     K = 16 * gs
     column = plgpu.Layout.WGMMA.reduce(0)  # [16]: one value per column of a [rows, 16] tile
-    # The scales as stored, [F, G] an expert, rows of G bytes: the TMA engine needs strides of
-    # multiples of 16 bytes, so they are read as [F / r, n, c] (r rows' scales a row, cut into n
-    # pieces of c <= 256 bytes), a program's rows at once before the first step, and read back as
-    # [block_f, G]. (Transposing them for each call instead took 7.6 us a layer on one H100 80GB.)
-    row_bytes = r * G
-    c = max(d for d in range(16, min(row_bytes, 256) + 1, 16) if row_bytes % d == 0)
-    n = row_bytes // c
-    scales = scales.reshape(E, F // r, n, c)
 
     def body(pe_ref, x_ref, b_ref, s_ref, o_ref, o_smem, s_smem, s_arrived):
         p, j, part = lax.axis_index("p"), lax.axis_index("n"), lax.axis_index("k")
@@ -128,7 +122,7 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
         body, out_type=jax.ShapeDtypeStruct((splits, P, tiles * block_f), jnp.float32),
         grid=(P, tiles, splits), grid_names=("p", "n", "k"), interpret=interpret_params(interpret),
         scratch_types=dict(o_smem=plgpu.SMEM((block_f,), jnp.float32),
-                           s_smem=plgpu.SMEM((block_f // r, n, c), jnp.uint8), s_arrived=plgpu.Barrier()))
+                           s_smem=plgpu.SMEM((block_f // r, *scales.shape[2:]), jnp.uint8), s_arrived=plgpu.Barrier()))
     out = kernel(pair_expert.astype(jnp.int32), x, flat, scales)
     return out[:, :, :F].sum(axis=0).astype(rows.dtype)
 

@@ -35,7 +35,6 @@ S = slots, D = embed, F = the experts' intermediate size (mlp1 has 2F rows), G =
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...mxfp4 import packed
 from . import mosaic_decode, mosaic_mxfp4
 from .. import pairs
-from ..mosaic import interpret_params, supported, tiles
+from ..mosaic import interpret_params, splits_for, supported, tiles
 
 __all__ = ["MAX_TOKENS", "slot_matvec", "supported", "weighted_sum"]
 
@@ -164,16 +163,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
             raise ValueError(f"rows of {32 * G} inputs ({G} scale blocks), got {2 * half_k}")
         steps = pl.cdiv(G, gs)
         flat = weight.blocks.reshape(E, F, 16 * G)
-        # The scales as stored, [F, G] an expert, rows of G bytes: the TMA engine takes strides of
-        # multiples of 16 bytes, so they are read as [F / r, n, c] (r rows' scales a row, in n
-        # pieces of c <= 256 bytes; r = 16 / gcd(G, 16)), a program's rows at once.
-        r = 16 // math.gcd(G, 16)
-        row_bytes = r * G
-        c = max(d for d in range(16, min(row_bytes, 256) + 1, 16) if row_bytes % d == 0)
-        n = row_bytes // c
-        if F % r or block_f % r:
-            raise ValueError(f"{F} outputs and tiles of {block_f}: multiples of {r} (the scales' rows a TMA row)")
-        scale_table = weight.scales.reshape(E, F // r, n, c)
+        scale_table, r = mosaic_mxfp4.scale_rows(weight.scales)  # as stored, a program's rows at once
         K = 16 * gs
     else:
         steps = weight.shape[2] // block_k
@@ -290,7 +280,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
         o_smem = plgpu.SMEM((block_f, Nq), jnp.float32)
     scratch = dict(o_smem=o_smem)
     if is_packed:
-        scratch.update(s_smem=plgpu.SMEM((block_f // r, n, c), jnp.uint8), s_arrived=plgpu.Barrier())
+        scratch.update(s_smem=plgpu.SMEM((block_f // r, *scale_table.shape[2:]), jnp.uint8), s_arrived=plgpu.Barrier())
         if interpret:
             scratch.update(w_low=plgpu.SMEM((block_f, 16), jnp.bfloat16, transforms=mosaic_mxfp4.TILES),
                            w_high=plgpu.SMEM((block_f, 16), jnp.bfloat16, transforms=mosaic_mxfp4.TILES))
@@ -310,17 +300,16 @@ def down_settings(programs: int, K: int, is_packed: bool) -> dict:
     """Ranges of the second kernel's steps (MXFP4: of 6 scale blocks; bfloat16: of 64 inputs) so that
     its `programs` (slots x output tiles) times the ranges reach about two programs per SM of a large
     GPU (264), among the steps' divisors (the first kernel takes whole sums)."""
-    steps = pl.cdiv(K // 32, 6) if is_packed else K // 64
-    return dict(splits=next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= 264 or d == steps)))
+    return dict(splits=splits_for(pl.cdiv(K // 32, 6) if is_packed else K // 64, programs))
 
 
-def as_parts(x, is_packed: bool):
-    """x [Nq, K] -> [1, parts, Nq, K / parts]: MXFP4's even and odd inputs (mosaic_mxfp4.operands), or x."""
-    if not is_packed:
+def as_parts(x, weight):
+    """x [Nq, K] -> [1, parts, Nq, K / parts]: for MXFP4-packed experts their even and odd inputs
+    (mosaic_mxfp4.operands), else x."""
+    if not packed(weight):
         return x[None, None]
-    Nq, K = x.shape
-    pairs_ = x.reshape(Nq, K // 2, 2)
-    return jnp.stack([pairs_[..., 0], pairs_[..., 1]])[None]
+    x_even, x_odd, _ = mosaic_mxfp4.operands("Mosaic GPU slot kernels", x, weight.blocks)
+    return jnp.stack([x_even, x_odd])[None]
 
 
 def rows_per_program(slots: int) -> int:
@@ -349,7 +338,7 @@ def weighted_sum(x, idx, weights, w, act, *, kernels) -> jax.Array:
     # Each token's routing weight for each expert, 0 where it picked none: [E, Nq].
     wd = jnp.sum(jnp.where(idx[..., None] == jnp.arange(E), weights[..., None].astype(jnp.float32), 0.0), axis=1)
     wd = jnp.pad(wd, ((0, Nq - N), (0, 0))).T
-    rows = as_parts(jnp.pad(x.astype(jnp.bfloat16), ((0, Nq - N), (0, 0))), is_packed)
+    rows = as_parts(jnp.pad(x.astype(jnp.bfloat16), ((0, Nq - N), (0, 0))), w["mlp1_weight"])
     h = slot_matvec(rows, flat, w["mlp1_weight"], w["mlp1_bias"], act=act, block_f=block_f, interpret=kernels.interpret)
     S = h.shape[0]
     F = (w["mlp2_weight"].blocks.shape[2] * 32) if is_packed else w["mlp2_weight"].shape[2]
