@@ -33,6 +33,8 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
 # whose tests run many steps on the demo model (its 201,088-token vocabulary makes each step's
 # logits and token picks the costly part) is marked `pytest.mark.optimized` and compiles at XLA's
 # default level (`_optimisation_level` below): tests/test_server.py took 120 s at it against 194 s.
+# A test that runs many steps of its own programs may carry the mark alone (the tiny model's 40
+# training steps on text: 25 s against 35 s).
 # XLA's CPU backend uses no fast-math at any level, so what the programs compute differs at most by
 # the float noise the tests measure: every test asserts the same at either level.
 # Through JAX's `jax_disable_most_optimizations` (level 0, and LLVM's expensive passes left out), read
@@ -140,7 +142,7 @@ def expected_spec(axes, shape, mesh, rules):
 def command_env(**extra: str) -> dict:
     """The environment for a command a test starts as a process: this one's without its JAX settings
     and XLA flags (the command's own flags choose its devices), the tests' optimisation level kept
-    (see the top of this file), and `extra`."""
+    (see the top of this file: the lowest, in the optimized files too), and `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
     level = {"XLA_FLAGS": _level[-1]} if LEVEL_GIVEN else {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
     return {**env, **level, **extra}
@@ -163,6 +165,18 @@ def _optimisation_level(request):
     jax.config.update("jax_disable_most_optimizations", not (LEVEL_GIVEN or optimized))
     yield
     jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
+
+
+@pytest.fixture(autouse=True)
+def _optimisation_level_of_a_test(request, _optimisation_level):
+    """A test marked `pytest.mark.optimized` in a file that is not compiles what it compiles itself at
+    XLA's default level (the commands it starts stay at the lowest: command_env); what the file's
+    fixtures compiled before it stays as it was."""
+    lowest = jax.config.read("jax_disable_most_optimizations")
+    if lowest and request.node.get_closest_marker("optimized") is not None:
+        jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", lowest)
 
 
 @pytest.fixture(autouse=True, scope="module")
