@@ -34,7 +34,7 @@ if not os.environ.get("NPROC", "").isdigit() or int(os.environ["NPROC"]) < NPROC
 # logits and token picks the costly part) is marked `pytest.mark.optimized` and compiles at XLA's
 # default level (`_optimisation_level` below): tests/test_server.py took 120 s at it against 194 s.
 # A test that runs many steps of its own programs may carry the mark alone (the tiny model's 40
-# training steps on text: 25 s against 35 s).
+# training steps on text: 26 s against 35 s).
 # XLA's CPU backend uses no fast-math at any level, so what the programs compute differs at most by
 # the float noise the tests measure: every test asserts the same at either level.
 # Through JAX's `jax_disable_most_optimizations` (level 0, and LLVM's expensive passes left out), read
@@ -169,8 +169,8 @@ def _optimisation_level(request):
 
 @pytest.fixture(autouse=True)
 def _optimisation_level_of_a_test(request, _optimisation_level):
-    """A test marked `pytest.mark.optimized` in a file that is not compiles what it compiles itself at
-    XLA's default level (the commands it starts stay at the lowest: command_env); what the file's
+    """A test marked `pytest.mark.optimized` in a file that is not marked compiles what it compiles
+    itself at XLA's default level (the commands it starts stay at the lowest: command_env); what the file's
     fixtures compiled before it stays as it was."""
     lowest = jax.config.read("jax_disable_most_optimizations")
     if lowest and request.node.get_closest_marker("optimized") is not None:

@@ -58,7 +58,7 @@ fi
 lacking=$(missing package)
 if [[ -z "$lacking" ]]; then
   say "gptoss-jax (editable) and every requirement of its test extra are installed: not running pip"
-elif [[ "$lacking" == "gptoss-jax (editable, from $PWD)" ]]; then
+elif [[ "$lacking" == "gptoss-jax (editable, from "*")" && "$lacking" != *"; "* ]]; then  # the checkout alone
   say "installing gptoss-jax (editable) alone: every requirement of its test extra is installed"
   "$PY" -m pip install -q --no-compile --no-deps -e .
 else

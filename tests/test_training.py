@@ -326,7 +326,7 @@ def learning_run(steps=120, batch=8, length=128, lr=3e-3, log=None):
 
 
 @pytest.mark.slow
-@pytest.mark.optimized  # 40 steps run: 25 s at XLA's default level, 35 s at the tests' lowest (tests/conftest.py)
+@pytest.mark.optimized  # 40 steps run: 26 s at XLA's default level, 35 s at the tests' lowest (tests/conftest.py)
 def test_the_tiny_model_learns_python_source_text():
     """Held-out bytes of the standard library: from uniform guessing (ln 1024 = 6.93 nats) to below
     3.5 nats a byte in 40 steps of 1,024 bytes (measured: 3.07; 2.61 after 120 steps, as
