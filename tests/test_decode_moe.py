@@ -107,8 +107,8 @@ def check_block(config, params, tokens, interpret):
     jaxpr = str(jax.make_jaxpr(lambda x: fused.apply({"params": params}, x))(x))
     assert "gptoss_decode_up_swiglu" in jaxpr  # the fused path ran
     exact = refs.exact_moe_block(config, params, x, precision="bfloat16")
-    exact.check(fused.apply({"params": params}, x)[0], "fused")
-    exact.check(MLPBlock(config, kernels=gj.Kernels(moe="gather")).apply({"params": params}, x)[0], "gather")
+    exact.check(jax.jit(fused.apply)({"params": params}, x)[0], "fused")
+    exact.check(jax.jit(MLPBlock(config, kernels=gj.Kernels(moe="gather")).apply)({"params": params}, x)[0], "gather")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ gives what one pass over the whole sequence gives; bad folders are refused by na
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,10 +62,10 @@ def test_a_published_head_computes_what_the_reference_computes(tmp_path, target,
     rng = np.random.default_rng(1)
     embedded, states = rng.normal(size=(2, T, D)), rng.normal(size=(2, T, 3 * D)) * 3
     (logits64, y64), (logits32, y32) = reference_outputs(reference, embedded, states)
-    head = Eagle3Head(config, param_dtype=jnp.float32)
+    head = jax.jit(Eagle3Head(config, param_dtype=jnp.float32).apply)  # one program (eagerly: an op each)
     cache = init_head_cache(config, 2, 48, jnp.float32)
-    logits, y, cache = head.apply(params, jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32),
-                                  cache, jnp.ones((2, T), bool))
+    logits, y, cache = head(params, jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32),
+                            cache, jnp.ones((2, T), bool))
     Exact.measure(logits32, logits64).check(logits, "draft logits")
     Exact.measure(y32, y64).check(y, "draft outputs")
     assert (np.asarray(cache["lengths"]) == T).all()
@@ -78,20 +80,20 @@ def test_the_cache_gives_what_one_pass_gives(tmp_path, target):
     reference = Reference(False)
     write_head(tmp_path, reference, np.arange(U) * 2)
     config, params, _ = load_eagle3(str(tmp_path), target, dtype=jnp.float32)
-    head = Eagle3Head(config, param_dtype=jnp.float32)
+    head = jax.jit(Eagle3Head(config, param_dtype=jnp.float32).apply)
     rng = np.random.default_rng(2)
     embedded, states = rng.normal(size=(2, 28, D)), rng.normal(size=(2, 28, 3 * D))
     (logits64, _), (logits32, _) = reference_outputs(reference, embedded, states)
     cache = init_head_cache(config, 2, 32, jnp.float32)
     parts = []
     for a, b in ((0, 20), (20, 24), (24, 27), (27, 28)):
-        out, _, cache = head.apply(params, jnp.asarray(embedded[:, a:b], jnp.float32),
-                                   jnp.asarray(states[:, a:b], jnp.float32), cache, jnp.ones((2, b - a), bool))
+        out, _, cache = head(params, jnp.asarray(embedded[:, a:b], jnp.float32),
+                             jnp.asarray(states[:, a:b], jnp.float32), cache, jnp.ones((2, b - a), bool))
         parts.append(out)
     Exact.measure(logits32, logits64).check(np.concatenate(parts, axis=1), "cached logits")
     embedded, states = jnp.asarray(embedded, jnp.float32), jnp.asarray(states, jnp.float32)
     cache = init_head_cache(config, 2, 16, jnp.float32)
-    _, _, cache = head.apply(params, embedded[:, :5], states[:, :5], cache, jnp.array([[True] * 5, [True] * 3 + [False] * 2]))
+    _, _, cache = head(params, embedded[:, :5], states[:, :5], cache, jnp.array([[True] * 5, [True] * 3 + [False] * 2]))
     assert list(np.asarray(cache["lengths"])) == [5, 3]
     assert not np.asarray(cache["k"])[1, 3:].any()
 
@@ -109,10 +111,10 @@ def test_the_target_captures_its_layers_outputs_as_transformers_gives_them(tiny,
     with torch.no_grad():
         h32, h64 = (hf_model(tiny, tiny_params, dtype).to(getattr(torch, dtype))(tokens, output_hidden_states=True)
                     .hidden_states for dtype in ("float32", "float64"))
-    model = Transformer(tiny, param_dtype=jnp.float32, capture=(0, 2))
-    _, whole = model.apply({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]), mutable=["intermediates"])
-    (_, _), cached = model.apply({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]),
-                                 gj.init_cache(tiny, 1, 64, jnp.float32), mutable=["intermediates"])
+    model = jax.jit(functools.partial(Transformer(tiny, param_dtype=jnp.float32, capture=(0, 2)).apply,
+                                      mutable=["intermediates"]))
+    _, whole = model({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]))
+    (_, _), cached = model({"params": tiny_params}, jnp.asarray(long_tokens[:, :40]), gj.init_cache(tiny, 1, 64, jnp.float32))
     D = tiny.hidden_size
     for state in (whole, cached):
         states = captured(state, (0, 2))

@@ -63,7 +63,7 @@ def test_every_block_matches_hf_decoder_layers(tiny, tiny_params, long_tokens):
     exact = hf_layer_outputs(tiny, tiny_params, long_tokens, inputs, "float64")
     positions = jnp.arange(long_tokens.shape[1])[None]
     for i, x in enumerate(inputs):
-        out = TransformerBlock(tiny, i).apply({"params": tiny_params[f"block_{i}"]}, jnp.asarray(x), positions)
+        out = jax.jit(TransformerBlock(tiny, i).apply)({"params": tiny_params[f"block_{i}"]}, jnp.asarray(x), positions)
         Exact.measure(ref32[i] - x, exact[i] - x).check(np.asarray(out, np.float64) - x, f"block {i}")
 
 
@@ -76,7 +76,7 @@ def test_every_block_matches_openai_blocks(tiny, tiny_params):
         with torch.no_grad():
             ref32 = model.block[i](torch.from_numpy(x[0])).double().numpy() - x[0]
             exact = model64.block[i](torch.from_numpy(x[0]).double()).numpy() - x[0]
-        out = TransformerBlock(tiny, i).apply({"params": tiny_params[f"block_{i}"]}, jnp.asarray(x), positions)
+        out = jax.jit(TransformerBlock(tiny, i).apply)({"params": tiny_params[f"block_{i}"]}, jnp.asarray(x), positions)
         Exact.measure(ref32, exact).check(np.asarray(out[0], np.float64) - x[0], f"block {i}")
 
 

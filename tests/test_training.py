@@ -64,8 +64,8 @@ def test_blockwise_attention_backward_equals_autodiff_of_the_dense_definition(wi
         (out * torch.tensor(np.asarray(weights), dtype=dtype)).sum().backward()
         return [x.grad.double().numpy() for x in inputs]
 
-    dense_grads = jax.grad(reference, argnums=(0, 1, 2, 3))(q, k, v, sinks)
-    blockwise_grads = jax.grad(blockwise, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    dense_grads = jax.jit(jax.grad(reference, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    blockwise_grads = jax.jit(jax.grad(blockwise, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
     for name, g32, g64, d, b in zip("q k v sinks".split(), torch_grads(torch.float32), torch_grads(torch.float64),
                                     dense_grads, blockwise_grads):
         exact = Exact.measure(g32, g64)

@@ -72,17 +72,22 @@ class Device:
         for part in steps.in_parts(writes, TABLE_WRITES, self.slots):
             self.tables = steps.write_tables(self.tables, self.put(part))
 
-    def prefill(self, plan: np.ndarray, tokens: np.ndarray, settings, mode: str, wants: tuple[bool, bool],
-                ending: list):
-        """prefill and pick_first (decoding/steps.py): plan [6, P] (rows, counts, starts, finishing, sampling
-        steps, fresh: the rows whose part of the cache starts at this chunk), tokens [P, C]; settings:
-        every row's (on the devices); ending: the request of each row whose prompt ends, else None ->
-        (their first tokens [P], with logprobs their log-probabilities (sampling.token_logprobs), else
-        None), on the devices."""
+    def prefill(self, plan: np.ndarray, tokens: np.ndarray):
+        """A prompt chunk's model pass (decoding/steps.py's prefill): plan [6, P] (rows, counts, starts,
+        finishing, sampling steps, fresh: the rows whose part of the cache starts at this chunk), tokens
+        [P, C] -> (logits [P, V] at each row's last real token, the plan), on the devices."""
         plan = self.put(plan)
         logits, cache, step = prefill(self.model, self.params, self._cache(), self.put(tokens), plan)
         self._keep(cache)
         self._follow(step, plan[0])
+        return logits, plan
+
+    def pick_first(self, prefilled, settings, mode: str, wants: tuple[bool, bool], ending: list):
+        """The first tokens of the rows whose prompt a prefill ended (prefilled: `prefill`'s; settings:
+        every row's, on the devices; ending: the request of each row whose prompt ends, else None) ->
+        (first tokens [P], with logprobs their log-probabilities (sampling.token_logprobs), else None),
+        on the devices."""
+        logits, plan = prefilled
         first, self.last, logprobs = self.picks.first(logits, self.last, plan, settings, mode, wants, ending)
         return first, logprobs
 

@@ -209,9 +209,10 @@ class Engine:
         outputs = []
         idle = device.picks.rows([None] * self.slots, self.scheduler.changes)[0]
         picks = list(itertools.product(MODES, ((False, False), (True, True))))  # alone; with adjust, log-probabilities
-        for P, (mode, wants) in itertools.product(self.prefill_shapes, picks):
-            plan = np.array([[self.slots] * P] + [[0] * P] * 5, np.int32)  # padding rows
-            outputs.append(device.prefill(plan, np.zeros((P, C), np.int32), idle, mode, wants, [None] * P))
+        for P in self.prefill_shapes:  # each program runs once: the picks share a pass's logits
+            prefilled = device.prefill(np.array([[self.slots] * P] + [[0] * P] * 5, np.int32),  # padding rows
+                                       np.zeros((P, C), np.int32))
+            outputs += [device.pick_first(prefilled, idle, mode, wants, [None] * P) for mode, wants in picks]
         for B in self.decode_sizes:
             decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B, [0] * B], np.int32))
             outputs += [device.pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
@@ -351,8 +352,9 @@ class Engine:
         fresh = [s is not None and s.length == s.computed_from for s in seqs]  # its part of the cache starts here
         plan = np.array([[self.slots if s is None else s.row for s in seqs], counts, starts, finishing,
                          sample_steps, fresh], np.int32)
-        first, logprobs = self.device.prefill(plan, tokens, self.row_settings()[0],
-                                              rows_mode([s.sampling for s in settings]), steps.wants(settings), ending)
+        first, logprobs = self.device.pick_first(self.device.prefill(plan, tokens), self.row_settings()[0],
+                                                 rows_mode([s.sampling for s in settings]), steps.wants(settings),
+                                                 ending)
         done = []
         for i, seq in enumerate(prefilling):
             seq.length += counts[i]

@@ -10,6 +10,8 @@ Legend: B = batch, T = positions, D = embed, V = vocab, C = positions per logits
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -65,12 +67,14 @@ def loss_terms(config: ModelConfig, params: Params, tokens: jax.Array, loss_mask
     return total, mask.sum()
 
 
+@functools.partial(jax.jit, static_argnames=("config", "label_smoothing", "kernels", "remat", "chunk", "mesh"))
 def loss(config: ModelConfig, params: Params, tokens: jax.Array, loss_mask: jax.Array, *,
          label_smoothing: float = 0.0, kernels: Kernels = Kernels(), remat: bool = False,
          chunk: int = LOGITS_CHUNK, mesh: Mesh | None = None) -> jax.Array:
     """Mean next-token cross-entropy over the tokens loss_mask [B, T] selects (a float32 scalar).
 
-    `jax.grad(loss, argnums=1)` gives the gradient for every parameter. No token selected: 0.
+    `jax.grad(loss, argnums=1)` gives the gradient for every parameter. No token selected: 0. Jitted
+    (the settings after loss_mask are static): called alone, one compiled program per shape.
     """
     total, count = loss_terms(config, params, tokens, loss_mask, label_smoothing=label_smoothing, kernels=kernels,
                               remat=remat, chunk=chunk, mesh=mesh)
