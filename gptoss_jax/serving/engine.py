@@ -209,13 +209,14 @@ class Engine:
         outputs = []
         idle = device.picks.rows([None] * self.slots, self.scheduler.changes)[0]
         picks = list(itertools.product(MODES, ((False, False), (True, True))))  # alone; with adjust, log-probabilities
-        for P in self.prefill_shapes:  # each program runs once: the picks share a pass's logits
-            prefilled = device.prefill(np.array([[self.slots] * P] + [[0] * P] * 5, np.int32),  # padding rows
-                                       np.zeros((P, C), np.int32))
-            outputs += [device.pick_first(prefilled, idle, mode, wants, [None] * P) for mode, wants in picks]
-        for B in self.decode_sizes:
-            decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B, [0] * B], np.int32))
-            outputs += [device.pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
+        with device.picks.compiling():  # the model steps run once a shape; the picks compile on their logits
+            for P in self.prefill_shapes:
+                prefilled = device.prefill(np.array([[self.slots] * P] + [[0] * P] * 5, np.int32),  # padding rows
+                                           np.zeros((P, C), np.int32))
+                outputs += [device.pick_first(prefilled, idle, mode, wants, [None] * P) for mode, wants in picks]
+            for B in self.decode_sizes:
+                decoded = device.decode(np.array([[self.slots] * B, [0] * B, [-1] * B, [0] * B], np.int32))
+                outputs += [device.pick(decoded, (idle, mode, wants), [None] * B) for mode, wants in picks]
         checked = [] if self.speculation is None else [self.speculation.warm_up(self)]
         device.picks.warm_up()
         if self.grammars is not None:

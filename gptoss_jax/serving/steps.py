@@ -118,6 +118,15 @@ def set_counts(counts, row, values):
     return counts.at[row].set(values)
 
 
+def compiled_only(put, step, *args):
+    """Compile the jitted `step` for these arguments without running it -> zeros in place of its outputs
+    (their shapes and dtypes; put: a host array onto the devices as the engine's inputs are). A later
+    `step(*args)` of the same shapes finds it compiled. (A warm-up's: a pick that sorts the vocabulary
+    takes a CPU about half a second.)"""
+    compiled = step.lower(*args).compile()
+    return jax.tree.map(lambda out: put(np.zeros(out.shape, out.dtype)), compiled.out_info)
+
+
 def in_parts(writes: list[tuple], size: int, padding: int):
     """Host writes (tuples of ints alike) as int32 arrays [len(tuple), size], one a call, padded with
     `padding` (a row past the end: the write is dropped)."""
