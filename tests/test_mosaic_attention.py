@@ -145,7 +145,7 @@ def _decode_step(config, layer, params, x, cache, lengths, kernels, dtype):
     with its parameters and cache cast to dtype -> its output in float64."""
     cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
     block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
-    out, _ = block.apply({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
+    out, _ = jax.jit(block.apply)({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
                          jax.tree.map(cast, cache), lengths, jnp.ones((x.shape[0], 1), bool))
     return np.asarray(out, np.float64)
 

@@ -104,9 +104,9 @@ def test_the_kernels_switch_runs_it(dtype, tokens, impl):
     block = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=impl, interpret=True, moe_pair_max_pairs=64))
     got = jax.jit(lambda p, x: block.apply({"params": p}, x))(params, x)
     decoded = decode_params(params)  # 16-bit experts as they are
-    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply({"params": decoded}, x)
+    want = jax.jit(MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="gather")).apply)({"params": decoded}, x)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
-    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply({"params": f32}, x.astype(jnp.float32))
+    exact = jax.jit(MLPBlock(config, jnp.float32, gj.Kernels(moe="gather")).apply)({"params": f32}, x.astype(jnp.float32))
     flat = lambda a, dtype: np.asarray(a, dtype).reshape(-1, config.hidden_size)  # noqa: E731
     Exact.measure(flat(want, np.float64), flat(exact, np.float64), precision="bfloat16").check(
         flat(got, np.float32), impl)

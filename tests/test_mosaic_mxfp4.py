@@ -113,11 +113,11 @@ def test_the_kernels_switch_runs_it(hidden, shape, reference):
     config = gj.ModelConfig.tiny().replace(hidden_size=hidden, intermediate_size=128)
     packed = random_params(config, seed=hidden, dtype="mxfp4")["block_0"]["mlp"]
     x = jax.random.normal(jax.random.key(1), shape + (config.hidden_size,), jnp.bfloat16)
-    got = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply({"params": packed}, x)
+    got = jax.jit(MLPBlock(config, jnp.bfloat16, gj.Kernels(moe="mosaic_grouped", interpret=True)).apply)({"params": packed}, x)
     decoded = decode_params(packed)
-    want = MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=reference)).apply({"params": decoded}, x)
+    want = jax.jit(MLPBlock(config, jnp.bfloat16, gj.Kernels(moe=reference)).apply)({"params": decoded}, x)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, decoded)
-    exact = MLPBlock(config, jnp.float32, gj.Kernels(moe=reference)).apply({"params": f32}, x.astype(jnp.float32))
+    exact = jax.jit(MLPBlock(config, jnp.float32, gj.Kernels(moe=reference)).apply)({"params": f32}, x.astype(jnp.float32))
     flat = lambda a, dtype: np.asarray(a, dtype).reshape(-1, hidden)  # noqa: E731
     Exact.measure(flat(want, np.float64), flat(exact, np.float64), precision="bfloat16").check(
         flat(got, np.float32), "mosaic_grouped")
