@@ -146,7 +146,7 @@ def _decode_step(config, layer, params, x, cache, lengths, kernels, dtype):
     cast = lambda a: a.astype(dtype) if a.dtype in (jnp.float32, jnp.bfloat16) else a  # noqa: E731
     block = AttentionBlock(config, layer, param_dtype=dtype, kernels=kernels)
     out, _ = jax.jit(block.apply)({"params": jax.tree.map(cast, params)}, x.astype(dtype), lengths[:, None],
-                         jax.tree.map(cast, cache), lengths, jnp.ones((x.shape[0], 1), bool))
+                                  jax.tree.map(cast, cache), lengths, jnp.ones((x.shape[0], 1), bool))
     return np.asarray(out, np.float64)
 
 

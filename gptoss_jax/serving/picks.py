@@ -34,17 +34,17 @@ class Picks:
         self._rows = None  # (the scheduler's changes when made, settings on the devices, mode, wants)
         self._all = {}  # n -> a mask [n, words] that allows every token, on the devices
         self.broken: list[tuple[Request, str]] = []  # rows whose grammar failed at the latest masks (`mask`)
-        self.running = True  # False during a warm-up (`compiling`): the picks compile without running
+        self._running = True  # False during a warm-up (`compiling`): the picks compile without running
 
     @contextlib.contextmanager
     def compiling(self):
         """The picks compile and return zeros in place of their tokens, without running (a warm-up's:
         nothing is picked for anyone, and a sort of the vocabulary costs a CPU more than compiling it)."""
-        self.running = False
+        self._running = False
         try:
             yield
         finally:
-            self.running = True
+            self._running = True
 
     def rows(self, requests: list[Request | None], changes: int):
         """Every row's settings on the devices (requests [R]: the row's, None where idle), the decode's
@@ -110,7 +110,7 @@ class Picks:
         if adjusted:
             logits = steps.adjust_rows(logits, plan, settings, self.counts, self.mask(requests))
         args = (self.mesh, mode, logits, last, plan, settings)
-        out = pick(*args) if self.running else steps.compiled_only(self._put, pick, *args)  # a tuple: its picked tokens first
+        out = pick(*args) if self._running else steps.compiled_only(self._put, pick, *args)  # a tuple: its picked tokens first
         if adjusted:
             self.counts = count(self.mesh, self.counts, plan, out[0], counted=self.counted)
         return (*out, logprobs_of(self.mesh, logits, plan, settings, out[0]) if logprobs else None)
