@@ -1,7 +1,7 @@
 """Decode tokens/s of several kernel choices on one set of synthetic full-size weights (MXFP4
 experts, or bf16 with --dtype bfloat16), one process, one GPU: each variant a `Generator` of its own, compiled and run once, then
-timed as the median of 3 greedy generations of 32 tokens after a 128-token prompt. Prints a table
-last. (docs/benchmarks.md, "Decode over MXFP4 experts: what "auto" picks".)
+timed as the median of 3 greedy generations of 32 tokens after a 128-token prompt; beside each rate,
+the kernels its decode step launches (bench/step_kernels.py). Prints a table last. (docs/benchmarks.md, "Decode over MXFP4 experts: what "auto" picks".)
 
     python bench/decode_variants.py --preset gpt-oss-20b --batches 1,4,8,16 \\
         auto= triton=moe=triton "mosaic@4/8=moe=mosaic_pair"
@@ -55,6 +55,7 @@ def main() -> None:
     from gptoss_jax.decoding.generator import Generator, batch_timings
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.testing import random_params_on_device
+    from step_kernels import kernels_per_step
 
     variants = [variant(v) for v in args.variants]
     batches = [int(b) for b in args.batches.split(",")]
@@ -66,6 +67,7 @@ def main() -> None:
     greedy = Sampling(temperature=0)
     rng = np.random.default_rng(0)
     rates: dict[tuple[int, str], float | str] = {}
+    launches: dict[tuple[int, str], int | None] = {}
     for b in batches:
         prompts = [rng.integers(0, config.vocab_size, 128).tolist() for _ in range(b)]
         for name, only, kernels, steps in variants:
@@ -74,10 +76,12 @@ def main() -> None:
             gen = Generator(config, params, max_len=128 + 32 + 16, kernels=kernels, decode_steps=steps)
             try:
                 gen.generate(prompts, max_new_tokens=32, sampling=greedy)  # compiles
+                launches[b, name] = kernels_per_step(gen.executables)
                 runs = sorted(batch_timings(gen.generate(prompts, max_new_tokens=32, sampling=greedy))
                               ["decode_tokens_per_s"] for _ in range(3))
                 rates[b, name] = runs[1]
-                print(f"batch {b} {name}: {runs[1]:.1f} tokens/s (runs {[round(r, 1) for r in runs]})", flush=True)
+                print(f"batch {b} {name}: {runs[1]:.1f} tokens/s (runs {[round(float(r), 1) for r in runs]}), "
+                      f"{launches[b, name]} kernels a step", flush=True)
             except jax.errors.JaxRuntimeError as e:
                 rates[b, name] = f"failed: {str(e)[:200]}"
                 print(f"batch {b} {name}: {rates[b, name]}", flush=True)
@@ -88,7 +92,11 @@ def main() -> None:
     for b in batches:
         cells = [rates.get((b, n), "-") for n in names]
         print(f"| {b} | " + " | ".join(f"{c:,.1f}" if isinstance(c, float) else c for c in cells) + " |")
+    print("\n| kernels a decode step, batch | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    for b in batches:
+        print(f"| {b} | " + " | ".join(str(launches.get((b, n), "-")) for n in names) + " |")
     print(json.dumps({f"b{b}_{n}": r for (b, n), r in rates.items()}))
+    print(json.dumps({f"kernels_b{b}_{n}": k for (b, n), k in launches.items()}))
 
 
 if __name__ == "__main__":
