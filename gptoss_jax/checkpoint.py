@@ -9,8 +9,11 @@
 Expert weights are stored either decoded ([E, out, in], like the parameters) or, by default, packed
 as published: `mlp1_weight` becomes {"blocks": uint8 [E, out, in/32, 16], "scales": uint8 [E, out, in/32]}
 (the on-disk form of an `mxfp4.MXFP4`, converted at this boundary) and is decoded when loaded, or
-kept packed (dtype "mxfp4"). Expert arrays are stored one expert per chunk, so that loading onto a
-mesh reads, in each process, only the experts its devices hold. Other arrays above `CHUNK_BYTES`
+kept packed (dtype "mxfp4"). Attention's q, k and v, one fused weight in the model, are stored as
+three (`q_weight` [D, N, H], `k_weight` and `v_weight` [D, K, H], and their biases), as published
+and as checkpoints written before the model fused them, which load unchanged. Expert arrays are
+stored one expert per chunk, so that loading onto a mesh reads, in each process, only the experts
+its devices hold. Other arrays above `CHUNK_BYTES`
 (the embedding and unembedding: 1.2 GB each in gpt-oss) are stored in chunks of at most that size and
 loaded a chunk at a time, so that host memory stays near one layer's size while loading too.
 """
@@ -35,6 +38,7 @@ from .metadata import META_FILE, expand, item_names, read_metadata, write_metada
 from .model.moe import EXPERT_WEIGHTS
 from .mxfp4 import DTYPE, MXFP4, packed, split_dtype, unpack_experts
 from .params import abstract_params, param_shardings
+from .stored import fuse_attention, held_form, stored_form
 from .weight import Params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
@@ -61,16 +65,6 @@ def item_spec(config: ModelConfig, storage: str, name: str) -> Params:
     return _item(storage_spec(config, storage), name)
 
 
-def _as_groups(tree):
-    """The on-disk form: every MXFP4 as its {"blocks", "scales"} group."""
-    return jax.tree.map(lambda x: {"blocks": x.blocks, "scales": x.scales} if packed(x) else x, tree, is_leaf=packed)
-
-
-def _from_groups(like, tree):
-    """Back from the on-disk form: the groups at the places `like` (the item's spec) holds an MXFP4."""
-    return jax.tree.map(lambda s, x: MXFP4(x["blocks"], x["scales"]) if packed(s) else x, like, tree, is_leaf=packed)
-
-
 def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Write one item (numpy arrays; packed experts as MXFP4) as its own Orbax checkpoint, synchronously.
 
@@ -86,7 +80,7 @@ def save_item(directory: str, name: str, tree: Params, *, chunk_bytes: int = CHU
             return ocp.SaveArgs(shard_axes=(0,) if x.shape[0] > 1 else ())  # chunks of one expert
         return ocp.SaveArgs(chunk_byte_size=chunk_bytes if x.nbytes > chunk_bytes else None)
 
-    tree = _as_groups(tree)
+    tree = stored_form(tree)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(directory, "params", name)), tree,
                       save_args=jax.tree_util.tree_map_with_path(save_args, tree))
@@ -238,14 +232,14 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
                 raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
             layout = _stored_layout(checkpointer, item_dir, name)
             _check_layout(layout, specs[name], item_dir)
-            layout = _from_groups(specs[name], layout)
+            layout = held_form(specs[name], layout)
             if shardings is None and _chunked(layout, keep_packed):
-                params.update(_restore_by_chunks(item_dir, name, layout, dtype))
+                params.update(fuse_attention(_restore_by_chunks(item_dir, name, layout, dtype)))
             elif shardings is None:
                 stored = _restore(checkpointer, item_dir, name)
-                params.update(jax.tree_util.tree_map_with_path(
-                    lambda p, x: _to_param(p, x, dtype, keep_packed), _from_groups(specs[name], stored),
-                    is_leaf=packed))
+                params.update(fuse_attention(jax.tree_util.tree_map_with_path(
+                    lambda p, x: _to_param(p, x, dtype, keep_packed), held_form(specs[name], stored),
+                    is_leaf=packed)))
             else:
                 params.update(_restore_sharded(checkpointer, item_dir, name, specs[name],
                                                _item(shardings, name), dtype, keep_packed))
@@ -259,7 +253,7 @@ def _layout(tree):
 
 def _check_layout(stored, spec, item_dir: str) -> None:
     """ValueError unless a stored item (on-disk form: packed experts as groups) matches its spec."""
-    got, want = _layout(stored), _layout(_as_groups(spec))
+    got, want = _layout(stored), _layout(stored_form(spec))
     if got != want:
         raise ValueError(f"{item_dir}: contents do not match config.json (expected {want}, found {got})")
 
@@ -387,11 +381,11 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
         return jax.ShapeDtypeStruct(leaf.shape, _param_dtype(path, dtype), sharding=param_sharding)
 
     targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=packed)
-    stored = _from_groups(spec, _restore(checkpointer, item_dir, name, _as_groups(targets)))
-    if keep_packed:
-        return stored
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if packed(x) else x, stored, is_leaf=packed)
+    stored = held_form(spec, _restore(checkpointer, item_dir, name, stored_form(targets)))
+    if not keep_packed:
+        stored = jax.tree_util.tree_map_with_path(
+            lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if packed(x) else x, stored, is_leaf=packed)
+    return fuse_attention(stored, shardings)
 
 
 def _unpack_sharded(weight: MXFP4, param_sharding, dtype: str) -> jax.Array:

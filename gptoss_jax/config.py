@@ -110,6 +110,7 @@ class ModelConfig:
             "embed": self.hidden_size,
             "q_heads": self.num_attention_heads,
             "kv_heads": self.num_key_value_heads,
+            "qkv": self.q_per_kv + 2,  # a KV head's query heads, its key and its value (attention.py)
             "head_dim": self.head_dim,
             "experts": self.num_experts,
             # Expert input projection: gate and linear halves interleaved, 2 * intermediate outputs.

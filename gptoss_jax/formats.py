@@ -38,7 +38,7 @@ class Source:
 @dataclasses.dataclass(frozen=True)
 class Rule:
     sources: tuple[Source, ...]
-    targets: tuple[str, ...]  # parameter paths, "/"-joined: "block_0/attn/q_weight"
+    targets: tuple[str, ...]  # parameter paths, "/"-joined: "block_0/attn/qkv_weight"
     to_ours: Callable[..., tuple[np.ndarray, ...]] | None = None
     from_ours: Callable[..., tuple[np.ndarray, ...]] | None = None
     packed: bool = False
@@ -71,6 +71,25 @@ def _head_rules(c: ModelConfig, embed: str, unembed: str, norm: str) -> list[Rul
     ]
 
 
+def qkv_part(fused, name: str):
+    """The q, k or v part (`name` "q_weight", "k_weight", "v_weight", or a bias) of our fused weight
+    [D, K, G + 2, H] (for each KV head: its G query heads, its key, its value) or bias [K, G + 2, H],
+    laid out as if declared alone: q [D, N, H], k and v [D, K, H] (biases without D). numpy or JAX."""
+    K, G, H = fused.shape[-3], fused.shape[-2] - 2, fused.shape[-1]
+    if name[0] == "q":
+        return fused[..., :G, :].reshape(*fused.shape[:-3], K * G, H)
+    return fused[..., G if name[0] == "k" else G + 1, :]
+
+
+def fuse_qkv(q, k, v):
+    """q [D, N, H], k and v [D, K, H] (or the three biases, without D) -> our fused weight
+    [D, K, G + 2, H] (`qkv_part` takes it apart). numpy or JAX."""
+    xp = q.__array_namespace__()
+    K, H = k.shape[-2:]
+    q = q.reshape(*q.shape[:-2], K, q.shape[-2] // K, H)
+    return xp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+
+
 def _proj_in(heads: int, c: ModelConfig):
     """[heads * H, D] (torch) <-> [D, heads, H] (ours), and the bias [heads * H] <-> [heads, H]."""
     H, D = c.head_dim, c.hidden_size
@@ -86,6 +105,17 @@ def _out_proj(c: ModelConfig):
     return (lambda x: (x.T.reshape(N, H, D),), lambda x: (x.reshape(N * H, D).T,))
 
 
+def _qkv(q_in, k_in):
+    """Our fused q, k, v (weight or bias) <-> the three parts in torch's layout, through each part's
+    own transform (`_proj_in`'s): (q, k, v) -> (fused,), fused -> (q, k, v)."""
+    def to_ours(q, k, v):
+        return (fuse_qkv(q_in[0](q)[0], k_in[0](k)[0], k_in[0](v)[0]),)
+
+    def from_ours(x):
+        return q_in[1](qkv_part(x, "q"))[0], k_in[1](qkv_part(x, "k"))[0], k_in[1](qkv_part(x, "v"))[0]
+    return to_ours, from_ours
+
+
 def _packed(c: ModelConfig, blocks: str, scales: str, target: str, out: int, inp: int) -> Rule:
     groups = inp // 32
     return Rule((Source(blocks, (c.num_experts, out, groups, 16), UINT8),
@@ -98,25 +128,17 @@ def _original_rules(c: ModelConfig) -> list[Rule]:
     splits = np.cumsum([N * H, K * H])
     (qw, qb), (kw, kb) = _proj_in(N, c), _proj_in(K, c)
 
-    def qkv_w(x):  # [(N + 2K) H, D] -> q [D, N, H], k [D, K, H], v [D, K, H]
-        q, k, v = np.split(x, splits, axis=0)
-        return qw[0](q)[0], kw[0](k)[0], kw[0](v)[0]
-
-    def qkv_b(x):
-        q, k, v = np.split(x, splits)
-        return qb[0](q)[0], kb[0](k)[0], kb[0](v)[0]
+    def fused(q_in, k_in):  # the published qkv [(N + 2K) H, ...]: q's rows, then k's, then v's
+        to_ours, from_ours = _qkv(q_in, k_in)
+        return lambda x: to_ours(*np.split(x, splits, axis=0)), lambda x: (np.concatenate(from_ours(x)),)
 
     rules = _head_rules(c, "embedding.weight", "unembedding.weight", "norm.scale")
     for n in range(c.num_hidden_layers):
         s, t = f"block.{n}.", f"block_{n}/"
-        qkv = tuple(t + f"attn/{x}" for x in ("q_weight", "k_weight", "v_weight"))
-        qkv_bias = tuple(t + f"attn/{x}" for x in ("q_bias", "k_bias", "v_bias"))
         rules += [
             _rule(Source(s + "attn.norm.scale", (D,)), t + "attn/norm/scale"),
-            Rule((Source(s + "attn.qkv.weight", ((N + 2 * K) * H, D)),), qkv, qkv_w,
-                 lambda q, k, v: (np.concatenate([qw[1](q)[0], kw[1](k)[0], kw[1](v)[0]]),)),
-            Rule((Source(s + "attn.qkv.bias", ((N + 2 * K) * H,)),), qkv_bias, qkv_b,
-                 lambda q, k, v: (np.concatenate([qb[1](q)[0], kb[1](k)[0], kb[1](v)[0]]),)),
+            _rule(Source(s + "attn.qkv.weight", ((N + 2 * K) * H, D)), t + "attn/qkv_weight", *fused(qw, kw)),
+            _rule(Source(s + "attn.qkv.bias", ((N + 2 * K) * H,)), t + "attn/qkv_bias", *fused(qb, kb)),
             _rule(Source(s + "attn.sinks", (N,)), t + "attn/sinks"),
             _rule(Source(s + "attn.out.weight", (D, N * H)), t + "attn/out_weight", *_out_proj(c)),
             _rule(Source(s + "attn.out.bias", (D,)), t + "attn/out_bias"),
@@ -134,14 +156,15 @@ def _original_rules(c: ModelConfig) -> list[Rule]:
 def _hf_rules(c: ModelConfig, packed: bool) -> list[Rule]:
     N, K, H, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
     E, F = c.num_experts, c.intermediate_size
+    (qw, qb), (kw, kb) = _proj_in(N, c), _proj_in(K, c)
     rules = _head_rules(c, "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
     for n in range(c.num_hidden_layers):
         s, t = f"model.layers.{n}.", f"block_{n}/"
         rules += [_rule(Source(s + "input_layernorm.weight", (D,)), t + "attn/norm/scale")]
-        for x, heads in (("q", N), ("k", K), ("v", K)):
-            w, b = _proj_in(heads, c)
-            rules += [_rule(Source(s + f"self_attn.{x}_proj.weight", (heads * H, D)), t + f"attn/{x}_weight", *w),
-                      _rule(Source(s + f"self_attn.{x}_proj.bias", (heads * H,)), t + f"attn/{x}_bias", *b)]
+        for kind, inner, parts in (("weight", (D,), _qkv(qw, kw)), ("bias", (), _qkv(qb, kb))):
+            sources = tuple(Source(s + f"self_attn.{x}_proj.{kind}", (heads * H,) + inner)
+                            for x, heads in (("q", N), ("k", K), ("v", K)))
+            rules.append(Rule(sources, (t + f"attn/qkv_{kind}",), *parts))
         e = s + "mlp.experts."
         rules += [
             _rule(Source(s + "self_attn.sinks", (N,)), t + "attn/sinks"),

@@ -52,6 +52,7 @@ RULES: dict[str, str | None] = {
     "act_embed": None,
     "q_heads": "tensor",
     "kv_heads": "tensor",
+    "qkv": None,  # the fused q, k, v weight splits over its KV heads (attention.py)
     "head_dim": None,
     "experts": "expert",
     "mlp_fused": "tensor",

@@ -24,7 +24,7 @@ def host(x) -> np.ndarray:
 
 
 def by_path(tree) -> dict[str, np.ndarray]:
-    """A pytree as {"block_0/attn/q_weight": host array} (host(): float64 kept, else float32)."""
+    """A pytree as {"block_0/attn/qkv_weight": host array} (host(): float64 kept, else float32)."""
     return {"/".join(str(k.key) for k in path): host(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -215,7 +215,17 @@ def merge_host(params, adapters, lora, dtype=np.float64):
     for path, ab, spec in _lora_sites(adapters):
         *parents, leaf = path.split("/")
         node = functools.reduce(dict.__getitem__, parents, out)
-        node[leaf] = node[leaf] + dtype(lora.scale) * np.einsum(spec, *(np.asarray(ab[x], dtype) for x in "ab"))
+        delta = dtype(lora.scale) * np.einsum(spec, *(np.asarray(ab[x], dtype) for x in "ab"))
+        if leaf in node:
+            node[leaf] = node[leaf] + delta
+        else:  # q, k or v: a part of the fused attention weight
+            fused = node["qkv_weight"].copy()
+            G = fused.shape[-2] - 2
+            if leaf[0] == "q":
+                fused[..., :G, :] += delta.reshape(fused[..., :G, :].shape)
+            else:
+                fused[..., G if leaf[0] == "k" else G + 1, :] += delta
+            node["qkv_weight"] = fused
     return out
 
 
@@ -227,14 +237,16 @@ def adapter_gradients(weight_grads: dict[str, np.ndarray], adapters, lora):
         a_word, rest = spec.split(",")
         b_word, w_word = rest.split("->")
         a, b = (np.asarray(ab[x], np.float64) for x in "ab")
-        g = np.asarray(weight_grads[path], np.float64)
+        layer, module, name = path.split("/")
+        g = np.asarray(weight_grads[path] if path in weight_grads else
+                       formats.qkv_part(weight_grads[f"{layer}/{module}/qkv_weight"], name), np.float64)
         out[f"{path}/a"] = lora.scale * np.einsum(f"{w_word},{b_word}->{a_word}", g, b)
         out[f"{path}/b"] = lora.scale * np.einsum(f"{a_word},{w_word}->{b_word}", a, g)
     return out
 
 
 def reference_gradients(config: ModelConfig, params, tokens, mask, dtype: str, lora=None, adapters=None):
-    """transformers' mean loss and the gradient of what is trained, by our path ("block_0/attn/q_weight",
+    """transformers' mean loss and the gradient of what is trained, by our path ("block_0/attn/qkv_weight",
     or with LoRA "block_0/attn/q_weight/a"), float64 numpy. With adapters: transformers on the weights
     merged exactly (merge_host; rounded to float32 for a float32 run), the chain rule in float64."""
     weights = params if lora is None else merge_host(params, adapters, lora)

@@ -13,6 +13,7 @@ import gptoss_jax as gj
 from noise import Exact
 from gptoss_jax.convert.cli import main as convert_main
 from gptoss_jax.testing import write_synthetic_checkpoint
+from gptoss_jax.stored import stored_form
 
 LAYOUTS = ("original", "hf-mxfp4", "hf-bf16")
 
@@ -344,7 +345,7 @@ def test_arrays_stored_in_chunks_load_a_chunk_at_a_time(sources, tmp_path, monke
     monkeypatch.setattr(checkpoint, "_place", lambda whole, part, start: placed.append(part.nbytes) or
                         place(whole, part, start))
     _, packed = gj.load_checkpoint(tmp_path / "ckpt", dtype="mxfp4")
-    chex.assert_trees_all_equal(checkpoint._as_groups(packed), jax_tree_cast(stored, ml_dtypes.bfloat16))  # as on disk
+    chex.assert_trees_all_equal(stored_form(packed), jax_tree_cast(stored, ml_dtypes.bfloat16))  # as on disk
     assert len(placed) > 20 and max(placed) <= 8192
     _, f32 = gj.load_checkpoint(tmp_path / "ckpt", dtype="float32")  # experts decoded on the host
     for name in ("embedding", "unembedding"):
@@ -373,3 +374,31 @@ def test_allocator_arenas_can_be_limited():
     from gptoss_jax.hostmem import limit_allocator_arenas
 
     assert limit_allocator_arenas() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+def test_checkpoints_store_q_k_v_apart_as_published(tiny, tmp_path):
+    """The model's fused q, k, v weight is stored as the three parts the published checkpoints name
+    (so checkpoints written before the model fused them load unchanged), and loading fuses them back
+    exactly: on one device, and onto a mesh with the KV heads split."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import PartitionSpec
+
+    from gptoss_jax import formats
+    from gptoss_jax.checkpoint import save_checkpoint
+    from gptoss_jax.testing import random_params
+
+    params = random_params(tiny, seed=1, dtype=jnp.bfloat16)
+    save_checkpoint(tmp_path, tiny, params)
+    attn = ocp.StandardCheckpointer().restore((tmp_path / "params" / "block_0").absolute())["block_0"]["attn"]
+    fused = np.asarray(params["block_0"]["attn"]["qkv_weight"])
+    assert "qkv_weight" not in attn and attn["q_weight"].shape == (tiny.hidden_size, tiny.num_attention_heads,
+                                                                   tiny.head_dim)
+    for name in ("q_weight", "k_weight", "v_weight"):
+        np.testing.assert_array_equal(np.asarray(attn[name]), formats.qkv_part(fused, name))
+    mesh = gj.make_mesh(expert=4, tensor=2)
+    for kwargs in ({}, {"mesh": mesh}):
+        _, back = gj.load_checkpoint(tmp_path, **kwargs)
+        chex.assert_trees_all_equal(jax.tree.map(np.asarray, back), jax.tree.map(np.asarray, params))
+    assert back["block_0"]["attn"]["qkv_weight"].sharding.spec == PartitionSpec(None, "tensor", None, None)

@@ -29,6 +29,21 @@ def test_rules_cover_every_parameter_once_and_invert(tiny, layout):
             np.testing.assert_array_equal(a, b)
 
 
+def test_the_fused_attention_weight_holds_each_kv_heads_queries_then_its_key_and_value():
+    """[D, K, G + 2, H]: KV head k's slots are query heads k * G ... k * G + G - 1, its key, its value
+    (query head n reads KV head n // G); `qkv_part` gives each part back as declared alone."""
+    rng = np.random.default_rng(0)
+    D, K, G, H = 3, 2, 4, 5
+    q, k, v = rng.standard_normal((D, K * G, H)), rng.standard_normal((D, K, H)), rng.standard_normal((D, K, H))
+    fused = formats.fuse_qkv(q, k, v)
+    assert fused.shape == (D, K, G + 2, H)
+    np.testing.assert_array_equal(fused[:, 1, 2], q[:, 1 * G + 2])
+    np.testing.assert_array_equal(fused[:, 1, G], k[:, 1])
+    np.testing.assert_array_equal(fused[:, 0, G + 1], v[:, 0])
+    for name, part in (("q_weight", q), ("k_weight", k), ("v_weight", v), ("q_bias", q[0])):
+        np.testing.assert_array_equal(formats.qkv_part(fused if name.endswith("weight") else fused[0], name), part)
+
+
 def test_layout_detection():
     assert formats.detect_layout({"num_experts": 32}, ["block.0.attn.sinks"]) == formats.ORIGINAL
     hf = {"model_type": "gpt_oss"}

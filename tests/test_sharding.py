@@ -325,7 +325,7 @@ def test_a_vocabulary_that_tensor_does_not_divide_is_replicated(tiny):
     placed = jax.device_put(params, param_shardings(config, mesh))
     assert placed["embedding"].sharding.spec == PartitionSpec(None, None)
     assert placed["unembedding"].sharding.spec == PartitionSpec(None, None)
-    assert placed["block_0"]["attn"]["q_weight"].sharding.spec != PartitionSpec(None, None, None)  # heads still split
+    assert placed["block_0"]["attn"]["qkv_weight"].sharding.spec != PartitionSpec(None, None, None, None)  # heads split
     assert sh.describe(mesh, config).endswith("; replicated: vocab (283 on tensor=2)")
     assert "replicated" not in sh.describe(mesh, tiny)  # 1024 ids divide
     rng = np.random.default_rng(3)

@@ -9,6 +9,11 @@ Attention is softmax([q.k * scale, sink]) @ v with the sink column dropped:
   exactly (`fold_sinks`, kernels/combine.py): one part without a cache; with one, the cache's earlier positions
   (or the sliding ring) and the new tokens.
 
+q, k and v are one weight [D, K, G + 2, H] (`WEIGHTS["qkv_weight"]`; `formats.qkv_part` takes it
+apart): one product, where three products of 4,096, 512 and 512 columns each start and end on
+their own, which at decode costs more than reading their weights (docs/benchmarks.md, "One user's
+decode step"). Checkpoints hold the three apart, as published (checkpoint.py).
+
 Legend: B = batch, T = query positions, S = key positions, D = embed, N = query heads,
 K = KV heads, G = query heads per KV head (N = K * G, head n reads KV head n // G), H = head dim.
 """
@@ -23,29 +28,36 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ..config import ModelConfig
+from ..formats import qkv_part
 from ..kernels import Kernels, attention_blockwise, attention_reference, fold_sinks
 from ..weight import Weight, declare, low_rank
 from .cache import layout_of
 from .layers import RMSNorm, apply_rope, rope_tables
 
-__all__ = ["AttentionBlock", "attention_blockwise", "attention_reference"]
-
-# Tokens per call from which the q, k and v products are kept apart (prompts; see __call__).
-SEPARATE_PROJECTIONS_FROM = 256
+__all__ = ["AttentionBlock", "attention_blockwise", "attention_reference", "with_qkv_part"]
 
 
-def _product(t: jax.Array, weight: jax.Array) -> jax.Array:
-    """t [B, T, D] times a k or v weight [D, K, H] -> [B, T, K, H].
+def _projection(t: jax.Array, weight: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """t [B, T, D] times the fused weight [D, K, G + 2, H] -> [B, T, K, G + 2, H].
 
-    A single row (batch-1 decode) goes in twice: XLA's GPU compiler rewrites a one-row product whose
-    operands hold fewer than 10M elements (k and v: 2880 x 512) into an elementwise product written
-    out in full and a reduction, 6 times the weight's bytes; two rows keep it a matrix product. The
-    barriers keep the simplifier from taking the second row back out.
+    A single row (batch-1 decode) goes in twice where a device holds under 10M of the weight's
+    elements (a mesh's share): XLA's GPU compiler rewrites a one-row product with smaller operands
+    into an elementwise product written out in full and a reduction, 6 times the weight's bytes; two
+    rows keep it a matrix product. The barriers keep the simplifier from taking the second row back out.
     """
-    if t.shape[0] * t.shape[1] != 1:
-        return jnp.einsum("btd,dkh->btkh", t, weight)
+    shards = 1 if mesh is None else mesh.shape.get("tensor", 1)
+    if t.shape[0] * t.shape[1] != 1 or weight.size // shards >= 10_000_000:
+        return jnp.einsum("btd,dkch->btkch", t, weight)
     two = jax.lax.optimization_barrier(jnp.concatenate([t, t], axis=1))  # [1, 2, D]
-    return jax.lax.optimization_barrier(jnp.einsum("btd,dkh->btkh", two, weight))[:, :1]
+    return jax.lax.optimization_barrier(jnp.einsum("btd,dkch->btkch", two, weight))[:, :1]
+
+
+def with_qkv_part(fused: jax.Array, name: str, part: jax.Array) -> jax.Array:
+    """`fused` (JAX) with its q, k or v part (as `formats.qkv_part` gives it) replaced by `part`."""
+    K, G = fused.shape[-3], fused.shape[-2] - 2
+    if name[0] == "q":
+        return fused.at[..., :G, :].set(part.reshape(*fused.shape[:-3], K, G, fused.shape[-1]))
+    return fused.at[..., G if name[0] == "k" else G + 1, :].set(part)
 
 
 class AttentionBlock(nn.Module):
@@ -57,16 +69,23 @@ class AttentionBlock(nn.Module):
     kernels: Kernels = Kernels()
     mesh: Mesh | None = None
     WEIGHTS: ClassVar = {
-        "q_weight": Weight(("embed", "q_heads", "head_dim"), inputs=("embed",)),
-        "q_bias": Weight(("q_heads", "head_dim"), init="zeros"),
-        "k_weight": Weight(("embed", "kv_heads", "head_dim"), inputs=("embed",)),
-        "k_bias": Weight(("kv_heads", "head_dim"), init="zeros"),
-        "v_weight": Weight(("embed", "kv_heads", "head_dim"), inputs=("embed",)),
-        "v_bias": Weight(("kv_heads", "head_dim"), init="zeros"),
+        # q, k and v as one product: for each KV head, its query heads, its key, its value.
+        "qkv_weight": Weight(("embed", "kv_heads", "qkv", "head_dim")),
+        "qkv_bias": Weight(("kv_heads", "qkv", "head_dim"), init="zeros"),
         "sinks": Weight(("q_heads",)),
         "out_weight": Weight(("q_heads", "head_dim", "embed"), inputs=("q_heads", "head_dim")),
         "out_bias": Weight(("embed",), init="zeros"),
     }
+    # The parts of qkv_weight that low-rank adapters adapt one by one (as peft's q_proj, k_proj and
+    # v_proj), each laid out as if declared alone (`formats.qkv_part`).
+    PARTS: ClassVar = {
+        "q_weight": Weight(("embed", "q_heads", "head_dim"), inputs=("embed",)),
+        "k_weight": Weight(("embed", "kv_heads", "head_dim"), inputs=("embed",)),
+        "v_weight": Weight(("embed", "kv_heads", "head_dim"), inputs=("embed",)),
+    }
+    PARTS_OF: ClassVar = "qkv_weight"
+    part = staticmethod(qkv_part)
+    with_part = staticmethod(with_qkv_part)
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
@@ -79,22 +98,17 @@ class AttentionBlock(nn.Module):
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
         t = RMSNorm(cfg, name="norm")(x)
-        tq = tk = tv = t
-        if x.shape[0] * x.shape[1] >= SEPARATE_PROJECTIONS_FROM:
-            # XLA's GPU compiler merges the three products of one input into one, concatenating
-            # their weights (30 MB a layer) on every call; three distinct inputs keep them apart.
-            tq, tk, tv = jax.lax.optimization_barrier((t, t, t))
-        q = jnp.einsum("btd,dnh->btnh", tq, w["q_weight"]) + w["q_bias"]
-        k = _product(tk, w["k_weight"]) + w["k_bias"]
-        v = _product(tv, w["v_weight"]) + w["v_bias"]
-        # Low-rank adapters, where training added them (params.adapter): 0 otherwise.
-        q = q + low_rank(self, "q_weight", tq, "btd,dr->btr", "btr,rnh->btnh")
-        k = k + low_rank(self, "k_weight", tk, "btd,dr->btr", "btr,rkh->btkh")
-        v = v + low_rank(self, "v_weight", tv, "btd,dr->btr", "btr,rkh->btkh")
-        cos, sin = rope_tables(cfg, positions)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         B, T = x.shape[:2]
-        q = q.reshape(B, T, cfg.num_key_value_heads, cfg.q_per_kv, cfg.head_dim)  # [B, T, K, G, H]
+        K, G = cfg.num_key_value_heads, cfg.q_per_kv
+        y = _projection(t, w["qkv_weight"], self.mesh) + w["qkv_bias"]  # [B, T, K, G + 2, H]
+        q, k, v = y[:, :, :, :G], y[:, :, :, G], y[:, :, :, G + 1]
+        # Low-rank adapters, where training added them (params.adapter): 0 otherwise.
+        q_lora = low_rank(self, "q_weight", t, "btd,dr->btr", "btr,rnh->btnh")  # [B, T, N, H]
+        q = (q.reshape(B, T, K * G, -1) + q_lora).reshape(q.shape)
+        k = k + low_rank(self, "k_weight", t, "btd,dr->btr", "btr,rkh->btkh")
+        v = v + low_rank(self, "v_weight", t, "btd,dr->btr", "btr,rkh->btkh")
+        cos, sin = rope_tables(cfg, positions)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q [B, T, K, G, H], k [B, T, K, H]
         sinks = w["sinks"].reshape(cfg.num_key_value_heads, cfg.q_per_kv)  # [K, G]
         window = cfg.sliding_window if cfg.is_sliding(self.layer) else None
         ops = self.kernels.attention_ops(T, q.dtype, mesh=self.mesh)

@@ -7,7 +7,8 @@ adds the adapters where it finds them next to their weight (`weight.adapter`, na
 base weights are never rewritten while training. `merge` folds the adapters into the weights for
 inference: W + (alpha / r) a @ b, laid out as W.
 
-Which weights, by group (`TARGETS`): "attention" (the q, k, v and output projections), "router",
+Which weights, by group (`TARGETS`): "attention" (the q, k, v and output projections; q, k and v are
+parts of one fused weight, each adapted on its own as in peft), "router",
 "experts" (both expert matrices). The shapes come from the weights' own declarations (WEIGHTS
 tables, `Weight.inputs` and `Weight.adapter_axes`): a weight's axes split into expert axes (leading,
 one adapter per expert), input axes and output axes.
@@ -58,7 +59,9 @@ class LoraConfig:
 
 
 def _weight(module: str, name: str) -> Weight:
-    return _BLOCKS[module].WEIGHTS[name]
+    """The declaration of an adaptable weight, or of an adaptable part of a fused one (a block's PARTS)."""
+    block = _BLOCKS[module]
+    return block.WEIGHTS[name] if name in block.WEIGHTS else block.PARTS[name]
 
 
 def input_axes(module: str, name: str) -> tuple[str, ...]:
@@ -133,10 +136,16 @@ def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
     cast to W's dtype); the result runs without the adapters."""
     out = dict(params)
     for layer, module, name, ab in _nodes(adapters):
-        w = params[layer][module][name]
+        block = _BLOCKS[module]
+        part = name not in block.WEIGHTS  # a part of a fused weight (q, k or v of qkv_weight)
+        held = block.PARTS_OF if part else name
+        whole = out[layer][module][held]
+        w = block.part(whole, name) if part else whole
         delta = jnp.einsum(_merge_einsum(module, name), ab["a"].astype(jnp.float32),
                            ab["b"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        merged = (w.astype(jnp.float32) + lora.scale * delta).astype(w.dtype)
         out[layer] = dict(out[layer])
-        out[layer][module] = dict(out[layer][module], **{name: (w.astype(jnp.float32) + lora.scale * delta).astype(w.dtype)})
+        merged = block.with_part(whole, name, merged) if part else merged
+        out[layer][module] = dict(out[layer][module], **{held: merged})
     return out
 
