@@ -11,8 +11,8 @@ Attention is softmax([q.k * scale, sink]) @ v with the sink column dropped:
 
 q, k and v are one weight [D, K, G + 2, H] (`WEIGHTS["qkv_weight"]`; `formats.qkv_part` takes it
 apart): one product, where three products of 4,096, 512 and 512 columns each start and end on
-their own, which at decode costs more than reading their weights (docs/benchmarks.md, "One user's
-decode step"). Checkpoints hold the three apart, as published (checkpoint.py).
+their own: at decode the three cost more than reading their weights (docs/benchmarks.md, "q, k and v
+as one weight"). Checkpoints hold the three apart, as published (stored.py).
 
 Legend: B = batch, T = query positions, S = key positions, D = embed, N = query heads,
 K = KV heads, G = query heads per KV head (N = K * G, head n reads KV head n // G), H = head dim.
