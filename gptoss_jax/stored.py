@@ -16,7 +16,11 @@ from .mxfp4 import MXFP4, packed
 
 def _part(x, name: str):
     """The q, k or v part of a fused attention weight or bias: an array's (numpy: contiguous, as
-    stored), or a `jax.ShapeDtypeStruct`'s, its sharding's spec without the fused axis."""
+    stored), a `jax.ShapeDtypeStruct`'s (its sharding's spec without the fused axis), or its logical
+    axes' (q's on query heads)."""
+    if isinstance(x, (tuple, PartitionSpec)):  # logical axes
+        *lead, kv, _, last = x
+        return PartitionSpec(*lead, "q_heads" if name[0] == "q" else kv, last)
     if not isinstance(x, jax.ShapeDtypeStruct):
         part = qkv_part(x, name)
         return np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
@@ -28,13 +32,13 @@ def _part(x, name: str):
     return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
 
 
-def _split_attention(tree):
+def split_attention(tree):
     """The tree with attention's fused q, k, v weight and bias as the three parts the published
     checkpoints name (`q_weight`, `k_weight`, `v_weight` and their biases; model/attention.py fuses
     them): how checkpoints store them."""
     if not isinstance(tree, dict):
         return tree
-    tree = {k: _split_attention(v) for k, v in tree.items()}
+    tree = {k: split_attention(v) for k, v in tree.items()}
     if "qkv_weight" in tree:
         w, b = tree.pop("qkv_weight"), tree.pop("qkv_bias")
         tree.update({f"{x}_{kind}": _part(a, x) for x in "qkv" for kind, a in (("weight", w), ("bias", b))})
@@ -42,7 +46,7 @@ def _split_attention(tree):
 
 
 def fuse_attention(tree, shardings=None):
-    """Back from `_split_attention`: each attention's parts fused (into `shardings`' layout, a tree
+    """Back from `split_attention`: each attention's parts fused (into `shardings`' layout, a tree
     like the fused one, where given)."""
     if not isinstance(tree, dict):
         return tree
@@ -58,14 +62,14 @@ def fuse_attention(tree, shardings=None):
 
 
 def stored_form(tree):
-    """The on-disk form: attention's q, k, v apart (`_split_attention`), every MXFP4 as its
+    """The on-disk form: attention's q, k, v apart (`split_attention`), every MXFP4 as its
     {"blocks", "scales"} group."""
     return jax.tree.map(lambda x: {"blocks": x.blocks, "scales": x.scales} if packed(x) else x,
-                        _split_attention(tree), is_leaf=packed)
+                        split_attention(tree), is_leaf=packed)
 
 
 def held_form(like, tree):
     """Back from the on-disk groups: an MXFP4 where `like` (the item's spec) holds one. The attention
     parts stay apart (`fuse_attention` joins them once read)."""
     return jax.tree.map(lambda s, x: MXFP4(x["blocks"], x["scales"]) if packed(s) else x,
-                        _split_attention(like), tree, is_leaf=packed)
+                        split_attention(like), tree, is_leaf=packed)

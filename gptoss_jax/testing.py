@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .drafts.base import DeviceDraft, DraftContext, Proposal
 from .mxfp4 import MXFP4, packed_shape, split_dtype
 from .params import abstract_params, logical_axes, packable_names, param_shardings
+from .stored import fuse_attention, split_attention
 from .weight import Params, at_path
 
 # Matrices get gain / sqrt(fan_in), fan_in the product of their input axes ("embed" unless listed).
@@ -69,8 +70,12 @@ def random_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Para
         value = draw_weight(rng, name, tuple(spec), leaf.shape)
         return jnp.asarray(value, jnp.float32 if name == "scale" else dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, abstract_params(config, jnp.float32), logical_axes(config),
-                                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    # Drawn as checkpoints store them (q, k and v apart, in the order of their names), then fused:
+    # the same values as before the model fused q, k and v, so the demo model did not change.
+    drawn = jax.tree_util.tree_map_with_path(draw, split_attention(abstract_params(config, jnp.float32)),
+                                             split_attention(logical_axes(config)),
+                                             is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return fuse_attention(drawn)
 
 
 def _path_specs(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
