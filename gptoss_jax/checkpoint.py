@@ -38,7 +38,7 @@ from .metadata import META_FILE, expand, item_names, read_metadata, write_metada
 from .model.moe import EXPERT_WEIGHTS
 from .mxfp4 import DTYPE, MXFP4, packed, split_dtype, unpack_experts
 from .params import abstract_params, param_shardings
-from .stored import fuse_attention, held_form, stored_form
+from .stored import fuse_attention, from_groups, stored_form
 from .weight import Params, at_path
 
 EXPERT_STORAGES = ("mxfp4", "bfloat16", "float32")
@@ -232,13 +232,13 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, mesh=None,
                 raise ValueError(f"{item_dir}: missing checkpoint item {name!r}")
             layout = _stored_layout(checkpointer, item_dir, name)
             _check_layout(layout, specs[name], item_dir)
-            layout = held_form(specs[name], layout)
+            layout = from_groups(specs[name], layout)
             if shardings is None and _chunked(layout, keep_packed):
                 params.update(fuse_attention(_restore_by_chunks(item_dir, name, layout, dtype)))
             elif shardings is None:
                 stored = _restore(checkpointer, item_dir, name)
                 params.update(fuse_attention(jax.tree_util.tree_map_with_path(
-                    lambda p, x: _to_param(p, x, dtype, keep_packed), held_form(specs[name], stored),
+                    lambda p, x: _to_param(p, x, dtype, keep_packed), from_groups(specs[name], stored),
                     is_leaf=packed)))
             else:
                 params.update(_restore_sharded(checkpointer, item_dir, name, specs[name],
@@ -381,7 +381,7 @@ def _restore_sharded(checkpointer, item_dir: str, name: str, spec: Params, shard
         return jax.ShapeDtypeStruct(leaf.shape, _param_dtype(path, dtype), sharding=param_sharding)
 
     targets = jax.tree_util.tree_map_with_path(target, spec, is_leaf=packed)
-    stored = held_form(spec, _restore(checkpointer, item_dir, name, stored_form(targets)))
+    stored = from_groups(spec, _restore(checkpointer, item_dir, name, stored_form(targets)))
     if not keep_packed:
         stored = jax.tree_util.tree_map_with_path(
             lambda p, x: _unpack_sharded(x, at_path(shardings, p), dtype) if packed(x) else x, stored, is_leaf=packed)

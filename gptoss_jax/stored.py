@@ -68,7 +68,7 @@ def stored_form(tree):
                         split_attention(tree), is_leaf=packed)
 
 
-def held_form(like, tree):
+def from_groups(like, tree):
     """Back from the on-disk groups: an MXFP4 where `like` (the item's spec) holds one. The attention
     parts stay apart (`fuse_attention` joins them once read)."""
     return jax.tree.map(lambda s, x: MXFP4(x["blocks"], x["scales"]) if packed(s) else x,
