@@ -236,6 +236,8 @@ def main() -> None:
     parser.add_argument("--long", default="64,256", help="long: concurrencies")
     parser.add_argument("--uniform", default="256,512,1024", help="uniform 1k/1k: concurrencies")
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--kv-dtype", default="bf16",
+                        help="the KV cache's storage, bf16 or fp8, or both (bf16,fp8): every part run with each, in turn")
     parser.add_argument("--logprobs-share", type=float, default=0.0,
                         help="uniform: also run each concurrency with this share of the requests asking for "
                              "log-probabilities (5 alternatives), on the same engine")
@@ -287,14 +289,15 @@ def main() -> None:
         t = time.perf_counter()
         engine = Engine(config, params,
                         EngineConfig(slots=slots, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(rows, slots),
-                                     max_waiting=100_000, page_size=args.page_size,
+                                     max_waiting=100_000, page_size=args.page_size, kv_dtype=kv_dtype,
                                      decode_sizes=(*sizes, slots) if args.one_decode_size else None, **kw),
                         tokenizer=tokenizer, kernels=kernels)
         engine.warm_up()
         engine.submit(list(range(16)), Settings(max_new_tokens=4))  # the first steps' host paths, untimed
         engine.run_until_idle()
         engine.start()
-        print(f"engine: {slots} slots, {engine.scheduler.pages.count} pages ({engine.pool_tokens:,} positions), "
+        print(f"engine: {slots} slots, {engine.scheduler.pages.count} pages ({engine.pool_tokens:,} positions) "
+              f"in {kv_dtype}, "
               f"warm-up {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         return engine
 
@@ -304,45 +307,47 @@ def main() -> None:
         gc.collect()
 
     def record(name, s):
+        name = f"{name}, {kv_dtype} cache" if "," in args.kv_dtype else name
         out["runs"][name] = s
         print(f"{name}: {json.dumps(s)}", file=sys.stderr, flush=True)
 
-    if "agents" in parts:
-        for reuse in (r == "on" for r in args.reuse.split(",")):
-            engine = engine_for(args.agent_slots, min(32_768, config.max_context_length), prefix_reuse=reuse)
-            record(f"agents, reuse {'on' if reuse else 'off'}", run_agents(engine, config, args, Settings, greedy))
-            close(engine)
-    if "uniform" in parts:
-        for c in (int(x) for x in args.uniform.split(",")):
-            engine = engine_for(c, 2048, sizes=(1,) if args.constrained_share else ())
-            prompts = workload(config.vocab_size, c, "all", argparse.Namespace(prompt=1024))[0]  # serve_20b.py's
+    for kv_dtype in args.kv_dtype.split(","):
+        if "agents" in parts:
+            for reuse in (r == "on" for r in args.reuse.split(",")):
+                engine = engine_for(args.agent_slots, min(32_768, config.max_context_length), prefix_reuse=reuse)
+                record(f"agents, reuse {'on' if reuse else 'off'}", run_agents(engine, config, args, Settings, greedy))
+                close(engine)
+        if "uniform" in parts:
+            for c in (int(x) for x in args.uniform.split(",")):
+                engine = engine_for(c, 2048, sizes=(1,) if args.constrained_share else ())
+                prompts = workload(config.vocab_size, c, "all", argparse.Namespace(prompt=1024))[0]  # serve_20b.py's
 
-            def fresh(k):  # the prompts of the engine's k-th run: none of them in its cache from the runs before
-                return [[(t + k) % config.vocab_size for t in p] for p in prompts]
+                def fresh(k):  # the prompts of the engine's k-th run: none of them in its cache from the runs before
+                    return [[(t + k) % config.vocab_size for t in p] for p in prompts]
 
-            record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
-            if args.logprobs_share:
-                record(f"uniform 1k/1k, c={c}, {args.logprobs_share:.0%} with logprobs",
-                       run_batch(engine, fresh(1), [1024] * c, Settings, greedy, args.logprobs_share))
-            if args.constrained_share:
-                record(f"uniform 1k/1k, c={c}, {args.constrained_share:.0%} constrained",
-                       run_batch(engine, fresh(2), [1024] * c, Settings, greedy, constrained_share=args.constrained_share))
-                for k, share in ((3, 0.0), (4, 1.0)):  # one request alone: time per token without and with the grammar
-                    record(f"1k/1k alone{', constrained' if share else ''}",
-                           run_batch(engine, fresh(k)[:1], [1024], Settings, greedy, constrained_share=share))
-            close(engine)
-    context = config.max_context_length  # 131,072 for gpt-oss
-    if "long" in parts:
-        for c in (int(x) for x in args.long.split(",")):
-            prompts, replies = long_workload(config.vocab_size, c, context)
-            engine = engine_for(c, context)
-            record(f"long, c={c}, paged", run_batch(engine, prompts, replies, Settings, greedy))
-            static = max(1, engine.pool_tokens // context)  # what [slots, 131072] holds in the same memory
-            close(engine)
-            engine = engine_for(static, context)
-            record(f"long, c={c}, {static} sequences (a static cache's)", run_batch(engine, prompts, replies, Settings,
-                                                                                     greedy))
-            close(engine)
+                record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
+                if args.logprobs_share:
+                    record(f"uniform 1k/1k, c={c}, {args.logprobs_share:.0%} with logprobs",
+                           run_batch(engine, fresh(1), [1024] * c, Settings, greedy, args.logprobs_share))
+                if args.constrained_share:
+                    record(f"uniform 1k/1k, c={c}, {args.constrained_share:.0%} constrained",
+                           run_batch(engine, fresh(2), [1024] * c, Settings, greedy, constrained_share=args.constrained_share))
+                    for k, share in ((3, 0.0), (4, 1.0)):  # one request alone: time per token without and with the grammar
+                        record(f"1k/1k alone{', constrained' if share else ''}",
+                               run_batch(engine, fresh(k)[:1], [1024], Settings, greedy, constrained_share=share))
+                close(engine)
+        context = config.max_context_length  # 131,072 for gpt-oss
+        if "long" in parts:
+            for c in (int(x) for x in args.long.split(",")):
+                prompts, replies = long_workload(config.vocab_size, c, context)
+                engine = engine_for(c, context)
+                record(f"long, c={c}, paged", run_batch(engine, prompts, replies, Settings, greedy))
+                static = max(1, engine.pool_tokens // context)  # what [slots, 131072] holds in the same memory
+                close(engine)
+                engine = engine_for(static, context)
+                record(f"long, c={c}, {static} sequences (a static cache's)", run_batch(engine, prompts, replies, Settings,
+                                                                                         greedy))
+                close(engine)
     out["peak_gib"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
     print_results(out, args)
 

@@ -122,11 +122,12 @@ def sharding(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, *, what: str
     return NamedSharding(mesh, spec(axes, shape, mesh, what=what, state=state))
 
 
-def constrain(x: jax.Array, axes: Sequence[str], mesh: Mesh | None) -> jax.Array:
-    """Pin an activation's layout inside jit (a no-op without a mesh)."""
+def constrain(x: Any, axes: Sequence[str], mesh: Mesh | None) -> Any:
+    """Pin an activation's layout inside jit (a no-op without a mesh). Over a pytree, a leaf of fewer
+    axes takes the leading ones (FP8 storage's exponents, one per vector of keys)."""
     if mesh is None:
         return x
-    return jax.lax.with_sharding_constraint(x, sharding(axes, x.shape, mesh))
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding(axes[:a.ndim], a.shape, mesh)), x)
 
 
 # Meshes ---------------------------------------------------------------------------------------------
@@ -158,9 +159,10 @@ CACHE_AXES = ("batch", "cache_slots", "kv_heads", "head_dim")
 
 
 def cache_shardings(cache_shapes: Any, mesh: Mesh) -> Any:
-    """NamedShardings for a KV cache pytree (cache.py): lengths on `data`, k and v by CACHE_AXES."""
+    """NamedShardings for a KV cache pytree (cache.py): lengths on `data`, k and v by CACHE_AXES (FP8
+    storage's exponents by its leading three)."""
     def one(path, leaf):
-        axes = ("batch",) if path[-1].key == "lengths" else CACHE_AXES
+        axes = ("batch",) if path[-1].key == "lengths" else CACHE_AXES[:len(leaf.shape)]
         return sharding(axes, leaf.shape, mesh, what=f"KV cache {path_name(path)}")
 
     return jax.tree_util.tree_map_with_path(one, cache_shapes)

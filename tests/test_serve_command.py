@@ -248,7 +248,7 @@ def test_the_start_up_says_what_the_kv_cache_holds(idle):
     sequences of --max-context 128: two full pages each, and their sliding layers' pages)."""
     process, _ = idle
     line = next(line for line in process.stderr.splitlines() if "KV cache:" in line)
-    said = re.fullmatch(r"gptoss-serve: KV cache: (\d+) pages of 64 positions \((\d+) tokens\), [\d.]+ MiB", line)
+    said = re.fullmatch(r"gptoss-serve: KV cache: (\d+) pages of 64 positions \((\d+) tokens\) in float32, [\d.]+ MiB", line)
     assert said, line
     pages, tokens = int(said[1]), int(said[2])
     assert tokens == 64 * pages and pages >= 2 * 2, line
@@ -256,14 +256,17 @@ def test_the_start_up_says_what_the_kv_cache_holds(idle):
 
 @needs_vocab
 def test_the_kv_cache_flags_reach_the_engine_and_a_pool_too_small_is_said():
-    """--page-size, --kv-memory-gb and --no-prefix-cache make the pool the start-up line describes; a
-    pool that cannot hold one request of --max-context stops the server, exit 1, before compiling,
-    with a line naming both flags."""
-    code = ended(process := serve("--page-size", "32", "--kv-memory-gb", "0.0001", "--no-prefix-cache"), 120)
+    """--page-size, --kv-memory-gb, --kv-dtype and --no-prefix-cache make the pool the start-up line
+    describes; a pool that cannot hold one request of --max-context stops the server, exit 1, before
+    compiling, with a line naming both flags."""
+    code = ended(process := serve("--page-size", "32", "--kv-memory-gb", "0.000026", "--kv-dtype", "fp8",
+                                  "--no-prefix-cache"), 120)
     lines = process.stderr.splitlines()
     assert code == 1, process.stderr
-    # 0.0001 GiB in pages of 16 KiB (the demo model: 2 storages, 32 positions of 2 x 2 x 16 float32 each)
-    assert "gptoss-serve: KV cache: 6 pages of 32 positions (192 tokens), 0.1 MiB; prefix cache off" in lines, lines
+    # 0.000026 GiB in pages of 4.25 KiB (the demo model: 2 storages, 32 positions of 2 x 2 vectors of
+    # 16 values, each vector 17 bytes in FP8)
+    assert "gptoss-serve: KV cache: 6 pages of 32 positions (192 tokens) in FP8 (e4m3), 25.5 KiB; prefix cache off" \
+        in lines, lines
     assert lines[-1].startswith("error: the KV cache's 6 pages (192 positions) cannot hold one request of "
                                 "--max-context 128, which needs 9"), lines
     assert "--kv-memory-gb" in lines[-1] and "compiling" not in process.stderr

@@ -414,6 +414,7 @@ def test_a_row_whose_settings_raise_in_the_step_fails_alone(engine, traffic, cap
 
 
 @pytest.mark.slow
+@needs_vocab
 def test_a_grammar_that_fails_as_it_goes_ends_its_request_alone_as_its_own_error(model, traffic):
     """llguidance finds a `$ref` loop only when it first computes what may follow: that request ends
     as the client's error (`invalid`), the greedy requests beside it get their exact tokens."""

@@ -55,6 +55,7 @@ def parse_ids(text: str) -> list[int]:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_flags(p)
+    loading.add_kv_flag(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
     src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file (- for standard input)")
@@ -199,7 +200,7 @@ def _run(args, signals: Signals) -> int:
         print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
               file=sys.stderr)
     stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
-    generator = Generator(config, params, max_len=max_len, decode_steps=args.decode_steps)
+    generator = Generator(config, params, max_len=max_len, decode_steps=args.decode_steps, kv_dtype=args.kv_dtype)
     if interactive:
         from .repl import chat_loop  # the chat's modules: imported only when it runs
 

@@ -26,6 +26,15 @@ def add_flags(p: argparse.ArgumentParser, *, mxfp4: bool = True, checkpoint_help
                    help=(dtype_help or default_help) + ("; " + MXFP4_HELP if mxfp4 else ""))
 
 
+def add_kv_flag(p: argparse.ArgumentParser) -> None:
+    """--kv-dtype, for the commands that keep a KV cache."""
+    p.add_argument("--kv-dtype", choices=["bf16", "fp8"], default=None,
+                   help="the KV cache's storage: bf16, or fp8 (e4m3, each vector of keys or values with its own "
+                        "power-of-two scale: 1.97 times the tokens in the same memory, attention read back at "
+                        "e4m3's precision, 2^-4 of each value at most; docs/serving.md) (default: the activations' "
+                        "dtype, --dtype)")
+
+
 def packed_experts(args) -> bool:
     """Whether the experts stay packed on the device (--dtype mxfp4), for start-up messages."""
     from ..mxfp4 import split_dtype

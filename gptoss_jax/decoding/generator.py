@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from .. import fp8
 from ..config import ModelConfig
 from ..drafts.base import GIVEN, Draft, on_devices
 from ..model.cache import init_cache
@@ -84,15 +85,18 @@ class Generator:
     Each compiled step (a prefill chunk shape, the first tokens' pick, the decode call) is compiled
     ahead of time once and kept, so that timings can tell compilation from prefill and decode, and
     a new prompt length inside a bucket compiles nothing new. `decode_steps`: decode steps per call
-    to the devices (a loop there; the tokens do not depend on it).
+    to the devices (a loop there; the tokens do not depend on it). `kv_dtype`: the cache's storage,
+    "bf16" or "fp8" (e4m3 with a power-of-two scale per vector, fp8.py); None: the activations' dtype.
     """
 
     def __init__(self, config: ModelConfig, params: Params, *, max_len: int, kernels: Kernels = Kernels(),
-                 prefill_chunk: int | None = None, prefill_tokens: int = 8192, decode_steps: int = 8):
+                 prefill_chunk: int | None = None, prefill_tokens: int = 8192, decode_steps: int = 8,
+                 kv_dtype: str | None = None):
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
         self.config, self.params, self.max_len, self.kernels = config, params, max_len, kernels
         self.dtype = params["embedding"].dtype
+        self.kv_dtype = fp8.cache_dtype(kv_dtype, self.dtype)  # the cache's storage: "bf16", "fp8" (fp8.py), None: dtype
         if prefill_chunk is None:  # fused attention holds no [chunk, keys] scores: fewer, larger steps
             prefill_chunk = kernels.prompt_chunk(self.dtype)
         if decode_steps < 1:
@@ -183,7 +187,7 @@ class Generator:
         put = functools.partial(on_every_device, mesh=self.mesh)
         settings = tuple(put(x) for x in row_settings(sampling, seed, B))  # row b seeded seed + b
         mode = rows_mode([sampling])
-        cache = init_cache(self.config, B, self.max_len, self.dtype, mesh=self.mesh)
+        cache = init_cache(self.config, B, self.max_len, self.kv_dtype, mesh=self.mesh)
         last = put(np.zeros(B, np.int32))  # each row's latest token, on the devices
         stateful = on_devices(draft) and bool(draft.capture)  # (an EAGLE-3 head)
         model = Model(self.config, self.kernels, self.mesh, draft.capture if stateful else ())

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .. import fp8
 from .loops import late_map
 
 MASKED = -1e30  # finite, so a fully masked block gives exp(-huge) = 0 rather than NaN
@@ -106,7 +107,7 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
         def visit(j, carry):
             m, denom, acc = carry
             first = jnp.minimum(j * bk, S - bk)
-            k_blk, v_blk = _key_block(k, first, bk, table), _key_block(v, first, bk, table)  # [B, bk, K, H]
+            k_blk, v_blk = _key_block(k, first, bk, table, q.dtype), _key_block(v, first, bk, table, q.dtype)  # [B, bk, K, H]
             k_pos = first + jnp.arange(bk)
             seen = (k_pos[None] < kv_len[:, None]) & (k_pos[None] >= j * bk)
             k_pos = jnp.where(seen, k_pos[None], -1)  # [B, bk]; -1 never visible
@@ -116,7 +117,7 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
             denom = denom * alpha + p.sum(axis=-1)
-            pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+            pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
             return m_new, denom, acc * alpha[..., None] + pv
 
         m_init = jnp.broadcast_to(m0[None, :, :, None], (B, K, G, bq))
@@ -132,11 +133,13 @@ def blockwise(q, k, v, *, window: int | None, q_pos=None, kv_len=None, q_block: 
     return o, lse
 
 
-def _key_block(x, first, size: int, table):
-    """Keys [first, first + size) of every sequence: a slice of x [B, S, K, H], or through the page
-    table [B, W] the pages of a pool [N, P, K, H] that hold them (first a multiple of P)."""
+def _key_block(x, first, size: int, table, dtype):
+    """Keys [first, first + size) of every sequence in `dtype`: a slice of x [B, S, K, H], or through
+    the page table [B, W] the pages of a pool [N, P, K, H] that hold them (first a multiple of P);
+    x an array or FP8 storage."""
     if table is None:
-        return jax.lax.dynamic_slice_in_dim(x, first, size, axis=1)
+        return fp8.read(fp8.apply(lambda a: jax.lax.dynamic_slice_in_dim(a, first, size, axis=1), x), dtype)
     P = x.shape[1]
     pages = jax.lax.dynamic_slice_in_dim(table, first // P, size // P, axis=1)  # [B, size / P]
-    return jnp.take(x, pages, axis=0, mode="clip").reshape(table.shape[0], size, *x.shape[2:])
+    taken = fp8.read(fp8.apply(lambda a: jnp.take(a, pages, axis=0, mode="clip"), x), dtype)
+    return taken.reshape(table.shape[0], size, *x.shape[2:])

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from .. import fp8
 from ..config import ModelConfig
 from ..formats import qkv_part
 from ..kernels import Kernels, attention_blockwise, attention_reference, fold_sinks
@@ -116,7 +117,7 @@ class AttentionBlock(nn.Module):
             # The cache's earlier positions (the contiguous cache's or the pool's, cache.layout_of) and
             # the new tokens among themselves (padding follows the real tokens, so causality hides it),
             # two parts combined with the sinks.
-            k, v = k.astype(layer_cache["k"].dtype), v.astype(layer_cache["v"].dtype)
+            k, v = fp8.rounded(layer_cache["k"], k), fp8.rounded(layer_cache["v"], v)  # as the cache keeps them
             before, new_cache = layout_of(layer_cache).attend(ops, q, k, v, layer_cache, positions, lengths, valid,
                                                               window, self.mesh)
             o = fold_sinks([before, ops.causal(q, k, v, window)], sinks, q.dtype)

@@ -16,8 +16,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from .. import fp8
 from ..config import ModelConfig
 from ..kernels import ring
 from ..sharding import CACHE_AXES, cache_shardings, constrain, zeros_on_devices
@@ -34,11 +34,11 @@ def slots(config: ModelConfig, layer: int, max_len: int) -> int:
 
 
 def cache_shapes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> dict:
-    """The cache's `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    """The cache's `jax.ShapeDtypeStruct`s (nothing allocated); float8_e4m3fn: FP8 storage (fp8.py)."""
     cache: dict = {"lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
     for n in range(config.num_hidden_layers):
         shape = (batch, slots(config, n, max_len), config.num_key_value_heads, config.head_dim)
-        cache[f"block_{n}"] = {"k": jax.ShapeDtypeStruct(shape, dtype), "v": jax.ShapeDtypeStruct(shape, dtype)}
+        cache[f"block_{n}"] = {x: fp8.storage_shapes(shape, dtype) for x in ("k", "v")}
     return cache
 
 
@@ -60,7 +60,7 @@ def _layout(config: ModelConfig, batch: int, max_len: int, dtype, mesh) -> tuple
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:
-    per_slot = 2 * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    per_slot = 2 * config.num_key_value_heads * fp8.vector_bytes(config.head_dim, dtype)
     return batch * per_slot * sum(slots(config, n, max_len) for n in range(config.num_hidden_layers))
 
 
@@ -73,7 +73,7 @@ def ring_positions(lengths: jax.Array, size: int) -> jax.Array:
 
 def max_positions(cache: dict) -> int:
     """The max_len the cache was made for (the largest layer's slot count)."""
-    return max(int(np.shape(layer["k"])[1]) for name, layer in cache.items() if name != "lengths")
+    return max(int(layer["k"].shape[1]) for name, layer in cache.items() if name != "lengths")
 
 
 class Contiguous:
@@ -92,18 +92,19 @@ class Contiguous:
         cache_k, cache_v = layer_cache["k"], layer_cache["v"]  # [B, S, K, H]
         B, S = cache_k.shape[:2]
         T = k.shape[1]
+        new = {"k": fp8.like(cache_k, k), "v": fp8.like(cache_v, v)}
         if window is None:
             before = ops.prefix(q, cache_k, cache_v, jnp.minimum(lengths, S))
             at = jnp.where(valid, positions, S)  # out of range -> dropped
             rows = jnp.arange(B)[:, None]
-            written = {"k": cache_k.at[rows, at].set(k, mode="drop"), "v": cache_v.at[rows, at].set(v, mode="drop")}
+            write = lambda a, x: a.at[rows, at].set(x, mode="drop")  # noqa: E731
         else:
             before = ring(q, cache_k, cache_v, ring_positions(lengths, S), positions, window)
             new_pos = ring_positions(lengths + valid.sum(axis=1), S)  # [B, S]
-            from_new = (new_pos >= lengths[:, None])[..., None, None]
-            index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)[..., None, None]  # [B, S, 1, 1]
-            written = {"k": jnp.where(from_new, jnp.take_along_axis(k, index, axis=1), cache_k),
-                       "v": jnp.where(from_new, jnp.take_along_axis(v, index, axis=1), cache_v)}
+            from_new = new_pos >= lengths[:, None]
+            index = jnp.clip(new_pos - lengths[:, None], 0, T - 1)  # [B, S]
+            write = lambda a, x: jnp.where(_lead(from_new, a), jnp.take_along_axis(x, _lead(index, x), axis=1), a)  # noqa: E731
+        written = {name: fp8.scatter(layer_cache[name], write, new[name]) for name in ("k", "v")}
         # Kept in the layout it came in, so that donating it reuses its buffers.
         return before, {name: constrain(a, CACHE_AXES, mesh) for name, a in written.items()}
 
@@ -128,13 +129,19 @@ class Contiguous:
             if config.is_sliding(int(name.split("_")[1])):
                 # A slot whose position (for the kept length) is from this step holds it in `written`
                 # (T <= S, so no later position of the step took the slot); any other, in `before`.
-                from_step = (ring_positions(new_lengths, S) >= lengths[:, None])[..., None, None]  # [B, S, 1, 1]
-                out[name] = {x: jnp.where(from_step, layer[x], before[name][x]) for x in ("k", "v")}
+                from_step = ring_positions(new_lengths, S) >= lengths[:, None]  # [B, S]
+                keep = lambda a, b: jnp.where(_lead(from_step, a), a, b)  # noqa: E731
+                out[name] = {x: fp8.scatter(layer[x], keep, before[name][x]) for x in ("k", "v")}
             else:
                 at = jnp.where(dropped, lengths[:, None] + jnp.arange(T)[None], S)  # out of range -> dropped
                 rows = jnp.arange(B)[:, None]
-                out[name] = {x: layer[x].at[rows, at].set(0, mode="drop") for x in ("k", "v")}
+                out[name] = {x: fp8.apply(lambda a: a.at[rows, at].set(0, mode="drop"), layer[x]) for x in ("k", "v")}
         return out
+
+
+def _lead(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x [B, S] with trailing axes of 1 to broadcast against `like` [B, S, ...] (keys, or FP8 exponents)."""
+    return x.reshape(x.shape + (1,) * (like.ndim - x.ndim))
 
 
 def layout_of(cache: dict):

@@ -24,12 +24,15 @@ sequences), W = table width (pages of the longest context), B = sequences of one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import fp8
 from ..config import ModelConfig
 from ..kernels import write_pages
 from ..sharding import constrain, sharding, zeros_on_devices
@@ -37,6 +40,16 @@ from ..sharding import constrain, sharding, zeros_on_devices
 FULL, SLIDING = 0, 1
 POOL_SHARE = 0.85  # of the device memory free after the weights, for the pool when no size is given
 POOL_AXES = ("kv_pages", "page_slots", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    """A pool's pages: `pages` of `page_size` positions, keys and values stored in `dtype`
+    (float8_e4m3fn: FP8 storage, fp8.py)."""
+
+    pages: int
+    page_size: int
+    dtype: Any = jnp.bfloat16
 
 
 def group_of(config: ModelConfig, layer: int) -> int:
@@ -70,7 +83,7 @@ def pages_for_window(window: int, page_size: int) -> int:
 
 def page_bytes(config: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
     """Device memory of one page id (keys and values of one group's layers, P positions)."""
-    per_position = 2 * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    per_position = 2 * config.num_key_value_heads * fp8.vector_bytes(config.head_dim, dtype)
     return storages(config) * page_size * per_position
 
 
@@ -96,8 +109,9 @@ def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None
 
 
 def pool_shapes(config: ModelConfig, pages: int, page_size: int, dtype=jnp.bfloat16) -> dict:
-    shape = jax.ShapeDtypeStruct((pages, page_size, config.num_key_value_heads, config.head_dim), jnp.dtype(dtype))
-    return {"pages": [{"k": shape, "v": shape} for _ in range(storages(config))]}
+    """The pool's `jax.ShapeDtypeStruct`s; float8_e4m3fn: FP8 storage (fp8.py)."""
+    shape = (pages, page_size, config.num_key_value_heads, config.head_dim)
+    return {"pages": [{x: fp8.storage_shapes(shape, dtype) for x in ("k", "v")} for _ in range(storages(config))]}
 
 
 def init_pool(config: ModelConfig, pages: int, page_size: int, dtype=jnp.bfloat16, *, mesh=None) -> dict:
@@ -111,7 +125,7 @@ def _layout(config, pages, page_size, dtype, mesh):
     shapes = pool_shapes(config, pages, page_size, dtype)
     if mesh is None:
         return shapes, None
-    return shapes, jax.tree.map(lambda s: sharding(POOL_AXES, s.shape, mesh, what="KV pages"), shapes)
+    return shapes, jax.tree.map(lambda s: sharding(POOL_AXES[:len(s.shape)], s.shape, mesh, what="KV pages"), shapes)
 
 
 def layer_view(config: ModelConfig, cache: dict, layer: int) -> dict:

@@ -62,6 +62,7 @@ or a warm-up that fails: one line, exit status 1.
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_flags(p)
+    loading.add_kv_flag(p)
     p.add_argument("--tokenizer", metavar="PATH", type=expand,
                    help="o200k_base.tiktoken (or its folder), hash-checked; default: $TIKTOKEN_ENCODINGS_BASE, "
                         "tiktoken's cache, else downloaded once into that cache")
@@ -160,6 +161,7 @@ def engine_options(args, max_len: int) -> EngineConfig:
     return EngineConfig(slots=args.slots, max_len=max_len, prefill_chunk=min(args.prefill_chunk, max_len),
                         prefill_rows=args.prefill_rows, max_waiting=args.max_waiting, page_size=args.page_size,
                         kv_memory=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
+                        kv_dtype=args.kv_dtype,
                         prefix_reuse=not args.no_prefix_cache, draft_tokens=args.draft_tokens,
                         speculate_rows=args.speculate_rows, speculate_steps=speculate_steps(args))
 
@@ -216,13 +218,19 @@ def max_context(args, config) -> int:
 
 def kv_cache_line(engine) -> str:
     """The start-up's account of the KV cache: its pages, the tokens they hold, their memory."""
+    import jax.numpy as jnp
+
+    from .. import fp8
     from ..model.paged_cache import page_bytes
 
     pages, size = engine.scheduler.pages.count, engine.page_size
-    memory = pages * page_bytes(engine.config, size, engine.device.dtype)
-    memory = f"{memory / 2**30:.1f} GiB" if memory >= 2**30 / 10 else f"{memory / 2**20:.1f} MiB"
+    memory = pages * page_bytes(engine.config, size, engine.device.kv_dtype)
+    unit = next(u for u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if memory >= u[0] / 10 or u[1] == "KiB")
+    memory = f"{memory / unit[0]:.1f} {unit[1]}"
     reuse = "" if engine.scheduler.reuse else "; prefix cache off"
-    return f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens), {memory}{reuse}"
+    stored = "FP8 (e4m3)" if fp8.is_fp8(engine.device.kv_dtype) else jnp.dtype(engine.device.kv_dtype).name
+    return (f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens) in {stored}, "
+            f"{memory}{reuse}")
 
 
 def check_pool(engine, max_len: int) -> None:

@@ -14,7 +14,9 @@ class EngineConfig:
     sequence, and prompts, prefilled per step. max_waiting: requests queued beyond those the free
     rows take. page_size: positions of a KV cache page. pages / kv_memory: the pool's size in pages,
     or in bytes (default: paged_cache.POOL_SHARE of the device memory free after the weights; where
-    JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`).
+    JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`). kv_dtype:
+    the pool's storage, "bf16" or "fp8" (e4m3 with a power-of-two scale per vector of keys or values,
+    fp8.py: 1.97 times the positions in the same memory); None: the model's activations' dtype.
     prefix_reuse False: every prompt is computed whole (for comparison). With a draft source
     (speculation.py): steps of at most `speculate_rows` decoding sequences check `draft_tokens`
     drafted tokens each, drafted on the host a step at a time (speculate_steps 0), or up to
@@ -28,6 +30,7 @@ class EngineConfig:
     page_size: int = 64
     pages: int | None = None
     kv_memory: int | None = None
+    kv_dtype: str | None = None
     decode_sizes: tuple[int, ...] | None = None  # None: decode_sizes_for(slots)
     prefix_reuse: bool = True
     draft_tokens: int = 3
@@ -39,6 +42,8 @@ class EngineConfig:
                             ("max_waiting", 0), ("draft_tokens", 1), ("speculate_rows", 1), ("speculate_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}")
+        if self.kv_dtype not in (None, "bf16", "fp8"):
+            raise ValueError(f"kv_dtype must be 'bf16' or 'fp8' (or None: the model's dtype), got {self.kv_dtype!r}")
         if self.max_len is not None and self.max_len < 1:
             raise ValueError(f"max_len must be at least 1, got {self.max_len}")
         if self.draft_tokens >= self.prefill_chunk:  # (the pool's bound on a sequence's sliding pages)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from ..decoding.steps import Decode, Model, decode, follow, prefill
-from ..model.paged_cache import init_pool
+from ..model.paged_cache import PoolSize, init_pool
 from ..sharding import on_every_device
 from ..weight import Params
 from . import steps
@@ -26,14 +26,14 @@ TABLE_WRITES = 256  # table entries set by one call (a long cached prefix takes 
 
 class Device:
     """One engine's arrays on the devices (see the module) for `model` (decoding.steps.Model): `slots`
-    rows, tables `width` wide, a pool of `pages` pages of `page_size` positions."""
+    rows, tables `width` wide, a pool of `pool.pages` pages of `pool.page_size` positions in `pool.dtype`."""
 
-    def __init__(self, model: Model, params: Params, *, slots: int, width: int, pages: int, page_size: int,
-                 grammars=None, tokenizer=None):
+    def __init__(self, model: Model, params: Params, *, slots: int, width: int, pool: PoolSize, grammars=None,
+                 tokenizer=None):
         self.model, self.config, self.params, self.mesh = model, model.config, params, model.mesh
         self._decode = Decode(self.model)  # one step's model pass, picked apart
-        self.dtype = params["embedding"].dtype
-        self.slots, self.width, self.pages, self.page_size = slots, width, pages, page_size
+        self.slots, self.width = slots, width
+        self.pages, self.page_size, self.kv_dtype = pool.pages, pool.page_size, pool.dtype
         self.picks = Picks(slots, self.config.vocab_size, self.mesh, self.put, grammars, tokenizer)
         self.head = None  # (a draft source with a state that follows every step, its arrays here)
         self._fresh()
@@ -57,7 +57,7 @@ class Device:
         self.picks.reset()
 
     def _fresh(self) -> None:
-        self.pool = init_pool(self.config, self.pages, self.page_size, self.dtype, mesh=self.mesh)
+        self.pool = init_pool(self.config, self.pages, self.page_size, self.kv_dtype, mesh=self.mesh)
         self.tables = self.put(np.zeros((2, self.slots, self.width), np.int32))
         self.last = self.put(np.zeros(self.slots, np.int32))  # each row's latest token
         self.state = None if self.head is None else self.head[0].init_state(self.slots, (self.pages, self.page_size),

@@ -36,11 +36,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import fp8
 from ..config import ModelConfig
 from ..decoding.steps import Model
 from ..drafts.base import Draft
 from ..kernels import Kernels
-from ..model.paged_cache import pool_pages, table_width
+from ..model.paged_cache import PoolSize, pool_pages, table_width
 from ..sampling import MODES, rows_mode
 from ..sharding import mesh_of, to_host_soon
 from ..weight import Params
@@ -84,13 +85,14 @@ class Engine:
         most = sliding_most(config, page_size, prefill_chunk)
         fallback = max(slots * (table_width(min(max_len, 8192), page_size) + most), self.width + most)
         head = draft if stateful(draft) else None  # follows every step, its cache a page beside the pool's
-        count = options.pages or pool_pages(config, page_size, params["embedding"].dtype, options.kv_memory,
+        kv_dtype = fp8.cache_dtype(options.kv_dtype, params["embedding"].dtype)
+        count = options.pages or pool_pages(config, page_size, kv_dtype, options.kv_memory,
                                             fallback=fallback, extra=head.page_bytes(page_size) if head else 0)
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
                                    metrics=self.metrics, reuse=options.prefix_reuse)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)
-        self.device = Device(Model(config, kernels, self.mesh), params, slots=slots, width=self.width, pages=count,
-                             page_size=page_size, grammars=self.grammars, tokenizer=tokenizer)
+        self.device = Device(Model(config, kernels, self.mesh), params, slots=slots, width=self.width,
+                             pool=PoolSize(count, page_size, kv_dtype), grammars=self.grammars, tokenizer=tokenizer)
         if head is not None:
             self.device.draft_with(head)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)

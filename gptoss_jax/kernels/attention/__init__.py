@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from ... import fp8
 from ...sharding import CACHE_AXES, spec
 from .. import mosaic, tokamax
 from .. import needs
@@ -59,6 +60,7 @@ class Variant:
     auto: Callable[[Call], bool] = lambda call: False
     jnp: bool = False  # runs on global shapes on a mesh (XLA partitions it); else per device (shard_map)
     prompt_chunk: int = 512  # prompt positions a step suits: flash kernels hold no [chunk, keys] scores
+    fp8: bool = False  # reads a cache in FP8 storage (fp8.py); where not, such a cache gets the jnp variant
     causal: Callable | None = None
     prefix: Callable | None = None
     paged_full: Callable | None = None
@@ -69,17 +71,17 @@ class Variant:
 ATTENTION = {v.name: v for v in (
     Variant("tokamax", GPU, prompt_chunk=4096,
             auto=lambda c: c.queries > 16 and c.backend == "gpu" and c.sixteen_bit and c.tokamax,
-            causal=flash.tokamax_causal, prefix=flash.tokamax_prefix, paged_full=flash.tokamax_paged_full),
+            fp8=True, causal=flash.tokamax_causal, prefix=flash.tokamax_prefix, paged_full=flash.tokamax_paged_full),
     Variant("splash", TPU, prompt_chunk=4096, auto=lambda c: c.queries > 16 and c.backend == "tpu",
             causal=splash.splash_causal),
     # Decode over the filled cache only (full and sliding layers, contiguous or paged).
     Variant("mosaic", HOPPER, auto=lambda c: c.queries <= 16 and c.backend == "gpu" and c.sixteen_bit and c.mosaic,
             prefix=mosaic_cache.mosaic_prefix, paged_full=mosaic_cache.mosaic_paged_full,
             paged_window=mosaic_cache.mosaic_paged_window),
-    Variant("blockwise", auto=lambda c: True, jnp=True, causal=xla.blockwise_causal, prefix=xla.blockwise_prefix,
+    Variant("blockwise", auto=lambda c: True, jnp=True, fp8=True, causal=xla.blockwise_causal, prefix=xla.blockwise_prefix,
             paged_full=paged.blockwise_paged_full, paged_window=paged.blockwise_paged_window,
             whole=xla.blockwise_whole),
-    Variant("reference", jnp=True, causal=xla.reference_causal, prefix=xla.reference_prefix,
+    Variant("reference", jnp=True, fp8=True, causal=xla.reference_causal, prefix=xla.reference_prefix,
             paged_full=paged.reference_paged_full, whole=xla.reference_whole),
     # Pallas Triton (deprecated by JAX 0.11): by name only.
     Variant("triton", TRITON, prefix=triton.triton_prefix),
@@ -115,6 +117,11 @@ class Ops:
         out = fn(*args, kernels=self.kernels, **kwargs) if fn is not None else None
         return out if out is not None else getattr(JNP, op)(*args, kernels=self.kernels, **kwargs)
 
+    def _reading(self, cache) -> "Ops":
+        """These operations, or the jnp ones where the cache is in FP8 storage and the variant does
+        not read it."""
+        return self if self.variant.fp8 or not isinstance(cache, fp8.Fp8) else dataclasses.replace(self, variant=JNP)
+
     def _per_device(self, fn, q, k, v, *rest):
         """fn(q, k, v, *rest) -> (o, lse), run on each device's sequences and KV heads when a fused
         kernel (which sees only local shapes) runs on a mesh; rest: per-sequence arrays [B]."""
@@ -122,7 +129,10 @@ class Ops:
             return fn(q, k, v, *rest)
         kv = spec(CACHE_AXES, k.shape, self.mesh)  # sequences on data, KV heads on tensor, where they divide
         q_spec, lse_spec = PartitionSpec(kv[0], None, kv[2], None, None), PartitionSpec(kv[0], None, kv[2], None)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(q_spec, kv, kv) + (PartitionSpec(kv[0]),) * len(rest),
+        seqs = kv[0]
+        if isinstance(k, fp8.Fp8):  # its exponents: one per vector, the spec less its last axis
+            kv = fp8.Fp8(kv, PartitionSpec(*kv[:3]))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(q_spec, kv, kv) + (PartitionSpec(seqs),) * len(rest),
                              out_specs=(q_spec, lse_spec), check_vma=False)(q, k, v, *rest)
 
     def causal(self, q, k, v, window):
@@ -131,16 +141,17 @@ class Ops:
 
     def prefix(self, q, cache_k, cache_v, lengths):
         """Every query sees keys [0, lengths[b]) of cache_k, cache_v [B, S, K, H] -> (o, lse)."""
-        return self._per_device(lambda q, k, v, n: self._first("prefix", q, k, v, n), q, cache_k, cache_v, lengths)
+        ops = self._reading(cache_k)
+        return ops._per_device(lambda q, k, v, n: ops._first("prefix", q, k, v, n), q, cache_k, cache_v, lengths)
 
     def paged_full(self, q, pool_k, pool_v, table, lengths):
         """As `prefix`, the keys in pages [N, P, K, H] of the pool through table [B, W]."""
-        return self._first("paged_full", q, pool_k, pool_v, table, lengths, mesh=self.mesh)
+        return self._reading(pool_k)._first("paged_full", q, pool_k, pool_v, table, lengths, mesh=self.mesh)
 
     def paged_window(self, q, pool_k, pool_v, table, lengths, positions, window: int, pages: int):
         """A sliding layer's earlier positions in the window of queries at `positions` [B, T], held in
         the table's `pages` columns from the one holding the window's first position."""
-        return self._first("paged_window", q, pool_k, pool_v, table, lengths, positions, window=window, pages=pages,
+        return self._reading(pool_k)._first("paged_window", q, pool_k, pool_v, table, lengths, positions, window=window, pages=pages,
                            mesh=self.mesh)
 
     def whole(self, q, k, v, sinks, positions, window):

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ... import fp8
 from .. import tokamax
 from ..combine import lse_of
 from . import paged
@@ -59,7 +60,7 @@ def tokamax_causal(q, k, v, *, window, kernels):
 
 
 def tokamax_prefix(q, k, v, lengths, *, kernels):
-    return prefix(q, k, v, lengths)
+    return prefix(q, fp8.read(k, q.dtype), fp8.read(v, q.dtype), lengths)
 
 
 def tokamax_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh):
@@ -71,6 +72,6 @@ def tokamax_paged_full(q, pool_k, pool_v, table, lengths, *, kernels, mesh):
         return None
     B, W, P = q.shape[0], table.shape[1], pool_k.shape[1]
     if B * W * P <= GATHER_FOR_FLASH:
-        return prefix(q, paged.gather(pool_k, table), paged.gather(pool_v, table), lengths)
+        return prefix(q, paged.gather(pool_k, table, q.dtype), paged.gather(pool_v, table, q.dtype), lengths)
     pages = 1 << max(0, (GATHER_FOR_FLASH // (B * P)).bit_length() - 1)
     return paged.in_pieces(q, pool_k, pool_v, table, lengths, prefix, pages=pages)

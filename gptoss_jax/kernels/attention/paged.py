@@ -24,13 +24,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import xla
+from ... import fp8
 from ..combine import merge
 
 
-def gather(pool: jax.Array, pages: jax.Array) -> jax.Array:
-    """pool [N, P, K, H], pages [B, n] -> their positions in order [B, n P, K, H]."""
+def gather(pool, pages: jax.Array, dtype) -> jax.Array:
+    """pool [N, P, K, H] (an array, or FP8 storage read back in `dtype`), pages [B, n] -> their
+    positions in order [B, n P, K, H]."""
     B, n = pages.shape
-    return jnp.take(pool, pages, axis=0, mode="clip").reshape(B, n * pool.shape[1], *pool.shape[2:])
+    taken = fp8.read(fp8.apply(lambda a: jnp.take(a, pages, axis=0, mode="clip"), pool), dtype)
+    return taken.reshape(B, n * pool.shape[1], *pool.shape[2:])
 
 
 def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16, dense_keys: int = 4096):
@@ -39,7 +42,7 @@ def prefix(q, pool_k, pool_v, table, lengths, *, block: int, dense_max: int = 16
     page at once; otherwise key blocks of whole pages are gathered in turn, up to the longest length."""
     B, T = q.shape[:2]
     if T <= dense_max and table.shape[1] * pool_k.shape[1] <= dense_keys:
-        return xla.prefix(q, gather(pool_k, table), gather(pool_v, table), lengths, block=block, dense_max=dense_max)
+        return xla.prefix(q, gather(pool_k, table, q.dtype), gather(pool_v, table, q.dtype), lengths, block=block, dense_max=dense_max)
     after_all = jnp.full((B, T), table.shape[1] * pool_k.shape[1], jnp.int32)  # queries past every key
     return xla.blockwise(q, pool_k, pool_v, window=None, q_pos=after_all, kv_len=lengths, q_block=block,
                          kv_block=block, table=table)
@@ -60,7 +63,7 @@ def in_pieces(q, pool_k, pool_v, table, lengths, attend: Callable, *, pages: int
     def piece(i, acc):
         cols = lax.dynamic_slice_in_dim(table, i * pages, pages, axis=1)  # [B, pages]
         kv_len = jnp.clip(lengths - i * span, 0, span)
-        return merge(acc, attend(q, gather(pool_k, cols), gather(pool_v, cols), kv_len))
+        return merge(acc, attend(q, gather(pool_k, cols, q.dtype), gather(pool_v, cols, q.dtype), kv_len))
 
     none = (jnp.zeros((B, T, K, G, H), jnp.float32), jnp.full((B, T, K, G), -jnp.inf, jnp.float32))
     return lax.fori_loop(0, count, piece, none)
@@ -89,20 +92,21 @@ def window(q, pool_k, pool_v, table, lengths, q_pos, *, window: int, pages: int)
     seeing = min(T, window)
     qp = q_pos[:, :seeing]
     mask = xla.visible(qp, k_pos, window) & (k_pos < lengths[:, None])[:, None]  # [B, seeing, n P]
-    o, lse = xla.dense(q[:, :seeing], gather(pool_k, ids), gather(pool_v, ids), mask)
+    o, lse = xla.dense(q[:, :seeing], gather(pool_k, ids, q.dtype), gather(pool_v, ids, q.dtype), mask)
     if seeing < T:
         o = jnp.pad(o, ((0, 0), (0, T - seeing), (0, 0), (0, 0), (0, 0)))
         lse = jnp.pad(lse, ((0, 0), (0, T - seeing), (0, 0), (0, 0)), constant_values=-jnp.inf)
     return o, lse
 
 
-def write(pool: jax.Array, table: jax.Array, positions: jax.Array, valid: jax.Array, new: jax.Array) -> jax.Array:
-    """new [B, T, K, H] at positions [B, T] (where valid) into pool [N, P, K, H] through table [B, W]."""
+def write(pool, table: jax.Array, positions: jax.Array, valid: jax.Array, new: jax.Array):
+    """new [B, T, K, H] at positions [B, T] (where valid) into pool [N, P, K, H] (an array or FP8
+    storage) through table [B, W]."""
     N, P = pool.shape[:2]
     W = table.shape[1]
     page = jnp.take_along_axis(table, jnp.clip(positions // P, 0, W - 1), axis=1)  # [B, T]
     page = jnp.where(valid, page, N)  # past the pool: dropped
-    return pool.at[page, positions % P].set(new.astype(pool.dtype), mode="drop")
+    return fp8.scatter(pool, lambda a, x: a.at[page, positions % P].set(x, mode="drop"), fp8.like(pool, new))
 
 
 # The variants "blockwise" and "reference" over the paged cache (kernels/attention/__init__.py).

@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ... import fp8
 from .vjp import causal_attention
 from ..blockwise import MASKED, blockwise, dense, key_block_range, visible
 
@@ -46,6 +47,7 @@ def prefix(q, k, v, kv_len, *, block: int, dense_max: int = 16) -> tuple[jax.Arr
     B, T = q.shape[:2]
     S = k.shape[1]
     if T <= dense_max:  # decode: one pass over the cache, no loop
+        k, v = fp8.read(k, q.dtype), fp8.read(v, q.dtype)
         mask = jnp.broadcast_to((jnp.arange(S)[None] < kv_len[:, None])[:, None], (B, T, S))
         return dense(q, k, v, mask)
     after_all = jnp.full((B, T), S, jnp.int32)  # queries past every key: causality hides nothing
@@ -94,7 +96,7 @@ def ring(q, ring_k, ring_v, ring_pos, positions, window: int) -> tuple[jax.Array
     seeing = min(T, window)
     q, positions = q[:, :seeing], positions[:, :seeing]
     in_window = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > positions[:, :, None] - window)
-    o, lse = dense(q, ring_k, ring_v, in_window)
+    o, lse = dense(q, fp8.read(ring_k, q.dtype), fp8.read(ring_v, q.dtype), in_window)
     if seeing < T:
         o = jnp.pad(o, ((0, 0), (0, T - seeing), (0, 0), (0, 0), (0, 0)))
         lse = jnp.pad(lse, ((0, 0), (0, T - seeing), (0, 0), (0, 0)), constant_values=-jnp.inf)
