@@ -151,7 +151,7 @@ def test_a_prompt_after_a_long_cached_prefix_runs_the_flash_kernel_a_piece_at_a_
     table = jax.random.permutation(keys[2], B * W).reshape(B, W).astype(jnp.int32)
     q = jax.random.normal(keys[3], (B, T, K, G, H))
     lengths = jnp.array([3, 101], jnp.int32)
-    k, v = (np.asarray(paged.gather(pool, table), np.float64) for pool in (pool_k, pool_v))  # [B, W P, K, H]
+    k, v = (np.asarray(paged.gather(pool, table, jnp.float32), np.float64) for pool in (pool_k, pool_v))  # [B, W P, K, H]
     s = np.einsum("btkgh,bskh->btkgs", np.asarray(q, np.float64), k) / np.sqrt(H)
     s = np.where((np.arange(W * P)[None] < np.asarray(lengths)[:, None])[:, None, None, None], s, -np.inf)
     m = s.max(-1, keepdims=True)
