@@ -386,6 +386,20 @@ def test_a_request_that_cannot_fit_alone_is_refused_at_once(model):
         Engine(config, params, EngineConfig(kv_memory=page_bytes(config, 64, jnp.float32) - 1))
 
 
+def test_slots_by_default_follow_the_pools_size(model):
+    """Without slots given: one a 2,048 positions of the pool, the power of two at or below, from 16 to
+    1,024, where the pool's size is known (given here; a GPU's memory); 16 where it is not (a CPU)."""
+    from gptoss_jax.serving.scheduler import slots_for
+
+    config, params = model
+    assert [slots_for(n) for n in (None, 0, 17 * 2048, 40 * 2048, 1000 * 2048, 7_400_000)] == [16, 16, 16, 32, 512, 1024]
+    pages = 40 * 2048 // 64
+    engine = Engine(config, params, EngineConfig(max_len=MAX_LEN, kv_memory=pages * page_bytes(config, 64, jnp.float32)))
+    assert (engine.slots, engine.slots_by_pool, engine.scheduler.pages.count) == (32, True, pages)
+    engine = Engine(config, params, EngineConfig(max_len=MAX_LEN))
+    assert (engine.slots, engine.slots_by_pool) == (16, False)
+
+
 def test_without_prefix_reuse_every_prompt_is_computed_whole(model, alone):
     config, params = model
     engine = Engine(config, params,

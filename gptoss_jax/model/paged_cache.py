@@ -87,16 +87,15 @@ def page_bytes(config: ModelConfig, page_size: int, dtype=jnp.bfloat16) -> int:
     return storages(config) * page_size * per_position
 
 
-def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None, *, fallback: int,
-               extra: int = 0) -> int:
+def pool_pages(config: ModelConfig, page_size: int, dtype, kv_memory: int | None, *, extra: int = 0) -> int | None:
     """Pages in `kv_memory` bytes, each taking `extra` bytes beside its own (a draft head's cache); by
-    default in `POOL_SHARE` of the memory the first device has free (after the weights), or
-    `fallback` pages where JAX does not say (CPU)."""
+    default in `POOL_SHARE` of the memory the first device has free (after the weights), or None where
+    JAX does not say (a CPU)."""
     per_page = page_bytes(config, page_size, dtype) + extra
     if kv_memory is None:
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
-            return fallback
+            return None
         kv_memory = int(POOL_SHARE * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
     if kv_memory < per_page:
         raise ValueError(f"{kv_memory / 2**20:.1f} MiB of KV memory holds no page of {per_page / 2**20:.2f} MiB")

@@ -69,9 +69,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every "
                                                        "interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    p.add_argument("--slots", type=int, default=EngineConfig.slots,
+    p.add_argument("--slots", type=int, default=None,
                    help="sequences generated at once; their memory is the KV cache's pages (--kv-memory-gb), "
-                        "taken as they grow (default: %(default)s)")
+                        "taken as they grow (default: where the device says its memory, as a GPU does, one per "
+                        "2,048 tokens the KV cache holds, a power of two from 16 to 1,024; else 16). The "
+                        "start-up line says how many it took")
     p.add_argument("--max-context", type=int, default=None,
                    help="the longest request: prompt plus reply must fit (default: the model's context, 131,072 "
                         "tokens for gpt-oss); it sets no memory aside")
@@ -177,7 +179,7 @@ def speculate_steps(args) -> int:
 
 
 def check_flags(args) -> None:
-    for flag, value, least in (("--slots", args.slots, 1), ("--page-size", args.page_size, 1),
+    for flag, value, least in (("--slots", 1 if args.slots is None else args.slots, 1), ("--page-size", args.page_size, 1),
                                ("--prefill-chunk", args.prefill_chunk, 1),
                                ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
                                ("--max-connections", args.max_connections, 1),
@@ -217,7 +219,8 @@ def max_context(args, config) -> int:
 
 
 def kv_cache_line(engine) -> str:
-    """The start-up's account of the KV cache: its pages, the tokens they hold, their memory."""
+    """The start-up's account of the KV cache: its pages, the tokens they hold, their memory, and the
+    sequences it serves at once (and how they were chosen, where by the cache's size)."""
     import jax.numpy as jnp
 
     from .. import fp8
@@ -229,8 +232,9 @@ def kv_cache_line(engine) -> str:
     memory = f"{memory / unit[0]:.1f} {unit[1]}"
     reuse = "" if engine.scheduler.reuse else "; prefix cache off"
     stored = "FP8 (e4m3)" if fp8.is_fp8(engine.device.kv_dtype) else jnp.dtype(engine.device.kv_dtype).name
+    how = " (by the cache's size: one per 2,048 tokens, a power of two from 16 to 1,024)" if engine.slots_by_pool else ""
     return (f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens) in {stored}, "
-            f"{memory}{reuse}")
+            f"{memory}{reuse}; {engine.slots:,} sequences at once{how}")
 
 
 def check_pool(engine, max_len: int) -> None:
@@ -399,12 +403,12 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         if sock is None:
             return 1
     args.quiet = args.quiet or not main_process
-    unsplit = devices.unsplit_batch(args.slots, mesh, f"--slots {args.slots}")
+    unsplit = args.slots and devices.unsplit_batch(args.slots, mesh, f"--slots {args.slots}")  # (chosen: powers of 2)
     if main_process:
         if unsplit:
             _say(f"warning: {unsplit}")
         experts = "; experts packed in MXFP4" if loading.packed_experts(args) else ""
-        _say(f"model: {what}{experts}; jax {jax.__version__}; {args.slots} slots, a context of {max_len:,} tokens")
+        _say(f"model: {what}{experts}; jax {jax.__version__}; {f'{args.slots} slots, ' if args.slots else ''}a context of {max_len:,} tokens")
         _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     params = loading.load_params(args, config, mesh)
     draft = PromptLookup() if args.draft == "prompt-lookup" else None

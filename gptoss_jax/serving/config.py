@@ -9,7 +9,9 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """slots: the most sequences running at once (rows of the page tables; a decode step runs the
-    smallest of `decode_sizes` that holds those past their prompts). max_len: the longest sequence,
+    smallest of `decode_sizes` that holds those past their prompts); None: from the pool's size where
+    the device says its memory (scheduler.slots_for: one a 2,048 positions, a power of two from 16 to
+    1,024), else 16. max_len: the longest sequence,
     prompt and reply (None: the model's context). prefill_chunk, prefill_rows: prompt tokens of a
     sequence, and prompts, prefilled per step. max_waiting: requests queued beyond those the free
     rows take. page_size: positions of a KV cache page. pages / kv_memory: the pool's size in pages,
@@ -22,7 +24,7 @@ class EngineConfig:
     drafted tokens each, drafted on the host a step at a time (speculate_steps 0), or up to
     `speculate_steps` a call on the devices."""
 
-    slots: int = 16
+    slots: int | None = None
     max_len: int | None = None
     prefill_chunk: int = 512
     prefill_rows: int = 4
@@ -38,7 +40,9 @@ class EngineConfig:
     speculate_steps: int = 0
 
     def __post_init__(self):
-        for name, least in (("slots", 1), ("prefill_chunk", 1), ("prefill_rows", 1), ("page_size", 1),
+        if self.slots is not None and self.slots < 1:
+            raise ValueError(f"slots must be at least 1, got {self.slots}")
+        for name, least in (("prefill_chunk", 1), ("prefill_rows", 1), ("page_size", 1),
                             ("max_waiting", 0), ("draft_tokens", 1), ("speculate_rows", 1), ("speculate_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}")
@@ -50,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"draft_tokens must be less than prefill_chunk ({self.prefill_chunk}), got "
                              f"{self.draft_tokens}")
         if self.decode_sizes is not None:
+            if self.slots is None:
+                raise ValueError("decode_sizes need slots given")
             sizes = tuple(sorted(set(self.decode_sizes)))
             if sizes[-1] != self.slots or sizes[0] < 1:
                 raise ValueError(f"decode sizes {list(sizes)} must lie in [1, {self.slots}] and include {self.slots}")

@@ -52,7 +52,7 @@ from .device import Device
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
-from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most
+from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most, slots_for
 from .speculation import Speculation, stateful
 
 log = logging.getLogger("gptoss_jax.serving")
@@ -68,10 +68,16 @@ class Engine:
         max_len = options.max_len or config.max_context_length
         if max_len > config.max_context_length:
             raise ValueError(f"max context {max_len} exceeds the model's {config.max_context_length}")
-        options = options.replace(max_len=max_len, prefill_chunk=min(options.prefill_chunk, max_len))
+        head = draft if stateful(draft) else None  # follows every step, its cache a page beside the pool's
+        kv_dtype = fp8.cache_dtype(options.kv_dtype, params["embedding"].dtype)
+        page_size, prefill_chunk = options.page_size, min(options.prefill_chunk, max_len)
+        extra = head.page_bytes(page_size) if head else 0
+        known = options.pages or pool_pages(config, page_size, kv_dtype, options.kv_memory, extra=extra)
+        slots = options.slots or slots_for(None if known is None else known * page_size)
+        self.slots_by_pool = options.slots is None and known is not None  # (what gptoss-serve's start-up says)
+        options = options.replace(max_len=max_len, prefill_chunk=prefill_chunk, slots=slots)
         self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
         self.options = options
-        slots, page_size, prefill_chunk = options.slots, options.page_size, options.prefill_chunk
         self.slots, self.max_len, self.prefill_chunk, self.page_size = slots, max_len, prefill_chunk, page_size
         # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
         self.prefill_shapes = sorted({1, min(options.prefill_rows, slots)})
@@ -83,11 +89,7 @@ class Engine:
         # Where JAX does not say how much memory is free (a CPU): every slot with 8,192 positions, and at
         # least one sequence of the whole context.
         most = sliding_most(config, page_size, prefill_chunk)
-        fallback = max(slots * (table_width(min(max_len, 8192), page_size) + most), self.width + most)
-        head = draft if stateful(draft) else None  # follows every step, its cache a page beside the pool's
-        kv_dtype = fp8.cache_dtype(options.kv_dtype, params["embedding"].dtype)
-        count = options.pages or pool_pages(config, page_size, kv_dtype, options.kv_memory,
-                                            fallback=fallback, extra=head.page_bytes(page_size) if head else 0)
+        count = known or max(slots * (table_width(min(max_len, 8192), page_size) + most), self.width + most)
         self.scheduler = Scheduler(config, slots=slots, page_size=page_size, pages=count, prefill_chunk=prefill_chunk,
                                    metrics=self.metrics, reuse=options.prefix_reuse)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, config.vocab_size)

@@ -240,6 +240,22 @@ class Scheduler:
             seq.released = gone
 
 
+# Slots by default, where the pool's size is known (a GPU's memory): one per SLOT_POSITIONS positions the
+# pool holds (a 1k prompt and its 1k reply), the power of two at or below that, within SLOTS. On one
+# NVIDIA H200, gpt-oss-20b's 1k/1k traffic still gains output from 512 to 1,024 requests at once; vLLM
+# admits up to 1,024 sequences there by default.
+SLOT_POSITIONS = 2048
+SLOTS = (16, 1024)
+
+
+def slots_for(pool_positions: int | None) -> int:
+    """The engine's slots by default for a pool of this many positions (None: unknown, a CPU: 16)."""
+    if pool_positions is None:
+        return SLOTS[0]
+    fits = max(1, pool_positions // SLOT_POSITIONS)
+    return min(max(1 << (fits.bit_length() - 1), SLOTS[0]), SLOTS[1])
+
+
 def decode_sizes_for(slots: int) -> list[int]:
     """The decode step's sizes by default: every slot, and each quarter down to 8 or so."""
     sizes = [slots]
