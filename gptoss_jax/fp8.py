@@ -61,7 +61,7 @@ def cache_dtype(name: str | None, activations):
 
 
 def is_fp8(dtype) -> bool:
-    """Whether a cache dtype asks for this storage (float8_e4m3fn, or its name)."""
+    """Whether a cache dtype (a dtype or its name, as cache_dtype returns) asks for this storage."""
     return dtype is not None and jnp.dtype(dtype) == jnp.dtype(DTYPE)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..fp8 import KV_DTYPES
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -46,8 +48,9 @@ class EngineConfig:
                             ("max_waiting", 0), ("draft_tokens", 1), ("speculate_rows", 1), ("speculate_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}")
-        if self.kv_dtype not in (None, "bf16", "fp8"):
-            raise ValueError(f"kv_dtype must be 'bf16' or 'fp8' (or None: the model's dtype), got {self.kv_dtype!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the model's dtype), got "
+                             f"{self.kv_dtype!r}")
         if self.max_len is not None and self.max_len < 1:
             raise ValueError(f"max_len must be at least 1, got {self.max_len}")
         if self.draft_tokens >= self.prefill_chunk:  # (the pool's bound on a sequence's sliding pages)
