@@ -1,7 +1,7 @@
 """The kernels one by one at gpt-oss-20b's shapes on one GPU: each checked against the jnp
 reference, then timed. Prints a table last.
 
-    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-experts|decode-experts-16bit|layout]
+    python bench/kernels.py [--part attention|ragged|decode|tiles|tiles-prompt|decode64|experts64|matvec|matvec-mxfp4|grouped-mxfp4|decode-attention|decode-attention-paged|decode-experts|decode-experts-16bit|layout]
         [--pairs 4,256] [--profile DIR]
 
 With --profile, `python bench/profile_summary.py DIR/<row's profile> --steps 30` gives a row's GPU
@@ -575,6 +575,31 @@ def decode_attention():
                 q, k, v, sinks, ref=ref, kv_bytes=kv_bytes, n=50)
 
 
+def decode_attention_paged():
+    """The serving engine's decode attention at many sequences (one full-attention layer's paged pool,
+    pages of 64, each sequence `filled` positions of a 2,048-position table): the Pallas Mosaic GPU
+    kernel over the pool in bfloat16 and in FP8 storage (fp8.py), at the bytes each must read."""
+    from gptoss_jax import fp8
+    from gptoss_jax.kernels.attention import mosaic_cache, paged
+
+    P, W = 64, 32
+    for B, filled in ((256, 1536), (1024, 1536), (1024, 512)):
+        kq, kk, kv, ks, kp = jax.random.split(jax.random.key(4), 5)
+        q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
+        sinks = jax.random.normal(ks, (K, G), jnp.float32)
+        table = jax.random.permutation(kp, B * W).reshape(B, W).astype(jnp.int32)
+        kv_len = jnp.full((B,), filled, jnp.int32)
+        pools = {"bf16": tuple(jax.random.normal(key, (B * W, P, K, H), jnp.bfloat16) for key in (kk, kv))}
+        pools["fp8"] = tuple(jax.jit(fp8.quantize)(x) for x in pools["bf16"])
+        ref = jax.jit(lambda q, k, v, s: combine([paged.prefix(q, k, v, table, kv_len, block=512)], s, jnp.float32))(
+            q, *(fp8.read(x, jnp.bfloat16) for x in pools["fp8"]), sinks)
+        for name, (pk, pv) in pools.items():
+            timed(f"paged decode attention B={B} filled={filled} mosaic {name}",
+                  lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table)], s, q.dtype),
+                  q, pk, pv, sinks, ref=ref if name == "fp8" else None,
+                  kv_bytes=2 * B * filled * K * fp8.vector_bytes(H, fp8.KV_DTYPES[name]), n=30)
+
+
 def decode(rng):
     """Decode attention to a cache (filled part only) and the decode expert matvec, with variants."""
     for B, S, filled in ((1, 4224, 4100), (1, 4224, 256), (8, 4224, 4100), (64, 4224, 4100), (1, 32896, 32800),
@@ -606,7 +631,7 @@ def decode(rng):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-experts", "decode-experts-16bit", "layout", "epilogue"], default="all")
+    ap.add_argument("--part", choices=["all", "attention", "ragged", "decode", "tiles", "tiles-prompt", "decode64", "experts64", "matvec", "matvec-mxfp4", "grouped-mxfp4", "decode-attention", "decode-attention-paged", "decode-experts", "decode-experts-16bit", "layout", "epilogue"], default="all")
     ap.add_argument("--profile", metavar="DIR", help="trace each row's timed calls into DIR/<row number>, for "
                     "bench/profile_summary.py (GPU time without the host's dispatch)")
     ap.add_argument("--pairs", default=None,
@@ -632,6 +657,8 @@ def main():
         decode64()
     if args.part == "decode-attention":
         decode_attention()
+    if args.part == "decode-attention-paged":
+        decode_attention_paged()
     if args.part == "decode-experts":
         decode_experts(rng)
     if args.part == "decode-experts-16bit":

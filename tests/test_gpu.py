@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gptoss_jax as gj
+from gptoss_jax import fp8
 from conftest import EXTREME_ROWS, packed_with_extreme_scales
 from gptoss_jax.decoding.generator import Generator
 from gptoss_jax.kernels import needs, tokamax
@@ -156,6 +157,33 @@ def test_mosaic_cache_attention_reads_only_the_filled_part():
     for splits in (None, 1, 2):
         o, lse = mosaic_cache.cache_attention(q, k, v, kv_len, splits=splits)
         exact.check(combine([(o, lse)], sinks, jnp.float32), f"splits={splits}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "pages of 64", "pages of 16"])
+def test_mosaic_cache_attention_reads_fp8_storage(layout):
+    """A cache in FP8 storage (fp8.py), read by the kernel as stored, gives exactly the kernel's
+    result over the same cache read back in bfloat16: the tensor cores get the same operands.
+    gpt-oss-20b's heads (8 KV heads of 64, 8 queries each); pages of 16 put 4 pages in a block."""
+    kq, kk, kv, kp = jax.random.split(jax.random.key(5), 4)
+    B, S, K, G, H = 4, 1024, 8, 8, 64
+    kv_len = jnp.array([1, 300, 1000, 1024], jnp.int32)
+    q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
+    k = fp8.quantize(jax.random.normal(kk, (B, S, K, H)) * 4)
+    v = fp8.quantize(jax.random.normal(kv, (B, S, K, H)) / 4)
+    k16, v16 = fp8.read(k, jnp.bfloat16), fp8.read(v, jnp.bfloat16)
+    options = {}
+    if layout != "contiguous":
+        P = int(layout.split()[-1])
+        W = S // P
+        table = jax.random.permutation(kp, B * W).reshape(B, W).astype(jnp.int32)
+        pool = lambda x: fp8.apply(lambda a: jnp.zeros((B * W, P) + a.shape[2:], a.dtype).at[table].set(  # noqa: E731
+            a.reshape(B, W, P, *a.shape[2:])), x)
+        k, v, k16, v16, options = pool(k), pool(v), pool(k16), pool(v16), {"table": table}
+    o, lse = mosaic_cache.cache_attention(q, k, v, kv_len, **options)
+    o16, lse16 = mosaic_cache.cache_attention(q, k16, v16, kv_len, **options)
+    assert bool(jnp.all(jnp.isfinite(o)))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o16))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
 
 
 @pytest.mark.parametrize("impl", ["mosaic_decode", "triton", "mosaic_gpu", "tokamax"])

@@ -9,6 +9,7 @@ import pytest
 from noise import Exact
 
 import gptoss_jax as gj
+from gptoss_jax import fp8
 from gptoss_jax.model.attention import AttentionBlock
 from gptoss_jax.kernels.attention import mosaic_cache, paged, xla
 from gptoss_jax.kernels.combine import combine
@@ -75,6 +76,39 @@ def test_cache_attention_reads_a_paged_cache_through_its_table(page):
         assert bool(jnp.all(jnp.isneginf(lse[0])))
         exact_lse.check(lse[1:], f"lse, pages of {page}, blocks of {block_k}")
         exact_o.check(o[1:], f"o, pages of {page}, blocks of {block_k}")
+
+
+@pytest.mark.parametrize("layout, K, page", [("contiguous", 2, None), ("contiguous", 1, None), ("paged", 2, 64),
+                                             ("paged", 4, 32)])
+def test_cache_attention_reads_fp8_storage(layout, K, page):
+    """A cache in FP8 storage (fp8.py) gives exactly what the kernel gives over the same cache read
+    back in bfloat16 (e4m3 values times a power of two are exact there, and the tensor cores get the
+    same operands), and so agrees with float64 within the noise; slots past each length hold huge
+    vectors with scales of their own, which would show. One KV head makes the kernel take blocks of
+    128 keys (a block's exponents a whole row of 128 bytes); pages of 32 put two pages in a block."""
+    kq, kk, kv, kp = jax.random.split(jax.random.key(K), 4)
+    B, S, G, H = 3, 256, 4, 64
+    kv_len = jnp.array([0, 70, 256], jnp.int32)
+    beyond = (jnp.arange(S)[None] >= kv_len[:, None])[..., None, None]
+    q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
+    k = fp8.quantize(jnp.where(beyond, 3e4, jax.random.normal(kk, (B, S, K, H))))
+    v = fp8.quantize(jnp.where(beyond, -3e4, jax.random.normal(kv, (B, S, K, H)) * 3))
+    k16, v16 = fp8.read(k, jnp.bfloat16), fp8.read(v, jnp.bfloat16)
+    args, options = (k, v), {}
+    if layout == "paged":
+        W, spare = S // page, 3
+        table = jnp.asarray(np.asarray(jax.random.permutation(kp, B * W + spare))[:B * W].reshape(B, W), jnp.int32)
+        pool = lambda x: fp8.apply(lambda a: jnp.zeros((B * W + spare, page) + a.shape[2:], a.dtype).at[table].set(  # noqa: E731
+            a.reshape(B, W, page, *a.shape[2:])), x)
+        args, options = (pool(k), pool(v)), {"table": table}
+    o, lse = mosaic_cache.cache_attention(q, *args, kv_len, block_k=64, interpret=True, **options)
+    o16, lse16 = mosaic_cache.cache_attention(q, k16, v16, kv_len, block_k=64 if K > 1 else 128,
+                                              interpret=True)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o16))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse16))
+    low_o, _ = xla.prefix(q[1:], k16[1:], v16[1:], kv_len[1:], block=64)
+    exact_o, _ = _attention64(q[1:], k16[1:], v16[1:], kv_len[1:])
+    Exact.measure(np.asarray(low_o, np.float64), exact_o, precision="bfloat16").check(o[1:], f"o, {layout}, K={K}")
 
 
 @pytest.mark.slow
@@ -151,9 +185,11 @@ def _decode_step(config, layer, params, x, cache, lengths, kernels, dtype):
 
 
 @pytest.mark.slow
-def test_the_kernels_switch_runs_it_for_decode():
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_the_kernels_switch_runs_it_for_decode(storage, monkeypatch):
     """Kernels(attention="mosaic") in a full-attention layer's cached decode step: the output of the
-    jnp path within the noise of a bfloat16 run (measured against the same layer in float32)."""
+    jnp path within the noise of a bfloat16 run (measured against the same layer in float32); the
+    cache in bfloat16 or in FP8 storage (fp8.py), contiguous and paged."""
     config = gj.ModelConfig.tiny().replace(head_dim=64)
     layer = next(n for n in range(config.num_hidden_layers) if not config.is_sliding(n))
     params = random_params(config, seed=3, dtype=jnp.bfloat16)[f"block_{layer}"]["attn"]
@@ -162,12 +198,17 @@ def test_the_kernels_switch_runs_it_for_decode():
     kk, kv, kx = jax.random.split(jax.random.key(0), 3)
     cache = {"k": jax.random.normal(kk, (B, S, config.num_key_value_heads, config.head_dim)),
              "v": jax.random.normal(kv, (B, S, config.num_key_value_heads, config.head_dim))}
+    if storage == "fp8":
+        cache = {name: fp8.quantize(a) for name, a in cache.items()}
     x = jax.random.normal(kx, (B, 1, config.hidden_size))
 
     def run(kernels, dtype):
         return _decode_step(config, layer, params, x, cache, lengths, kernels, dtype)
 
     assert gj.Kernels(attention="mosaic", interpret=True).attention_for(1) == "mosaic"
+    calls = []
+    kernel = mosaic_cache.cache_attention
+    monkeypatch.setattr(mosaic_cache, "cache_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     got = run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16)
     exact = Exact.measure(run(gj.Kernels(), jnp.bfloat16), run(gj.Kernels(), jnp.float32), precision="bfloat16")
     exact.check(got, "mosaic")
@@ -175,19 +216,21 @@ def test_the_kernels_switch_runs_it_for_decode():
     # serving engine's decode step, through the page table.
     P = 64
     table = jnp.arange(B * S // P, dtype=jnp.int32).reshape(S // P, B).T  # [B, W]: page 2i + b
-    pages = {name: jnp.zeros((B * S // P, P) + a.shape[2:], a.dtype).at[table].set(
-        a.reshape(B, S // P, P, *a.shape[2:])) for name, a in cache.items()}
+    pages = {name: fp8.apply(lambda a: jnp.zeros((B * S // P, P) + a.shape[2:], a.dtype).at[table].set(
+        a.reshape(B, S // P, P, *a.shape[2:])), x) for name, x in cache.items()}
     cache = {**pages, "table": table}
     exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), "mosaic, paged")
+    assert len(calls) == 2  # both ran on the kernel
     exact.check(run(gj.Kernels(), jnp.bfloat16), "jnp, paged")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [8, 64])
-def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monkeypatch):
+@pytest.mark.parametrize("page, storage", [(8, "bf16"), (64, "bf16"), (64, "fp8")])
+def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, storage, monkeypatch):
     """Kernels(attention="mosaic") in a sliding layer's decode step over the paged cache (the serving
     engine's): the jnp path's output within the noise of a bfloat16 run (measured against float32);
-    sequences shorter than the window, at it and past it."""
+    sequences shorter than the window, at it and past it; the pool in bfloat16 or in FP8 storage
+    (fp8.py), which the kernel reads as stored."""
     config = gj.ModelConfig.tiny().replace(head_dim=64)
     layer = next(n for n in range(config.num_hidden_layers) if config.is_sliding(n))
     params = random_params(config, seed=4, dtype=jnp.bfloat16)[f"block_{layer}"]["attn"]
@@ -198,6 +241,8 @@ def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monk
     table = jnp.arange(B * W, dtype=jnp.int32).reshape(W, B).T  # [B, W]: sequences' pages interleaved
     cache = {name: jnp.zeros((B * W, page, K, H)).at[table].set(jax.random.normal(key, (B, W, page, K, H)))
              for name, key in (("k", kk), ("v", kv))}
+    if storage == "fp8":
+        cache = {name: fp8.quantize(a) for name, a in cache.items()}
     cache["table"] = table
     x = jax.random.normal(kx, (B, 1, config.hidden_size))
 
@@ -209,5 +254,5 @@ def test_the_kernels_switch_runs_it_for_a_sliding_layers_paged_decode(page, monk
     kernel = mosaic_cache.cache_attention
     monkeypatch.setattr(mosaic_cache, "cache_attention",
                         lambda *a, **kw: windows.append(kw.get("start") is not None) or kernel(*a, **kw))
-    exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), f"mosaic, pages of {page}")
+    exact.check(run(gj.Kernels(attention="mosaic", interpret=True), jnp.bfloat16), f"mosaic, pages of {page}, {storage}")
     assert windows == [True]  # the sliding layer's window ran on the kernel

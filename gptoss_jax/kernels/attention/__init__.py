@@ -76,7 +76,7 @@ ATTENTION = {v.name: v for v in (
             causal=splash.splash_causal),
     # Decode over the filled cache only (full and sliding layers, contiguous or paged).
     Variant("mosaic", HOPPER, auto=lambda c: c.queries <= 16 and c.backend == "gpu" and c.sixteen_bit and c.mosaic,
-            prefix=mosaic_cache.mosaic_prefix, paged_full=mosaic_cache.mosaic_paged_full,
+            fp8=True, prefix=mosaic_cache.mosaic_prefix, paged_full=mosaic_cache.mosaic_paged_full,
             paged_window=mosaic_cache.mosaic_paged_window),
     Variant("blockwise", auto=lambda c: True, jnp=True, fp8=True, causal=xla.blockwise_causal, prefix=xla.blockwise_prefix,
             paged_full=paged.blockwise_paged_full, paged_window=paged.blockwise_paged_window,

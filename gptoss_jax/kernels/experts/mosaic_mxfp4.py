@@ -39,18 +39,12 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .. import pairs
-from ..mosaic import interpret_params, splits_for, supported, tiles
+from ..mosaic import interpret_params, load, splits_for, supported, tiles
 
-__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4", "load", "load_rows_strided",
+__all__ = ["TILES", "decode_group", "decode_into", "decode_settings", "grouped_matmul_mxfp4",
            "operands", "scale_rows", "scales_by_step", "step_scales", "supported"]
 
 TILES = tiles(jnp.bfloat16, 32)  # 16 bf16 columns: one block's 16 packed bytes decode to 16 of each
-
-
-def load(ref, idx, layout, interpret: bool):
-    """ref[idx] (shared memory) into registers in `layout`, bank conflicts allowed (interpret mode:
-    a plain read)."""
-    return ref[idx] if interpret else plgpu.load(ref.at[idx], layout=layout, optimized=False)
 
 
 def _decode(p, s):
@@ -118,27 +112,6 @@ def _decode_ptx(p, s):
     normal range, 255 is E8M0's NaN)."""
     scale = lax.bitcast_convert_type((s << 7).astype(jnp.int16), jnp.bfloat16)[:, None]
     return tuple(c * scale for c in _codes_ptx(p))
-
-
-def load_rows_strided(ref, rows: int, stride: int):
-    """ref[0], ref[stride], ..., ref[(rows - 1) * stride] (a contiguous 1-D uint8 ref in shared
-    memory: one column of a row-major [rows, stride] table) -> [rows] uint8 in the wgmma layout's
-    rows (`Layout.WGMMA.reduce(1)`), a byte load each (a GPU only: Pallas's own loads take
-    contiguous rows only)."""
-    out = plgpu.ShapeDtypeStruct((rows,), jnp.uint8, layout=plgpu.Layout.WGMMA.reduce(1))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=out)
-    def column(_, table):
-        layout = mgpu.fragmented_array.WGMMA_ROW_LAYOUT
-        index = ir.IndexType.get()
-        byte = ir.VectorType.get((1,), ir.IntegerType.get_signless(8))
-        regs = np.empty(layout.registers_shape((rows,)), dtype=object)
-        for reg, (row,) in zip(np.ndindex(regs.shape), layout.thread_idxs((rows,))):
-            at = arith.muli(row, arith.constant(index, stride))
-            regs[reg] = vector.broadcast(byte, memref.load(table, [at]))
-        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
-
-    return column(ref)
 
 
 DECODERS = ("ptx", "jnp")

@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...mxfp4 import packed
 from . import mosaic_decode, mosaic_mxfp4
 from .. import pairs
-from ..mosaic import interpret_params, supported
+from ..mosaic import interpret_params, load, load_rows_strided, supported
 
 __all__ = ["pair_matvec_mxfp4", "pair_settings", "supported"]
 
@@ -96,9 +96,9 @@ def pair_matvec_mxfp4(rows, pair_expert, blocks, scales, *, block_f: int = 64, g
                     sc = s_smem[...].reshape(block_f, G)[:, col]
                 else:  # column col of the table [block_f, G], row-major
                     table = s_smem.reshape(block_f * G)
-                    sc = mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
+                    sc = load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
                 low, high = mosaic_mxfp4.decode_group(packed, sc, rows, g, interpret, decoder)
-                x_low, x_high = (mosaic_mxfp4.load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
+                x_low, x_high = (load(x, (0, h, pl.ds(16 * g, 16)), column, interpret)
                                  .astype(jnp.float32) for h in (0, 1))
                 acc = acc + low.astype(jnp.float32) * x_low[None, :] + high.astype(jnp.float32) * x_high[None, :]
             return acc

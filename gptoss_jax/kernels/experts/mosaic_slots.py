@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...mxfp4 import packed
 from . import mosaic_decode, mosaic_mxfp4
 from .. import pairs
-from ..mosaic import interpret_params, splits_for, supported, tiles
+from ..mosaic import interpret_params, load, load_rows_strided, splits_for, supported, tiles
 
 __all__ = ["MAX_TOKENS", "slot_matvec", "supported", "weighted_sum"]
 
@@ -208,7 +208,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
 
         def epilogue(acc):
             """The sums [block_f, Nq] + bias, then the SwiGLU (up) or the routing weights (down), out."""
-            b = mosaic_mxfp4.load(bias_ref.at[e], pl.ds(row0, block_f), _ROW, interpret)
+            b = load(bias_ref.at[e], pl.ds(row0, block_f), _ROW, interpret)
             if splits > 1:  # the bias once: in the first range's sums
                 b = b * jnp.where(part == 0, 1.0, 0.0)
             h = acc[...] + b[:, None]
@@ -221,7 +221,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
                 for q in range(parts):
                     plgpu.copy_smem_to_gmem(o_smem.at[q], o_ref.at[slot, q, :, pl.ds(row0 // 2 // parts, out_rows)])
             else:
-                h = h * mosaic_mxfp4.load(wd_ref.at[e], pl.ds(0, Nq), _COLUMN, interpret)[None, :]
+                h = h * load(wd_ref.at[e], pl.ds(0, Nq), _COLUMN, interpret)[None, :]
                 o_smem[...] = h
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, part, pl.ds(row0, block_f)])
@@ -235,7 +235,7 @@ def slot_matvec(rows, idx, weight, bias, wd=None, *, act=None, block_f: int = 64
             if interpret:
                 return s_smem[...].reshape(block_f, G)[:, col]
             table = s_smem.reshape(block_f * G)
-            return mosaic_mxfp4.load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
+            return load_rows_strided(table.at[pl.ds(col, (block_f - 1) * G + 1)], block_f, G)
 
         def step_packed(index, xe, xo, codes, acc):  # [Nq, K] [Nq, K] [block_f, K]
             for g in range(gs):
