@@ -594,10 +594,12 @@ def decode_attention_paged():
         ref = jax.jit(lambda q, k, v, s: combine([paged.prefix(q, k, v, table, kv_len, block=512)], s, jnp.float32))(
             q, *(fp8.read(x, jnp.bfloat16) for x in pools["fp8"]), sinks)
         for name, (pk, pv) in pools.items():
-            timed(f"paged decode attention B={B} filled={filled} mosaic {name}",
-                  lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table)], s, q.dtype),
-                  q, pk, pv, sinks, ref=ref if name == "fp8" else None,
-                  kv_bytes=2 * B * filled * K * fp8.vector_bytes(H, fp8.KV_DTYPES[name]), n=30)
+            for bk in (None, 64, 128, 256):
+                timed(f"paged decode attention B={B} filled={filled} mosaic {name} block={bk}",
+                      lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table, block_k=bk)],
+                                                 s, q.dtype),
+                      q, pk, pv, sinks, ref=ref if name == "fp8" else None,
+                      kv_bytes=2 * B * filled * K * fp8.vector_bytes(H, fp8.KV_DTYPES[name]), n=30)
 
 
 def decode(rng):

@@ -234,7 +234,9 @@ def main() -> None:
     parser.add_argument("--reuse", default="on,off", help="agents: prefix reuse on, off or both")
     parser.add_argument("--agent-slots", type=int, default=64, help="agents: the engine's slots")
     parser.add_argument("--long", default="64,256", help="long: concurrencies")
-    parser.add_argument("--uniform", default="256,512,1024", help="uniform 1k/1k: concurrencies")
+    parser.add_argument("--uniform", default="256,512,1024",
+                        help="uniform 1k/1k: concurrencies; 'default': the slots the engine takes by default from "
+                             "its pool's size (as gptoss-serve without --slots), that many requests")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--kv-dtype", default="bf16",
                         help="the KV cache's storage, bf16 or fp8, or both (bf16,fp8): every part run with each, in turn")
@@ -267,8 +269,11 @@ def main() -> None:
     import jax
 
     import gptoss_jax as gj
+    from gptoss_jax import fp8
+    from gptoss_jax.model.paged_cache import pool_pages
     from gptoss_jax.sampling import Sampling
     from gptoss_jax.serving import Engine, EngineConfig, Settings
+    from gptoss_jax.serving.scheduler import slots_for
     from gptoss_jax.testing import random_params_on_device
 
     config = gj.ModelConfig.preset(args.preset)
@@ -286,7 +291,13 @@ def main() -> None:
         tokenizer = load_tokenizer()
 
     def engine_for(slots, max_len, sizes=(), **kw):
+        """An engine of `slots` sequences; None: as many as it takes by default from its pool's size
+        (as gptoss-serve without --slots), found here as the engine finds them (engine.py), since the
+        compiled decode sizes name them."""
         t = time.perf_counter()
+        if slots is None:
+            dtype = fp8.cache_dtype(kv_dtype, params["embedding"].dtype)
+            slots = slots_for(pool_pages(config, args.page_size, dtype, None) * args.page_size)
         engine = Engine(config, params,
                         EngineConfig(slots=slots, max_len=max_len, prefill_chunk=chunk, prefill_rows=min(rows, slots),
                                      max_waiting=100_000, page_size=args.page_size, kv_dtype=kv_dtype,
@@ -318,14 +329,16 @@ def main() -> None:
                 record(f"agents, reuse {'on' if reuse else 'off'}", run_agents(engine, config, args, Settings, greedy))
                 close(engine)
         if "uniform" in parts:
-            for c in (int(x) for x in args.uniform.split(",")):
-                engine = engine_for(c, 2048, sizes=(1,) if args.constrained_share else ())
+            for given in (None if x == "default" else int(x) for x in args.uniform.split(",")):
+                engine = engine_for(given, 2048, sizes=(1,) if args.constrained_share else ())
+                c = engine.slots
                 prompts = workload(config.vocab_size, c, "all", argparse.Namespace(prompt=1024))[0]  # serve_20b.py's
 
                 def fresh(k):  # the prompts of the engine's k-th run: none of them in its cache from the runs before
                     return [[(t + k) % config.vocab_size for t in p] for p in prompts]
 
-                record(f"uniform 1k/1k, c={c}", run_batch(engine, prompts, [1024] * c, Settings, greedy))
+                record(f"uniform 1k/1k, c={c}{'' if given else ' (the default slots)'}",
+                       run_batch(engine, prompts, [1024] * c, Settings, greedy))
                 if args.logprobs_share:
                     record(f"uniform 1k/1k, c={c}, {args.logprobs_share:.0%} with logprobs",
                            run_batch(engine, fresh(1), [1024] * c, Settings, greedy, args.logprobs_share))
