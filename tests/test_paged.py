@@ -388,14 +388,18 @@ def test_a_request_that_cannot_fit_alone_is_refused_at_once(model):
 
 def test_slots_by_default_follow_the_pools_size(model):
     """Without slots given: one a 2,048 positions of the pool, the power of two at or below, from 16 to
-    1,024, where the pool's size is known (given here; a GPU's memory); 16 where it is not (a CPU)."""
-    from gptoss_jax.serving.scheduler import slots_for
+    1,024, where the pool's size is known (given here; a GPU's memory); 16 where it is not (a CPU).
+    Prompts prefilled together by default: 4, or 8 from 256 slots."""
+    from gptoss_jax.serving.scheduler import prefill_rows_for, slots_for
 
     config, params = model
     assert [slots_for(n) for n in (None, 0, 17 * 2048, 40 * 2048, 1000 * 2048, 7_400_000)] == [16, 16, 16, 32, 512, 1024]
+    assert [prefill_rows_for(n) for n in (1, 16, 255, 256, 1024)] == [4, 4, 4, 8, 8]
     pages = 40 * 2048 // 64
     engine = Engine(config, params, EngineConfig(max_len=MAX_LEN, kv_memory=pages * page_bytes(config, 64, jnp.float32)))
     assert (engine.slots, engine.slots_by_pool, engine.scheduler.pages.count) == (32, True, pages)
+    assert (engine.options.prefill_rows, engine.prefill_shapes) == (4, [1, 4])
+    assert Engine(config, params, EngineConfig(slots=256, max_len=MAX_LEN, pages=64)).prefill_shapes == [1, 8]
     engine = Engine(config, params, EngineConfig(max_len=MAX_LEN))
     assert (engine.slots, engine.slots_by_pool) == (16, False)
 

@@ -244,11 +244,12 @@ def test_silent_and_slow_clients_are_closed_after_the_read_timeout(idle):
 @pytest.mark.slow
 @needs_vocab
 def test_the_start_up_says_what_the_kv_cache_holds(idle):
-    """One line: the pool's pages, the tokens they hold and their memory (on a CPU, room for --slots 2
+    """One line: the pool's pages, the tokens they hold, their memory and the prefill's shape (on a CPU, room for --slots 2
     sequences of --max-context 128: two full pages each, and their sliding layers' pages)."""
     process, _ = idle
     line = next(line for line in process.stderr.splitlines() if "KV cache:" in line)
-    said = re.fullmatch(r"gptoss-serve: KV cache: (\d+) pages of 64 positions \((\d+) tokens\) in float32, [\d.]+ MiB; 2 sequences at once", line)
+    said = re.fullmatch(r"gptoss-serve: KV cache: (\d+) pages of 64 positions \((\d+) tokens\) in float32, [\d.]+ MiB; 2 sequences at once; "
+                        r"prompts prefilled 1 x 128 tokens a step", line)
     assert said, line
     pages, tokens = int(said[1]), int(said[2])
     assert tokens == 64 * pages and pages >= 2 * 2, line
@@ -266,7 +267,7 @@ def test_the_kv_cache_flags_reach_the_engine_and_a_pool_too_small_is_said():
     # 0.000026 GiB in pages of 4.25 KiB (the demo model: 2 storages, 32 positions of 2 x 2 vectors of
     # 16 values, each vector 17 bytes in FP8)
     assert ("gptoss-serve: KV cache: 6 pages of 32 positions (192 tokens) in FP8 (e4m3), 25.5 KiB; prefix cache off; "
-            "2 sequences at once") \
+            "2 sequences at once; prompts prefilled 1 x 128 tokens a step") \
         in lines, lines
     assert lines[-1].startswith("error: the KV cache's 6 pages (192 positions) cannot hold one request of "
                                 "--max-context 128, which needs 9"), lines

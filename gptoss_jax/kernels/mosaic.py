@@ -1,5 +1,6 @@
 """What the Pallas Mosaic GPU kernels (attention/mosaic_cache.py, experts/mosaic_*.py) share: the JAX they are
-written for, their interpret mode, and the swizzled shared-memory tiles wgmma reads."""
+written for, their interpret mode, the swizzled shared-memory tiles wgmma reads, and loads from shared
+memory into registers (in a given layout, and a strided column of bytes, which Pallas does not offer)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from ..cli.inputs import (DRAFT_CHOICES, UsageError, check_draft_form, check_hea
 from ..hostmem import return_large_blocks
 from ..metadata import expand
 from ..serving.config import EngineConfig
+from ..serving.scheduler import MANY_SLOTS, PREFILL_ROWS
 from ..signals import Signals
 from ..version import __version__
 
@@ -116,8 +117,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "answers 429 (0: none waits, a request is taken only by a free slot) (default: %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help="prompt tokens of each request prefilled per engine step (default: %(default)s)")
-    p.add_argument("--prefill-rows", type=int, default=EngineConfig.prefill_rows,
-                   help="prompts prefilled together per engine step (default: %(default)s)")
+    p.add_argument("--prefill-rows", type=int, default=None, help=f"prompts prefilled together per engine step "
+                   f"(default: {PREFILL_ROWS[0]}, or {PREFILL_ROWS[1]} with {MANY_SLOTS} slots or more)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the checkpoint folder's name, "
                         "or gpt-oss-demo)")
@@ -181,7 +182,7 @@ def speculate_steps(args) -> int:
 def check_flags(args) -> None:
     for flag, value, least in (("--slots", 1 if args.slots is None else args.slots, 1), ("--page-size", args.page_size, 1),
                                ("--prefill-chunk", args.prefill_chunk, 1),
-                               ("--prefill-rows", args.prefill_rows, 1), ("--max-waiting", args.max_waiting, 0),
+                               ("--prefill-rows", args.prefill_rows or 1, 1), ("--max-waiting", args.max_waiting, 0),
                                ("--max-connections", args.max_connections, 1),
                                ("--stored-responses", args.stored_responses, 0),
                                ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1),
@@ -234,7 +235,8 @@ def kv_cache_line(engine) -> str:
     stored = "FP8 (e4m3)" if fp8.is_fp8(engine.device.kv_dtype) else jnp.dtype(engine.device.kv_dtype).name
     how = " (by the cache's size: one per 2,048 tokens, a power of two from 16 to 1,024)" if engine.slots_by_pool else ""
     return (f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens) in {stored}, "
-            f"{memory}{reuse}; {engine.slots:,} sequences at once{how}")
+            f"{memory}{reuse}; {engine.slots:,} sequences at once{how}; prompts prefilled "
+            f"{engine.prefill_shapes[-1]} x {engine.prefill_chunk} tokens a step")
 
 
 def check_pool(engine, max_len: int) -> None:

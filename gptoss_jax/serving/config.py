@@ -15,7 +15,8 @@ class EngineConfig:
     the device says its memory (scheduler.slots_for: one a 2,048 positions, a power of two from 16 to
     1,024), else 16. max_len: the longest sequence,
     prompt and reply (None: the model's context). prefill_chunk, prefill_rows: prompt tokens of a
-    sequence, and prompts, prefilled per step. max_waiting: requests queued beyond those the free
+    sequence, and prompts, prefilled per step (prefill_rows None: 4, or 8 from 256 slots,
+    scheduler.prefill_rows_for). max_waiting: requests queued beyond those the free
     rows take. page_size: positions of a KV cache page. pages / kv_memory: the pool's size in pages,
     or in bytes (default: paged_cache.POOL_SHARE of the device memory free after the weights; where
     JAX does not say, room for `slots` sequences of 8,192 positions and one of `max_len`). kv_dtype:
@@ -29,7 +30,7 @@ class EngineConfig:
     slots: int | None = None
     max_len: int | None = None
     prefill_chunk: int = 512
-    prefill_rows: int = 4
+    prefill_rows: int | None = None
     max_waiting: int = 1024
     page_size: int = 64
     pages: int | None = None
@@ -44,9 +45,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.slots is not None and self.slots < 1:
             raise ValueError(f"slots must be at least 1, got {self.slots}")
-        for name, least in (("prefill_chunk", 1), ("prefill_rows", 1), ("page_size", 1),
-                            ("max_waiting", 0), ("draft_tokens", 1), ("speculate_rows", 1), ("speculate_steps", 0)):
-            if getattr(self, name) < least:
+        for name, least in (("prefill_chunk", 1), ("prefill_rows", 1), ("page_size", 1), ("max_waiting", 0),
+                            ("draft_tokens", 1), ("speculate_rows", 1), ("speculate_steps", 0)):
+            if getattr(self, name) is not None and getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the model's dtype), got "

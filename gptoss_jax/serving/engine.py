@@ -52,7 +52,7 @@ from .device import Device
 from .lockstep import Lockstep, LockstepError, Message
 from .metrics import Metrics
 from .request import QueueFull, Request, Settings, TokenLogprob, check_prompt
-from .scheduler import Scheduler, Seq, decode_sizes_for, sliding_most, slots_for
+from .scheduler import Scheduler, Seq, decode_sizes_for, prefill_rows_for, sliding_most, slots_for
 from .speculation import Speculation, stateful
 
 log = logging.getLogger("gptoss_jax.serving")
@@ -75,7 +75,8 @@ class Engine:
         known = options.pages or pool_pages(config, page_size, kv_dtype, options.kv_memory, extra=extra)
         slots = options.slots or slots_for(None if known is None else known * page_size)
         self.slots_by_pool = options.slots is None and known is not None  # (what gptoss-serve's start-up says)
-        options = options.replace(max_len=max_len, prefill_chunk=prefill_chunk, slots=slots)
+        options = options.replace(max_len=max_len, prefill_chunk=prefill_chunk, slots=slots,
+                                  prefill_rows=options.prefill_rows or prefill_rows_for(slots))
         self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
         self.options = options
         self.slots, self.max_len, self.prefill_chunk, self.page_size = slots, max_len, prefill_chunk, page_size

@@ -256,6 +256,19 @@ def slots_for(pool_positions: int | None) -> int:
     return min(max(1 << (fits.bit_length() - 1), SLOTS[0]), SLOTS[1])
 
 
+# Prompts prefilled together by default: PREFILL_ROWS[1] from MANY_SLOTS slots, else PREFILL_ROWS[0]. On one
+# NVIDIA H200 (gpt-oss-20b, MXFP4 experts, 1k/1k with 1,024 requests at once, pages of 64) 8 rows of 512
+# gave 15,843 output tokens/s against 13,802 with 4: 1,024 prompts arriving together are taken in half
+# the steps; with few slots, a larger prefill only holds the running requests' next tokens longer.
+PREFILL_ROWS = (4, 8)
+MANY_SLOTS = 256
+
+
+def prefill_rows_for(slots: int) -> int:
+    """The prompts the engine prefills together by default, for this many slots."""
+    return PREFILL_ROWS[1] if slots >= MANY_SLOTS else PREFILL_ROWS[0]
+
+
 def decode_sizes_for(slots: int) -> list[int]:
     """The decode step's sizes by default: every slot, and each quarter down to 8 or so."""
     sizes = [slots]
