@@ -84,12 +84,26 @@ def adapter(module: nn.Module, name: str) -> dict | None:
     return module.get_variable("params", key) if module.has_variable("params", key) else None
 
 
-def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str):
-    """(x @ a) @ b for weight `name`'s adapter, by the einsums `down` and `up`; 0 without one."""
+def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str, rows: jax.Array | None = None):
+    """(x @ a) @ b for weight `name`'s adapter, by the einsums `down` (x, a -> r) and `up` (r, b ->
+    out); 0 without one.
+
+    With `rows` [B] int32 the adapter is a table of L served adapters ({"a": [L, ...], "b": [L, ...]},
+    training/lora.attach_table), and row i of x (its leading axis) takes adapter rows[i], none where
+    negative: every adapter's low-rank product is computed (r is small) and each row keeps its own,
+    so rows of any adapters share one program."""
     held = adapter(module, name)
     if held is None:
         return 0.0
-    return jnp.einsum(up, jnp.einsum(down, x, held["a"].astype(x.dtype)), held["b"].astype(x.dtype))
+    a, b = held["a"].astype(x.dtype), held["b"].astype(x.dtype)
+    if rows is None:
+        return jnp.einsum(up, jnp.einsum(down, x, a), b)
+    (x_in, a_in), r_out = (part.split(",") if "," in part else part for part in down.split("->"))
+    low = jnp.einsum(f"{x_in},l{a_in}->{r_out[:-1]}l{r_out[-1]}", x, a)  # [rows, .., L, r]
+    pick = jax.nn.one_hot(rows, a.shape[0], dtype=x.dtype)  # [rows, L]: zeros for none
+    low = low * pick.reshape(pick.shape[:1] + (1,) * (low.ndim - 3) + pick.shape[1:] + (1,))
+    (r_in, b_in), out = (part.split(",") if "," in part else part for part in up.split("->"))
+    return jnp.einsum(f"{r_in[:-1]}l{r_in[-1]},l{b_in}->{out}", low, b)
 
 
 Params = dict[str, Any]

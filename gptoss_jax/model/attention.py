@@ -89,12 +89,13 @@ class AttentionBlock(nn.Module):
     with_part = staticmethod(with_qkv_part)
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
+    def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None,
+                 adapters=None):
         """x [B, T, D], positions [B, T] -> [B, T, D].
 
         With a cache: the T new tokens of each sequence continue it (positions = lengths + 0..T-1,
         valid [B, T] marks real tokens, a prefix of each row); returns (out, updated layer cache).
-        Without one, positions are 0..T-1.
+        Without one, positions are 0..T-1. adapters [B] int32: each row's served adapter (weight.low_rank).
         """
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
@@ -104,10 +105,10 @@ class AttentionBlock(nn.Module):
         y = _projection(t, w["qkv_weight"], self.mesh) + w["qkv_bias"]  # [B, T, K, G + 2, H]
         q, k, v = y[:, :, :, :G], y[:, :, :, G], y[:, :, :, G + 1]
         # Low-rank adapters, where training added them (params.adapter): 0 otherwise.
-        q_lora = low_rank(self, "q_weight", t, "btd,dr->btr", "btr,rnh->btnh")  # [B, T, N, H]
+        q_lora = low_rank(self, "q_weight", t, "btd,dr->btr", "btr,rnh->btnh", adapters)  # [B, T, N, H]
         q = (q.reshape(B, T, K * G, -1) + q_lora).reshape(q.shape)
-        k = k + low_rank(self, "k_weight", t, "btd,dr->btr", "btr,rkh->btkh")
-        v = v + low_rank(self, "v_weight", t, "btd,dr->btr", "btr,rkh->btkh")
+        k = k + low_rank(self, "k_weight", t, "btd,dr->btr", "btr,rkh->btkh", adapters)
+        v = v + low_rank(self, "v_weight", t, "btd,dr->btr", "btr,rkh->btkh", adapters)
         cos, sin = rope_tables(cfg, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # q [B, T, K, G, H], k [B, T, K, H]
         sinks = w["sinks"].reshape(cfg.num_key_value_heads, cfg.q_per_kv)  # [K, G]
@@ -127,5 +128,5 @@ class AttentionBlock(nn.Module):
                 o = fold_sinks([ops.causal(q, k, v, window)], sinks, q.dtype)
         o = o.reshape(B, T, cfg.num_attention_heads, cfg.head_dim)
         out = jnp.einsum("btnh,nhd->btd", o, w["out_weight"]) + w["out_bias"]
-        out = out + low_rank(self, "out_weight", o, "btnh,nhr->btr", "btr,rd->btd")
+        out = out + low_rank(self, "out_weight", o, "btnh,nhr->btr", "btr,rd->btd", adapters)
         return out if layer_cache is None else (out, new_cache)

@@ -99,8 +99,9 @@ class MLPBlock(nn.Module):
     }
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> [B, T, D]."""
+    def __call__(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]; adapters [B] int32: each row's served adapter (weight.low_rank;
+        the router's only: served adapters on the experts are not taken yet)."""
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
         B, T, D = x.shape
@@ -108,12 +109,16 @@ class MLPBlock(nn.Module):
         t = norm(x).reshape(B * T, D)
         expert_adapters = {f"{name}_lora": adapter(self, name) for name in ("mlp1_weight", "mlp2_weight")}
         expert_adapters = {name: a for name, a in expert_adapters.items() if a is not None}
+        if adapters is not None and expert_adapters:
+            raise NotImplementedError("served adapters (one per row) on the experts are not supported yet; "
+                                      "merge such an adapter into the weights instead")
         tuned = bool(expert_adapters) or adapter(self, "router_weight") is not None
         if not tuned:  # a kernel may run the whole block (norm and router included)
             out = self.kernels.fused_moe(x.reshape(B * T, D), norm.variables["params"]["scale"], w, cfg, mesh=self.mesh)
             if out is not None:
                 return out.astype(x.dtype).reshape(B, T, D)
-        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne")
+        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne",
+                                None if adapters is None else jnp.repeat(adapters, T))
         weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
                              extra=jnp.asarray(router_delta, jnp.float32))
 

@@ -38,16 +38,17 @@ class TransformerBlock(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None):
+    def __call__(self, x: jax.Array, positions: jax.Array, layer_cache=None, lengths=None, valid=None,
+                 adapters=None):
         with jax.named_scope("attention"):
             attn = AttentionBlock(self.config, self.layer, self.param_dtype, self.kernels, self.mesh, name="attn")
             if layer_cache is None:
-                x = x + attn(x, positions)
+                x = x + attn(x, positions, adapters=adapters)
             else:
-                out, layer_cache = attn(x, positions, layer_cache, lengths, valid)
+                out, layer_cache = attn(x, positions, layer_cache, lengths, valid, adapters)
                 x = x + out
         with jax.named_scope("moe"):
-            x = x + MLPBlock(self.config, self.param_dtype, self.kernels, self.mesh, name="mlp")(x)
+            x = x + MLPBlock(self.config, self.param_dtype, self.kernels, self.mesh, name="mlp")(x, adapters)
         return x if layer_cache is None else (x, layer_cache)
 
 
@@ -69,7 +70,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, cache: dict | None = None, valid: jax.Array | None = None,
-                 logits_at: jax.Array | None = None, hidden: bool = False):
+                 logits_at: jax.Array | None = None, hidden: bool = False, adapters: jax.Array | None = None):
         """tokens [B, T] int32 -> logits [B, T, V] float32.
 
         With a cache (cache.py, or a paged one: paged_cache.py), the tokens continue each sequence
@@ -79,6 +80,8 @@ class Transformer(nn.Module):
         last position's alone; [B, T, V] float32 for a 512-token chunk at batch 64 is 26 GB).
         hidden (no cache): the final norm's output [B, T, D] instead of the logits, for a loss that
         computes the logits a chunk at a time (training/loss.py).
+        adapters [B] int32: each row's adapter among the served ones the parameters hold (a table,
+        training/lora.attach_table; -1: the base model alone), rows of any adapters in one call.
         """
         cfg = self.config
         embedding = declare(self, "embedding")
@@ -99,12 +102,12 @@ class Transformer(nn.Module):
             block = block_type(cfg, i, self.param_dtype, self.kernels, self.mesh, name=name)
             with jax.named_scope(name):
                 if cache is None:
-                    x = block(x, positions)
+                    x = block(x, positions, None, None, None, adapters)
                 elif "pages" in cache:
-                    x, storage = block(x, positions, layer_view(cfg, new_cache, i), lengths, valid)
+                    x, storage = block(x, positions, layer_view(cfg, new_cache, i), lengths, valid, adapters)
                     new_cache["pages"][storage_of(cfg, i)] = storage
                 else:
-                    x, new_cache[name] = block(x, positions, cache[name], lengths, valid)
+                    x, new_cache[name] = block(x, positions, cache[name], lengths, valid, adapters)
             if i in self.capture:
                 self.sow("intermediates", f"layer_{i}", x)
         if logits_at is not None:
@@ -147,19 +150,24 @@ def forward(config: ModelConfig, params: Params, tokens, *, kernels: Kernels = K
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "mesh"), donate_argnames=("cache",))
-def _extend(config, params, tokens, cache, valid, kernels, mesh):
-    return Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid)
+def _extend(config, params, tokens, cache, valid, adapters, kernels, mesh):
+    return Transformer(config, kernels=kernels, mesh=mesh).apply({"params": params}, tokens, cache, valid,
+                                                                 adapters=adapters)
 
 
-def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None, *,
+def extend(config: ModelConfig, params: Params, tokens, cache: dict, valid=None, *, adapters=None,
            kernels: Kernels = Kernels()) -> tuple[jax.Array, dict]:
     """Append tokens [B, T] to each cached sequence -> (their logits [B, T, V], the updated cache).
 
     One call serves a prompt (or a chunk of one) and a decode step alike. The cache is donated:
     use only the returned one. valid [B, T] marks real tokens (a prefix of each row), so prompts of
-    different lengths share a batch.
+    different lengths share a batch. adapters [B] int32: each row's served adapter, where the
+    parameters hold a table of them (training/lora.attach_table; -1: none).
     """
     tokens = _check_tokens(config, tokens)
     valid = jnp.ones(tokens.shape, bool) if valid is None else jnp.asarray(valid, bool)
     mesh = mesh_of(params)
-    return _extend(config, params, on_every_device(tokens, mesh), cache, on_every_device(valid, mesh), kernels, mesh)
+    if adapters is not None:
+        adapters = on_every_device(jnp.asarray(adapters, jnp.int32), mesh)
+    return _extend(config, params, on_every_device(tokens, mesh), cache, on_every_device(valid, mesh), adapters,
+                   kernels, mesh)

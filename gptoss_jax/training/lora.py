@@ -122,6 +122,34 @@ def attach(params: Params, adapters: Params, scale: float) -> Params:
     return out
 
 
+def attach_table(params: Params, served: list[tuple[Params, float]], rank: int) -> Params:
+    """The base params with a table of served adapters beside each weight any of them adapts
+    ("<weight>_lora": {"a": [L, ...], "b": [L, ...]}, adapter i at index i), for a model called with
+    each row's index (Transformer's `adapters`): `served` is [(adapters, scale)], each padded with
+    zeros to `rank` (exact: a padded rank adds zero products) and its scale folded into b; an adapter
+    that does not adapt a weight holds zeros there."""
+    sites_of = {}
+    for i, (adapters, scale) in enumerate(served):
+        for layer, module, name, ab in _nodes(adapters):
+            r = ab["a"].shape[-1]
+            if r > rank:
+                raise ValueError(f"adapter {i} has rank {r} at {layer}/{module}/{name}, above the table's {rank}")
+            lead = 1 if _weight(module, name).axes[0] == "experts" else 0  # b's rank axis: after an expert axis
+            pad_a = [(0, 0)] * (ab["a"].ndim - 1) + [(0, rank - r)]
+            pad_b = [(0, 0)] * ab["b"].ndim
+            pad_b[lead] = (0, rank - r)
+            sites_of.setdefault((layer, module, name), {})[i] = {"a": jnp.pad(ab["a"], pad_a),
+                                                               "b": jnp.pad(ab["b"] * scale, pad_b)}
+    out = dict(params)
+    for (layer, module, name), held in sites_of.items():
+        like = next(iter(held.values()))
+        table = {part: jnp.stack([held[i][part] if i in held else jnp.zeros_like(like[part])
+                                  for i in range(len(served))]) for part in ("a", "b")}
+        out[layer] = dict(out[layer])
+        out[layer][module] = dict(out[layer][module], **{f"{name}_lora": table})
+    return out
+
+
 def _merge_einsum(module: str, name: str) -> str:
     """The einsum taking (a, b) to the weight's own axis order."""
     axes = adapter_logical_axes(module, name)
