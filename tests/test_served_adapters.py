@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 
 import gptoss_jax as gj
+from gptoss_jax.decoding.generator import Generator
+from gptoss_jax.sampling import Sampling
+from gptoss_jax.serving import Engine, EngineConfig, Settings
 from gptoss_jax.training.lora import LoraConfig, attach_table, init_adapters, merge
+from conftest import compile_events
 from refs import exact_logits
+
+GREEDY = Sampling(temperature=0.0)
 
 # Two adapters of different ranks and targets; the router's too.
 CONFIGS = (LoraConfig(rank=4, alpha=8.0, targets=("attention",)), LoraConfig(rank=2, alpha=3.0, targets=("attention", "router")))
@@ -61,3 +67,35 @@ def test_a_table_refuses_a_rank_above_its_own(tiny_f32):
     adapters = init_adapters(config, CONFIGS[0], jax.random.key(0))
     with pytest.raises(ValueError, match="rank 4 at block_0/attn/q_weight, above the table's 2"):
         attach_table(params, [(adapters, 1.0)], rank=2)
+
+
+@pytest.mark.slow
+def test_the_engine_gives_each_request_its_adapters_tokens_with_prefix_reuse_and_preemption(served):
+    """The engine over the table: a shared system prompt under adapter 0, adapter 1, the base and
+    adapter 0 again, in a pool too small for all at once (preemption): each request's greedy tokens
+    are those of its adapter merged into the weights, alone; a prefix computed under one adapter is
+    found only by a later request under the same one; nothing compiles after warm-up; an adapter the
+    engine does not serve is refused."""
+    config, table, merged = served
+    engine = Engine(config, table, EngineConfig(slots=4, max_len=256, prefill_chunk=16, page_size=8, pages=30))
+    assert engine.served_adapters == 2
+    engine.warm_up()
+    system = np.random.default_rng(40).integers(0, config.vocab_size, 40).tolist()
+    prompts = [system + np.random.default_rng(41 + i).integers(0, config.vocab_size, 5 + 6 * i).tolist()
+               for i in range(4)]
+    adapters = [0, 1, None, 0]
+    with compile_events() as compiled:
+        first = engine.submit(prompts[0], Settings(max_new_tokens=30, sampling=GREEDY, adapter=0))
+        engine.run_until_idle()
+        rest = [engine.submit(p, Settings(max_new_tokens=40, sampling=GREEDY, adapter=a))
+                for p, a in zip(prompts[1:], adapters[1:])]
+        engine.run_until_idle()
+    assert not compiled, compiled
+    for r, a in zip([first] + rest, adapters):
+        alone = Generator(config, merged[-1 if a is None else a], max_len=256)
+        want = alone.generate([r.prompt_ids], max_new_tokens=len(r.output_ids), sampling=GREEDY)[0].output_ids
+        assert r.output_ids == want, f"adapter {a}"
+    assert [r.cached_tokens for r in rest] == [0, 0, 40]  # only adapter 0's second request finds the prefix
+    assert engine.stats()["preemptions"] > 0
+    with pytest.raises(ValueError, match="adapter 2: the engine serves 2 adapters"):
+        engine.submit(prompts[0], Settings(max_new_tokens=4, adapter=2))

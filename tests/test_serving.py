@@ -329,7 +329,7 @@ def test_a_lockstep_message_carries_admissions_exactly():
 
     settings = Settings(max_new_tokens=7, sampling=Sampling(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05), seed=-5,
                         stop_ids=(1, 2), stop_strings=("\n\n", "é\"}"), logprobs=3, logit_bias=((7, -100.0), (9, 2.5)),
-                        presence_penalty=0.5, frequency_penalty=-1.25, grammar='start: "a" | "b"')
+                        presence_penalty=0.5, frequency_penalty=-1.25, grammar='start: "a" | "b"', adapter=1)
     assert all(getattr(settings, f.name) != f.default for f in dataclasses.fields(Settings))  # a field left out fails
     sent = Message(cancel=[3, 0], admit=[(1, Request(10, [5, 200_000, 0], settings)), (2, Request(11, [9], Settings()))])
     got = decode(encode(sent))

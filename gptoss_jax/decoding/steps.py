@@ -64,28 +64,40 @@ class Model:
 
     def apply(self, params, tokens, cache: dict, valid, logits_at=None):
         """The model over tokens [B, T] continuing `cache` -> (logits, the cache written, the captured
-        layers' outputs [B, T, G] or None)."""
+        layers' outputs [B, T, G] or None). The cache's "adapters" [B], where it has them: each row's
+        served adapter (Transformer's `adapters`)."""
         module = Transformer(self.config, kernels=self.kernels, mesh=self.mesh, capture=self.capture)
+        cache = dict(cache)
+        adapters = cache.pop("adapters", None)
         if not self.capture:
-            return (*module.apply({"params": params}, tokens, cache, valid, logits_at=logits_at), None)
-        (logits, cache), state = module.apply({"params": params}, tokens, cache, valid, logits_at=logits_at,
-                                              mutable=["intermediates"])
-        return logits, cache, captured(state, self.capture)
+            logits, written = module.apply({"params": params}, tokens, cache, valid, logits_at=logits_at,
+                                           adapters=adapters)
+            state = None
+        else:
+            (logits, written), state = module.apply({"params": params}, tokens, cache, valid, logits_at=logits_at,
+                                                    adapters=adapters, mutable=["intermediates"])
+            state = captured(state, self.capture)
+        if adapters is not None and "tables" not in cache:  # a contiguous cache's rows are the call's
+            written = {**written, "adapters": adapters}
+        return logits, written, state
 
 
 def view(cache: dict, rows, lengths) -> dict:
     """What the model reads and writes for these rows [B] at these lengths [B]: a paged pool through
     the rows' page tables; a contiguous cache (its rows are the call's) with those lengths."""
     if "tables" in cache:
-        return {"lengths": lengths, "tables": jnp.take(cache["tables"], rows, axis=1, mode="clip"),
-                "pages": cache["pages"]}
+        out = {"lengths": lengths, "tables": jnp.take(cache["tables"], rows, axis=1, mode="clip"), "pages": cache["pages"]}
+        if "adapters" in cache:  # each row's served adapter
+            out["adapters"] = jnp.take(cache["adapters"], rows, mode="clip")
+        return out
     return {**cache, "lengths": lengths}
 
 
 def stored(cache: dict, written: dict) -> dict:
     """The caller's cache after the model wrote `written` (its `view`'s result)."""
     if "tables" in cache:
-        return {"pages": written["pages"], "tables": cache["tables"]}
+        return {"pages": written["pages"], "tables": cache["tables"],
+                **({"adapters": cache["adapters"]} if "adapters" in cache else {})}
     return written
 
 

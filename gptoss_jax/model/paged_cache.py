@@ -160,4 +160,5 @@ class Paged:
              kept: jax.Array) -> dict:
         """Nothing of a rejected draft needs taking back: attention never reads a position at or past a
         sequence's length, and the next step writes over what the rejected drafts left."""
-        return {"pages": written["pages"], "tables": cache["tables"]}
+        return {"pages": written["pages"], "tables": cache["tables"],
+                **({"adapters": cache["adapters"]} if "adapters" in cache else {})}

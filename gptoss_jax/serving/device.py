@@ -60,6 +60,7 @@ class Device:
         self.pool = init_pool(self.config, self.pages, self.page_size, self.kv_dtype, mesh=self.mesh)
         self.tables = self.put(np.zeros((2, self.slots, self.width), np.int32))
         self.last = self.put(np.zeros(self.slots, np.int32))  # each row's latest token
+        self.adapters = self.put(np.full(self.slots, -1, np.int32))  # each row's served adapter (-1: none)
         self.state = None if self.head is None else self.head[0].init_state(self.slots, (self.pages, self.page_size),
                                                                            self.mesh)
 
@@ -122,12 +123,18 @@ class Device:
         self._keep(cache)
         return outcome, history
 
+    def take_adapter(self, row: int, adapter: int | None) -> None:
+        """A row's served adapter from its next step on (None: the base model)."""
+        self.adapters = steps.set_adapter(self.adapters, self.put(np.int32(row)), self.put(np.int32(-1 if adapter is None
+                                                                                                   else adapter)))
+
     def _cache(self) -> dict:
-        """The pool with its tables: what the decoding steps take (and donate) as a paged cache."""
-        return {"pages": self.pool["pages"], "tables": self.tables}
+        """The pool with its tables and the rows' adapters: what the decoding steps take (and donate)
+        as a paged cache."""
+        return {"pages": self.pool["pages"], "tables": self.tables, "adapters": self.adapters}
 
     def _keep(self, cache: dict) -> None:
-        self.pool, self.tables = {"pages": cache["pages"]}, cache["tables"]
+        self.pool, self.tables, self.adapters = {"pages": cache["pages"]}, cache["tables"], cache["adapters"]
 
     def ready(self, outputs) -> None:
         """Wait for these outputs (a warm-up's)."""

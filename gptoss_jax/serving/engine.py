@@ -43,6 +43,7 @@ from ..drafts.base import Draft
 from ..kernels import Kernels
 from ..model.paged_cache import PoolSize, pool_pages, table_width
 from ..sampling import MODES, rows_mode
+from ..training.lora import served_count
 from ..sharding import mesh_of, to_host_soon
 from ..weight import Params
 from . import steps, stops
@@ -75,9 +76,10 @@ class Engine:
         known = options.pages or pool_pages(config, page_size, kv_dtype, options.kv_memory, extra=extra)
         slots = options.slots or slots_for(None if known is None else known * page_size)
         self.slots_by_pool = options.slots is None and known is not None  # (what gptoss-serve's start-up says)
-        options = options.replace(max_len=max_len, prefill_chunk=prefill_chunk, slots=slots,
-                                  prefill_rows=options.prefill_rows or prefill_rows_for(slots))
+        rows = options.prefill_rows or prefill_rows_for(slots)
+        options = options.replace(max_len=max_len, prefill_chunk=prefill_chunk, slots=slots, prefill_rows=rows)
         self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
+        self.served_adapters = served_count(params)  # Settings.adapter's range
         self.options = options
         self.slots, self.max_len, self.prefill_chunk, self.page_size = slots, max_len, prefill_chunk, page_size
         # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
@@ -127,7 +129,7 @@ class Engine:
         `after`: a request with the same prompt (choices of one API request): this one is admitted
         once that one's prompt is computed, and finds it in the cache."""
         prompt = list(prompt_ids)
-        check_prompt(prompt, settings, self.config.vocab_size, self.max_len)
+        check_prompt(prompt, settings, self.config.vocab_size, self.max_len, self.served_adapters)
         need, count = self.scheduler.pages_alone(len(prompt) + settings.max_new_tokens), self.scheduler.pages.count
         if need > count:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens needs "
@@ -169,8 +171,7 @@ class Engine:
         return self._lockstep is not None and not self._lockstep.leader
 
     def start(self) -> None:
-        """Run the steps on a thread of their own until `stop` (process 0 of several: the others run
-        `follow`)."""
+        """Run the steps on a thread of their own until `stop` (process 0 of several; the others: `follow`)."""
         if self._following:
             raise RuntimeError("a process other than 0 runs follow(), not start()")
         if self._thread is None:
@@ -227,6 +228,7 @@ class Engine:
         if self.grammars is not None:
             self.grammars.load()
         device.write_tables([(0, self.slots, 0, 0)])  # padding: dropped
+        device.take_adapter(0, None)  # (no request holds a row)
         device.ready(outputs)
         self.compiled = [f"prefill [{P}, {C}]" for P in self.prefill_shapes] + [
             f"decode step [{', '.join(map(str, self.decode_sizes))}]",
@@ -265,6 +267,7 @@ class Engine:
                     self._lockstep.send(Message(cancelled, [(s.row, s.request) for s in admitted], dropped=dropped))
         for seq in self.scheduler.taken():  # each request's settings become its row's: a failure is its own
             self._alone(seq, self.device.picks.taken, seq.request, seq.row)
+            self.device.take_adapter(seq.row, seq.request.settings.adapter)
         prefilling = [s for s in self.scheduler.admitted if s.prefilling][:self.prefill_shapes[-1]]
         decoding = [s for s in self.scheduler.admitted
                     if not s.prefilling and s.queued < s.request.settings.max_new_tokens]

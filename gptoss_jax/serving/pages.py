@@ -26,10 +26,17 @@ def chain(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
 
 
-def extend_hashes(hashes: list[bytes], tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """Append the names of the full pages of `tokens` past the `len(hashes)` already named -> hashes."""
+def adapter_seed(adapter: int | None) -> bytes:
+    """The start of the page names' chain of a request under this served adapter (None: the base)."""
+    return b"" if adapter is None else f"adapter {adapter}".encode()
+
+
+def extend_hashes(hashes: list[bytes], tokens: Sequence[int], page_size: int, seed: bytes = b"") -> list[bytes]:
+    """Append the names of the full pages of `tokens` past the `len(hashes)` already named -> hashes.
+    `seed` starts the chain: a served adapter's (`adapter_seed`), so that pages computed under one
+    adapter are never found by a prompt under another, or under none."""
     for i in range(len(hashes), len(tokens) // page_size):
-        hashes.append(chain(hashes[-1] if hashes else b"", tokens[i * page_size:(i + 1) * page_size]))
+        hashes.append(chain(hashes[-1] if hashes else seed, tokens[i * page_size:(i + 1) * page_size]))
     return hashes
 
 

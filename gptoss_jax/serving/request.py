@@ -48,6 +48,9 @@ class Settings:
     # an llguidance grammar (Lark syntax, with %json for JSON schemas) that the reply must follow; needs
     # the engine's tokenizer (constrain.py)
     grammar: str | None = None
+    # the served adapter the reply is generated under: an index of the table the engine's parameters
+    # hold (training/lora.attach_table); None: the base model
+    adapter: int | None = None
 
     def __post_init__(self):
         if len(self.logit_bias) > LOGIT_BIAS_MOST:
@@ -66,8 +69,9 @@ class Settings:
             raise ValueError("a stop string must not be empty")
 
 
-def check_prompt(prompt: list[int], settings: Settings, vocab: int, max_len: int) -> None:
-    """ValueError for a prompt an engine of this vocabulary and context cannot take."""
+def check_prompt(prompt: list[int], settings: Settings, vocab: int, max_len: int, adapters: int = 0) -> None:
+    """ValueError for a prompt an engine of this vocabulary and context, serving this many adapters,
+    cannot take."""
     if not prompt:
         raise ValueError("the prompt needs at least one token")
     if min(prompt) < 0 or max(prompt) >= vocab or any(not 0 <= t < vocab for t, _ in settings.logit_bias):
@@ -75,6 +79,9 @@ def check_prompt(prompt: list[int], settings: Settings, vocab: int, max_len: int
     if len(prompt) + settings.max_new_tokens > max_len:
         raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens exceeds the "
                          f"max context of {max_len}")
+    if settings.adapter is not None and not 0 <= settings.adapter < adapters:
+        raise ValueError(f"adapter {settings.adapter}: the engine serves {adapters} adapters"
+                         + (f" (0 to {adapters - 1})" if adapters else ""))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import itertools
 from ..config import ModelConfig
 from ..model.paged_cache import FULL, SLIDING, window_pages
 from .metrics import Metrics
-from .pages import Pages, extend_hashes
+from .pages import Pages, adapter_seed, extend_hashes
 from .request import Request
 
 
@@ -106,7 +106,8 @@ class Scheduler:
             return [], {}
         tokens, P = self._tokens_of(request), self.page_size
         # (a preempted request may have named every page of its tokens: the last one's is left out)
-        names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P)[:(len(tokens) - 1) // P]
+        names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P,
+                              adapter_seed(request.settings.adapter))[:(len(tokens) - 1) // P]
         full = []
         for name in names:
             page = self.pages.find(FULL, name)
@@ -221,7 +222,8 @@ class Scheduler:
             return
         known = self._tokens_of(seq.request)
         whole = min(len(known), seq.length) // self.page_size
-        names = extend_hashes(seq.request._page_names, known[:whole * self.page_size], self.page_size)
+        names = extend_hashes(seq.request._page_names, known[:whole * self.page_size], self.page_size,
+                              adapter_seed(seq.request.settings.adapter))
         for i in range(seq.named, whole):
             self.pages.name(seq.full[i], FULL, names[i])
             if i in seq.sliding:

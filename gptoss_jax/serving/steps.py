@@ -142,6 +142,12 @@ def write_tables(tables, writes):
     return tables.at[writes[0], writes[1], writes[2]].set(writes[3], mode="drop")
 
 
+@functools.partial(jax.jit, donate_argnames=("adapters",))
+def set_adapter(adapters, row, adapter):
+    """adapters [R] int32 (each row's served adapter, -1 none) with row's set."""
+    return adapters.at[row].set(adapter)
+
+
 @jax.jit
 def adjust_rows(logits, plan, settings, counts, mask):
     """logits [N, V] of the rows plan[0] [N] -> float32 [N, V] as `adjust` leaves them, by each row's

@@ -150,6 +150,21 @@ def attach_table(params: Params, served: list[tuple[Params, float]], rank: int) 
     return out
 
 
+def served_count(params: Params) -> int:
+    """How many served adapters the params' tables hold (`attach_table`; 0 without one)."""
+    count = 0
+    for layer, modules in params.items():
+        if not isinstance(modules, dict):
+            continue
+        for module, weights in modules.items():
+            if module not in _BLOCKS or not isinstance(weights, dict):
+                continue
+            for key, held in weights.items():
+                if key.endswith("_lora") and held["a"].ndim > len(adapter_logical_axes(module, key[:-len("_lora")])["a"]):
+                    count = max(count, held["a"].shape[0])
+    return count
+
+
 def _merge_einsum(module: str, name: str) -> str:
     """The einsum taking (a, b) to the weight's own axis order."""
     axes = adapter_logical_axes(module, name)
