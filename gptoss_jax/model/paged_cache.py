@@ -4,7 +4,8 @@
     tables int32 [2, R, W]    tables[g, r, i]: the page holding positions [i P, (i + 1) P) of the
                               sequence in row r, for the layers of group g (0: full, 1: sliding)
     a step's view of it, for B sequences (rows gathered from the tables):
-    cache  {"lengths": [B], "tables": [2, B, W], "pages": [...]}
+    cache  {"lengths": [B], "tables": [2, B, W], "pages": [...]}  (and "adapters" [B] where the rows
+                              run served adapters: decoding/steps.py passes them to the model)
 
 The layers of one kind form a group: full-attention layers (group 0) keep every position of a
 sequence; sliding-window layers (group 1) need only the last `window` positions, so the host frees
