@@ -84,20 +84,29 @@ def adapter(module: nn.Module, name: str) -> dict | None:
     return module.get_variable("params", key) if module.has_variable("params", key) else None
 
 
+def is_table(module: nn.Module, name: str, held: dict) -> bool:
+    """Whether weight `name`'s adapter `held` is a table of served adapters (a leading axis more than
+    one adapter has) rather than one adapter."""
+    spec = module.WEIGHTS[name] if name in module.WEIGHTS else module.PARTS[name]
+    return held["a"].ndim > len(spec.adapter_axes()["a"])
+
+
 def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str, rows: jax.Array | None = None):
     """(x @ a) @ b for weight `name`'s adapter, by the einsums `down` (x, a -> r) and `up` (r, b ->
     out); 0 without one.
 
-    With `rows` [B] int32 the adapter is a table of L served adapters ({"a": [L, ...], "b": [L, ...]},
-    training/lora.attach_table), and row i of x (its leading axis) takes adapter rows[i], none where
-    negative: every adapter's low-rank product is computed (r is small) and each row keeps its own,
-    so rows of any adapters share one program."""
+    A table of L served adapters ({"a": [L, ...], "b": [L, ...]}, training/lora.attach_table) is
+    read with `rows` [B] int32: row i of x (its leading axis) takes adapter rows[i], none where
+    negative (without rows: none, the base model): every adapter's low-rank product is computed (r
+    is small) and each row keeps its own, so rows of any adapters share one program."""
     held = adapter(module, name)
     if held is None:
         return 0.0
     a, b = held["a"].astype(x.dtype), held["b"].astype(x.dtype)
-    if rows is None:
+    if not is_table(module, name, held):
         return jnp.einsum(up, jnp.einsum(down, x, a), b)
+    if rows is None:
+        return 0.0
     (x_in, a_in), r_out = (part.split(",") if "," in part else part for part in down.split("->"))
     low = jnp.einsum(f"{x_in},l{a_in}->{r_out[:-1]}l{r_out[-1]}", x, a)  # [rows, .., L, r]
     pick = jax.nn.one_hot(rows, a.shape[0], dtype=x.dtype)  # [rows, L]: zeros for none

@@ -99,3 +99,24 @@ def test_the_engine_gives_each_request_its_adapters_tokens_with_prefix_reuse_and
     assert engine.stats()["preemptions"] > 0
     with pytest.raises(ValueError, match="adapter 2: the engine serves 2 adapters"):
         engine.submit(prompts[0], Settings(max_new_tokens=4, adapter=2))
+
+
+def test_one_attached_adapter_is_read_as_before_and_a_table_without_rows_is_the_base(served, tiny_f32):
+    """An engine's steps pass each row's adapter index (-1) even over parameters with one attached
+    adapter (training/lora.attach: not a table), which then applies to every row as in training; a
+    table read without indices gives the base model."""
+    from gptoss_jax.training.lora import attach
+
+    config, params = tiny_f32
+    _, table, merged = served
+    adapters = _trained(config, CONFIGS[0], 0)
+    tokens = np.random.default_rng(9).integers(0, config.vocab_size, (2, 12)).astype(np.int32)
+
+    def logits(p, rows):
+        cache = gj.init_cache(config, 2, 32, jnp.float32)
+        return np.asarray(gj.extend(config, p, tokens, cache, adapters=rows)[0])
+
+    exact = exact_logits(config, merged[0], tokens)  # the table's adapter 0 is this same adapter
+    exact.check(logits(attach(params, adapters, CONFIGS[0].scale), np.array([-1, -1], np.int32)), "attached")
+    exact.check(logits(table, np.array([0, 0], np.int32)), "the table's adapter 0")
+    np.testing.assert_array_equal(logits(table, None), logits(params, None))

@@ -64,8 +64,8 @@ class Model:
 
     def apply(self, params, tokens, cache: dict, valid, logits_at=None):
         """The model over tokens [B, T] continuing `cache` -> (logits, the cache written, the captured
-        layers' outputs [B, T, G] or None). The cache's "adapters" [B], where it has them: each row's
-        served adapter (Transformer's `adapters`)."""
+        layers' outputs [B, T, G] or None). A paged cache's "adapters" [B], where it has them: each
+        row's served adapter (Transformer's `adapters`)."""
         module = Transformer(self.config, kernels=self.kernels, mesh=self.mesh, capture=self.capture)
         cache = dict(cache)
         adapters = cache.pop("adapters", None)
@@ -77,8 +77,6 @@ class Model:
             (logits, written), state = module.apply({"params": params}, tokens, cache, valid, logits_at=logits_at,
                                                     adapters=adapters, mutable=["intermediates"])
             state = captured(state, self.capture)
-        if adapters is not None and "tables" not in cache:  # a contiguous cache's rows are the call's
-            written = {**written, "adapters": adapters}
         return logits, written, state
 
 

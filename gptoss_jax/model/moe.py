@@ -31,7 +31,7 @@ from jax.sharding import Mesh, PartitionSpec
 from ..config import ModelConfig
 from ..kernels import Kernels, local_experts
 from ..sharding import spec, weight_spec
-from ..weight import Weight, adapter, declare, low_rank
+from ..weight import Weight, adapter, declare, is_table, low_rank
 from .layers import RMSNorm
 
 EXPERT_WEIGHTS = ("mlp1_weight", "mlp1_bias", "mlp2_weight", "mlp2_bias")
@@ -109,7 +109,7 @@ class MLPBlock(nn.Module):
         t = norm(x).reshape(B * T, D)
         expert_adapters = {f"{name}_lora": adapter(self, name) for name in ("mlp1_weight", "mlp2_weight")}
         expert_adapters = {name: a for name, a in expert_adapters.items() if a is not None}
-        if adapters is not None and expert_adapters:
+        if any(is_table(self, name[:-len("_lora")], held) for name, held in expert_adapters.items()):
             raise NotImplementedError("served adapters (one per row) on the experts are not supported yet; "
                                       "merge such an adapter into the weights instead")
         tuned = bool(expert_adapters) or adapter(self, "router_weight") is not None

@@ -181,8 +181,8 @@ def speculate_steps(args) -> int:
 
 def check_flags(args) -> None:
     for flag, value, least in (("--slots", 1 if args.slots is None else args.slots, 1), ("--page-size", args.page_size, 1),
-                               ("--prefill-chunk", args.prefill_chunk, 1),
-                               ("--prefill-rows", args.prefill_rows or 1, 1), ("--max-waiting", args.max_waiting, 0),
+                               ("--prefill-chunk", args.prefill_chunk, 1), ("--max-waiting", args.max_waiting, 0),
+                               ("--prefill-rows", 1 if args.prefill_rows is None else args.prefill_rows, 1),
                                ("--max-connections", args.max_connections, 1),
                                ("--stored-responses", args.stored_responses, 0),
                                ("--draft-tokens", args.draft_tokens, 1), ("--speculate-rows", args.speculate_rows, 1),

@@ -17,6 +17,7 @@ import numpy as np
 from ..decoding.steps import Decode, Model, decode, follow, prefill
 from ..model.paged_cache import PoolSize, init_pool
 from ..sharding import on_every_device
+from ..training.lora import served_count
 from ..weight import Params
 from . import steps
 from .picks import Picks
@@ -31,6 +32,8 @@ class Device:
     def __init__(self, model: Model, params: Params, *, slots: int, width: int, pool: PoolSize, grammars=None,
                  tokenizer=None):
         self.model, self.config, self.params, self.mesh = model, model.config, params, model.mesh
+        if self.mesh is not None and served_count(params):
+            raise NotImplementedError("served adapters (training.lora.attach_table) on a mesh are not supported yet")
         self._decode = Decode(self.model)  # one step's model pass, picked apart
         self.slots, self.width = slots, width
         self.pages, self.page_size, self.kv_dtype = pool.pages, pool.page_size, pool.dtype
