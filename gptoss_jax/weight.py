@@ -84,10 +84,9 @@ def adapter(module: nn.Module, name: str) -> dict | None:
     return module.get_variable("params", key) if module.has_variable("params", key) else None
 
 
-def is_table(module: nn.Module, name: str, held: dict) -> bool:
-    """Whether weight `name`'s adapter `held` is a table of served adapters (a leading axis more than
-    one adapter has) rather than one adapter."""
-    spec = module.WEIGHTS[name] if name in module.WEIGHTS else module.PARTS[name]
+def is_table(spec: Weight, held: dict) -> bool:
+    """Whether `held`, the adapter of the weight `spec` declares, is a table of served adapters (a
+    leading axis more than one adapter has) rather than one adapter."""
     return held["a"].ndim > len(spec.adapter_axes()["a"])
 
 
@@ -103,7 +102,7 @@ def low_rank(module: nn.Module, name: str, x: jax.Array, down: str, up: str, row
     if held is None:
         return 0.0
     a, b = held["a"].astype(x.dtype), held["b"].astype(x.dtype)
-    if not is_table(module, name, held):
+    if not is_table(module.WEIGHTS[name] if name in module.WEIGHTS else module.PARTS[name], held):
         return jnp.einsum(up, jnp.einsum(down, x, a), b)
     if rows is None:
         return 0.0

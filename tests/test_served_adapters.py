@@ -78,7 +78,7 @@ def test_the_engine_gives_each_request_its_adapters_tokens_with_prefix_reuse_and
     engine does not serve is refused."""
     config, table, merged = served
     engine = Engine(config, table, EngineConfig(slots=4, max_len=256, prefill_chunk=16, page_size=8, pages=30))
-    assert engine.served_adapters == 2
+    assert engine.device.served == 2
     engine.warm_up()
     system = np.random.default_rng(40).integers(0, config.vocab_size, 40).tolist()
     prompts = [system + np.random.default_rng(41 + i).integers(0, config.vocab_size, 5 + 6 * i).tolist()

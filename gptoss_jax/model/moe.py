@@ -109,7 +109,7 @@ class MLPBlock(nn.Module):
         t = norm(x).reshape(B * T, D)
         expert_adapters = {f"{name}_lora": adapter(self, name) for name in ("mlp1_weight", "mlp2_weight")}
         expert_adapters = {name: a for name, a in expert_adapters.items() if a is not None}
-        if any(is_table(self, name[:-len("_lora")], held) for name, held in expert_adapters.items()):
+        if any(is_table(self.WEIGHTS[name[:-len("_lora")]], held) for name, held in expert_adapters.items()):
             raise NotImplementedError("served adapters (one per row) on the experts are not supported yet; "
                                       "merge such an adapter into the weights instead")
         tuned = bool(expert_adapters) or adapter(self, "router_weight") is not None

@@ -32,7 +32,8 @@ class Device:
     def __init__(self, model: Model, params: Params, *, slots: int, width: int, pool: PoolSize, grammars=None,
                  tokenizer=None):
         self.model, self.config, self.params, self.mesh = model, model.config, params, model.mesh
-        if self.mesh is not None and served_count(params):
+        self.served = served_count(params)  # adapters in the parameters' tables (Settings.adapter's range)
+        if self.mesh is not None and self.served:
             raise NotImplementedError("served adapters (training.lora.attach_table) on a mesh are not supported yet")
         self._decode = Decode(self.model)  # one step's model pass, picked apart
         self.slots, self.width = slots, width
@@ -127,9 +128,10 @@ class Device:
         return outcome, history
 
     def take_adapter(self, row: int, adapter: int | None) -> None:
-        """A row's served adapter from its next step on (None: the base model)."""
-        self.adapters = steps.set_adapter(self.adapters, self.put(np.int32(row)), self.put(np.int32(-1 if adapter is None
-                                                                                                   else adapter)))
+        """A row's served adapter from its next step on (None: the base model); nothing without a table."""
+        if self.served:
+            self.adapters = steps.set_adapter(self.adapters, self.put(np.int32(row)),
+                                              self.put(np.int32(-1 if adapter is None else adapter)))
 
     def _cache(self) -> dict:
         """The pool with its tables and the rows' adapters: what the decoding steps take (and donate)

@@ -43,7 +43,6 @@ from ..drafts.base import Draft
 from ..kernels import Kernels
 from ..model.paged_cache import PoolSize, pool_pages, table_width
 from ..sampling import MODES, rows_mode
-from ..training.lora import served_count
 from ..sharding import mesh_of, to_host_soon
 from ..weight import Params
 from . import steps, stops
@@ -79,7 +78,6 @@ class Engine:
         rows = options.prefill_rows or prefill_rows_for(slots)
         options = options.replace(max_len=max_len, prefill_chunk=prefill_chunk, slots=slots, prefill_rows=rows)
         self.config, self.params, self.kernels, self.tokenizer = config, params, kernels, tokenizer
-        self.served_adapters = served_count(params)  # Settings.adapter's range
         self.options = options
         self.slots, self.max_len, self.prefill_chunk, self.page_size = slots, max_len, prefill_chunk, page_size
         # Prompts prefilled together: one alone, or up to prefill_rows (two compiled shapes).
@@ -129,7 +127,7 @@ class Engine:
         `after`: a request with the same prompt (choices of one API request): this one is admitted
         once that one's prompt is computed, and finds it in the cache."""
         prompt = list(prompt_ids)
-        check_prompt(prompt, settings, self.config.vocab_size, self.max_len, self.served_adapters)
+        check_prompt(prompt, settings, self.config.vocab_size, self.max_len, self.device.served)
         need, count = self.scheduler.pages_alone(len(prompt) + settings.max_new_tokens), self.scheduler.pages.count
         if need > count:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {settings.max_new_tokens} new tokens needs "

@@ -28,7 +28,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.attention import AttentionBlock
 from ..model.moe import MLPBlock
-from ..weight import Params, Weight
+from ..weight import Params, Weight, is_table
 
 # Group -> the (module, weight) pairs it adapts. Each weight's input axes (what `a` takes) are declared
 # with the weight itself (`Weight.inputs`); a leading experts axis gives one adapter per expert.
@@ -160,7 +160,7 @@ def served_count(params: Params) -> int:
             if module not in _BLOCKS or not isinstance(weights, dict):
                 continue
             for key, held in weights.items():
-                if key.endswith("_lora") and held["a"].ndim > len(adapter_logical_axes(module, key[:-len("_lora")])["a"]):
+                if key.endswith("_lora") and is_table(_weight(module, key[:-len("_lora")]), held):
                     count = max(count, held["a"].shape[0])
     return count
 
