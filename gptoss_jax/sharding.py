@@ -59,6 +59,7 @@ RULES: dict[str, str | None] = {
     "mlp": "tensor",
     "block_bytes": None,  # the 16 bytes of an MXFP4 block; `<axis>_blocks` (whole blocks) follow <axis>
     "lora": None,  # a LoRA adapter's rank (training/lora.py)
+    "adapters": None,  # a table's served adapters (training/lora.empty_table): every one on every device
 }
 WHERE_DIVISIBLE = frozenset({"batch", "kv_heads", "vocab"})
 

@@ -101,24 +101,28 @@ class MLPBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
         """x [B, T, D] -> [B, T, D]; adapters [B] int32: each row's served adapter (weight.low_rank;
-        the router's only: served adapters on the experts are not taken yet)."""
+        for the experts, each token's pairs read theirs: kernels/experts/xla.py)."""
         cfg = self.config
         w = {name: declare(self, name) for name in self.WEIGHTS}
         B, T, D = x.shape
         norm = RMSNorm(cfg, name="norm")
         t = norm(x).reshape(B * T, D)
-        expert_adapters = {f"{name}_lora": adapter(self, name) for name in ("mlp1_weight", "mlp2_weight")}
-        expert_adapters = {name: a for name, a in expert_adapters.items() if a is not None}
-        if any(is_table(self.WEIGHTS[name[:-len("_lora")]], held) for name, held in expert_adapters.items()):
-            raise NotImplementedError("served adapters (one per row) on the experts are not supported yet; "
-                                      "merge such an adapter into the weights instead")
+        rows = None if adapters is None else jnp.repeat(adapters, T)  # [N]: each token's adapter
+        expert_adapters, pick = {}, None
+        for name in ("mlp1_weight", "mlp2_weight"):
+            held = adapter(self, name)
+            if held is not None and is_table(self.WEIGHTS[name], held):
+                if rows is None:
+                    continue  # a table read without rows: the base model
+                pick = jax.nn.one_hot(rows, held["a"].shape[0], dtype=t.dtype)  # [N, L]: zeros for none
+            if held is not None:
+                expert_adapters[f"{name}_lora"] = held
         tuned = bool(expert_adapters) or adapter(self, "router_weight") is not None
         if not tuned:  # a kernel may run the whole block (norm and router included)
             out = self.kernels.fused_moe(x.reshape(B * T, D), norm.variables["params"]["scale"], w, cfg, mesh=self.mesh)
             if out is not None:
                 return out.astype(x.dtype).reshape(B, T, D)
-        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne",
-                                None if adapters is None else jnp.repeat(adapters, T))
+        router_delta = low_rank(self, "router_weight", t, "nd,dr->nr", "nr,re->ne", rows)
         weights, idx = route(t, w["router_weight"], w["router_bias"], cfg.experts_per_token,
                              extra=jnp.asarray(router_delta, jnp.float32))
 
@@ -129,38 +133,43 @@ class MLPBlock(nn.Module):
         experts = {name: w[name] for name in EXPERT_WEIGHTS}
         experts.update(expert_adapters)
         if self.mesh is None:
-            out = run(t, weights, idx, experts, act, first=0)
+            out = run(t, weights, idx, experts, act, first=0, pick=pick)
         else:
-            out = _expert_parallel(t, weights, idx, experts, act, mesh=self.mesh, run=run,
+            out = _expert_parallel(t, weights, idx, experts, act, pick, mesh=self.mesh, run=run,
                                    num_local=cfg.num_experts // self.mesh.shape["expert"])
         return out.astype(x.dtype).reshape(B, T, D)
 
 
-def _expert_parallel(x, weights, idx, w, act, *, mesh: Mesh, run, num_local: int):
+def _expert_parallel(x, weights, idx, w, act, pick, *, mesh: Mesh, run, num_local: int):
     """The MoE on a mesh: every device computes its own experts' share of every token, then one
     all-reduce (psum over expert and tensor) of the [N, D] result. No expert weight moves.
 
     Under `tensor`, a device holds F / tensor of each expert's intermediate units (whole gate and
     linear pairs), so its mlp2 product is a partial sum over F; the mlp2 bias is added once, by the
     devices at tensor index 0. Expert adapters (training) are split as their weights: mlp1's `b` and
-    mlp2's `a` along F too, so the adapter's share of mlp2 is a partial sum over F as well.
+    mlp2's `a` along F too, so the adapter's share of mlp2 is a partial sum over F as well; tables of
+    served adapters likewise, every adapter on every device (pick [N, L]: the tokens' adapters, as x).
     """
     token_spec = spec(("batch", "act_embed"), x.shape, mesh)
     pair_spec = PartitionSpec(token_spec[0], None)  # [N, A]: tokens as x
     def layout(name):
         if name.endswith("_lora"):  # an adapter, laid out by its weight's declaration
-            axes = MLPBlock.WEIGHTS[name[: -len("_lora")]].adapter_axes()
+            spec_of = MLPBlock.WEIGHTS[name[: -len("_lora")]]
+            axes = spec_of.adapter_axes()
+            if is_table(spec_of, w[name]):
+                axes = {part: ("adapters",) + part_axes for part, part_axes in axes.items()}
             return {part: spec(axes[part], w[name][part].shape, mesh, what=f"mlp/{name}/{part}") for part in axes}
         return weight_spec(MLPBlock.WEIGHTS[name].axes, w[name], mesh, what=f"mlp/{name}")
 
     w_specs = {name: layout(name) for name in w}
 
-    def per_device(x, weights, idx, w):
+    def per_device(x, weights, idx, w, pick):
         first = jax.lax.axis_index("expert") * num_local
         bias_once = (jax.lax.axis_index("tensor") == 0).astype(w["mlp2_bias"].dtype)
         w = dict(w, mlp2_bias=w["mlp2_bias"] * bias_once)
-        out = run(x, weights, idx, w, act, first=first)
+        out = run(x, weights, idx, w, act, first=first, pick=pick)
         return jax.lax.psum(out, ("expert", "tensor"))
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(token_spec, pair_spec, pair_spec, w_specs),
-                         out_specs=token_spec, check_vma=False)(x, weights, idx, w)
+    pick_spec = None if pick is None else pair_spec
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(token_spec, pair_spec, pair_spec, w_specs, pick_spec),
+                         out_specs=token_spec, check_vma=False)(x, weights, idx, w, pick)

@@ -33,8 +33,6 @@ class Device:
                  tokenizer=None):
         self.model, self.config, self.params, self.mesh = model, model.config, params, model.mesh
         self.served = served_count(params)  # adapters in the parameters' tables (Settings.adapter's range)
-        if self.mesh is not None and self.served:
-            raise NotImplementedError("served adapters (training.lora.attach_table) on a mesh are not supported yet")
         self._decode = Decode(self.model)  # one step's model pass, picked apart
         self.slots, self.width = slots, width
         self.pages, self.page_size, self.kv_dtype = pool.pages, pool.page_size, pool.dtype

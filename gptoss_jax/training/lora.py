@@ -28,6 +28,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model.attention import AttentionBlock
 from ..model.moe import MLPBlock
+from ..sharding import mesh_of, sharding
 from ..weight import Params, Weight, is_table
 
 # Group -> the (module, weight) pairs it adapts. Each weight's input axes (what `a` takes) are declared
@@ -122,37 +123,72 @@ def attach(params: Params, adapters: Params, scale: float) -> Params:
     return out
 
 
-def attach_table(params: Params, served: list[tuple[Params, float]], rank: int) -> Params:
-    """The base params with a table of served adapters beside each weight any of them adapts
-    ("<weight>_lora": {"a": [L, ...], "b": [L, ...]}, adapter i at index i), for a model called with
-    each row's index (Transformer's `adapters`): `served` is [(adapters, scale)], each padded with
-    zeros to `rank` (exact: a padded rank adds zero products) and its scale folded into b; an adapter
-    that does not adapt a weight holds zeros there."""
-    sites_of = {}
-    for i, (adapters, scale) in enumerate(served):
-        for layer, module, name, ab in _nodes(adapters):
-            r = ab["a"].shape[-1]
-            if r > rank:
-                raise ValueError(f"adapter {i} has rank {r} at {layer}/{module}/{name}, above the table's {rank}")
-            lead = 1 if _weight(module, name).axes[0] == "experts" else 0  # b's rank axis: after an expert axis
-            pad_a = [(0, 0)] * (ab["a"].ndim - 1) + [(0, rank - r)]
-            pad_b = [(0, 0)] * ab["b"].ndim
-            pad_b[lead] = (0, rank - r)
-            sites_of.setdefault((layer, module, name), {})[i] = {"a": jnp.pad(ab["a"], pad_a),
-                                                               "b": jnp.pad(ab["b"] * scale, pad_b)}
+def table_axes(module: str, name: str) -> dict[str, tuple[str, ...]]:
+    """{"a": axes, "b": axes} of a table of served adapters of weight `name`: an adapter's axes after
+    the table's `adapters` axis (one entry per served adapter)."""
+    return {part: ("adapters",) + axes for part, axes in adapter_logical_axes(module, name).items()}
+
+
+def table_sites(config: ModelConfig, targets: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(layer key, module, weight name) of every weight the groups `targets` (of TARGETS) adapt."""
+    return [(layer, module, name) for layer, module, name, _ in sites(config, LoraConfig(targets=targets))]
+
+
+def empty_table(config: ModelConfig, params: Params, slots: int, rank: int, targets: tuple[str, ...]) -> Params:
+    """The base params with a table of `slots` served adapters of rank up to `rank`, zero (no
+    adapter yet), beside each weight the groups `targets` adapt ("<weight>_lora": {"a": [slots, ...],
+    "b": [slots, ...]}), in the dtype of the weights, laid out on the params' mesh (sharding.RULES;
+    every adapter on every device, each split as its weight); `put_adapter` fills one entry."""
+    sizes = dict(config.axis_sizes(), lora=rank, adapters=slots)
+    dtype, mesh = params["embedding"].dtype, mesh_of(params)
+
+    def zeros(axes, what):
+        shape = tuple(sizes[a] for a in axes)
+        if mesh is None:
+            return jnp.zeros(shape, dtype)
+        return jax.device_put(np.zeros(shape, dtype), sharding(axes, shape, mesh, what=what))
+
     out = dict(params)
-    for (layer, module, name), held in sites_of.items():
-        like = next(iter(held.values()))
-        table = {part: jnp.stack([held[i][part] if i in held else jnp.zeros_like(like[part])
-                                  for i in range(len(served))]) for part in ("a", "b")}
+    for layer, module, name in table_sites(config, targets):
+        table = {part: zeros(axes, f"{layer}/{module}/{name}_lora/{part}")
+                 for part, axes in table_axes(module, name).items()}
         out[layer] = dict(out[layer])
         out[layer][module] = dict(out[layer][module], **{f"{name}_lora": table})
     return out
 
 
-def served_count(params: Params) -> int:
-    """How many served adapters the params' tables hold (`attach_table`; 0 without one)."""
-    count = 0
+def _padded(module: str, name: str, ab: dict, scale: float, rank: int) -> dict:
+    """An adapter {"a", "b"} padded with zeros to `rank` (exact: a padded rank adds zero products),
+    its scale folded into b."""
+    r = ab["a"].shape[-1]
+    lead = 1 if _weight(module, name).axes[0] == "experts" else 0  # b's rank axis: after an expert axis
+    pad_b = [(0, 0)] * ab["b"].ndim
+    pad_b[lead] = (0, rank - r)
+    return {"a": jnp.pad(ab["a"], [(0, 0)] * (ab["a"].ndim - 1) + [(0, rank - r)]), "b": jnp.pad(ab["b"] * scale, pad_b)}
+
+
+def check_fits(params: Params, adapters: Params, *, what: str = "the adapter") -> None:
+    """ValueError, naming the weight, where `adapters` adapts a weight the params' tables do not
+    hold, or with a rank above theirs."""
+    for layer, module, name, ab in _nodes(adapters):
+        held = params.get(layer, {}).get(module, {}).get(f"{name}_lora")
+        if held is None or not is_table(_weight(module, name), held):
+            group = next(g for g, pairs in TARGETS.items() if (module, name) in pairs)
+            raise ValueError(f"{what} adapts {layer}/{module}/{name} ({group}), which the served adapters' table "
+                             f"does not hold (it adapts: {', '.join(table_groups(params)) or 'nothing'})")
+        r, rank = ab["a"].shape[-1], held["a"].shape[-1]
+        if r > rank:
+            raise ValueError(f"{what} has rank {r} at {layer}/{module}/{name}, above the table's {rank}")
+
+
+def table_groups(params: Params) -> list[str]:
+    """The groups of TARGETS whose weights the params' tables of served adapters hold."""
+    held = {(module, key[:-len("_lora")]) for _, module, key, _ in _tables(params)}
+    return [group for group, pairs in TARGETS.items() if set(pairs) <= held]
+
+
+def _tables(params: Params):
+    """(layer key, module, "<weight>_lora", table) of every table of served adapters in params."""
     for layer, modules in params.items():
         if not isinstance(modules, dict):
             continue
@@ -161,8 +197,40 @@ def served_count(params: Params) -> int:
                 continue
             for key, held in weights.items():
                 if key.endswith("_lora") and is_table(_weight(module, key[:-len("_lora")]), held):
-                    count = max(count, held["a"].shape[0])
-    return count
+                    yield layer, module, key, held
+
+
+def put_adapter(params: Params, slot, adapters: Params, scale: float) -> Params:
+    """The params with entry `slot` of every table set to `adapters` (scale folded in, rank padded;
+    zeros where it adapts nothing): check_fits first. Jit-friendly (`slot` may be traced)."""
+    given = {(layer, module, f"{name}_lora"): ab for layer, module, name, ab in _nodes(adapters)}
+    out = dict(params)
+    for layer, module, key, held in _tables(params):
+        ab = given.get((layer, module, key))
+        rank = held["a"].shape[-1]
+        entry = (_padded(module, key[:-len("_lora")], ab, scale, rank) if ab is not None
+                 else {part: jnp.zeros(held[part].shape[1:]) for part in held})
+        out[layer] = dict(out[layer])
+        out[layer][module] = dict(out[layer][module], **{
+            key: {part: held[part].at[slot].set(entry[part].astype(held[part].dtype)) for part in held}})
+    return out
+
+
+def attach_table(config: ModelConfig, params: Params, served: list[tuple[Params, float]], rank: int) -> Params:
+    """The base params with a table of the served adapters `served` ([(adapters, scale)], adapter i
+    at index i) beside each weight any of them adapts, of rank `rank` (`empty_table`, `put_adapter`)."""
+    adapted = {(module, name) for adapters, _ in served for _, module, name, _ in _nodes(adapters)}
+    targets = tuple(g for g, pairs in TARGETS.items() if adapted & set(pairs))
+    out = empty_table(config, params, len(served), rank, targets)
+    for i, (adapters, scale) in enumerate(served):
+        check_fits(out, adapters, what=f"adapter {i}")
+        out = put_adapter(out, i, adapters, scale)
+    return out
+
+
+def served_count(params: Params) -> int:
+    """How many served adapters the params' tables hold (`empty_table`; 0 without one)."""
+    return max((held["a"].shape[0] for *_, held in _tables(params)), default=0)
 
 
 def _merge_einsum(module: str, name: str) -> str:

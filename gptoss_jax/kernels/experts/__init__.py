@@ -199,19 +199,24 @@ def fused_block(kernels, x, norm_scale, w, config, *, mesh) -> jax.Array | None:
     return variant.block(x, norm_scale, w, config, kernels)
 
 
-def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, variant: Variant, kernels) -> jax.Array:
+def local_experts(x, weights, idx, w, act, *, first: jax.Array | int, variant: Variant, kernels,
+                  pick=None) -> jax.Array:
     """The weighted sum [N, D] (float32) over the pairs whose expert this device holds, by `variant`.
 
     w holds experts [first, first + E_local); pairs of other experts contribute nothing (their
-    devices add them). With every expert local (first = 0) this is the whole MoE output.
+    devices add them). With every expert local (first = 0) this is the whole MoE output. pick
+    [N, L]: each token's served adapter one-hot, for tables of adapters in w (a variant that takes
+    adapters).
     """
+    served = {} if pick is None else {"pick": pick}
     if variant.weights == "packed" and not packed(w["mlp1_weight"]):
         raise ValueError(f"the {variant.name} expert kernel takes MXFP4-packed experts only")
     local = idx - first
     mine = (local >= 0) & (local < pairs.num_experts(w["mlp1_weight"]))
     if variant.summed:
-        return variant.run(x, jnp.where(mine, local, -1), jnp.where(mine, weights, 0.0), w, act, kernels=kernels)
-    y = variant.run(x, jnp.where(mine, local, -1), w, act, kernels=kernels)
+        return variant.run(x, jnp.where(mine, local, -1), jnp.where(mine, weights, 0.0), w, act, kernels=kernels,
+                           **served)
+    y = variant.run(x, jnp.where(mine, local, -1), w, act, kernels=kernels, **served)
     # A weighted sum XLA fuses with the un-sorting gather of the grouped paths (an einsum would be a
     # separate batched product reading a materialized [N, A, D]).
     return jnp.sum(y.astype(jnp.float32) * jnp.where(mine, weights, 0.0)[..., None], axis=1)

@@ -33,31 +33,41 @@ def expert_rows(weight, idx, dtype) -> jax.Array:
     return weight[idx]
 
 
-def _pair_low_rank(x, w, name, e, pairs: str):
+def _pair_low_rank(x, w, name, e, pairs: str, pick=None):
     """The expert adapter of weight `name` (w[name + "_lora"]: a [E, in, r], b [E, r, out]) on x
-    [..., in] for experts e, `pairs` the einsum letters of x's leading axes; 0 without one."""
+    [..., in] for experts e, `pairs` the einsum letters of x's leading axes; 0 without one.
+
+    A table of L served adapters (a [L, E, in, r], b [L, E, r, out]) is read with `pick` [..., L],
+    x's rows' adapters one-hot (zeros: none): every adapter's product, each row keeping its own."""
     held = w.get(f"{name}_lora")
     if held is None:
         return 0.0
-    a, b = held["a"][e].astype(x.dtype), held["b"][e].astype(x.dtype)
-    lead = pairs[: a.ndim - 2]  # the axes e indexes
-    low = jnp.einsum(f"{pairs}i,{lead}ir->{pairs}r", x, a)
-    return jnp.einsum(f"{pairs}r,{lead}ro->{pairs}o", low, b)
+    lead = pairs[: e.ndim]  # the axes e indexes
+    if pick is None:
+        a, b = held["a"][e].astype(x.dtype), held["b"][e].astype(x.dtype)
+        low = jnp.einsum(f"{pairs}i,{lead}ir->{pairs}r", x, a)
+        return jnp.einsum(f"{pairs}r,{lead}ro->{pairs}o", low, b)
+    a, b = held["a"][:, e].astype(x.dtype), held["b"][:, e].astype(x.dtype)  # [L, *e, in, r], [L, *e, r, out]
+    low = jnp.einsum(f"{pairs}i,l{lead}ir->{pairs}lr", x, a) * pick[..., None]
+    return jnp.einsum(f"{pairs}lr,l{lead}ro->{pairs}o", low, b)
 
 
-def gather(x, idx, w, act, *, kernels=None):
-    """x [N, D], idx [N, A] -> per-pair outputs [N, A, D]."""
+def gather(x, idx, w, act, *, kernels=None, pick=None):
+    """x [N, D], idx [N, A] -> per-pair outputs [N, A, D]; pick [N, L]: the tokens' served
+    adapters, one-hot (`_pair_low_rank`)."""
     idx = jnp.maximum(idx, 0)  # a pair held elsewhere reads expert 0; its weight is zero
+    pick = None if pick is None else jnp.broadcast_to(pick[:, None], idx.shape + pick.shape[-1:])  # [N, A, L]
     h = jnp.einsum("nd,nafd->naf", x, expert_rows(w["mlp1_weight"], idx, x.dtype)) + w["mlp1_bias"][idx]
-    h = h + _pair_low_rank(jnp.broadcast_to(x[:, None], idx.shape + x.shape[-1:]), w, "mlp1_weight", idx, "na")
+    h = h + _pair_low_rank(jnp.broadcast_to(x[:, None], idx.shape + x.shape[-1:]), w, "mlp1_weight", idx, "na", pick)
     a = act(h)
     y = jnp.einsum("naf,nadf->nad", a, expert_rows(w["mlp2_weight"], idx, x.dtype)) + w["mlp2_bias"][idx]
-    return y + _pair_low_rank(a, w, "mlp2_weight", idx, "na")
+    return y + _pair_low_rank(a, w, "mlp2_weight", idx, "na", pick)
 
 
-def grouped(x, idx, w, act, *, kernels=None, block: int | None = None):
+def grouped(x, idx, w, act, *, kernels=None, block: int | None = None, pick=None):
     """x [N, D], idx [N, A] -> per-pair outputs [N, A, D] (zero for dropped pairs), one expert per
-    `block` rows (default: the kernels' `moe_block`)."""
+    `block` rows (default: the kernels' `moe_block`); pick [N, L]: the tokens' served adapters,
+    one-hot (`_pair_low_rank`), laid out in blocks as the rows are."""
     block = block or (kernels.moe_block if kernels is not None else 64)
     D = x.shape[-1]
     # Every block of the static bound is computed (blocks past the used ones hold zero rows): a
@@ -65,6 +75,8 @@ def grouped(x, idx, w, act, *, kernels=None, block: int | None = None):
     rows, undo, block_expert, _ = to_blocks(x, idx, num_experts(w["mlp1_weight"]), block)
     num_blocks = block_expert.shape[0]
     rows = rows.reshape(num_blocks, block, D)
+    picks = None if pick is None else to_blocks(pick, idx, num_experts(w["mlp1_weight"]), block)[0].reshape(
+        num_blocks, block, -1)
 
     # Recomputed in the backward pass rather than kept: the saved residuals would otherwise include
     # each block's expert matrices (a [2F, D] and a [D, F] copy per block).
@@ -72,10 +84,11 @@ def grouped(x, idx, w, act, *, kernels=None, block: int | None = None):
     def one_block(args):
         b, xb = args
         e = block_expert[b]
+        pb = None if picks is None else picks[b]
 
         h = jnp.einsum("bd,fd->bf", xb, expert_rows(w["mlp1_weight"], e, x.dtype)) + w["mlp1_bias"][e]  # [block, 2F]
-        a = act(h + _pair_low_rank(xb, w, "mlp1_weight", e, "b"))
+        a = act(h + _pair_low_rank(xb, w, "mlp1_weight", e, "b", pb))
         y = jnp.einsum("bf,df->bd", a, expert_rows(w["mlp2_weight"], e, x.dtype)) + w["mlp2_bias"][e]
-        return y + _pair_low_rank(a, w, "mlp2_weight", e, "b")
+        return y + _pair_low_rank(a, w, "mlp2_weight", e, "b", pb)
 
     return undo(late_map(one_block, (jnp.arange(num_blocks), rows), anchor=rows).reshape(num_blocks * block, D))
