@@ -156,3 +156,44 @@ def test_on_a_mesh_of_8_devices_each_row_gets_its_adapter_merged(served, tiny_f3
     for r, a in zip(requests, (3, None, 2)):
         alone = Generator(config, merged[-1 if a is None else a], max_len=128)
         assert r.output_ids == alone.generate([r.prompt_ids], max_new_tokens=12, sampling=GREEDY)[0].output_ids, a
+
+
+@pytest.mark.slow
+def test_an_adapter_put_into_a_table_entry_replaces_the_one_there_without_compiling(served, tiny_f32):
+    """An engine started with an empty table of 2 entries (training/lora.empty_table): adapter 0 put
+    into entry 1, a request under it, then adapter 3 put into entry 1 in its place: each request's
+    greedy tokens are those of the adapter its entry held (merged and run alone); the second request,
+    with the same prompt, finds nothing cached (its prefix was computed under the other adapter);
+    the second put and everything after it compile nothing; an adapter of a target the table does
+    not hold is refused, naming the weight."""
+    from gptoss_jax.training.lora import empty_table
+
+    config, params = tiny_f32
+    _, _, merged = served
+    adapters = [_trained(config, lora, seed) for seed, lora in enumerate(CONFIGS)]
+    table = empty_table(config, params, 2, 4, ("attention", "router", "experts"))
+    engine = Engine(config, table, EngineConfig(slots=2, max_len=128, prefill_chunk=16, page_size=8))
+    engine.warm_up()
+    prompt = np.random.default_rng(70).integers(0, config.vocab_size, 30).tolist()
+    outputs = []
+    for n, a in enumerate((0, 3)):
+        with compile_events() as compiled:
+            engine.put_adapter(1, _scaled(adapters[a], CONFIGS[a].scale))
+            request = engine.submit(prompt, Settings(max_new_tokens=10, sampling=GREEDY, adapter=1))
+            engine.run_until_idle()
+        assert n == 0 or not compiled, compiled
+        alone = Generator(config, merged[a], max_len=128)
+        assert request.output_ids == alone.generate([prompt], max_new_tokens=10, sampling=GREEDY)[0].output_ids, a
+        outputs.append(request)
+    assert outputs[1].cached_tokens == 0
+    small = empty_table(config, params, 1, 4, ("attention",))
+    engine = Engine(config, small, EngineConfig(slots=2, max_len=128, prefill_chunk=16, page_size=8))
+    with pytest.raises(ValueError, match="adapts block_0/mlp/router_weight \\(router\\), which the served adapters' "
+                                         "table does not hold \\(it adapts: attention\\)"):
+        engine.put_adapter(0, _scaled(adapters[1], 1.0))
+
+
+def _scaled(adapters, scale):
+    """Adapters with their scale folded into b (as training/adapter_files.read_adapter gives them)."""
+    return {layer: {m: {n: {"a": ab["a"], "b": ab["b"] * scale} for n, ab in ws.items()} for m, ws in mods.items()}
+            for layer, mods in adapters.items()}

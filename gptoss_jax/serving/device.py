@@ -17,7 +17,7 @@ import numpy as np
 from ..decoding.steps import Decode, Model, decode, follow, prefill
 from ..model.paged_cache import PoolSize, init_pool
 from ..sharding import on_every_device
-from ..training.lora import served_count
+from ..training.lora import check_fits, served_count, table_entry
 from ..weight import Params
 from . import steps
 from .picks import Picks
@@ -124,6 +124,15 @@ class Device:
         outcome, cache, history, self.last, self.state = call(self._cache(), self.last, self.state)
         self._keep(cache)
         return outcome, history
+
+    def put_adapter(self, index: int, weights: Params | None) -> None:
+        """Entry `index` of the parameters' table of served adapters set to `weights` (scales folded in;
+        None: zeros), the parameters replaced whole (a step already queued keeps the ones it was given)."""
+        if not 0 <= index < self.served:
+            raise ValueError(f"adapter {index}: the engine serves {self.served} adapters")
+        check_fits(self.params, weights or {}, what=f"adapter {index}")
+        entry = table_entry(self.params, weights or {}, 1.0)  # the same shapes whatever the adapter: no compile
+        self.params = steps.set_entry(self.params, self.put(np.int32(index)), entry)
 
     def take_adapter(self, row: int, adapter: int | None) -> None:
         """A row's served adapter from its next step on (None: the base model); nothing without a table."""

@@ -103,8 +103,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._thread: threading.Thread | None = None; self._stopping = False  # noqa: E702
         self.compiled: list[str] = []
         self._lockstep = Lockstep.of_this_process()  # None: one process
         if self._lockstep is not None and draft is not None:
@@ -152,6 +151,14 @@ class Engine:
             self._waiting.append(request)
             self._wake.notify()
         return request
+
+    def put_adapter(self, index: int, weights: Params | None) -> None:
+        """Entry `index` of the served adapters' table holds `weights` (scales folded in; None: none) from the next
+        step on, and prefixes cached under it before are never found. No request may be running under it."""
+        with self._lock:
+            self.device.put_adapter(index, weights)
+            self.params = self.device.params
+            self.scheduler.reseed(index)
 
     def stats(self) -> dict:
         with self._lock:
@@ -273,7 +280,7 @@ class Engine:
         speculate = self.speculation is not None and self.speculation.wanted(decoding, alone)
         prefilling, decoding = self.scheduler.make_room(prefilling, decoding,
                                                         self.speculation.ahead if speculate else None)
-        self._send_table_writes()
+        self.device.write_tables(self.scheduler.take_table_writes())
         queued = []
         if prefilling:
             queued.append(self._prefill(prefilling))
@@ -309,8 +316,7 @@ class Engine:
         return [s.row for s in freed], [r.id for r in dropped]
 
     def _drop_preempted(self, request: Request) -> None:
-        self.scheduler.preempted.remove(request)
-        self._end(request, "cancelled")
+        self.scheduler.preempted.remove(request); self._end(request, "cancelled")  # noqa: E702
 
     def _end(self, request: Request, reason: str, error: str | None = None, invalid: bool = False) -> None:
         request._finish(reason, time.perf_counter(), error=error, invalid=invalid)
@@ -334,10 +340,6 @@ class Engine:
     def _free(self, seq: Seq, reason: str, error: str | None = None, invalid: bool = False) -> None:
         self.scheduler.release(seq)
         self._end(seq.request, reason, error, invalid)
-
-    def _send_table_writes(self) -> None:
-        writes, self.scheduler.table_writes = self.scheduler.table_writes, []
-        self.device.write_tables(writes)
 
     # Prefill and decode ---------------------------------------------------------------------------------
 

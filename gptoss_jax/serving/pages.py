@@ -26,9 +26,10 @@ def chain(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
 
 
-def adapter_seed(adapter: int | None) -> bytes:
-    """The start of the page names' chain of a request under this served adapter (None: the base)."""
-    return b"" if adapter is None else f"adapter {adapter}".encode()
+def adapter_seed(adapter: int | None, generation: int = 0) -> bytes:
+    """The start of the page names' chain of a request under this served adapter (None: the base),
+    the `generation`-th put in its entry of the table (Engine.put_adapter)."""
+    return b"" if adapter is None else f"adapter {adapter}.{generation}".encode()
 
 
 def extend_hashes(hashes: list[bytes], tokens: Sequence[int], page_size: int, seed: bytes = b"") -> list[bytes]:

@@ -70,6 +70,21 @@ class Scheduler:
         self.table_writes: list[tuple[int, int, int, int]] = []  # (group, row, column, page) not yet sent
         self.changes = 0  # counts rows changing hands (the engine keeps the rows' settings until then)
         self._taken: list[Seq] = []  # sequences that took a row since `taken` was last asked
+        self.generations: dict[int, int] = {}  # adapter -> how many times its table entry was put since the first
+
+    def seed(self, request: Request) -> bytes:
+        """The start of the request's page names: its served adapter's, as its table entry now holds it."""
+        adapter = request.settings.adapter
+        return adapter_seed(adapter, self.generations.get(adapter, 0))
+
+    def reseed(self, adapter: int) -> None:
+        """A served adapter's table entry holds another one now: the prefixes cached under it are never found."""
+        self.generations[adapter] = self.generations.get(adapter, 0) + 1
+
+    def take_table_writes(self) -> list[tuple[int, int, int, int]]:
+        """The table entries set since the last call (the engine sends them before each step)."""
+        writes, self.table_writes = self.table_writes, []
+        return writes
 
     def reset(self) -> None:
         """Nothing held or cached any more (the pool on the devices is new); preempted requests wait on."""
@@ -107,7 +122,7 @@ class Scheduler:
         tokens, P = self._tokens_of(request), self.page_size
         # (a preempted request may have named every page of its tokens: the last one's is left out)
         names = extend_hashes(request._page_names, tokens[:(len(tokens) - 1) // P * P], P,
-                              adapter_seed(request.settings.adapter))[:(len(tokens) - 1) // P]
+                              self.seed(request))[:(len(tokens) - 1) // P]
         full = []
         for name in names:
             page = self.pages.find(FULL, name)
@@ -223,7 +238,7 @@ class Scheduler:
         known = self._tokens_of(seq.request)
         whole = min(len(known), seq.length) // self.page_size
         names = extend_hashes(seq.request._page_names, known[:whole * self.page_size], self.page_size,
-                              adapter_seed(seq.request.settings.adapter))
+                              self.seed(seq.request))
         for i in range(seq.named, whole):
             self.pages.name(seq.full[i], FULL, names[i])
             if i in seq.sliding:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..sampling import LOGIT_BIAS_MOST, token_logprobs
+from ..training import lora
 from ..sharding import everywhere
 
 
@@ -140,6 +141,12 @@ def in_parts(writes: list[tuple], size: int, padding: int):
 def write_tables(tables, writes):
     """tables [2, R, W]; writes int32 [4, U]: groups, rows, columns, pages (row R: padding) -> tables."""
     return tables.at[writes[0], writes[1], writes[2]].set(writes[3], mode="drop")
+
+
+@jax.jit
+def set_entry(params, index, entry):
+    """params with entry `index` of every table of served adapters set to `entry` (training/lora.table_entry)."""
+    return lora.set_entry(params, index, entry)
 
 
 @functools.partial(jax.jit, donate_argnames=("adapters",))

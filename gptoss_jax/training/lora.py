@@ -200,20 +200,36 @@ def _tables(params: Params):
                     yield layer, module, key, held
 
 
-def put_adapter(params: Params, slot, adapters: Params, scale: float) -> Params:
-    """The params with entry `slot` of every table set to `adapters` (scale folded in, rank padded;
-    zeros where it adapts nothing): check_fits first. Jit-friendly (`slot` may be traced)."""
+def table_entry(params: Params, adapters: Params, scale: float) -> Params:
+    """One entry of every table of served adapters in params, holding `adapters` (scale folded in,
+    rank padded; zeros where it adapts nothing): {layer: {module: {"<weight>_lora": {"a", "b"}}}}, the
+    same structure and shapes whatever the adapter (`set_entry` compiles once). check_fits first."""
     given = {(layer, module, f"{name}_lora"): ab for layer, module, name, ab in _nodes(adapters)}
-    out = dict(params)
+    out: Params = {}
     for layer, module, key, held in _tables(params):
         ab = given.get((layer, module, key))
-        rank = held["a"].shape[-1]
-        entry = (_padded(module, key[:-len("_lora")], ab, scale, rank) if ab is not None
+        entry = (_padded(module, key[:-len("_lora")], ab, scale, held["a"].shape[-1]) if ab is not None
                  else {part: jnp.zeros(held[part].shape[1:]) for part in held})
-        out[layer] = dict(out[layer])
-        out[layer][module] = dict(out[layer][module], **{
-            key: {part: held[part].at[slot].set(entry[part].astype(held[part].dtype)) for part in held}})
+        out.setdefault(layer, {}).setdefault(module, {})[key] = {part: entry[part].astype(held[part].dtype)
+                                                                 for part in held}
     return out
+
+
+def set_entry(params: Params, index, entry: Params) -> Params:
+    """params with entry `index` of each table set to `entry`'s (`table_entry`); `index` may be traced."""
+    out = dict(params)
+    for layer, modules in entry.items():
+        out[layer] = dict(out[layer])
+        for module, weights in modules.items():
+            out[layer][module] = dict(out[layer][module], **{
+                key: {part: out[layer][module][key][part].at[index].set(x) for part, x in parts.items()}
+                for key, parts in weights.items()})
+    return out
+
+
+def put_adapter(params: Params, index, adapters: Params, scale: float) -> Params:
+    """params with entry `index` of every table set to `adapters` (`table_entry`, `set_entry`)."""
+    return set_entry(params, index, table_entry(params, adapters, scale))
 
 
 def attach_table(config: ModelConfig, params: Params, served: list[tuple[Params, float]], rank: int) -> Params:
