@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import VOCAB, needs_vocab
 
+import gptoss_jax as gj
 from gptoss_jax.cli import finetune
 from gptoss_jax.training import data as td
 
@@ -126,6 +127,10 @@ def test_a_run_stopped_by_ctrl_c_and_resumed_follows_the_uninterrupted_one(tmp_p
     second = _losses(out.splitlines())
     assert sorted(second) == list(range(max(first) + 1, 7))
     assert {**first, **second} == want  # exactly: the JSON holds each loss's full float repr
+    from gptoss_jax.training.adapter_files import read_adapter
+
+    adapter = read_adapter(str(tmp_path / "b"), gj.ModelConfig.tiny())  # the adapters alone, in peft's format
+    assert adapter.rank == 4 and adapter.targets == ("attention",)
 
     from gptoss_jax.cli.generate import main as generate
 

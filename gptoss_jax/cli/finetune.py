@@ -30,7 +30,9 @@ assistant's tokens only. A line {"text": "..."} trains on plain text, every toke
 
 --out DIR receives the train states (DIR/checkpoints/STEP, every --save-every steps, at the end and
 on Ctrl-C) and, at the end, the fine-tuned model with the adapters merged, a checkpoint that
-`run_inference.py --checkpoint DIR` loads. --resume continues from DIR's newest train state, with
+`run_inference.py --checkpoint DIR` loads; with LoRA, also the adapters alone in DIR/adapter, in
+peft's format for transformers' GptOssForCausalLM (peft loads them; so does
+gptoss_jax.training.adapter_files.read_adapter, to serve them unmerged). --resume continues from DIR's newest train state, with
 the same data order, as if never stopped.
 
 With no --checkpoint, the built-in tiny demo model with RANDOM weights is trained (a CPU runs it in
@@ -290,6 +292,15 @@ def _run(args, signals: Signals) -> int:
     save_checkpoint(args.out, config, final, source_layout="finetune",
                     converter_version=f"gptoss-finetune {__version__}",
                     source=os.path.abspath(args.checkpoint) if args.checkpoint else "demo model")
+    if lora is not None:
+        from jax.experimental.multihost_utils import process_allgather
+
+        from ..training.adapter_files import write_adapter  # (as the other imports of main: after argparse)
+
+        whole = process_allgather(trainable, tiled=True)  # every process takes part; process 0 writes
+        if jax.process_index() == 0:
+            write_adapter(os.path.join(args.out, "adapter"), config, whole, lora)
+        say(f"adapters alone: {os.path.join(args.out, 'adapter')} (peft's format, unmerged)")
     say(f"fine-tuned model: {args.out} (run_inference.py --checkpoint {args.out})")
     return 0
 

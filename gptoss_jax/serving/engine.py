@@ -85,8 +85,7 @@ class Engine:
         self.decode_sizes = list(options.decode_sizes or decode_sizes_for(slots))
         self.speculation = None if draft is None else Speculation(draft, options, self.decode_sizes)
         self.mesh = mesh_of(params)
-        self.width = table_width(max_len, page_size)
-        self.metrics = Metrics()
+        self.width, self.metrics = table_width(max_len, page_size), Metrics()
         # Where JAX does not say how much memory is free (a CPU): every slot with 8,192 positions, and at
         # least one sequence of the whole context.
         most = sliding_most(config, page_size, prefill_chunk)
@@ -100,10 +99,10 @@ class Engine:
             self.device.draft_with(head)
         self._in_flight: list = []  # the step before's (tokens, [(row in them, Seq)], log-probabilities or None)
         self._waiting: collections.deque[Request] = collections.deque()
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._ids, self._lock = itertools.count(), threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None; self._stopping = False  # noqa: E702
+        self._thread: threading.Thread | None = None
+        self._stopping = False
         self.compiled: list[str] = []
         self._lockstep = Lockstep.of_this_process()  # None: one process
         if self._lockstep is not None and draft is not None:
@@ -316,7 +315,8 @@ class Engine:
         return [s.row for s in freed], [r.id for r in dropped]
 
     def _drop_preempted(self, request: Request) -> None:
-        self.scheduler.preempted.remove(request); self._end(request, "cancelled")  # noqa: E702
+        self.scheduler.preempted.remove(request)
+        self._end(request, "cancelled")
 
     def _end(self, request: Request, reason: str, error: str | None = None, invalid: bool = False) -> None:
         request._finish(reason, time.perf_counter(), error=error, invalid=invalid)
