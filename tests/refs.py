@@ -332,3 +332,51 @@ def exact_moe_block(config: ModelConfig, mlp, x, *, precision: str = "float32"):
     normed = RMSNorm(config).apply({"params": mlp["norm"]}, x).reshape(-1, x.shape[-1])  # x's dtype, as the block
     weights, idx = route(normed, mlp["router_weight"], mlp["router_bias"], config.experts_per_token)
     return exact_experts(config, mlp, normed, idx, weights, precision=precision)
+
+
+# --- peft's LoRA adapters on transformers' model (tests/test_adapter_files.py, the served adapters) ---
+
+# Every target peft takes on GptOssForCausalLM: the attention's Linear modules, and the router and
+# the experts as parameters (peft's target_parameters).
+PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+PEFT_PARAMETERS = ["mlp.router.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def peft_trained(config, params, folder: str, *, rank: int, rslora: bool, parameters=PEFT_PARAMETERS, steps: int = 3):
+    """A peft LoRA adapter on transformers' model of `params`, trained `steps` steps of SGD on random
+    tokens (so that lora_B is not zero), saved in `folder`."""
+    from peft import LoraConfig as PeftLora, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(hf_model(config, params, "float32"),
+                           PeftLora(r=rank, lora_alpha=2 * rank, target_modules=PEFT_MODULES,
+                                    target_parameters=list(parameters) or None, use_rslora=rslora))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    tokens = torch.from_numpy(np.random.default_rng(3).integers(0, config.vocab_size, (2, 16))).long()
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    return folder
+
+
+def peft_runs(config, params, folder: str, tokens) -> list[np.ndarray]:
+    """peft's model over transformers', with the adapter in `folder`: its logits in float32 and in
+    float64 (numpy float64)."""
+    from peft import PeftModel
+
+    runs = []
+    for dtype in ("float32", "float64"):
+        model = PeftModel.from_pretrained(hf_model(config, params, dtype), folder).eval()
+        with torch.no_grad():
+            runs.append(model(input_ids=torch.from_numpy(np.asarray(tokens)).long()).logits.double().numpy())
+    return runs
+
+
+def peft_logits(config, params, folder: str, tokens):
+    """noise.Exact of peft's logits: float64, its float32 run the noise (`peft_runs`)."""
+    from noise import Exact
+
+    return Exact.measure(*peft_runs(config, params, folder, tokens))

@@ -12,50 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import gptoss_jax as gj
 from gptoss_jax.training.adapter_files import AdapterError, read_adapter, write_adapter
 from gptoss_jax.training.lora import LoraConfig, attach_table, init_adapters
-from noise import Exact
-from refs import hf_model
-
-# Every target peft takes on GptOssForCausalLM: the attention's Linear modules, and the router and
-# the experts as parameters (peft's target_parameters), with rsLoRA's scale.
-PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-PEFT_PARAMETERS = ["mlp.router.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def peft_trained(config, params, folder: str, *, rank: int, rslora: bool, parameters=PEFT_PARAMETERS, steps: int = 3):
-    """A peft LoRA adapter on transformers' model of `params`, trained `steps` steps of SGD on random
-    tokens (so that lora_B is not zero), saved in `folder`."""
-    from peft import LoraConfig as PeftLora, get_peft_model
-
-    torch.manual_seed(1)
-    model = get_peft_model(hf_model(config, params, "float32"),
-                           PeftLora(r=rank, lora_alpha=2 * rank, target_modules=PEFT_MODULES,
-                                    target_parameters=list(parameters), use_rslora=rslora))
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    tokens = torch.from_numpy(np.random.default_rng(3).integers(0, config.vocab_size, (2, 16))).long()
-    for _ in range(steps):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(folder)
-    return folder
-
-
-def peft_logits(config, params, folder: str, tokens) -> Exact:
-    """peft's model over transformers', with the adapter in `folder`: float64 logits, float32 the noise."""
-    from peft import PeftModel
-
-    runs = []
-    for dtype in ("float32", "float64"):
-        model = PeftModel.from_pretrained(hf_model(config, params, dtype), folder).eval()
-        with torch.no_grad():
-            runs.append(model(input_ids=torch.from_numpy(tokens).long()).logits.double().numpy())
-    return Exact.measure(*runs)
+from refs import PEFT_PARAMETERS, peft_logits, peft_trained
 
 
 @pytest.fixture(scope="module")

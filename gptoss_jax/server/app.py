@@ -3,8 +3,9 @@
     GET  /health               200 once warmed up, 503 before, while stopping and once the engine stopped
     GET  /metrics              the engine's metrics, Prometheus text
     GET  /openapi.json         the API's schema, request bodies included (openapi.py)
-    GET  /v1/models            the one model served
-    GET  /v1/models/{id}       that model (404 for another name)
+    GET  /v1/models            the model served, and the LoRA adapters over it (adapters.py)
+    GET  /v1/models/{id}       one of them (404 for another name)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   an adapter loaded, or unloaded once its requests end
     POST /v1/chat/completions  harmony chat: reasoning_content, content, tool_calls; SSE with stream
     POST /v1/completions       a raw prompt (text or token ids); echo: the prompt too, with its tokens' logprobs
     POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints (evaluation harnesses)
@@ -40,9 +41,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import tokenizer as tk
 from ..version import __version__
-from . import body, logprobs, openapi, protocol
-from .errors import (APIError, bad_request, method_not_allowed, model_not_found, not_found, unauthorized,
-                     unavailable)
+from . import adapters, body, logprobs, openapi, protocol
+from .errors import APIError, bad_request, method_not_allowed, not_found, unauthorized, unavailable
 from . import choices
 from .choices import Failed, sse
 from ..serving.score import prompt_logprobs
@@ -105,8 +105,7 @@ def create_app(server: Server) -> FastAPI:
 
         def work():
             req = body.parse(raw, model)
-            if req.model != server.model_name:
-                raise model_not_found(req.model, server.model_name)
+            server.adapters.check(req.model)  # (a 404 for a name not served; an adapter's: Generation holds it)
             return req, prepare(req)
 
         return await server.prepare(work)
@@ -119,23 +118,22 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(prometheus_text({**server.engine.stats(), **server.responses.stats(),
-                                         "scoring_passes": server.scoring}),
+                                         "scoring_passes": server.scoring,
+                                         "model_requests": dict(server.adapters.requests)}),
                         media_type="text/plain; version=0.0.4")
-
-    def model_card() -> dict:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "gptoss-jax"}
 
     @app.get("/v1/models")
     async def models(http: HTTPRequest):
         check(http)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": server.adapters.cards(server.created)}
 
     @app.get("/v1/models/{name:path}")  # a name may hold "/" (openai/gpt-oss-20b)
     async def model(http: HTTPRequest, name: str):
         check(http)
-        if name != server.model_name:
-            raise model_not_found(name, server.model_name)
-        return model_card()
+        server.adapters.check(name)
+        return next(card for card in server.adapters.cards(server.created) if card["id"] == name)
+
+    adapters.install(app, server, check)
 
     # The tokenizer: vLLM's endpoints, at the root (lm-evaluation-harness's remote tokenizer) ----------
 
@@ -145,8 +143,8 @@ def create_app(server: Server) -> FastAPI:
 
         def run():
             req = body.parse(raw, model)
-            if req.model is not None and req.model != server.model_name:
-                raise model_not_found(req.model, server.model_name)
+            if req.model is not None:
+                server.adapters.check(req.model)
             return json_answer(work(req))  # a long prompt's tokens: written here, not on the event loop
 
         return await server.prepare(run)
@@ -209,11 +207,11 @@ def create_app(server: Server) -> FastAPI:
         _, (req, prompt, settings, legacy) = await prepared(http, protocol.ChatCompletionRequest, chat_prepare)
         rid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
         generations = choices.start(server, http, prompt.tokens, [choices.seeded(settings, i) for i in range(req.n)],
-                                    rid, "response_format" if req.response_format is not None else
+                                    rid, req.model, "response_format" if req.response_format is not None else
                                     "functions" if legacy else "tools")
 
         def chunk(choice: dict) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                         "choices": [choice]})
 
         answers = [choices.ChatChoice(server, g, prompt, i, chunk, legacy) for i, g in enumerate(generations)]
@@ -223,7 +221,7 @@ def create_app(server: Server) -> FastAPI:
                     yield text
                 if req.stream_options and req.stream_options.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                               "model": server.model_name, "choices": [], "usage": choices.usage_of(generations)})
+                               "model": req.model, "choices": [], "usage": choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(event_stream(chunks(), generations, sse_error), media_type="text/event-stream")
@@ -232,7 +230,7 @@ def create_app(server: Server) -> FastAPI:
         if not choices.check(generations, rid):
             return gone()
         return await written_json({"id": rid, "object": "chat.completion", "created": created,
-                                   "model": server.model_name, "choices": whole,
+                                   "model": req.model, "choices": whole,
                                    "usage": choices.usage_of(generations)})
 
     # Completions ---------------------------------------------------------------------------------------
@@ -262,6 +260,9 @@ def create_app(server: Server) -> FastAPI:
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone, scored)", "max_tokens")
         settings = settings_of(server, prompt, max(req.max_tokens, 1), req, req.stop, req.logprobs)
+        if req.echo and req.logprobs is not None and req.model != server.model_name:
+            raise bad_request(f"echo with logprobs scores the prompt under the base model only, not under the adapter "
+                              f"{req.model!r}", "echo")
         if req.echo and req.logprobs is not None and len(prompt) > SCORED_MOST:
             raise bad_request(f"echo with logprobs scores prompts of at most {SCORED_MOST} tokens, got {len(prompt)}",
                               "echo")
@@ -296,10 +297,10 @@ def create_app(server: Server) -> FastAPI:
             usage = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
         else:
             generations = choices.start(server, http, prompt, [choices.seeded(settings, i) for i in range(best_of)],
-                                        rid)
+                                        rid, req.model)
 
         def chunk(choice: dict) -> str:
-            return sse({"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
+            return sse({"id": rid, "object": "text_completion", "created": created, "model": req.model,
                         "choices": [choice]})
 
         texts = [choices.CompletionChoice(server, g, i, chunk, scored, echo, settings) for i, g in enumerate(generations)]
@@ -309,7 +310,7 @@ def create_app(server: Server) -> FastAPI:
                     yield text
                 if req.stream_options and req.stream_options.include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": server.model_name, "choices": [], "usage": usage or choices.usage_of(generations)})
+                               "model": req.model, "choices": [], "usage": usage or choices.usage_of(generations)})
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(event_stream(chunks(), [g for g in generations if g], sse_error, rid),
@@ -318,14 +319,14 @@ def create_app(server: Server) -> FastAPI:
         whole = await asyncio.gather(*(t.whole() for t in texts))
         if usage is not None:
             return await written_json({"id": rid, "object": "text_completion", "created": created,
-                                       "model": server.model_name, "choices": whole, "usage": usage})
+                                       "model": req.model, "choices": whole, "usage": usage})
         if not choices.check(generations, rid):
             return gone()
         if best_of > req.n:  # the n of highest mean log-probability, best first, numbered again
             best = sorted(range(best_of), key=lambda i: -texts[i].mean_logprob())[:req.n]
             whole = [{**whole[i], "index": k} for k, i in enumerate(best)]
         return await written_json({"id": rid, "object": "text_completion", "created": created,
-                                   "model": server.model_name, "choices": whole,
+                                   "model": req.model, "choices": whole,
                                    "usage": choices.usage_of(generations)})
 
     # Responses -----------------------------------------------------------------------------------------
@@ -413,10 +414,10 @@ def create_app(server: Server) -> FastAPI:
     async def responses(http: HTTPRequest):
         _, (req, prompt, settings, items) = await prepared(http, protocol.ResponsesRequest, responses_prepare)
         rid = "resp_" + secrets.token_hex(12)
-        generation = Generation(server, http, prompt.tokens, settings, rid, watch=not req.background,
+        generation = Generation(server, http, prompt.tokens, settings, rid, req.model, watch=not req.background,
                                 grammar_param="text.format" if req.text is not None and req.text.format else "tools")
         reply = ReplyStream(server.tokenizer, server.vocab, prompt.reply_start)
-        builder = ResponseBuilder(req, server.model_name, generation, rid)
+        builder = ResponseBuilder(req, req.model, generation, rid)
         answer = None if settings.logprobs is None else logprobs.Answer(server.tokenizer, generation.request, reply,
                                                                         tk.STOP_TOKENS)
 

@@ -47,14 +47,15 @@ def seeded(settings: Settings, i: int) -> Settings:
     return dataclasses.replace(settings, seed=wrapped_seed(settings.seed + i))
 
 
-def start(server: Server, http, prompt: list[int], settings: list[Settings], rid: str,
+def start(server: Server, http, prompt: list[int], settings: list[Settings], rid: str, model: str,
           grammar_param: str | None = None) -> list[Generation]:
-    """A generation per settings, the first computing the prompt for the others; all or none (a refusal
-    of one cancels those already submitted). grammar_param: the field that asked for their grammar."""
+    """A generation per settings under `model` (the base's name or an adapter's), the first computing the
+    prompt for the others; all or none (a refusal of one cancels those already submitted).
+    grammar_param: the field that asked for their grammar."""
     out: list[Generation] = []
     try:
         for s in settings:
-            out.append(Generation(server, http, prompt, s, rid, after=out[0] if out else None,
+            out.append(Generation(server, http, prompt, s, rid, model, after=out[0] if out else None,
                                   grammar_param=grammar_param))
     except BaseException:
         for g in out:

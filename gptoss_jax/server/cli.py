@@ -29,6 +29,8 @@ from ..serving.config import EngineConfig
 from ..serving.scheduler import MANY_SLOTS, PREFILL_ROWS
 from ..signals import Signals
 from ..version import __version__
+from . import lora_flags
+from .startup import check_pool, kv_cache_line
 
 DESCRIPTION = """\
 Serve gpt-oss over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
@@ -64,6 +66,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_flags(p)
     loading.add_kv_flag(p)
+    lora_flags.add_flags(p)
     p.add_argument("--tokenizer", metavar="PATH", type=expand,
                    help="o200k_base.tiktoken (or its folder), hash-checked; default: $TIKTOKEN_ENCODINGS_BASE, "
                         "tiktoken's cache, else downloaded once into that cache")
@@ -201,6 +204,7 @@ def check_flags(args) -> None:
         if value is not None and not 0 < value < math.inf:
             raise UsageError(f"{flag} must be a number above 0, got {value}")
     parse_hosts(args.allowed_hosts)
+    lora_flags.check_flags(args)
     check_draft_form(args)
     if head_folder(args) and speculate_steps(args) == 0:
         raise UsageError("--draft eagle3:DIR drafts on the device: --speculate-steps must be at least 1, got 0")
@@ -217,36 +221,6 @@ def max_context(args, config) -> int:
     if args.max_context is None:
         return config.max_context_length
     return inputs.max_context(args, config)
-
-
-def kv_cache_line(engine) -> str:
-    """The start-up's account of the KV cache: its pages, the tokens they hold, their memory, and the
-    sequences it serves at once (and how they were chosen, where by the cache's size)."""
-    import jax.numpy as jnp
-
-    from .. import fp8
-    from ..model.paged_cache import page_bytes
-
-    pages, size = engine.scheduler.pages.count, engine.page_size
-    memory = pages * page_bytes(engine.config, size, engine.device.kv_dtype)
-    unit = next(u for u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if memory >= u[0] / 10 or u[1] == "KiB")
-    memory = f"{memory / unit[0]:.1f} {unit[1]}"
-    reuse = "" if engine.scheduler.reuse else "; prefix cache off"
-    stored = "FP8 (e4m3)" if fp8.is_fp8(engine.device.kv_dtype) else jnp.dtype(engine.device.kv_dtype).name
-    how = " (by the cache's size: one per 2,048 tokens, a power of two from 16 to 1,024)" if engine.slots_by_pool else ""
-    return (f"KV cache: {pages:,} pages of {size} positions ({engine.pool_tokens:,} tokens) in {stored}, "
-            f"{memory}{reuse}; {engine.slots:,} sequences at once{how}; prompts prefilled "
-            f"{engine.prefill_shapes[-1]} x {engine.prefill_chunk} tokens a step")
-
-
-def check_pool(engine, max_len: int) -> None:
-    """ValueError when the pool cannot hold one request of the whole context alone (it would be refused
-    as too long for the KV cache, though within --max-context)."""
-    need, pages = engine.scheduler.pages_alone(max_len), engine.scheduler.pages.count
-    if need > pages:
-        raise ValueError(f"the KV cache's {pages:,} pages ({engine.pool_tokens:,} positions) cannot hold one request "
-                         f"of --max-context {max_len:,}, which needs {need:,} (its full and sliding layers' pages): "
-                         f"give the cache more memory (--kv-memory-gb) or lower --max-context")
 
 
 def parse_hosts(text: str | None) -> tuple[str, ...] | None:
@@ -412,7 +386,8 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
         experts = "; experts packed in MXFP4" if loading.packed_experts(args) else ""
         _say(f"model: {what}{experts}; jax {jax.__version__}; {f'{args.slots} slots, ' if args.slots else ''}a context of {max_len:,} tokens")
         _say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
-    params = loading.load_params(args, config, mesh)
+    read = lora_flags.read(args, config, name)  # (before the model loads: a folder we cannot serve ends it now)
+    params, served = lora_flags.table(args, config, loading.load_params(args, config, mesh), read, name)
     draft = PromptLookup() if args.draft == "prompt-lookup" else None
     if head_folder(args) is not None:
         draft = Eagle3Draft.load(head_folder(args), config, params["embedding"].dtype)
@@ -420,6 +395,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
             _say(f"draft: the EAGLE-3 head in {head_folder(args)}, reading layers "
                  f"{', '.join(map(str, draft.config.aux_layers))}")
     engine = Engine(config, params, engine_options(args, max_len), tokenizer=tokenizer, draft=draft)
+    lora_flags.put(engine, read, served, _say if main_process else None)
     if main_process:
         _say(kv_cache_line(engine))
     check_pool(engine, max_len)
@@ -429,7 +405,7 @@ def _serve(args, signals: Signals, sock, processes, mesh_sizes, config, what: st
     limits = Limits(max_body_bytes=int(args.max_body_mb * 2**20), read_timeout=args.read_timeout,
                     allowed_hosts=allowed_hosts(args, LOOPBACK_HOSTS), stored_responses=args.stored_responses,
                     stored_seconds=args.stored_seconds, stored_bytes=int(args.store_mb * 2**20))
-    server = Server(engine, tokenizer, vocab, model_name=name, api_key=api_key, limits=limits)
+    server = Server(engine, tokenizer, vocab, model_name=name, api_key=api_key, limits=limits, adapters=served)
     app = create_app(server)
     host = "[" + args.host + "]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}/v1"

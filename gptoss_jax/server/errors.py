@@ -35,8 +35,9 @@ def unauthorized() -> APIError:
                          "(Authorization: Bearer KEY).", "invalid_request_error", None, "invalid_api_key")
 
 
-def model_not_found(name: str, served: str) -> APIError:
-    return APIError(404, f"The model {name!r} does not exist; this server serves {served!r}.",
+def model_not_found(name: str, served: str, adapters: list[str] = ()) -> APIError:
+    also = f" and the adapters {', '.join(map(repr, adapters))} over it" if adapters else ""
+    return APIError(404, f"The model {name!r} does not exist; this server serves {served!r}{also}.",
                     "invalid_request_error", "model", "model_not_found")
 
 

@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from .. import tokenizer as tk
 from ..sampling import Sampling
 from ..serving import Engine, QueueFull, Settings
+from .adapters import ServedAdapters
 from .errors import APIError, bad_request, queue_full, server_error, unavailable
 from .guard import log
 from .store import ResponseStore
@@ -44,9 +45,11 @@ class Server:
     state, and the requests running."""
 
     def __init__(self, engine: Engine, tokenizer, vocab, *, model_name: str, api_key: str | None = None,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), adapters: ServedAdapters | None = None):
         self.engine, self.tokenizer, self.vocab = engine, tokenizer, vocab
         self.model_name, self.api_key, self.limits = model_name, api_key, limits
+        # the names requests may ask for: the model's, and its LoRA adapters' (none unless given)
+        self.adapters = adapters or ServedAdapters(model_name, 0, 0, ())
         # Loaded now, not at the first request: building it holds Python's interpreter lock for a
         # quarter of a second (2-core CPU machine), which would pause every stream then.
         tk.harmony_encoding(vocab)
@@ -185,7 +188,7 @@ class Generation:
     Engine.submit) and its watch, which cancels every choice."""
 
     def __init__(self, server: Server, http: HTTPRequest, prompt: list[int], settings: Settings, rid: str,
-                 after: Generation | None = None, watch: bool = True, grammar_param: str | None = None):
+                 model: str, after: Generation | None = None, watch: bool = True, grammar_param: str | None = None):
         loop = asyncio.get_running_loop()
         if server.handoff is None or server.handoff.loop is not loop:
             server.handoff = Handoff(loop)
@@ -195,9 +198,13 @@ class Generation:
         self.gone = self.was_cut = self.cancelled = False  # cancelled: by the API (a background response)
         if server.cut_done:  # prepared while the grace ran out: nothing may start now
             raise unavailable("The server is shutting down.")
+        # Under its adapter's entry (held until close: an unload waits), or the base model's name.
+        self.model, self.closed = model, True
+        settings = dataclasses.replace(settings, adapter=server.adapters.hold(model))
         try:
             self.request = server.engine.submit(prompt, settings, lambda token: handoff.put(queue, token),
                                                 **({} if after is None else {"after": after.request}))
+            self.closed = False
         except QueueFull:
             raise queue_full(server.engine.stats()["waiting"]) from None
         except ValueError as e:
@@ -205,9 +212,11 @@ class Generation:
         except RuntimeError as e:  # the engine has stopped
             log.error("request %s: the engine refused it: %s", rid, e)
             raise unavailable("The server cannot generate now; retry later.") from None
+        finally:
+            if self.closed:  # not submitted
+                server.adapters.release(model)
         with server._lock:
             server.running.add(self)
-        self.closed = False
         if after is None:  # watch=False: a background response, whose client may leave
             self.siblings = [self]
             self._watch = asyncio.create_task(self._watch_client(http)) if watch else None
@@ -246,6 +255,8 @@ class Generation:
         still runs."""
         with self.server._lock:
             self.server.running.discard(self)
+        if not self.closed:
+            self.server.adapters.release(self.model)
         self.closed = True
         if all(g.closed for g in self.siblings) and self._watch is not None:
             self._watch.cancel()

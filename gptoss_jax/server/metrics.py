@@ -54,6 +54,13 @@ class _EngineCollector:
         for reason, n in sorted(s["finished"].items()):
             finished.add_metric([reason], n)
         yield finished
+        if "model_requests" in s:
+            by_model = CounterMetricFamily("gptoss_model_requests", "requests taken, by the model they asked for "
+                                                                    "(the base model's name, or a LoRA adapter's)",
+                                           labels=["model"])
+            for model, n in sorted(s["model_requests"].items()):
+                by_model.add_metric([model], n)
+            yield by_model
         for name, key in (("time_to_first_token_seconds", "time_to_first_token_s"),
                           ("inter_token_latency_seconds", "inter_token_latency_s")):
             g = GaugeMetricFamily(f"gptoss_{name}", f"{name.replace('_', ' ')}, percentiles over the latest 10,000",

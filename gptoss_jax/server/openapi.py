@@ -25,12 +25,16 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/responses": protocol.ResponsesRequest,
     "/tokenize": protocol.TokenizeRequest,
     "/detokenize": protocol.DetokenizeRequest,
+    "/v1/load_lora_adapter": protocol.LoadLoraRequest,
+    "/v1/unload_lora_adapter": protocol.UnloadLoraRequest,
 }
 _SUMMARIES = {
     "/health": "Whether the server is ready: 200 once the model is warmed up, 503 before and while stopping",
     "/metrics": "The engine's metrics, in Prometheus text",
-    "/v1/models": "The model served",
-    "/v1/models/{name:path}": "The model of that name (404 for another)",
+    "/v1/models": "The model served, and the LoRA adapters served over it (their parent)",
+    "/v1/models/{name:path}": "The model or adapter of that name (404 for another)",
+    "/v1/load_lora_adapter": "Serve a LoRA adapter's folder under a name of its own",
+    "/v1/unload_lora_adapter": "Stop serving an adapter: new requests get 404, running ones complete first",
     "/v1/chat/completions": "A chat reply (harmony: reasoning_content, content, tool_calls)",
     "/v1/completions": "A completion of a raw prompt (text or token ids)",
     "/v1/responses": "A reply through the Responses API",

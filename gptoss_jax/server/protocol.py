@@ -232,6 +232,18 @@ class DetokenizeRequest(_Body):
     tokens: list[TOKEN_ID]
 
 
+class LoadLoraRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter: a LoRA adapter's folder (peft's format, or gptoss-finetune's
+    --out) served from now on under a name of its own."""
+    lora_name: Annotated[StrictStr, Field(min_length=1, max_length=ID_CHARS)]
+    lora_path: Annotated[StrictStr, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoraRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter: an adapter no longer served, once its requests have ended."""
+    lora_name: ID
+
+
 class Reasoning(_Body):
     effort: Literal["low", "medium", "high"] | None = None
 

@@ -131,6 +131,7 @@ class Request:
         # The engine's, kept across a preemption: the names of its pages (pages.py), its reply as text,
         # its stop strings' matcher and its grammar's.
         self._page_names: list[bytes] = []
+        self._page_seed: bytes | None = None  # their chain's start, fixed when first asked (Scheduler.seed)
         self._decoder = self._stops = None
         self._matcher = None  # its grammar's state (constrain.py), each token it has read consumed
         self._after: Request | None = None  # admitted once this one has its first token (Engine.submit)

@@ -73,9 +73,12 @@ class Scheduler:
         self.generations: dict[int, int] = {}  # adapter -> how many times its table entry was put since the first
 
     def seed(self, request: Request) -> bytes:
-        """The start of the request's page names: its served adapter's, as its table entry now holds it."""
-        adapter = request.settings.adapter
-        return adapter_seed(adapter, self.generations.get(adapter, 0))
+        """The start of the request's page names: its served adapter's, as its table entry held it when
+        first asked (at admission), whatever is put there later."""
+        if request._page_seed is None:
+            adapter = request.settings.adapter
+            request._page_seed = adapter_seed(adapter, self.generations.get(adapter, 0))
+        return request._page_seed
 
     def reseed(self, adapter: int) -> None:
         """A served adapter's table entry holds another one now: the prefixes cached under it are never found."""
