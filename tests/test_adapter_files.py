@@ -121,3 +121,44 @@ def test_a_rank_above_the_most_served_a_missing_folder_and_bad_json_are_refused(
         f.write("{not json")
     with pytest.raises(AdapterError, match="adapter_config.json: not readable as JSON"):
         read_adapter(folder, config)
+
+
+@pytest.mark.slow
+def test_gptoss_generate_lora_runs_an_adapter_unmerged_or_merged(tmp_path, capsys):
+    """gptoss-generate --lora DIR (the demo model): the greedy tokens of the base with the adapter
+    attached (training.lora.attach, b scaled as read), and with --merge-lora of the adapter merged;
+    --merge-lora alone and a folder we cannot serve are one-line usage errors."""
+    from gptoss_jax.cli.generate import main as generate
+    from gptoss_jax.decoding.generator import Generator
+    from gptoss_jax.sampling import Sampling
+    from gptoss_jax.testing import random_params
+    from gptoss_jax.training.lora import attach, merge
+
+    config = gj.ModelConfig.demo()
+    params = random_params(config, seed=0, dtype=jnp.float32)  # the command line's demo weights
+    lora = LoraConfig(rank=4, alpha=64.0, targets=("attention", "router"))
+    adapters = init_adapters(config, lora, jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), adapters)
+    write_adapter(str(tmp_path / "adapter"), config, adapters, lora)
+    read = read_adapter(str(tmp_path), config)
+    argv = ["--prompt-ids", "1,2,3,4", "--max-new-tokens", "6", "--temperature", "0", "--json", "--quiet",
+            "--lora", str(tmp_path)]
+
+    def tokens(extra):
+        capsys.readouterr()
+        assert generate(argv + extra) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["output_ids"]
+
+    def alone(p):
+        out = Generator(config, p, max_len=64).generate([[1, 2, 3, 4]], max_new_tokens=6, sampling=Sampling(temperature=0))
+        return out[0].output_ids
+
+    assert tokens([]) == alone(attach(params, read.weights, 1.0))
+    assert tokens(["--merge-lora"]) == alone(merge(params, read.weights, 1.0))
+    assert generate(argv[:-2] + ["--merge-lora"]) == 2
+    assert "--merge-lora folds an adapter" in capsys.readouterr().err
+    with open(tmp_path / "adapter" / "adapter_config.json", "w") as f:
+        f.write("[]")
+    assert generate(argv) == 2
+    errors = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert len(errors) == 1 and "adapter_config.json: holds list, not a JSON object" in errors[0], errors

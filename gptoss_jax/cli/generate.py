@@ -93,6 +93,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="with --draft: tokens proposed and checked per step (default: 4; less than the sliding "
                         "window, 128 for gpt-oss, and than --max-context)")
+    p.add_argument("--lora", metavar="PATH", type=expand, default=None,
+                   help="a LoRA adapter applied to every prompt, unmerged (its low-rank products beside the weights "
+                        "at each step): a peft adapter folder for transformers' GptOssForCausalLM, or "
+                        "gptoss-finetune's --out")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="with --lora: fold the adapter into the weights once instead (decodes as fast as the base)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length: prompt plus new tokens must fit (default: 4096, or the model's "
                         "context if shorter)")
@@ -143,6 +149,8 @@ def _run(args, signals: Signals) -> int:
 
     # Everything that can be checked without the model, first: flags, files, the model's limits.
     check_flags(args, _warn)
+    if args.merge_lora and args.lora is None:
+        raise UsageError("--merge-lora folds an adapter into the weights: give it with --lora PATH")
     processes = devices.process_settings(args)
     mesh_sizes = devices.mesh_sizes(args)
     try:
@@ -195,7 +203,15 @@ def _run(args, signals: Signals) -> int:
         experts = "; experts packed in MXFP4" if loading.packed_experts(args) else ""
         print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
         print(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
+    adapter = None if args.lora is None else _adapter(args.lora, config)  # (read before the model loads)
     params = loading.load_params(args, config, mesh)
+    if adapter is not None:
+        from ..training.lora import attach, merge
+
+        params = merge(params, adapter.weights, 1.0) if args.merge_lora else attach(params, adapter.weights, 1.0)
+        if main_process:
+            print(f"LoRA adapter: {adapter.path} (rank {adapter.rank}, on {', '.join(adapter.targets)}), "
+                  f"{'merged' if args.merge_lora else 'unmerged'}", file=sys.stderr)
     if tokenizer is None and not args.json and main_process:
         print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
               file=sys.stderr)
@@ -207,6 +223,16 @@ def _run(args, signals: Signals) -> int:
         return chat_loop(args, generator, tokenizer, sampling, stops, signals)
     run_batch(args, generator, tokenizer, prompts, sampling, stops, signals)
     return 0
+
+
+def _adapter(path: str, config):
+    """--lora's adapter (training.adapter_files.Adapter): UsageError naming the file and field."""
+    from ..training.adapter_files import AdapterError, read_adapter
+
+    try:
+        return read_adapter(path, config)
+    except AdapterError as e:
+        raise UsageError(f"--lora {path}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -258,9 +258,11 @@ def _merge_einsum(module: str, name: str) -> str:
     return f"{word(a_axes)},{word(b_axes)}->{word(_weight(module, name).axes)}"
 
 
-def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
+def merge(params: Params, adapters: Params, lora: LoraConfig | float) -> Params:
     """Params with every adapter folded into its weight, W + scale * a @ b (computed in float32 and
-    cast to W's dtype); the result runs without the adapters."""
+    cast to W's dtype), the scale lora's (a float: that scale; 1.0 for adapters read from disk, whose
+    scales are folded in); the result runs without the adapters."""
+    scale = lora.scale if isinstance(lora, LoraConfig) else float(lora)
     out = dict(params)
     for layer, module, name, ab in _nodes(adapters):
         block = _BLOCKS[module]
@@ -270,7 +272,7 @@ def merge(params: Params, adapters: Params, lora: LoraConfig) -> Params:
         w = block.part(whole, name) if part else whole
         delta = jnp.einsum(_merge_einsum(module, name), ab["a"].astype(jnp.float32),
                            ab["b"].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        merged = (w.astype(jnp.float32) + lora.scale * delta).astype(w.dtype)
+        merged = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
         out[layer] = dict(out[layer])
         merged = block.with_part(whole, name, merged) if part else merged
         out[layer][module] = dict(out[layer][module], **{held: merged})
