@@ -90,7 +90,7 @@ def pytest_configure(config):
 LONGEST_FILES = ("test_server.py", "test_serving_speculation.py", "test_run_inference.py", "test_training.py",
                  "test_sharding.py", "test_training_sharded.py", "test_docs.py", "test_eagle3.py",
                  "test_packed_experts.py", "test_speculative.py", "test_paged.py", "test_convert.py",
-                 "test_serving.py", "test_server_bounds.py", "test_serve_command.py", "test_serving_eagle3.py",
+                 "test_serving.py", "test_served_adapters.py", "test_server_bounds.py", "test_serve_command.py", "test_serving_eagle3.py",
                  "test_convert_interrupts.py", "test_clients.py", "test_generate.py", "test_finetune.py")
 
 

@@ -27,6 +27,7 @@ def peft_adapters(tiny_f32, tmp_path_factory):
             peft_trained(config, params, str(root / "plain"), rank=2, rslora=False, parameters=PEFT_PARAMETERS[1:]))
 
 
+@pytest.mark.slow
 def test_peft_adapters_served_in_one_batch_give_peft_models_logits(tiny_f32, peft_adapters):
     """Two adapters trained by peft (rank 4 with rsLoRA on attention, router and experts; rank 2 on
     attention and experts, the parameters nested the other way round), read from their folders and
@@ -49,6 +50,7 @@ def test_peft_adapters_served_in_one_batch_give_peft_models_logits(tiny_f32, pef
         assert float(np.abs(plain - exact.value).max()) > 100 * exact.noise  # (the adapter changes something)
 
 
+@pytest.mark.slow
 def test_our_adapters_written_in_peft_format_are_read_back_and_loaded_by_peft(tiny_f32, tmp_path):
     """gptoss-finetune's adapters (attention, router, experts) written as a peft folder: read back
     equal (b scaled), and peft's model over transformers' with it gives our attached adapter's logits."""
@@ -74,6 +76,16 @@ def test_our_adapters_written_in_peft_format_are_read_back_and_loaded_by_peft(ti
     peft_logits(config, params, folder, tokens).check(np.asarray(ours), "ours, loaded by peft")
 
 
+@pytest.fixture(scope="module")
+def written(tiny_f32, tmp_path_factory) -> str:
+    """An adapter folder as gptoss-finetune writes one (attention and experts, rank 2)."""
+    config, _ = tiny_f32
+    lora = LoraConfig(rank=2, alpha=4.0, targets=("attention", "experts"))
+    folder = str(tmp_path_factory.mktemp("written") / "adapter")
+    write_adapter(folder, config, init_adapters(config, lora, jax.random.key(0)), lora)
+    return folder
+
+
 def _edit(folder: str, **fields) -> str:
     path = os.path.join(folder, "adapter_config.json")
     with open(path) as f:
@@ -92,31 +104,30 @@ def _edit(folder: str, **fields) -> str:
     ({"modules_to_save": ["lm_head"]}, "field modules_to_save"),
     ({"r": 0}, "field r must be a positive number, got 0"),
 ])
-def test_an_adapter_we_cannot_serve_is_refused_naming_the_file_and_field(tiny_f32, peft_adapters, tmp_path, fields,
-                                                                        message):
+def test_an_adapter_we_cannot_serve_is_refused_naming_the_file_and_field(tiny_f32, written, tmp_path, fields, message):
     import shutil
 
     config, _ = tiny_f32
     folder = str(tmp_path / "bad")
-    shutil.copytree(peft_adapters[1], folder)
+    shutil.copytree(written, folder)
     path = _edit(folder, **fields)
     with pytest.raises(AdapterError) as e:
         read_adapter(folder, config)
     assert str(e.value).startswith(path) and message in str(e.value), str(e.value)
 
 
-def test_a_rank_above_the_most_served_a_missing_folder_and_bad_json_are_refused(tiny_f32, peft_adapters, tmp_path):
+def test_a_rank_above_the_most_served_a_missing_folder_and_bad_json_are_refused(tiny_f32, written, tmp_path):
     import shutil
 
     config, _ = tiny_f32
-    with pytest.raises(AdapterError, match="has rank 4, above the most served \\(2\\)"):
-        read_adapter(peft_adapters[0], config, max_rank=2)
+    with pytest.raises(AdapterError, match="has rank 2, above the most served \\(1\\)"):
+        read_adapter(written, config, max_rank=1)
     with pytest.raises(AdapterError, match="no such folder"):
         read_adapter(str(tmp_path / "nowhere"), config)
     with pytest.raises(AdapterError, match="no adapter_config.json"):
         read_adapter(str(tmp_path), config)
     folder = str(tmp_path / "json")
-    shutil.copytree(peft_adapters[1], folder)
+    shutil.copytree(written, folder)
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(AdapterError, match="adapter_config.json: not readable as JSON"):

@@ -42,6 +42,7 @@ def served(tiny_f32):
     return config, table, merged
 
 
+@pytest.mark.slow
 def test_rows_of_different_adapters_each_get_their_adapter_merged(served):
     """One batch, rows under each of the 4 adapters, none, and adapter 1 again: a 20-token prompt
     (the experts' grouped path), then 3 decode steps (their gather path), each row's logits those
@@ -105,6 +106,7 @@ def test_the_engine_gives_each_request_its_adapters_tokens_with_prefix_reuse_and
         engine.submit(prompts[0], Settings(max_new_tokens=4, adapter=4))
 
 
+@pytest.mark.slow
 def test_one_attached_adapter_is_read_as_before_and_a_table_without_rows_is_the_base(served, tiny_f32):
     """An engine's steps pass each row's adapter index (-1) even over parameters with one attached
     adapter (training/lora.attach: not a table), which then applies to every row as in training; a

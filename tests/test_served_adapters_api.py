@@ -197,27 +197,38 @@ def test_a_folder_we_cannot_serve_is_one_message_naming_the_file_and_field(serve
 
 def test_an_unload_waits_for_the_requests_holding_its_adapter():
     """ServedAdapters alone: an unload begun while two requests hold the adapter refuses new ones at
-    once (404) and ends only when the second of them is released; its entry is then free to take."""
-    import asyncio
-
+    once (404) and is done only when the second of them is released; its entry is then free to take."""
     from gptoss_jax.server.adapters import Named, ServedAdapters
     from gptoss_jax.server.errors import APIError
 
-    async def run():
-        served = ServedAdapters("base", 2, 8, ("attention",))
-        served.names["a"] = Named(1, "/a", 0)
-        assert served.hold("a") == 1 and served.hold("a") == 1 and served.hold("base") is None
-        unload = asyncio.create_task(served.unload("a"))
-        await asyncio.sleep(0)  # (the task runs up to its wait)
-        with pytest.raises(APIError, match="does not exist") as e:
-            served.hold("a")
-        assert e.value.status == 404
-        served.release("a")
-        await asyncio.sleep(0)
-        assert not unload.done()
-        served.release("a")
-        assert await unload == 1
-        del served.names["a"]
-        assert served.free_entry("b") == 0 and served.free_entry("c") == 1
+    served = ServedAdapters("base", 2, 8, ("attention",))
+    served.names["a"] = Named(1, "/a", 0)
+    assert served.hold("a") == 1 and served.hold("a") == 1 and served.hold("base") is None
+    drained = served.unloading("a")
+    with pytest.raises(APIError, match="does not exist") as e:
+        served.hold("a")
+    assert e.value.status == 404
+    with pytest.raises(APIError, match="no adapter named 'a' is loaded"):
+        served.unloading("a")  # (already being unloaded)
+    served.release("a")
+    assert not drained.is_set()
+    served.release("a")
+    assert drained.is_set()
+    del served.names["a"]
+    assert served.free_entry("b") == 0 and served.free_entry("c") == 1
 
-    asyncio.run(run())
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora", "nopath"], "--lora 'nopath': give NAME=PATH"),
+    (["--lora", "a=x", "--lora", "a=y"], "the name 'a' is given twice"),
+    (["--lora", "a=x", "--max-loras", "0"], "--max-loras must be at least the number of --lora (1), got 0"),
+    (["--lora-targets", "attention,mlp"], "--lora-targets: mlp; choose from attention, router, experts"),
+])
+def test_gptoss_serve_lora_flags_are_checked_before_anything_loads(argv, message):
+    from gptoss_jax.cli.inputs import UsageError
+    from gptoss_jax.server import cli, lora_flags
+
+    args = cli.build_parser().parse_args(argv)
+    with pytest.raises(UsageError, match=None) as e:
+        lora_flags.check_flags(args)
+    assert message in str(e.value), str(e.value)

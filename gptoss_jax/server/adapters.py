@@ -79,16 +79,17 @@ class ServedAdapters:
         self.loading[name] = free[0]
         return free[0]
 
-    async def unload(self, name: str) -> int:
-        """Refuse new requests for `name`, wait for those running to end -> its entry, now unused."""
+    def unloading(self, name: str) -> asyncio.Event:
+        """Refuse new requests for `name` from now on -> an event set once those running have ended
+        (at once where none runs); 404 for a name not loaded, or already being unloaded."""
         if name == self.base or name not in self.names or self.names[name].unloading is not None:
             raise APIError(404, f"no adapter named {name!r} is loaded", "invalid_request_error", "lora_name",
                            "lora_not_found")
         named = self.names[name]
         named.unloading = asyncio.Event()
-        if named.running:
-            await named.unloading.wait()
-        return named.entry
+        if not named.running:
+            named.unloading.set()
+        return named.unloading
 
     def cards(self, created: int) -> list[dict]:
         """The /v1/models entries: the base model, then each adapter with the base as its parent."""
@@ -131,7 +132,8 @@ def install(app, server, check) -> None:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(http: HTTPRequest):
         req = await parsed(http, protocol.UnloadLoraRequest)
-        entry = await served.unload(req.lora_name)
+        await served.unloading(req.lora_name).wait()
+        entry = served.names[req.lora_name].entry
         await server.prepare(server.engine.put_adapter, entry, None)  # (zeros: nothing of it stays)
         del served.names[req.lora_name]
         return {"object": "lora_adapter", "id": req.lora_name, "deleted": True}
