@@ -24,13 +24,15 @@ def peft_adapters(tiny_f32, tmp_path_factory):
     config, params = tiny_f32
     root = tmp_path_factory.mktemp("peft")
     return (peft_trained(config, params, str(root / "rslora"), rank=4, rslora=True),
-            peft_trained(config, params, str(root / "plain"), rank=2, rslora=False, parameters=PEFT_PARAMETERS[1:]))
+            peft_trained(config, params, str(root / "plain"), rank=2, rslora=False,
+                         parameters=PEFT_PARAMETERS[:0:-1]))  # (down_proj listed first)
 
 
 @pytest.mark.slow
 def test_peft_adapters_served_in_one_batch_give_peft_models_logits(tiny_f32, peft_adapters):
     """Two adapters trained by peft (rank 4 with rsLoRA on attention, router and experts; rank 2 on
-    attention and experts, the parameters nested the other way round), read from their folders and
+    attention and experts, down_proj listed before gate_up_proj: peft nests them in the module's own
+    order whatever the list's), read from their folders and
     served as one table, rows of both and of none in one batch: each row's logits peft's own model's
     in float64, within transformers' float32 noise."""
     config, params = tiny_f32

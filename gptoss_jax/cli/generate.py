@@ -204,9 +204,12 @@ def _run(args, signals: Signals) -> int:
         print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
         print(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
     adapter = None if args.lora is None else _adapter(args.lora, config)  # (read before the model loads)
+    if adapter is not None and args.merge_lora and "experts" in adapter.targets and loading.packed_experts(args):
+        raise UsageError("--merge-lora: the adapter adapts the experts, which --dtype mxfp4 keeps packed; run it "
+                         "unmerged (no --merge-lora) or load the experts in bfloat16")
     params = loading.load_params(args, config, mesh)
     if adapter is not None:
-        from ..training.lora import attach, merge
+        from ..training.lora import attach, merge  # (as above)
 
         params = merge(params, adapter.weights, 1.0) if args.merge_lora else attach(params, adapter.weights, 1.0)
         if main_process:
@@ -227,7 +230,7 @@ def _run(args, signals: Signals) -> int:
 
 def _adapter(path: str, config):
     """--lora's adapter (training.adapter_files.Adapter): UsageError naming the file and field."""
-    from ..training.adapter_files import AdapterError, read_adapter
+    from ..training.adapter_files import AdapterError, read_adapter  # (JAX's modules: after the flags' checks)
 
     try:
         return read_adapter(path, config)

@@ -47,12 +47,11 @@ class ServedAdapters:
             raise model_not_found(name, self.base, list(self.serving()))
 
     def serving(self) -> list[str]:
-        return [n for n, a in self.names.items() if a.unloading is None]
+        return [n for n, a in tuple(self.names.items()) if a.unloading is None]  # (a worker's 404 reads it too)
 
     def hold(self, name: str) -> int | None:
         """A request under `name` starts: its entry (None: the base model); 404 as `check`."""
         self.check(name)
-        self.requests[name] += 1
         if name == self.base:
             return None
         self.names[name].running += 1
@@ -73,6 +72,9 @@ class ServedAdapters:
             raise bad_request(f"an adapter or model named {name!r} is already served; unload it first", "lora_name")
         taken = {a.entry for a in self.names.values()} | set(self.loading.values())
         free = [i for i in range(self.entries) if i not in taken]
+        if not self.entries:
+            raise APIError(400, "this server has no table of adapters to load into: start it with --max-loras N",
+                           "invalid_request_error", "lora_name", "lora_capacity_reached")
         if not free:
             raise APIError(400, f"every one of the {self.entries} adapter entries is taken (gptoss-serve --max-loras); "
                                 "unload one first", "invalid_request_error", "lora_name", "lora_capacity_reached")
@@ -103,11 +105,17 @@ def install(app, server, check) -> None:
     """The load and unload endpoints (vLLM's), behind the server's key (`check`)."""
     from ..training.adapter_files import AdapterError, read_adapter  # (the model's modules: loaded by now)
 
+    import jax
+
     served = server.adapters
 
     async def parsed(http, model):
         check(http)
         raw = await body.read(http, server.limits.max_body_bytes, server.limits.read_timeout)
+        if jax.process_count() > 1:  # the other processes' tables would not follow
+            raise APIError(400, "adapters are loaded and unloaded while serving on one process only; with several, "
+                                "give them at start (gptoss-serve --lora)", "invalid_request_error", None,
+                           "unsupported_with_several_processes")
         return await server.prepare(body.parse, raw, model)
 
     @app.post("/v1/load_lora_adapter")
@@ -119,8 +127,10 @@ def install(app, server, check) -> None:
                 try:
                     adapter = read_adapter(req.lora_path, server.engine.config, max_rank=served.max_rank)
                     server.engine.put_adapter(entry, adapter.weights)
-                except (AdapterError, ValueError) as e:
+                except AdapterError as e:
                     raise bad_request(str(e), "lora_path", "invalid_lora_adapter") from None
+                except ValueError as e:  # (one the table cannot hold: a target or rank beyond it)
+                    raise bad_request(f"{req.lora_path}: {e}", "lora_path", "invalid_lora_adapter") from None
                 return adapter.path
 
             path = await server.prepare(put)
@@ -133,7 +143,8 @@ def install(app, server, check) -> None:
     async def unload_lora_adapter(http: HTTPRequest):
         req = await parsed(http, protocol.UnloadLoraRequest)
         await served.unloading(req.lora_name).wait()
-        entry = served.names[req.lora_name].entry
-        await server.prepare(server.engine.put_adapter, entry, None)  # (zeros: nothing of it stays)
-        del served.names[req.lora_name]
+        try:  # (zeros: nothing of it stays; a later load overwrites the whole entry anyway)
+            await server.prepare(server.engine.put_adapter, served.names[req.lora_name].entry, None)
+        finally:
+            del served.names[req.lora_name]
         return {"object": "lora_adapter", "id": req.lora_name, "deleted": True}

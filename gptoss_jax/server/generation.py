@@ -205,6 +205,7 @@ class Generation:
             self.request = server.engine.submit(prompt, settings, lambda token: handoff.put(queue, token),
                                                 **({} if after is None else {"after": after.request}))
             self.closed = False
+            server.adapters.requests[model] += 1
         except QueueFull:
             raise queue_full(server.engine.stats()["waiting"]) from None
         except ValueError as e:
@@ -234,7 +235,8 @@ class Generation:
             if not g.request.finished:  # gone before the reply was complete (a complete reply: also "disconnect")
                 g.gone = True
                 g._end()
-        with self.server._lock:  # also where the reply's reader never started (a stream the client left at once)
+            g._let_go()  # (a reader that never started never closes it: a stream the client left at once)
+        with self.server._lock:  # also where the reply's reader never started
             self.server.running.difference_update(self.siblings)
 
     def cut(self) -> None:
@@ -255,13 +257,17 @@ class Generation:
         still runs."""
         with self.server._lock:
             self.server.running.discard(self)
-        if not self.closed:
-            self.server.adapters.release(self.model)
-        self.closed = True
+        self._let_go()
         if all(g.closed for g in self.siblings) and self._watch is not None:
             self._watch.cancel()
         if not self.request.finished:
             self.request.cancel()
+
+    def _let_go(self) -> None:
+        """Closed: the adapter it ran under is no longer held (once, whoever closes first)."""
+        if not self.closed:
+            self.closed = True
+            self.server.adapters.release(self.model)
 
     async def batches(self) -> AsyncIterator[list[int]]:
         """The tokens as they come, all those already there at once (a stream that falls behind

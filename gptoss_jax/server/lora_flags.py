@@ -63,33 +63,33 @@ def check_flags(args) -> None:
 def read(args, config, base: str) -> list:
     """The --lora adapters read, [(name, training.adapter_files.Adapter)]: UsageError naming the flag,
     the file and the field (JAX has started; the model has not loaded yet)."""
-    from ..training.adapter_files import AdapterError, read_adapter
+    from ..training.adapter_files import AdapterError, read_adapter  # (JAX's modules: once the flags are checked)
 
     out = []
     for name, path in args.lora:
         if name == base:
             raise UsageError(f"--lora {name}={path}: {name!r} is the base model's name (--served-model-name)")
         try:
-            out.append((name, read_adapter(path, config, max_rank=args.max_lora_rank)))
+            adapter = read_adapter(path, config, max_rank=args.max_lora_rank)
         except AdapterError as e:
             raise UsageError(f"--lora {name}={path}: {e}") from None
+        if args.lora_targets is not None and not set(adapter.targets) <= set(args.lora_targets):
+            raise UsageError(f"--lora {name}: the adapter adapts {', '.join(adapter.targets)}, beyond --lora-targets "
+                             f"{','.join(args.lora_targets)}")
+        out.append((name, adapter))
     return out
 
 
 def table(args, config, params, read: list, base: str):
     """-> (params with the table of served adapters, or as given without one; adapters.ServedAdapters):
     --max-loras entries, of --max-lora-rank, on --lora-targets, their defaults from the adapters `read`."""
-    from ..training.lora import empty_table
+    from ..training.lora import empty_table  # (as in `read`)
     from .adapters import ServedAdapters
 
     entries = len(read) if args.max_loras is None else args.max_loras
     rank = args.max_lora_rank or max((a.rank for _, a in read), default=DEFAULT_RANK)
     held = {t for _, a in read for t in a.targets}
-    targets = args.lora_targets or tuple(g for g in GROUPS if g in held) or DEFAULT_TARGETS
-    for name, adapter in read:
-        if not set(adapter.targets) <= set(targets):
-            raise UsageError(f"--lora {name}: the adapter adapts {', '.join(adapter.targets)}, beyond --lora-targets "
-                             f"{','.join(targets)}")
+    targets = args.lora_targets or tuple(g for g in GROUPS if g in held) or DEFAULT_TARGETS  # (read checked them)
     if entries:
         params = empty_table(config, params, entries, rank, targets)
     return params, ServedAdapters(base, entries, rank, targets)

@@ -17,7 +17,7 @@ import numpy as np
 from ..decoding.steps import Decode, Model, decode, follow, prefill
 from ..model.paged_cache import PoolSize, init_pool
 from ..sharding import on_every_device
-from ..training.lora import check_fits, served_count, table_entry
+from ..training.lora import check_fits, served_count, table_entry, tables_of, with_tables
 from ..weight import Params
 from . import steps
 from .picks import Picks
@@ -132,7 +132,8 @@ class Device:
             raise ValueError(f"adapter {index}: the engine serves {self.served} adapters")
         check_fits(self.params, weights or {}, what=f"adapter {index}")
         entry = table_entry(self.params, weights or {}, 1.0)  # the same shapes whatever the adapter: no compile
-        self.params = steps.set_entry(self.params, self.put(np.int32(index)), entry)
+        tables = steps.set_entry(tables_of(self.params), self.put(np.int32(index)), entry)  # (the tables alone)
+        self.params = with_tables(self.params, tables)
 
     def take_adapter(self, row: int, adapter: int | None) -> None:
         """A row's served adapter from its next step on (None: the base model); nothing without a table."""

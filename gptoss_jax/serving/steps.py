@@ -144,9 +144,10 @@ def write_tables(tables, writes):
 
 
 @jax.jit
-def set_entry(params, index, entry):
-    """params with entry `index` of every table of served adapters set to `entry` (training/lora.table_entry)."""
-    return lora.set_entry(params, index, entry)
+def set_entry(tables, index, entry):
+    """The tables of served adapters (training/lora.tables_of) with entry `index` of each set to `entry`'s
+    (training/lora.table_entry)."""
+    return lora.set_entry(tables, index, entry)
 
 
 @functools.partial(jax.jit, donate_argnames=("adapters",))

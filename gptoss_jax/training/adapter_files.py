@@ -112,23 +112,42 @@ def _settings(folder: str) -> dict:
     return settings
 
 
-def _site(name: str, settings: dict, where: str) -> tuple[int, str, str]:
-    """(layer, peft module or parameter name, "A" or "B") of a tensor's name."""
+def _site(name: str, where: str) -> tuple[int, str, int, str]:
+    """(layer, peft module, how deep its wrapper nests, "A" or "B") of a tensor's name."""
     m = re.fullmatch(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+?)\.lora_([AB])\.weight", name)
     if m is None:
         raise AdapterError(f"{where}: tensor {name} is not a LoRA weight of GptOssForCausalLM's layers")
     layer, module, part = int(m.group(1)), m.group(2), m.group(3)
-    if module in MODULES:
-        return layer, module, part
-    nested = module.count(".base_layer")
-    owner = module.replace(".base_layer", "")
-    # The parameters of one module, in target_parameters' order: the first listed wraps innermost.
-    listed = [known for p in settings.get("target_parameters") or [] for known in PARAMETERS
-              if (p == known or p.endswith("." + known)) and known.rsplit(".", 1)[0] == owner]
-    if not listed or nested >= len(listed):
-        raise AdapterError(f"{where}: tensor {name} adapts {module}, which {CONFIG_FILE}'s target_modules and "
-                           f"target_parameters do not name as one served adapters take")
-    return layer, listed[len(listed) - 1 - nested], part
+    depth, owner = module.count(".base_layer"), module.replace(".base_layer", "")
+    if (owner in MODULES and not depth) or owner in ("mlp.router", "mlp.experts"):
+        return layer, owner, depth, part
+    raise AdapterError(f"{where}: tensor {name} adapts {module}: served adapters take "
+                       f"{', '.join(m.split('.')[-1] for m in MODULES)} and the parameters {', '.join(PARAMETERS)}")
+
+
+def _parameter(c: ModelConfig, settings: dict, owner: str, depth: int, depths: set[int], rows: int, where: str,
+               layer: int) -> str:
+    """The parameter that the wrapper of module `owner` nested `depth` deep adapts (`depths`: those of
+    its layer; `rows`: its lora_B's). peft wraps a module's parameters in the order the module
+    declares them, the first innermost: the experts' gate_up_proj, then down_proj."""
+    if owner == "mlp.router":
+        if depth:
+            raise AdapterError(f"{where}: layer {layer}'s router has nested adapters; served adapters take its weight")
+        return "mlp.router.weight"
+    if len(depths) == 2:
+        return ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")[depth]
+    by_rows = {2 * c.intermediate_size: "mlp.experts.gate_up_proj", c.hidden_size: "mlp.experts.down_proj"}
+    if 2 * c.intermediate_size != c.hidden_size:
+        if rows not in by_rows:
+            raise AdapterError(f"{where}: layer {layer}'s experts' lora_B has {rows} rows: neither gate_up_proj's "
+                               f"{2 * c.intermediate_size} nor down_proj's {c.hidden_size}")
+        return by_rows[rows]
+    listed = {known for p in settings.get("target_parameters") or [] for known in PARAMETERS
+              if known.startswith("mlp.experts") and (p == known or p.endswith("." + known))}
+    if len(listed) != 1:
+        raise AdapterError(f"{where}: layer {layer}'s experts adapt one of gate_up_proj and down_proj, of the same "
+                           "shape here, and target_parameters does not say which")
+    return listed.pop()
 
 
 def _to_ours(c: ModelConfig, target: str, A: np.ndarray, B: np.ndarray, where: str) -> tuple[dict, int]:
@@ -166,24 +185,34 @@ def read_adapter(path: str, config: ModelConfig, *, max_rank: int | None = None)
         infos = {name: info for name, info in scan(folder).items() if info.file == where}
     except SourceError as e:
         raise AdapterError(str(e)) from None
-    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    wrappers: dict[tuple[int, str, int], dict[str, str]] = {}  # (layer, module, depth) -> {"A": name, "B": name}
     for name in infos:
-        layer, target, part = _site(name, settings, where)
+        layer, owner, depth, part = _site(name, where)
         if layer >= config.num_hidden_layers:
             raise AdapterError(f"{where}: tensor {name} adapts layer {layer}; the model has {config.num_hidden_layers}")
-        pairs.setdefault((layer, target), {})[part] = name
-    if not pairs:
+        wrappers.setdefault((layer, owner, depth), {})[part] = name
+    if not wrappers:
         raise AdapterError(f"{where}: holds no LoRA weights")
-    for (layer, target), names in pairs.items():
+    depths: dict[tuple[int, str], set[int]] = {}
+    for layer, owner, depth in wrappers:
+        depths.setdefault((layer, owner), set()).add(depth)
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for (layer, owner, depth), names in sorted(wrappers.items()):
         if len(names) != 2:
-            raise AdapterError(f"{where}: layer {layer}'s {target} has lora_{''.join(names)} without its pair")
+            raise AdapterError(f"{where}: layer {layer}'s {owner} has lora_{''.join(names)} without its pair")
+        target = owner if owner in MODULES else _parameter(config, settings, owner, depth, depths[(layer, owner)],
+                                                           infos[names["B"]].shape[0], where, layer)
+        if (layer, target) in pairs:
+            raise AdapterError(f"{where}: layer {layer}'s {target} is adapted twice")
+        r = infos[names["A"]].shape[0] // (config.num_experts if target.startswith("mlp.experts") else 1)
+        if max_rank is not None and r > max_rank:  # (from the file's header: before any tensor is read)
+            raise AdapterError(f"{where}: layer {layer}'s {target} has rank {r}, above the most served ({max_rank})")
+        pairs[(layer, target)] = names
     weights: Params = {}
     rank = 0
     for (layer, target), names in sorted(pairs.items()):
         A, B = (np.asarray(read_tensor(infos[names[p]], names[p]), np.float32) for p in "AB")
         ab, r = _to_ours(config, target, A, B, where)
-        if max_rank is not None and r > max_rank:
-            raise AdapterError(f"{where}: layer {layer}'s {target} has rank {r}, above the most served ({max_rank})")
         scale = settings["lora_alpha"] / (math.sqrt(r) if settings.get("use_rslora") else r)
         module, weight = {**MODULES, **PARAMETERS}[target]
         weights.setdefault(f"block_{layer}", {}).setdefault(module, {})[weight] = {"a": ab["a"], "b": ab["b"] * scale}

@@ -227,9 +227,28 @@ def set_entry(params: Params, index, entry: Params) -> Params:
     return out
 
 
+def tables_of(params: Params) -> Params:
+    """The params' tables of served adapters alone, {layer: {module: {"<weight>_lora": table}}}: what
+    `set_entry` changes (and `with_tables` puts back), so that a put copies none of the weights."""
+    out: Params = {}
+    for layer, module, key, held in _tables(params):
+        out.setdefault(layer, {}).setdefault(module, {})[key] = held
+    return out
+
+
+def with_tables(params: Params, tables: Params) -> Params:
+    """params with the tables `tables` (`tables_of`'s structure) in place of theirs."""
+    out = dict(params)
+    for layer, modules in tables.items():
+        out[layer] = dict(out[layer])
+        for module, weights in modules.items():
+            out[layer][module] = dict(out[layer][module], **weights)
+    return out
+
+
 def put_adapter(params: Params, index, adapters: Params, scale: float) -> Params:
     """params with entry `index` of every table set to `adapters` (`table_entry`, `set_entry`)."""
-    return set_entry(params, index, table_entry(params, adapters, scale))
+    return with_tables(params, set_entry(tables_of(params), index, table_entry(params, adapters, scale)))
 
 
 def attach_table(config: ModelConfig, params: Params, served: list[tuple[Params, float]], rank: int) -> Params:
