@@ -132,7 +132,6 @@ def main() -> None:
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--experts-new", type=int, default=256)
     p.add_argument("--kv-gib", type=float, default=40.0)
-    p.add_argument("--window", type=float, default=1.0)  # (workload's Poisson arrivals: unused, all at once)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     results = run(args)

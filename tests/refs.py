@@ -334,6 +334,13 @@ def exact_moe_block(config: ModelConfig, mlp, x, *, precision: str = "float32"):
     return exact_experts(config, mlp, normed, idx, weights, precision=precision)
 
 
+def log_softmax(x) -> np.ndarray:
+    """log softmax over the last axis, in float64 (log-probabilities from logits)."""
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 # --- peft's LoRA adapters on transformers' model (tests/test_adapter_files.py, the served adapters) ---
 
 # Every target peft takes on GptOssForCausalLM: the attention's Linear modules, and the router and

@@ -368,7 +368,7 @@ def test_logprobs_are_the_models_through_every_api(client, engine):
     float64 log-softmax of the model's logits / temperature, within NOISE_FACTOR x its float32 run's
     own error, and the alternatives are the most likely tokens, in order."""
     from noise import Exact
-    from refs import hf_logits
+    from refs import hf_logits, log_softmax
 
     from gptoss_jax.server import protocol
     from gptoss_jax.server.harmony import chat_prompt, responses_prompt
@@ -380,8 +380,8 @@ def test_logprobs_are_the_models_through_every_api(client, engine):
         ids = [tokenizer.encode_single_token(bytes(e["token_bytes"])) for e in entries]
         seq = [prompt + ids[:-1]]
         rows = slice(len(prompt) - 1, None)
-        exact = Exact.measure(_log_softmax(hf_logits(engine.config, engine.params, seq, "float32")[0, rows] / temperature),
-                              _log_softmax(hf_logits(engine.config, engine.params, seq, "float64")[0, rows] / temperature))
+        exact = Exact.measure(log_softmax(hf_logits(engine.config, engine.params, seq, "float32")[0, rows] / temperature),
+                              log_softmax(hf_logits(engine.config, engine.params, seq, "float64")[0, rows] / temperature))
         steps = np.arange(len(ids))
         exact[steps, ids].check([e["logprob"] for e in entries], f"{what}: chosen")
         if top is None:
@@ -432,11 +432,6 @@ def test_logprobs_are_the_models_through_every_api(client, engine):
     assert plain.output_text == r.output_text and plain.output[-1].content[0].logprobs == []
 
 
-def _log_softmax(x):
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 @pytest.mark.slow
 def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, monkeypatch):
     """completions with echo: the text is the prompt's, then the completion's. With logprobs=2 the
@@ -448,7 +443,7 @@ def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, 
     keeps that token's entry (text empty); n=2 echoes in each choice; a prompt past the longest that
     echo scores is a 400 naming echo (its text alone is still echoed)."""
     from noise import Exact
-    from refs import hf_logits
+    from refs import hf_logits, log_softmax
 
     from gptoss_jax.server import app as app_module
 
@@ -463,8 +458,8 @@ def test_echo_gives_the_prompt_and_its_tokens_log_probabilities(client, engine, 
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 0)
         lp = only.logprobs
         assert len(lp.tokens) == n and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        exact = Exact.measure(_log_softmax(hf_logits(engine.config, engine.params, [prompt], "float32")[0, :-1]),
-                              _log_softmax(hf_logits(engine.config, engine.params, [prompt], "float64")[0, :-1]))
+        exact = Exact.measure(log_softmax(hf_logits(engine.config, engine.params, [prompt], "float32")[0, :-1]),
+                              log_softmax(hf_logits(engine.config, engine.params, [prompt], "float64")[0, :-1]))
         steps = np.arange(n - 1)
         exact[steps, prompt[1:]].check(lp.token_logprobs[1:], "echo: the prompt's tokens")
         best = np.argsort(-exact.value, axis=-1)[:, :2]

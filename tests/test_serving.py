@@ -149,11 +149,6 @@ def test_a_full_queue_refuses_at_once(model):
         engine.submit([config.vocab_size], Settings(max_new_tokens=1))
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 @pytest.mark.slow
 def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model):
     """Settings(logprobs=5): each token's log-probability and its 5 most likely alternatives', for a
@@ -162,7 +157,7 @@ def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model)
     NOISE_FACTOR x its float32 run's own error; the same tokens as without log-probabilities, also
     when a request without them shares the steps."""
     from noise import Exact
-    from refs import hf_logits
+    from refs import hf_logits, log_softmax
 
     config, params = model
     prompt = np.random.default_rng(21).integers(0, config.vocab_size, 40).tolist()  # past the 16-token window
@@ -181,8 +176,8 @@ def test_logprobs_are_the_models_log_softmax_for_the_tokens_drawn(engine, model)
         T = sampling.temperature or 1.0
         seq = [prompt + out[:-1]]
         rows = slice(len(prompt) - 1, None)  # the logits each new token was drawn from
-        exact = Exact.measure(_log_softmax(hf_logits(config, params, seq, "float32")[0, rows] / T),
-                              _log_softmax(hf_logits(config, params, seq, "float64")[0, rows] / T))
+        exact = Exact.measure(log_softmax(hf_logits(config, params, seq, "float32")[0, rows] / T),
+                              log_softmax(hf_logits(config, params, seq, "float64")[0, rows] / T))
         steps = np.arange(len(out))
         for request in (alone, beside):
             exact[steps, out].check([lp.logprob for lp in request.logprobs], f"chosen, T={T}")

@@ -48,8 +48,8 @@ class Settings:
     # an llguidance grammar (Lark syntax, with %json for JSON schemas) that the reply must follow; needs
     # the engine's tokenizer (constrain.py)
     grammar: str | None = None
-    # the served adapter the reply is generated under: an index of the table the engine's parameters
-    # hold (training/lora.attach_table); None: the base model
+    # the served adapter the reply is generated under: an entry of the table the engine's parameters
+    # hold (training/lora.empty_table, Engine.put_adapter); None: the base model
     adapter: int | None = None
 
     def __post_init__(self):
