@@ -8,11 +8,27 @@ import sys
 import tempfile
 import time
 
-import chex
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+# Bytecode. Where PYTHONDONTWRITEBYTECODE is set (some sandboxes and CI images set it), every Python
+# process compiles each module it imports from source: jax, torch, transformers and the package
+# again in each pytest worker and in each of the hundreds of commands the tests start, about 5 s a
+# process (tests/test_commands.py: 117 s with it, 32 s without). The tests write bytecode instead,
+# into a folder of their own beside pytest's cache (PYTHONPYCACHEPREFIX, so nothing lands in the
+# source trees), kept between runs: the first process to import a module compiles it, the others
+# read it. Python checks a cached module against its source's time and size before using it.
+# Before the imports below, so that they are cached too; pytest-xdist's workers and the commands
+# inherit the environment.
+if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), ".pytest_cache", "pycache"))
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+
+import chex  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # 8 CPU devices for the sharded tests (tests/test_sharding.py); everything else runs on the first.
 # A config option rather than XLA_FLAGS, so that the commands the tests start see one device.
