@@ -17,10 +17,10 @@ import time
 # read it. Python checks a cached module against its source's time and size before using it.
 # Before the imports below, so that they are cached too; pytest-xdist's workers and the commands
 # inherit the environment.
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("PYTHONDONTWRITEBYTECODE"):
     del os.environ["PYTHONDONTWRITEBYTECODE"]
-    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), ".pytest_cache", "pycache"))
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(CHECKOUT, ".pytest_cache", "pycache"))
     sys.dont_write_bytecode = False
     sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
 
@@ -64,17 +64,45 @@ if not LEVEL_GIVEN:
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
-# cache); the tests' go to a folder of one run's own, never into the home of whoever runs them. The
-# first process of a run makes it and removes it at its exit; pytest-xdist's workers and the commands
-# the tests start inherit it, and the tests themselves compile through it too: a step one test or
-# command compiled is read back by the next instead of compiled again (few repeat across tests, so it
-# saves little of the suite's time; conftest.compile_events counts cache reads as compilations).
+# cache, $XDG_CACHE_HOME/gptoss-jax/xla). The tests never write into the home of whoever runs them:
+# each run has an XDG_CACHE_HOME of its own, made by the run's first process and removed at its exit
+# (pytest-xdist's workers and the commands the tests start inherit it), and its gptoss-jax/xla is a
+# link to .pytest_cache/xla in the checkout, kept between runs. So the tests and the commands they
+# start compile through one cache: a program compiled once, in this run or an earlier one, is read
+# back instead of compiled again, and a second call of the fast tier compiles only what changed
+# (JAX's key is the program itself, its compile options and the versions of jax and XLA). The run's
+# first process trims the folder to XLA_CACHE_BYTES, the least recently used entries first.
+# conftest.compile_events counts reads from the cache as compilations.
+XLA_CACHE = os.path.join(CHECKOUT, ".pytest_cache", "xla")
+XLA_CACHE_BYTES = 3 << 30
+
+
+def _trim(folder: str, limit: int) -> None:
+    """Remove the least recently used files of `folder` until the rest holds at most `limit` bytes."""
+    entries = []
+    for entry in os.scandir(folder):
+        with contextlib.suppress(OSError):
+            info = entry.stat()
+            entries.append((max(info.st_atime, info.st_mtime), info.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        with contextlib.suppress(OSError):
+            os.remove(path)
+            total -= size
+
+
 if "GPTOSS_TEST_RUN_DIR" not in os.environ:
     os.environ["GPTOSS_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="gptoss-tests-")
     atexit.register(shutil.rmtree, os.environ["GPTOSS_TEST_RUN_DIR"], ignore_errors=True)
+    os.makedirs(XLA_CACHE, exist_ok=True)
+    _trim(XLA_CACHE, XLA_CACHE_BYTES)
+    os.makedirs(os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache", "gptoss-jax"))
+    os.symlink(XLA_CACHE, os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache", "gptoss-jax", "xla"))
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache")
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "gptoss-jax", "xla"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 sys.path.insert(0, os.path.dirname(__file__))  # for refs.py
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not mosaic_cache.supported(),
                                        f"{jax.__version__}); tests/run.sh runs them under Python >= 3.12")
 
 
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, pytest.param(2, marks=pytest.mark.slow)])  # (the fast tier: one)
 def test_cache_attention_reads_only_the_filled_part(T):
     """Sequences of 0, 70 (a block cut short) and 256 keys (all 4 blocks of 64) in 256 slots; the slots
     past a sequence's length hold huge keys and values, which would show in any output that read them.
@@ -78,8 +78,9 @@ def test_cache_attention_reads_a_paged_cache_through_its_table(page):
         exact_o.check(o[1:], f"o, pages of {page}, blocks of {block_k}")
 
 
-@pytest.mark.parametrize("layout, K, page", [("contiguous", 2, None), ("contiguous", 1, None), ("paged", 2, 64),
-                                             ("paged", 4, 32)])
+@pytest.mark.parametrize("layout, K, page", [  # (the fast tier: one of each layout)
+    pytest.param("contiguous", 2, None, marks=pytest.mark.slow), ("contiguous", 1, None),
+    pytest.param("paged", 2, 64, marks=pytest.mark.slow), ("paged", 4, 32)])
 def test_cache_attention_reads_fp8_storage(layout, K, page):
     """A cache in FP8 storage (fp8.py) gives exactly what the kernel gives over the same cache read
     back in bfloat16 (e4m3 values times a power of two are exact there, and the tensor cores get the

@@ -134,7 +134,7 @@ def test_mxfp4_kernels_name_themselves_in_errors():
                                            scales, gs=3, interpret=True)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "mxfp4"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.slow), "mxfp4"])  # (the fast tier: one)
 def test_the_slot_kernels_keep_only_this_devices_pairs_over_cut_tiles(dtype):
     """kernels/experts/mosaic_slots.py through `local_experts` as on a device of a mesh holding experts
     4 to 11 of 16: the pairs of other devices' experts (and a dropped one, -1) weigh nothing, and

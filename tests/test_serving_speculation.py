@@ -32,12 +32,18 @@ GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def traffic(tiny_f32):
-    """7 prompts (one repeating four tokens) and the greedy tokens `Generator` gives each alone, 20 to 40
-    of them."""
-    config, params = tiny_f32
+def traffic_prompts(tiny_f32):
+    """7 prompts, one repeating four tokens."""
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 40, 17, 90, 3, 60)] + [[11, 12, 13, 14] * 10]
+    return [rng.integers(0, tiny_f32[0].vocab_size, n).tolist() for n in (5, 40, 17, 90, 3, 60)] + [[11, 12, 13, 14] * 10]
+
+
+@pytest.fixture(scope="module")
+def traffic(tiny_f32, traffic_prompts):
+    """`traffic_prompts` and the greedy tokens `Generator` gives each alone, 20 to 40 of them (the
+    fixture takes about half a minute of a 2-core machine: the fast tier's tests do without it)."""
+    config, params = tiny_f32
+    prompts = traffic_prompts
     budgets = [30, 25, 40, 20, 35, 30, 30]
     generator = Generator(config, params, max_len=MAX_LEN)
     want = [generator.generate([p], max_new_tokens=m, sampling=GREEDY)[0].output_ids for p, m in zip(prompts, budgets)]
@@ -167,6 +173,7 @@ def test_prompt_lookup_and_stops(tiny_f32, traffic, where):
     assert oracle.stats()["pages_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_rows_past_the_bound_decode_one_token_a_step(tiny_f32, traffic):
     """With more decoding sequences than speculate_rows, or one asking for log-probabilities, the
     steps do not speculate; the tokens are the same."""
@@ -243,12 +250,12 @@ def test_each_rows_key_draws_the_targets_distribution():
 
 
 @pytest.mark.parametrize("drafts", ["none", "always wrong", "always right", "wrong, then right"])
-def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic, drafts):
+def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic_prompts, drafts):
     """A step that drafts reads the step before's tokens first (its pipelining given up): with drafts
     never found or never accepted, three sequences draft at most once in MOST_WAIT steps once backed
     off, together; with drafts always right, every step drafts; drafts that turn right after 20
     tokens make the sequence draft every step again. The tokens stay each request's alone."""
-    prompts, _, _ = traffic
+    prompts = traffic_prompts
     config, params = tiny_f32
     new, chosen = 80, [prompts[i] for i in ((1, 3, 5) if drafts == "none" else (1,))]
     generator = Generator(config, params, max_len=MAX_LEN)
@@ -470,6 +477,7 @@ def test_checked_sizes_and_drafts_cut_to_the_budget_and_vocabulary():
     assert speculation_of(lambda context, k: [5, 100, 6], 4, 8, [8])._draft(seq, 100) == [5]
 
 
+@pytest.mark.slow
 def test_a_draft_source_failing_on_one_sequence_leaves_it_and_the_others_their_tokens(tiny_f32, traffic, caplog):
     """A draft source that raises for one request's context (drafted on the host): that sequence gets no
     draft that step and decodes on; every request, that one included, gets its tokens alone. Before,

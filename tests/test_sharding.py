@@ -136,9 +136,9 @@ def test_no_weight_is_gathered_in_a_step(single, sizes):
     (dict(expert=3), "expert=3 does not divide the 8 experts"),
     (dict(tensor=16), "tensor=16 does not divide"),
 ])
-def test_bad_meshes_are_refused_with_the_reason(single, sizes, message):
+def test_bad_meshes_are_refused_with_the_reason(tiny, sizes, message):
     with pytest.raises(ValueError, match=message):
-        check_mesh(single["config"], {"data": 1, "expert": 1, "tensor": 1, **sizes})
+        check_mesh(tiny, {"data": 1, "expert": 1, "tensor": 1, **sizes})
         gj.make_mesh(**sizes)
 
 
