@@ -17,10 +17,10 @@ import time
 # read it. Python checks a cached module against its source's time and size before using it.
 # Before the imports below, so that they are cached too; pytest-xdist's workers and the commands
 # inherit the environment.
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.environ.get("PYTHONDONTWRITEBYTECODE"):
     del os.environ["PYTHONDONTWRITEBYTECODE"]
-    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(CHECKOUT, ".pytest_cache", "pycache"))
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(ROOT, ".pytest_cache", "pycache"))
     sys.dont_write_bytecode = False
     sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
 
@@ -73,7 +73,7 @@ jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
 # (JAX's key is the program itself, its compile options and the versions of jax and XLA). The run's
 # first process trims the folder to XLA_CACHE_BYTES, the least recently used entries first.
 # conftest.compile_events counts reads from the cache as compilations.
-XLA_CACHE = os.path.join(CHECKOUT, ".pytest_cache", "xla")
+XLA_CACHE = os.path.join(ROOT, ".pytest_cache", "xla")
 XLA_CACHE_BYTES = 3 << 30
 
 
