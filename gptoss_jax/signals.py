@@ -1,4 +1,5 @@
-"""Ctrl-C (SIGINT) and SIGTERM for the command lines: one line and exit code 130 or 143.
+"""Ctrl-C (SIGINT) and SIGTERM for the command lines: one line and exit code 130 or 143, and the
+commands' lines on standard error written whole (`say`), so that a signal cannot split one.
 
 Two ways to take them:
 - raising=False (the converter): the handler only records the signal, and the command polls it
@@ -52,3 +53,10 @@ class Signals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         sys.unraisablehook = self._unraisable
+
+
+def say(line: str) -> None:
+    """One line on standard error, written whole: print() writes the text and its newline apart, so
+    a Ctrl-C landing between the two would leave the error line glued to the end of this one."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()

@@ -16,6 +16,7 @@ from ..drafts.eagle3 import Eagle3Draft
 from ..drafts.prompt_lookup import PromptLookup
 from .display import ChatPrinter, timing_line
 from .inputs import head_folder
+from ..signals import say
 
 
 def peak_memory() -> str:
@@ -61,7 +62,7 @@ def run_batch(args, generator, tokenizer, prompts, sampling, stops, signals, pri
             print("---")
     sys.stdout.flush()
     if jax.process_index() == 0:
-        print(timing_line(batch_timings(results), peak_memory()), file=sys.stderr)
+        say(timing_line(batch_timings(results), peak_memory()))
     return results
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..hostmem import limit_allocator_arenas
 from .inputs import UsageError
-from ..signals import Signals
+from ..signals import Signals, say
 
 
 def run_command(parse: Callable[[], object], run: Callable[[object, Signals], int], *, raising: bool,
@@ -41,7 +41,7 @@ def run_command(parse: Callable[[], object], run: Callable[[object, Signals], in
     signals = Signals(raising=raising)
     def interrupted() -> int:
         sys.stdout.flush()
-        print(f"{before_error()}error: {signals.what}", file=sys.stderr)
+        say(f"{before_error()}error: {signals.what}")
         return signals.exit_code
 
     try:
@@ -51,7 +51,7 @@ def run_command(parse: Callable[[], object], run: Callable[[object, Signals], in
         # wraps one raised while it compares pytree metadata in a ValueError) is the interruption.
         if signals():
             return interrupted()
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         return interrupted()

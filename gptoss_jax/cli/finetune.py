@@ -15,7 +15,7 @@ import time
 from ..metadata import expand
 from ..version import __version__
 from . import devices, loading
-from .command import leave, run_command
+from .command import leave, run_command, say
 from .inputs import UsageError, model_config
 from ..signals import Signals
 
@@ -140,7 +140,7 @@ def entry(prog: str | None = None) -> None:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    say(f"warning: {message}")
 
 
 def _settings(args, config, length: int) -> dict:
@@ -207,13 +207,13 @@ def _run(args, signals: Signals) -> int:
                              f"raise --steps to train further")
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
-    say = (lambda text: print(text, file=sys.stderr)) if main_process else (lambda text: None)  # noqa: E731
+    report = say if main_process else (lambda text: None)  # noqa: E731
     unsplit = devices.unsplit_batch(args.batch_size, mesh, f"--batch-size {args.batch_size}")
     if unsplit:
-        say(f"warning: {unsplit}")
-    say(f"model: {what}; jax {jax.__version__}")
-    say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
-    say(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
+        report(f"warning: {unsplit}")
+    report(f"model: {what}; jax {jax.__version__}")
+    report(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
+    report(f"data: {len(train)} conversations" + (f", {len(held)} held out" if held else "")
         + f"; sequences of {length} tokens")
     params = loading.load_params(args, config, mesh)
     lora = LoraConfig(args.lora_rank, args.lora_alpha, args.lora_targets) if args.lora_rank else None
@@ -233,7 +233,7 @@ def _run(args, signals: Signals) -> int:
     opt_state = jax.jit(tx.init, out_shardings=opt_layout)(trainable)
     if args.resume:
         trainable, opt_state = states.restore(start_step, trainable, opt_state)
-        say(f"resumed at step {start_step} (example {position})")
+        report(f"resumed at step {start_step} (example {position})")
     step_fn, evaluate = make_step(setup, tx), make_eval(setup)
     schedule = opt.schedule()
     per_step = args.batch_size * args.accumulation
@@ -283,7 +283,7 @@ def _run(args, signals: Signals) -> int:
             if signals():
                 save(step)
                 bar.close()
-                say(f"{signals.what} at step {step}: train state saved in {states.directory}; continue with --resume")
+                report(f"{signals.what} at step {step}: train state saved in {states.directory}; continue with --resume")
                 states.close()
                 return signals.exit_code
     save(step)
@@ -300,7 +300,7 @@ def _run(args, signals: Signals) -> int:
         whole = process_allgather(trainable, tiled=True)  # every process takes part; process 0 writes
         if jax.process_index() == 0:
             write_adapter(os.path.join(args.out, "adapter"), config, whole, lora)
-        say(f"adapters alone: {os.path.join(args.out, 'adapter')} (peft's format, unmerged)")
-    say(f"fine-tuned model: {args.out} (run_inference.py --checkpoint {args.out})")
+        report(f"adapters alone: {os.path.join(args.out, 'adapter')} (peft's format, unmerged)")
+    report(f"fine-tuned model: {args.out} (run_inference.py --checkpoint {args.out})")
     return 0
 

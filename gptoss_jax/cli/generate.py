@@ -14,7 +14,7 @@ from ..metadata import expand
 from ..signals import Signals
 from ..version import __version__
 from . import devices, loading
-from .command import leave, run_command
+from .command import leave, run_command, say
 from .inputs import (DRAFT_CHOICES, UsageError, check_draft, check_fits, check_flags, draft_flag, max_context,
                      model_config, prompt_texts)
 
@@ -121,7 +121,7 @@ def entry(prog: str | None = None) -> None:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    say(f"warning: {message}")
 
 
 def _prompts(args, tokenizer, texts) -> list[list[int]]:
@@ -201,8 +201,8 @@ def _run(args, signals: Signals) -> int:
         _warn(unsplit)
     if main_process:
         experts = "; experts packed in MXFP4" if loading.packed_experts(args) else ""
-        print(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}", file=sys.stderr)
-        print(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}", file=sys.stderr)
+        say(f"model: {what}{experts}; jax {jax.__version__}; max context {max_len}")
+        say(f"devices: {describe(mesh, config) if mesh else '1 ' + jax.devices()[0].platform + ' device'}")
     adapter = None if args.lora is None else _adapter(args.lora, config)  # (read before the model loads)
     if adapter is not None and args.merge_lora and "experts" in adapter.targets and loading.packed_experts(args):
         raise UsageError("--merge-lora: the adapter adapts the experts, which --dtype mxfp4 keeps packed; run it "
@@ -213,11 +213,10 @@ def _run(args, signals: Signals) -> int:
 
         params = merge(params, adapter.weights, 1.0) if args.merge_lora else attach(params, adapter.weights, 1.0)
         if main_process:
-            print(f"LoRA adapter: {adapter.path} (rank {adapter.rank}, on {', '.join(adapter.targets)}), "
-                  f"{'merged' if args.merge_lora else 'unmerged'}", file=sys.stderr)
+            say(f"LoRA adapter: {adapter.path} (rank {adapter.rank}, on {', '.join(adapter.targets)}), "
+                f"{'merged' if args.merge_lora else 'unmerged'}")
     if tokenizer is None and not args.json and main_process:
-        print("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)",
-              file=sys.stderr)
+        say("no tokenizer vocabulary found: prompt and output are token ids (pass --tokenizer PATH)")
     stops = list(args.stop_ids) + (list(tk.STOP_TOKENS) if config.vocab_size == tk.VOCAB_SIZE else [])
     generator = Generator(config, params, max_len=max_len, decode_steps=args.decode_steps, kv_dtype=args.kv_dtype)
     if interactive:

@@ -27,7 +27,7 @@ from ..hostmem import return_large_blocks
 from ..metadata import expand
 from ..serving.config import EngineConfig
 from ..serving.scheduler import MANY_SLOTS, PREFILL_ROWS
-from ..signals import Signals
+from ..signals import Signals, say
 from ..version import __version__
 from . import lora_flags
 from .startup import check_pool, kv_cache_line
@@ -285,7 +285,7 @@ def freeze_start_up_heap() -> None:
 
 
 def _say(text: str) -> None:
-    print(f"gptoss-serve: {text}", file=sys.stderr, flush=True)
+    say(f"gptoss-serve: {text}")
 
 
 def _stop_at_once() -> None:
