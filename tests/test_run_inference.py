@@ -454,3 +454,28 @@ def test_a_signal_reported_as_another_error_is_the_interruption(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted"
     assert run_command(lambda: None, failing, raising=True) == 1
     assert capsys.readouterr().err.strip() == "error: a bad file"
+
+
+class _StderrInterruptedAfter(io.StringIO):
+    """Standard error with Ctrl-C arriving just after the first write that starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.fired = prefix, False
+
+    def write(self, text):
+        n = super().write(text)
+        if not self.fired and text.startswith(self.prefix):
+            self.fired = True
+            raise KeyboardInterrupt
+        return n
+
+
+def test_a_signal_just_after_a_status_line_leaves_the_error_line_its_own(monkeypatch):
+    """The command's lines on standard error are written whole: a Ctrl-C right after the model's line
+    is written (before the devices are chosen) still leaves `error: interrupted` on a line of its own."""
+    err = _StderrInterruptedAfter("model: ")
+    monkeypatch.setattr(sys, "stderr", err)
+    assert run_inference.main(["--max-new-tokens", "1"]) == 128 + signal.SIGINT
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("model: ") and lines[-1] == "error: interrupted", lines
