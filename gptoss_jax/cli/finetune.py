@@ -15,9 +15,9 @@ import time
 from ..metadata import expand
 from ..version import __version__
 from . import devices, loading
-from .command import leave, run_command, say
+from .command import leave, run_command
 from .inputs import UsageError, model_config
-from ..signals import Signals
+from ..signals import Signals, say
 
 DESCRIPTION = """\
 Fine-tune gpt-oss in JAX on harmony conversations: LoRA adapters (the default) or every weight.
@@ -207,7 +207,7 @@ def _run(args, signals: Signals) -> int:
                              f"raise --steps to train further")
     main_process = devices.quiet_other_processes()
     args.quiet = args.quiet or not main_process
-    report = say if main_process else (lambda text: None)  # noqa: E731
+    report = say if main_process else (lambda text: None)
     unsplit = devices.unsplit_batch(args.batch_size, mesh, f"--batch-size {args.batch_size}")
     if unsplit:
         report(f"warning: {unsplit}")

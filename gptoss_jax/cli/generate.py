@@ -11,10 +11,10 @@ import os
 import sys
 
 from ..metadata import expand
-from ..signals import Signals
+from ..signals import Signals, say
 from ..version import __version__
 from . import devices, loading
-from .command import leave, run_command, say
+from .command import leave, run_command
 from .inputs import (DRAFT_CHOICES, UsageError, check_draft, check_fits, check_flags, draft_flag, max_context,
                      model_config, prompt_texts)
 

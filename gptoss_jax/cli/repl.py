@@ -8,27 +8,27 @@ same loaded model and Generator, so the compiled steps are reused from turn to t
 from __future__ import annotations
 
 import signal
-import sys
 
 from .. import tokenizer as tk
 from .batch import run_batch
 from .display import ChatPrinter
 from .inputs import UsageError, check_fits
+from ..signals import say
 
 HELP = "type a message; /reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
 def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) -> int:
     history: list[tuple[str, str]] = []
-    print(f"chat: {HELP}", file=sys.stderr)
+    say(f"chat: {HELP}")
     while True:
         try:
             line = read("> ")
         except EOFError:
-            print(file=sys.stderr)
+            say("")
             return 0
         except KeyboardInterrupt:  # Ctrl-C at the prompt: leave quietly
-            print(file=sys.stderr)
+            say("")
             return 130
         text = line.strip()
         if not text:
@@ -37,10 +37,10 @@ def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) 
             return 0
         if text == "/reset":
             history.clear()
-            print("(a new conversation)", file=sys.stderr)
+            say("(a new conversation)")
             continue
         if text.startswith("/"):
-            print(f"unknown command {text.split()[0]}: {HELP}", file=sys.stderr)
+            say(f"unknown command {text.split()[0]}: {HELP}")
             continue
         turns = history + [("user", line)]
         prompt = tk.render_chat(turns, reasoning_effort=args.reasoning_effort or "medium",
@@ -48,7 +48,7 @@ def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) 
         try:
             check_fits(len(prompt), args, generator.max_len)
         except UsageError as e:
-            print(f"{e}: /reset to start a new conversation", file=sys.stderr)
+            say(f"{e}: /reset to start a new conversation")
             continue
         printer = ChatPrinter(tokenizer, args.tokenizer, show_reasoning=not args.hide_reasoning)
         try:
@@ -58,6 +58,6 @@ def chat_loop(args, generator, tokenizer, sampling, stops, signals, read=input) 
                 raise
             signals.received = None
             printer.finish()
-            print("(reply stopped; it is not kept in the conversation)", file=sys.stderr)
+            say("(reply stopped; it is not kept in the conversation)")
             continue
         history = turns + [("assistant", tk.parse_reply(result.output_ids, vocab=args.tokenizer).final)]
