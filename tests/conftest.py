@@ -1,11 +1,9 @@
-import atexit
 import contextlib
 import gc
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 
 # Bytecode. Where PYTHONDONTWRITEBYTECODE is set (some sandboxes and CI images set it), every Python
@@ -65,15 +63,18 @@ if not LEVEL_GIVEN:
 jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
 # The command line keeps compiled steps in the user's cache folder (JAX's persistent compilation
 # cache, $XDG_CACHE_HOME/gptoss-jax/xla). The tests never write into the home of whoever runs them:
-# each run has an XDG_CACHE_HOME of its own, made by the run's first process and removed at its exit
-# (pytest-xdist's workers and the commands the tests start inherit it), and its gptoss-jax/xla is a
-# link to .pytest_cache/xla in the checkout, kept between runs. So the tests and the commands they
-# start compile through one cache: a program compiled once, in this run or an earlier one, is read
-# back instead of compiled again, and a second call of the fast tier compiles only what changed
-# (JAX's key is the program itself, its compile options and the versions of jax and XLA). The run's
-# first process trims the folder to XLA_CACHE_BYTES, the least recently used entries first.
+# XDG_CACHE_HOME is .pytest_cache/home in the checkout (pytest-xdist's workers and the commands the
+# tests start inherit it), kept between runs, and the tests' own processes compile into the same
+# folder by the same path. The same path, not a link to it: JAX's key for a program holds the
+# program, its compile options and the versions of jax and XLA, and the compile options name a
+# subfolder of the cache folder as written, so a link or another spelling of the folder is a cache
+# of its own (cli/devices.py resolves links for the same reason). So the tests and the commands they
+# start share one cache: a program compiled once, in this run or an earlier one, is read back instead
+# of compiled again, and a second call of the fast tier compiles only what changed. The run's first
+# process trims the folder to XLA_CACHE_BYTES, the least recently used entries first.
 # conftest.compile_events counts reads from the cache as compilations.
-XLA_CACHE = os.path.join(ROOT, ".pytest_cache", "xla")
+CACHE_HOME = os.path.join(os.path.realpath(ROOT), ".pytest_cache", "home")
+XLA_CACHE = os.path.join(CACHE_HOME, "gptoss-jax", "xla")
 XLA_CACHE_BYTES = 3 << 30
 
 
@@ -93,14 +94,11 @@ def _trim(folder: str, limit: int) -> None:
             total -= size
 
 
-if "GPTOSS_TEST_RUN_DIR" not in os.environ:
-    os.environ["GPTOSS_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="gptoss-tests-")
-    atexit.register(shutil.rmtree, os.environ["GPTOSS_TEST_RUN_DIR"], ignore_errors=True)
+if os.environ.get("XDG_CACHE_HOME") != CACHE_HOME:  # the run's first process
+    shutil.rmtree(os.path.join(ROOT, ".pytest_cache", "xla"), ignore_errors=True)  # where it was kept before
     os.makedirs(XLA_CACHE, exist_ok=True)
     _trim(XLA_CACHE, XLA_CACHE_BYTES)
-    os.makedirs(os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache", "gptoss-jax"))
-    os.symlink(XLA_CACHE, os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache", "gptoss-jax", "xla"))
-os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["GPTOSS_TEST_RUN_DIR"], "cache")
+    os.environ["XDG_CACHE_HOME"] = CACHE_HOME
 jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
@@ -221,6 +219,17 @@ def _optimisation_level_of_a_test(request, _optimisation_level):
         jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", lowest)
+
+
+@pytest.fixture(autouse=True)
+def _every_program_kept_in_the_shared_cache():
+    """A command run in the test's own process (`main([...])`) sets JAX's persistent cache up for itself:
+    programs compiled in under half a second are not written (cli/devices.py). Put back after the
+    test, or every file after it on the same worker would compile its small programs again on every
+    run (about 1,700 of them in the fast tier, two minutes of a 2-core machine)."""
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
 
 
 @pytest.fixture(autouse=True, scope="module")

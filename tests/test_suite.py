@@ -7,6 +7,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +98,44 @@ def test_eight_cpu_devices_run_independent_collectives_without_starving_xla(tmp_
     script.write_text(INDEPENDENT_COLLECTIVES)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
+
+
+
+READ_BACK = """
+import sys, jax, jax.numpy as jnp
+from gptoss_jax.cli import devices
+devices.use_compile_cache(sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # (the command line keeps only programs of 0.5 s or more)
+x = jnp.arange(8.0)
+made = []
+jax.monitoring.register_event_duration_secs_listener(lambda event, seconds, **_: made.append(event))
+def shared_program(x):
+    return jnp.sin(x) * float(sys.argv[1]) + 1
+jax.jit(shared_program)(x).block_until_ready()
+print("read back" if "/jax/compilation_cache/cache_retrieval_time_sec" in made else "compiled")
+"""
+
+
+def test_commands_share_the_tests_compilation_cache_whatever_path_reaches_it(tmp_path):
+    """The tests and the commands they start compile into one folder (conftest.py), kept between runs:
+    a command run in the test's own process uses the folder the tests use, by the same path (JAX's
+    key names the folder as written), and a command started as a process reads back what another
+    compiled, through the folder the command line picks by default or through a link to it
+    (cli/devices.py resolves links). A new constant each run: the program is never in the cache
+    beforehand. (A command started as a process has one CPU device, the tests' processes eight: JAX
+    keys programs by the devices too, so those two never share programs.)"""
+    import jax
+
+    from conftest import command_env
+    from gptoss_jax.cli import devices
+
+    default = os.path.expanduser(devices.default_compile_cache())
+    assert default == os.path.realpath(default) == jax.config.jax_compilation_cache_dir
+    os.symlink(default, tmp_path / "link")
+    script = tmp_path / "read_back.py"
+    script.write_text(READ_BACK)
+    scale = str(time.time_ns() % 1_000_003 + 0.5)
+    got = [subprocess.run([sys.executable, str(script), scale, where], cwd=ROOT, env=command_env(),
+                          capture_output=True, text=True, timeout=300) for where in (default, str(tmp_path / "link"))]
+    assert [done.returncode for done in got] == [0, 0], got[0].stderr[-3000:] + got[1].stderr[-3000:]
+    assert [done.stdout.strip() for done in got] == ["compiled", "read back"]

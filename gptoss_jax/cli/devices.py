@@ -107,7 +107,9 @@ def use_compile_cache(folder: str) -> None:
     except OSError as e:
         raise UsageError(f"--compile-cache {folder}: cannot create it ({e.strerror}); pass another folder "
                          f"or 'none'") from None
-    jax.config.update("jax_compilation_cache_dir", folder)
+    # JAX keys each program by its compile options too, and they name a subfolder of the cache folder
+    # as written: the folder's real path, so that a link to it and the folder itself share entries.
+    jax.config.update("jax_compilation_cache_dir", os.path.realpath(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
