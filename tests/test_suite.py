@@ -100,7 +100,6 @@ def test_eight_cpu_devices_run_independent_collectives_without_starving_xla(tmp_
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
 
 
-
 READ_BACK = """
 import sys, jax, jax.numpy as jnp
 from gptoss_jax.cli import devices
@@ -134,7 +133,7 @@ def test_commands_share_the_tests_compilation_cache_whatever_path_reaches_it(tmp
     os.symlink(default, tmp_path / "link")
     script = tmp_path / "read_back.py"
     script.write_text(READ_BACK)
-    scale = str(time.time_ns() % 1_000_003 + 0.5)
+    scale = str(float(time.time_ns()))  # a constant no earlier run compiled
     got = [subprocess.run([sys.executable, str(script), scale, where], cwd=ROOT, env=command_env(),
                           capture_output=True, text=True, timeout=300) for where in (default, str(tmp_path / "link"))]
     assert [done.returncode for done in got] == [0, 0], got[0].stderr[-3000:] + got[1].stderr[-3000:]
