@@ -157,18 +157,20 @@ def test_a_folder_that_is_not_such_a_head_is_refused_by_name(tmp_path, target, c
 
 
 def tiny_head(folder, target, seed: int = 3):
-    """A random head for the tiny target (its hidden size), written as published and loaded."""
+    """A random head for the tiny target (its hidden size, 4 layers), written as published and loaded."""
     torch.manual_seed(seed)
-    write_head(folder, Reference(False), np.sort(np.random.default_rng(seed).choice(300, U, replace=False)))
+    write_head(folder, Reference(False), np.sort(np.random.default_rng(seed).choice(300, U, replace=False)),
+               layer_ids=(1, 2, 3))
     return Eagle3Draft.load(str(folder), target, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")
 def tiny300():
-    """The tiny config with a vocabulary of 300 (the heads' target) and its float32 parameters."""
+    """The tiny config with a vocabulary of 300 (the heads' target) and its float32 parameters: 4 layers,
+    whose outputs after layers 1, 2 and 3 the heads read (as tests/test_serving_eagle3.py has them)."""
     from gptoss_jax.testing import random_params
 
-    config = ModelConfig(num_hidden_layers=8, num_experts=4, vocab_size=300, hidden_size=D, intermediate_size=32,
+    config = ModelConfig(num_hidden_layers=4, num_experts=4, vocab_size=300, hidden_size=D, intermediate_size=32,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16)
     return config, random_params(config, seed=4, dtype=jnp.float32)
 

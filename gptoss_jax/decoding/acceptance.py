@@ -102,13 +102,14 @@ def accept_greedy(logits, tokens, valid):
     return accepted, jnp.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]
 
 
-def accept(mode, logits, tokens, valid, settings, sample_steps):
+def accept(mode, logits, tokens, valid, settings, sample_steps, modes: tuple[str, ...] = MODES):
     """A checked step's acceptance: logits [B, T, V] of tokens [B, T] (each row's last token, then its
     draft) over valid [B, T]; settings: the rows' (seeds, temperature, top_k, top_p, min_p) [B];
-    mode: an index into MODES (on the devices: one program serves every mode) -> (accepted [B], the
-    token after them [B]). Greedy takes the argmaxes alone; the other modes draw every sampled row
-    by its own settings and key, a greedy row among them certain of its argmax (so it keeps exactly
-    the greedy rule's tokens)."""
+    mode: an index into `modes` (on the devices: one program serves each of them; the serving engine
+    has every mode, the command line's `Generator` only its batch's) -> (accepted [B], the token after
+    them [B]). Greedy takes the argmaxes alone; the other modes draw every sampled row by its own
+    settings and key, a greedy row among them certain of its argmax (so it keeps exactly the greedy
+    rule's tokens)."""
     B, T = tokens.shape
     seeds, temperature, top_k, top_p, min_p = settings
     each = functools.partial(jnp.repeat, repeats=T)  # a row's settings at each of its positions
@@ -120,8 +121,8 @@ def accept(mode, logits, tokens, valid, settings, sample_steps):
             return accept_rows(seeds, sample_steps, target, tokens[:, 1:], valid[:, 1:])
         return run
 
-    branches = [lambda: accept_greedy(logits, tokens, valid)] + [drawn(m) for m in MODES[1:]]
-    return jax.lax.switch(mode, branches)
+    branches = [(lambda: accept_greedy(logits, tokens, valid)) if m == "greedy" else drawn(m) for m in modes]
+    return branches[0]() if len(branches) == 1 else jax.lax.switch(mode, branches)
 
 
 def backoff(xp, misses, due_at, due, accepted, clock, most_wait: int):

@@ -47,6 +47,7 @@ class CheckedSteps:
     k: int  # drafted tokens a step at most
     most: int  # steps a call at most
     most_wait: int = 1  # steps at most a row waits to draft again after misses (1: it drafts every step)
+    modes: tuple[str, ...] = MODES  # the acceptance modes the program serves (the plan's run picks one)
 
 
 class Plan(NamedTuple):
@@ -55,7 +56,7 @@ class Plan(NamedTuple):
     rows: jax.Array  # int32 [6, B]: rows, lengths, budget, sample_steps, misses, due_at. rows: the caller's row (R: padding); lengths: positions
     #                  cached; budget: tokens it may still add (0: not running); sample_steps: its next
     #                  token's sampling step; misses, due_at: back-off (acceptance.backoff)
-    run: jax.Array  # int32 [3]: steps to run (<= most), the first step's clock, the mode (an index into MODES)
+    run: jax.Array  # int32 [3]: steps to run (<= most), the first step's clock, the mode (an index into the spec's modes)
     settings: tuple  # every caller row's (seeds, temperature, top_k, top_p, min_p) [R] (more are ignored)
     is_stop: jax.Array | None = None  # bool [V]: tokens that end a row (None: the caller finds its stops)
 
@@ -96,7 +97,7 @@ def checked_steps(spec: CheckedSteps, params, cache: dict, history, last, plan: 
         logits, written, states = model.apply(params, tokens[:, :width], before, valid)
         if states is not None:
             states = jnp.pad(states, ((0, 0), (0, T - width), (0, 0)))
-        accepted, nxt = accept(plan.run[2], logits, tokens[:, :width], valid, settings, sample_steps)
+        accepted, nxt = accept(plan.run[2], logits, tokens[:, :width], valid, settings, sample_steps, spec.modes)
         kept = jnp.where(valid[:, 0], accepted + 1, 0)
         return accepted, nxt, layout_of(cache).keep(config, cache, before, written, valid, kept), states
 
@@ -159,11 +160,6 @@ def row_settings(sampling: Sampling, seed: int, rows: int) -> tuple[np.ndarray, 
             np.full(rows, sampling.top_p, np.float32), np.full(rows, sampling.min_p, np.float32))
 
 
-def mode_index(samplings) -> int:
-    """The acceptance mode (an index into MODES) of rows with these settings."""
-    return MODES.index(rows_mode(samplings))
-
-
 def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kernels: Kernels = Kernels(),
                 sampling: Sampling = Sampling(temperature=0), seed: int = 0):
     """One checked step outside `Generator`, over a contiguous cache (cache.py): tokens [B, T] each
@@ -180,9 +176,9 @@ def check_draft(config: ModelConfig, cache: dict, tokens, valid, params, *, kern
     active = valid[:, 0]
     lengths = np.asarray(cache["lengths"], np.int32)
     plan = np.stack([np.arange(B), lengths, np.where(active, T + 1, 0), np.zeros(B), np.zeros(B), np.zeros(B)])
-    spec = CheckedSteps(Model(config, kernels, mesh_of(params)), GIVEN, T - 1, most=1)
+    spec = CheckedSteps(Model(config, kernels, mesh_of(params)), GIVEN, T - 1, most=1, modes=(rows_mode([sampling]),))
     arrays = {"drafts": jnp.asarray(tokens[:, 1:]), "counts": jnp.asarray(valid[:, 1:].sum(axis=1), jnp.int32)}
-    run = np.array([1, 0, mode_index([sampling])], np.int32)
+    run = np.array([1, 0, 0], np.int32)
     outcome, cache, _, last, _ = checked_steps(spec, params, cache, None, jnp.asarray(tokens[:, 0]),
                                                Plan(jnp.asarray(plan, jnp.int32), jnp.asarray(run),
                                                     tuple(map(jnp.asarray, row_settings(sampling, seed, B)))), arrays)

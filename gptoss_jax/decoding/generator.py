@@ -32,7 +32,7 @@ from ..model.transformer import Kernels
 from ..sampling import Sampling, rows_mode
 from ..sharding import mesh_of, on_every_device, replicated, to_host_soon
 from ..weight import Params
-from .checked import CheckedSteps, Plan, checked_steps, mode_index, row_settings
+from .checked import CheckedSteps, Plan, checked_steps, row_settings
 from .steps import Decode, Model, decode, follow, pick_first, prefill
 
 
@@ -264,7 +264,7 @@ class Generator:
         if draft is not None:
             drafted, accepted = self._speculate(_Replies(prompts, outputs, active, add, max_new_tokens), token_dev,
                                                 cache, draft, draft_tokens,
-                                                (settings, mode_index([sampling]), is_stop_dev), head)
+                                                (settings, mode, is_stop_dev), head)
         calls = -(-(max_new_tokens - 1) // self.decode_steps) if going and draft is None else 0
         pending = queue_call(carry) if calls else None  # (tokens [steps, B], carry) of the oldest call
         while pending is not None:
@@ -313,11 +313,12 @@ class Generator:
         put = functools.partial(on_every_device, mesh=self.mesh)
         host = not on_devices(draft)
         steps = 1 if host else self.decode_steps
-        spec = CheckedSteps(Model(self.config, self.kernels, self.mesh), GIVEN if host else draft, k, steps)
+        settings, mode, is_stop_dev = rows
+        spec = CheckedSteps(Model(self.config, self.kernels, self.mesh), GIVEN if host else draft, k, steps,
+                            modes=(mode,))  # the batch's one mode: a smaller program than the engine's
         lengths = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, outputs)], np.int32)  # positions cached
         budget = np.where(active, [max_new_tokens - len(o) for o in outputs], 0)
         plan = np.stack([np.arange(B), lengths, budget, [len(o) for o in outputs], np.zeros(B), np.zeros(B)])
-        settings, mode, is_stop_dev = rows
         history = None
         if not host and draft.reads_history:  # (an EAGLE-3 head drafts from its own state)
             history = np.zeros((B, self.max_len), np.int32)
@@ -330,7 +331,7 @@ class Generator:
         elif not host and draft.arrays() is not None:
             arrays = self._replicated(draft.arrays())
         carry = (cache, history, last, put(plan.astype(np.int32)),
-                 put(np.array([steps, 0, mode], np.int32)), state)
+                 put(np.array([steps, 0, 0], np.int32)), state)  # the spec's one mode
         drafted, accepted = np.zeros(B, int), np.zeros(B, int)
 
         def given() -> dict:
