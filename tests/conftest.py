@@ -22,6 +22,39 @@ if os.environ.get("PYTHONDONTWRITEBYTECODE"):
     sys.dont_write_bytecode = False
     sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
 
+
+def _older_cpu_emitters() -> str:
+    """XLA's flag for its CPU backend's older loop emitters where this jaxlib has it (jax 0.10 does,
+    0.11 no longer), else "". XLA ends the process on a flag it does not know, so the first process
+    of a run asks a child with the flag set, and keeps the answer for this jaxlib in pytest's cache."""
+    from importlib.metadata import version
+    import subprocess
+
+    flag = "--xla_cpu_use_fusion_emitters=false"
+    known = os.path.join(ROOT, ".pytest_cache", f"older-cpu-emitters-jaxlib-{version('jaxlib')}")
+    if not os.path.exists(known):
+        child = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
+                               env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"})
+        os.makedirs(os.path.dirname(known), exist_ok=True)
+        with open(known, "w") as f:
+            f.write("yes" if child.returncode == 0 else "no")
+    with open(known) as f:
+        return flag if f.read() == "yes" else ""
+
+
+# The loops XLA's CPU backend fuses are compiled by its older emitters where this jaxlib still has
+# them: about a third less compile time for the tiny models' steps than through MLIR's (a run of the
+# command line's and the serving engine's steps and a training step: 10.4 s against 15.7 s), and
+# compiling is most of the suite's time. Both emit the same operations without fast-math, so the
+# programs compute the same up to float noise. Set before JAX starts its CPU backend, so that the
+# workers and the commands the tests start (command_env) inherit it.
+EMITTERS = os.environ.get("GPTOSS_TEST_EMITTERS_FLAG")
+if EMITTERS is None:  # the run's first process
+    EMITTERS = "" if "fusion_emitters" in os.environ.get("XLA_FLAGS", "") else _older_cpu_emitters()
+    os.environ["GPTOSS_TEST_EMITTERS_FLAG"] = EMITTERS
+    if EMITTERS:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTERS}".strip()
+
 import chex  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -196,10 +229,12 @@ def expected_spec(axes, shape, mesh, rules):
 def command_env(**extra: str) -> dict:
     """The environment for a command a test starts as a process: this one's without its JAX settings
     and XLA flags (the command's own flags choose its devices), the tests' optimisation level kept
-    (see the top of this file: the lowest, in the optimized files too), and `extra`."""
+    (see the top of this file: the lowest, in the optimized files too), the older CPU emitters where
+    the tests use them (EMITTERS), and `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    level = {"XLA_FLAGS": _level[-1]} if LEVEL_GIVEN else {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-    return {**env, **level, **extra}
+    flags = " ".join(f for f in (_level[-1] if LEVEL_GIVEN else "", EMITTERS) if f)
+    level = {} if LEVEL_GIVEN else {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    return {**env, **level, **({"XLA_FLAGS": flags} if flags else {}), **extra}
 
 
 def free_port() -> int:
