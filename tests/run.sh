@@ -38,7 +38,7 @@ missing() { "$PY" tests/missing.py "$1" | awk 'NR > 1 { printf "; " } { printf "
 
 lacking=$(missing torch)
 if [[ -z "$lacking" ]]; then
-  say "torch $("$PY" -c 'import torch; print(torch.__version__)') is installed: not installing it"
+  say "torch $("$PY" -c 'from importlib.metadata import version; print(version("torch"))') is installed: not installing it"
 elif [[ -n "${TORCH_INDEX_URL:-}" ]]; then
   say "installing $TORCH_SPEC (CPU build) from TORCH_INDEX_URL=$TORCH_INDEX_URL"
   "$PY" -m pip install -q --no-compile "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"
