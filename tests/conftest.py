@@ -34,7 +34,9 @@ def _older_cpu_emitters() -> str:
     known = os.path.join(ROOT, ".pytest_cache", f"older-cpu-emitters-jaxlib-{version('jaxlib')}")
     if not os.path.exists(known):
         child = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
-                               env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"})
+                               text=True, env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"})
+        if child.returncode != 0 and "Unknown flag" not in child.stderr:
+            return ""  # the child failed for another reason: no answer kept, none used this run
         os.makedirs(os.path.dirname(known), exist_ok=True)
         with open(known, "w") as f:
             f.write("yes" if child.returncode == 0 else "no")
@@ -48,11 +50,13 @@ def _older_cpu_emitters() -> str:
 # compiling is most of the suite's time. Both emit the same operations without fast-math, so the
 # programs compute the same up to float noise. Set before JAX starts its CPU backend, so that the
 # workers and the commands the tests start (command_env) inherit it.
+# A choice given in XLA_FLAGS stands (and reaches the commands too).
 EMITTERS = os.environ.get("GPTOSS_TEST_EMITTERS_FLAG")
 if EMITTERS is None:  # the run's first process
-    EMITTERS = "" if "fusion_emitters" in os.environ.get("XLA_FLAGS", "") else _older_cpu_emitters()
+    _given = [f for f in os.environ.get("XLA_FLAGS", "").split() if "fusion_emitters" in f]
+    EMITTERS = _given[-1] if _given else _older_cpu_emitters()
     os.environ["GPTOSS_TEST_EMITTERS_FLAG"] = EMITTERS
-    if EMITTERS:
+    if EMITTERS and not _given:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {EMITTERS}".strip()
 
 import chex  # noqa: E402
