@@ -272,6 +272,19 @@ def _optimisation_level_of_a_test(request, _optimisation_level):
     jax.config.update("jax_disable_most_optimizations", lowest)
 
 
+@contextlib.contextmanager
+def lowest_level():
+    """What compiles inside the block does so at the tests' lowest level, in a test marked
+    `pytest.mark.optimized` too (unless XLA_FLAGS gives a level): for what such a test runs once, such
+    as a model's random init, whose compile the default level makes several times longer."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(autouse=True)
 def _every_program_kept_in_the_shared_cache():
     """A command run in the test's own process (`main([...])`) sets JAX's persistent cache up for itself:
@@ -309,6 +322,24 @@ def tiny_f32(tiny):
     """(the tiny config, its float32 parameters): the serving engine's tests, where greedy tokens must
     equal `Generator`'s exactly."""
     return tiny, random_params(tiny, seed=3, dtype=jnp.float32)
+
+
+# The tiny model with two layers, one of each kind (a sliding window of 16, then full attention), for
+# the tests of what runs around the layers rather than in them: the serving engine's scheduling and
+# speculative decoding's drafts, acceptance and roll-back (tests/test_serving.py,
+# tests/test_speculative.py, tests/test_serving_speculation.py). Their compile time follows the
+# layers (a checked step holds the model twice): alone, with an empty compilation cache, those files
+# took 65, 58 and 92 s with two layers against 80, 98 and 153 s with four. What only more layers of a
+# kind would show (a step that rolls back, reads or writes some layers' caches and not the others')
+# is left to the files that run four: tests/test_generate.py, tests/test_cache.py, tests/test_paged.py,
+# and for speculation tests/test_eagle3.py, tests/test_serving_eagle3.py and tests/test_run_inference.py.
+TWO_LAYERS = gj.ModelConfig.tiny().replace(num_hidden_layers=2)
+
+
+@pytest.fixture(scope="session")
+def two_layers_f32():
+    """(TWO_LAYERS, its float32 parameters)."""
+    return TWO_LAYERS, random_params(TWO_LAYERS, seed=3, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="session")

@@ -88,14 +88,54 @@ def _usage_cases(tmp, source):
     return cases
 
 
-@pytest.mark.slow
+# The function each program's entry point calls with its command line (pyproject.toml's scripts,
+# run_inference.py and finetune.py).
+_MAINS = {"gptoss-convert": "gptoss_jax.convert.cli", "gptoss-generate": "gptoss_jax.cli.generate",
+          "run_inference.py": "gptoss_jax.cli.generate", "gptoss-finetune": "gptoss_jax.cli.finetune",
+          "finetune.py": "gptoss_jax.cli.finetune", "gptoss-serve": "gptoss_jax.server.cli"}
+
+
+def _in_this_process(command: str, args: list[str]) -> tuple[int, str]:
+    """(exit code, standard error) of `command args` run by its main function in this process."""
+    import contextlib
+    import importlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = importlib.import_module(_MAINS[command]).main(args, prog=command)
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return code, err.getvalue()
+
+
 def test_bad_usage_exits_2_and_a_missing_folder_1(tmp_path, bf16_source):
+    """Every case through the main function its program's entry point calls, in this process (a
+    Python start for each of 37 command lines was most of this test's 40 s); the test below runs
+    each program's first case as the process a user starts."""
     for command, args, code in _usage_cases(tmp_path, bf16_source):
+        got, stderr = _in_this_process(command, args)
+        assert got == code, (command, args, stderr)
+        assert "Traceback" not in stderr and "error: " in stderr.splitlines()[-1], (command, args, stderr)
+        assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.slow
+def test_each_program_exits_as_a_process_as_its_main_function_says(tmp_path, bf16_source):
+    """Each program's first bad command line, run as the process a user starts (its console script
+    or .py file): the exit code and the one error line of its main function, no traceback."""
+    firsts = {}
+    for command, args, code in _usage_cases(tmp_path, bf16_source):
+        firsts.setdefault(command, (args, code))
+    assert set(firsts) == set(_MAINS)
+    for command, (args, code) in firsts.items():
         program = [sys.executable, os.path.join(ROOT, command)] if command.endswith(".py") else [shutil.which(command)]
         run = subprocess.run(program + args, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
         assert run.returncode == code, (command, args, run.stderr)
         assert "Traceback" not in run.stderr and "error: " in run.stderr.splitlines()[-1], (command, args, run.stderr)
-        assert not (tmp_path / "run").exists()  # refused before anything was written
+        assert run.stderr.splitlines()[-1] == _in_this_process(command, args)[1].splitlines()[-1], command
+        assert not (tmp_path / "run").exists()
 
 
 # Each command's entry point, with a signal landing just after its exit code was decided (as a Ctrl-C in

@@ -2,8 +2,9 @@
 few slots give exactly what each gives alone; cancelling frees slots without touching the others;
 a full queue refuses at once; nothing compiles after warm-up.
 
-The model is the tiny config in float32 (a 16-token window, shorter than most prompts here), so
-every request's cache holds a wrapped ring and slots are reused many times over.
+The model is the tiny config with two layers (conftest.TWO_LAYERS: a 16-token window, shorter than
+most prompts here, then full attention) in float32, so every request's cache holds a wrapped ring and
+slots are reused many times over; tests/test_paged.py runs the engine with all four layers.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model(tiny_f32):
-    return tiny_f32
+def model(two_layers_f32):
+    return two_layers_f32
 
 
 @pytest.fixture(scope="module")

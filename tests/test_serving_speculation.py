@@ -4,7 +4,8 @@ sharing each checked step and more than the slots waiting; prompt lookup drafts 
 prompt; sampled rows draw from the distribution `sample_rows` draws from; nothing compiles after
 warm-up with speculation on.
 
-The model is the tiny config in float32 (a 16-token window), replies run past the window.
+The model is the tiny config with two layers (conftest.TWO_LAYERS: a 16-token window, then full
+attention) in float32; replies run past the window.
 """
 
 from __future__ import annotations
@@ -32,17 +33,17 @@ GREEDY = Sampling(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def traffic_prompts(tiny_f32):
+def traffic_prompts(two_layers_f32):
     """7 prompts, one repeating four tokens."""
     rng = np.random.default_rng(3)
-    return [rng.integers(0, tiny_f32[0].vocab_size, n).tolist() for n in (5, 40, 17, 90, 3, 60)] + [[11, 12, 13, 14] * 10]
+    return [rng.integers(0, two_layers_f32[0].vocab_size, n).tolist() for n in (5, 40, 17, 90, 3, 60)] + [[11, 12, 13, 14] * 10]
 
 
 @pytest.fixture(scope="module")
-def traffic(tiny_f32, traffic_prompts):
+def traffic(two_layers_f32, traffic_prompts):
     """`traffic_prompts` and the greedy tokens `Generator` gives each alone, 20 to 40 of them (the
     fixture takes about half a minute of a 2-core machine: the fast tier's tests do without it)."""
-    config, params = tiny_f32
+    config, params = two_layers_f32
     prompts = traffic_prompts
     budgets = [30, 25, 40, 20, 35, 30, 30]
     generator = Generator(config, params, max_len=MAX_LEN)
@@ -87,18 +88,20 @@ def run(engine, prompts, settings):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["devices", "host"])
-def test_nothing_compiles_after_warm_up(tiny_f32, where):
+def test_nothing_compiles_after_warm_up(two_layers_f32, where):
     """Greedy and sampled requests, some with log-probabilities or a logit bias (not speculated), one to
     eight decoding at once, drafts found and not, drafted on the devices and on the host: no compile
-    event after warm_up. (First: the steps it compiles serve the tests below.)"""
-    config, _ = tiny_f32
-    engine = engine_with(tiny_f32, PromptLookup() if where == "devices" else on_host(PromptLookup()))
+    event after warm_up. (First: the steps it compiles serve the tests below.) Every other prompt
+    holds 480 distinct tokens, nearly half the vocabulary: whatever token the model picks, prompt
+    lookup finds it there about half the time, so drafts are found whatever the model."""
+    config, _ = two_layers_f32
+    engine = engine_with(two_layers_f32, PromptLookup() if where == "devices" else on_host(PromptLookup()))
     engine.warm_up()
     rng = np.random.default_rng(1)
     with compile_events() as compiles:
         for i in range(24):
             sampling = [GREEDY, Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=20, top_p=0.9)][i % 3]
-            prompt = ([int(x) for x in rng.integers(0, 50, 4)] * 6) if i % 2 else rng.integers(
+            prompt = rng.permutation(config.vocab_size)[:480].tolist() if i % 2 else rng.integers(
                 0, config.vocab_size, int(rng.integers(1, 60))).tolist()
             engine.submit(prompt, Settings(max_new_tokens=int(rng.integers(1, 25)), sampling=sampling, seed=i,
                                            logprobs=0 if i % 5 == 0 else None,
@@ -113,12 +116,12 @@ def test_nothing_compiles_after_warm_up(tiny_f32, where):
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
 @pytest.mark.parametrize("wrong_every, k", [(0, 3), (0, 1), (2, 3), (3, 3), (1, 3)])
-def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, traffic, wrong_every, k, where):
+def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(two_layers_f32, traffic, wrong_every, k, where):
     """Drafts always right (every draft accepted), partly right, always wrong (none accepted), drafted on
     the host or on the devices: the tokens are those of each request alone, 7 requests at once, then 2
     (decode sizes 8 and 2)."""
     prompts, budgets, want = traffic
-    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size, wrong_every, where), draft_tokens=k)
+    engine = engine_with(two_layers_f32, Oracle(prompts, want, two_layers_f32[0].vocab_size, wrong_every, where), draft_tokens=k)
     got = run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets])
     assert got == want
     stats = engine.stats()
@@ -134,7 +137,7 @@ def test_greedy_tokens_are_each_requests_alone_whatever_the_drafts(tiny_f32, tra
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
-def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic, where):
+def test_on_a_mesh_speculation_gives_one_device_tokens(two_layers_f32, traffic, where):
     """Sequences over `data`, experts over `expert`, heads over `tensor` (8 CPU devices), drafts right
     but for every 3rd token, on the host or the devices: each request's tokens alone, drafts accepted
     and rejected."""
@@ -142,7 +145,7 @@ def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic, where)
     from gptoss_jax.params import param_shardings
 
     prompts, budgets, want = traffic
-    config, params = tiny_f32
+    config, params = two_layers_f32
     mesh = gj.make_mesh(data=2, expert=2, tensor=2)
     engine = engine_with((config, jax.device_put(params, param_shardings(config, mesh))),
                          Oracle(prompts, want, config.vocab_size, 3, where))
@@ -156,16 +159,16 @@ def test_on_a_mesh_speculation_gives_one_device_tokens(tiny_f32, traffic, where)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
-def test_prompt_lookup_and_stops(tiny_f32, traffic, where):
+def test_prompt_lookup_and_stops(two_layers_f32, traffic, where):
     """Prompt lookup drafts from the repetitive prompt; a stop token ends a reply at it even where it
     was accepted inside a draft (the tokens after it are dropped), or, drafted on the devices, where
     the call ran on past it."""
     prompts, budgets, want = traffic
-    config, params = tiny_f32
-    engine = engine_with(tiny_f32, PromptLookup() if where == "devices" else on_host(PromptLookup()))
+    config, params = two_layers_f32
+    engine = engine_with(two_layers_f32, PromptLookup() if where == "devices" else on_host(PromptLookup()))
     assert run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets]) == want
     assert engine.stats()["draft_tokens"] > 0
-    oracle = engine_with(tiny_f32, Oracle(prompts, want, config.vocab_size, where=where), draft_tokens=5)
+    oracle = engine_with(two_layers_f32, Oracle(prompts, want, config.vocab_size, where=where), draft_tokens=5)
     stop = want[0][12]
     request = oracle.submit(prompts[0], Settings(max_new_tokens=budgets[0], sampling=GREEDY, stop_ids=(stop,)))
     oracle.run_until_idle()
@@ -174,14 +177,14 @@ def test_prompt_lookup_and_stops(tiny_f32, traffic, where):
 
 
 @pytest.mark.slow
-def test_rows_past_the_bound_decode_one_token_a_step(tiny_f32, traffic):
+def test_rows_past_the_bound_decode_one_token_a_step(two_layers_f32, traffic):
     """With more decoding sequences than speculate_rows, or one asking for log-probabilities, the
     steps do not speculate; the tokens are the same."""
     prompts, budgets, want = traffic
-    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size), speculate_rows=1)
+    engine = engine_with(two_layers_f32, Oracle(prompts, want, two_layers_f32[0].vocab_size), speculate_rows=1)
     assert run(engine, prompts[:4], [Settings(max_new_tokens=60, sampling=GREEDY)] * 4)[0][:budgets[0]] == want[0]
     assert engine.stats()["speculative_steps"] < 60 * 4 / 2
-    engine = engine_with(tiny_f32, Oracle(prompts, want, tiny_f32[0].vocab_size))
+    engine = engine_with(two_layers_f32, Oracle(prompts, want, two_layers_f32[0].vocab_size))
     settings = [Settings(max_new_tokens=m, sampling=GREEDY, logprobs=0 if i == 0 else None) for i, m in
                 enumerate(budgets[:2])]
     assert run(engine, prompts[:2], settings) == want[:2]
@@ -250,20 +253,20 @@ def test_each_rows_key_draws_the_targets_distribution():
 
 
 @pytest.mark.parametrize("drafts", ["none", "always wrong", "always right", "wrong, then right"])
-def test_steps_wait_for_tokens_only_where_drafts_pay(tiny_f32, traffic_prompts, drafts):
+def test_steps_wait_for_tokens_only_where_drafts_pay(two_layers_f32, traffic_prompts, drafts):
     """A step that drafts reads the step before's tokens first (its pipelining given up): with drafts
     never found or never accepted, three sequences draft at most once in MOST_WAIT steps once backed
     off, together; with drafts always right, every step drafts; drafts that turn right after 20
     tokens make the sequence draft every step again. The tokens stay each request's alone."""
     prompts = traffic_prompts
-    config, params = tiny_f32
+    config, params = two_layers_f32
     new, chosen = 80, [prompts[i] for i in ((1, 3, 5) if drafts == "none" else (1,))]
     generator = Generator(config, params, max_len=MAX_LEN)
     want = [generator.generate([p], max_new_tokens=new, sampling=GREEDY)[0].output_ids for p in chosen]
     wrong, right = (Oracle(chosen, want, config.vocab_size, n) for n in (1, 0))
     source = {"none": lambda context, k: [], "always wrong": wrong, "always right": right,
               "wrong, then right": lambda c, k: (wrong if len(c) - len(chosen[0]) < 20 else right)(c, k)}[drafts]
-    engine = engine_with(tiny_f32, source)
+    engine = engine_with(two_layers_f32, source)
     assert run(engine, chosen, [Settings(max_new_tokens=new, sampling=GREEDY)] * len(chosen)) == want
     stats = engine.stats()
     if drafts == "always right":  # (a last step may leave no room for a draft: not checked)
@@ -305,20 +308,20 @@ class Steered(DeviceDraft):
 
 
 @pytest.mark.slow
-def test_on_the_devices_a_call_runs_several_steps_and_backs_off(tiny_f32, traffic):
+def test_on_the_devices_a_call_runs_several_steps_and_backs_off(two_layers_f32, traffic):
     """Drafted on the devices, a call runs up to speculate_steps checked steps (so the engine steps are
     fewer than the checked ones); a sequence whose drafts are all rejected drafts after 1, 2, 4, 8, then
     every MOST_WAIT steps, and every step again once they are accepted; a draft is cut at its first id
     outside the vocabulary. The tokens stay the request's alone."""
     prompts, _, _ = traffic
-    config, params = tiny_f32
+    config, params = two_layers_f32
     new, prompt = 80, prompts[1]
     want = Generator(config, params, max_len=MAX_LEN).generate([prompt], max_new_tokens=new,
                                                                sampling=GREEDY)[0].output_ids
     wrong, right = (KnownReplies([prompt], [want], config.vocab_size, n) for n in (1, 0))
 
     def serve(draft, steps):
-        engine = engine_with(tiny_f32, draft, speculate_steps=steps)
+        engine = engine_with(two_layers_f32, draft, speculate_steps=steps)
         request = engine.submit(prompt, Settings(max_new_tokens=new, sampling=GREEDY))
         calls = 0
         while engine.step():
@@ -358,13 +361,13 @@ def test_on_the_devices_a_call_runs_only_where_a_sequence_is_due():
 
 
 @pytest.mark.slow
-def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read(tiny_f32, traffic, monkeypatch):
+def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read(two_layers_f32, traffic, monkeypatch):
     """Drafted on the devices, a call of checked steps is queued without waiting for the decode step
     before it (the call takes that step's token from the devices): the host reads that step's tokens
     while the call runs. A reply that stops at such a step's token ends there, the call's tokens for
     it dropped and its pages freed, whichever step that is; the tokens stay the request's alone."""
     prompts, _, _ = traffic
-    config, params = tiny_f32
+    config, params = two_layers_f32
     new, prompt = 40, prompts[1]
     want = Generator(config, params, max_len=MAX_LEN).generate([prompt], max_new_tokens=new,
                                                                sampling=GREEDY)[0].output_ids
@@ -375,7 +378,7 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
         events.append("call") if any(seqs) else None, check_steps(self, engine, seqs, steps, given))[1])
     monkeypatch.setattr(Engine, "_read", lambda self, *a: (events.append("read"), read(self, *a))[0])
     monkeypatch.setattr(Engine, "step", lambda self: (events.append("step"), step(self))[1])
-    engine = engine_with(tiny_f32, wrong)
+    engine = engine_with(two_layers_f32, wrong)
     assert run(engine, [prompt], [Settings(max_new_tokens=new, sampling=GREEDY)]) == [want]
     assert engine.stats()["speculative_steps"] >= 3
     in_steps = " ".join(events).split("step")
@@ -383,7 +386,7 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
     assert not any(s.split() == ["read", "call"] for s in in_steps), in_steps
     firsts = [j for j, t in enumerate(want) if t not in want[:j]]
     for j in firsts[:12]:  # each early step's token as a stop: decode steps and calls alike
-        engine = engine_with(tiny_f32, wrong)
+        engine = engine_with(two_layers_f32, wrong)
         request = engine.submit(prompt, Settings(max_new_tokens=new, sampling=GREEDY, stop_ids=(want[j],)))
         engine.run_until_idle()
         assert request.finish_reason == "stop" and request.output_ids == want[:j + 1], j
@@ -392,7 +395,7 @@ def test_on_the_devices_a_call_is_queued_before_the_step_befores_tokens_are_read
     others, budgets, replies = ([x[i] for i in (0, 2)] for x in traffic)
     wrong = KnownReplies([prompt, *others], [want, *replies], config.vocab_size, 1)
     for j in firsts[:4]:
-        engine = engine_with(tiny_f32, wrong)
+        engine = engine_with(two_layers_f32, wrong)
         stopped = engine.submit(prompt, Settings(max_new_tokens=new, sampling=GREEDY, stop_ids=(want[j],)))
         going = [engine.submit(p, Settings(max_new_tokens=m, sampling=GREEDY)) for p, m in zip(others, budgets)]
         engine.run_until_idle()
@@ -429,36 +432,36 @@ def test_a_missing_sequence_waits_2_4_8_then_most_wait_steps_aligned():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["host", "devices"])
-def test_sampled_speculation(tiny_f32, traffic, where):
+def test_sampled_speculation(two_layers_f32, traffic, where):
     """top-k 1 sampling accepts what greedy does and gives its tokens; a seeded sampled request repeats
     its tokens."""
     prompts, budgets, want = traffic
-    oracle = Oracle(prompts, want, tiny_f32[0].vocab_size, 3, where)
-    engine = engine_with(tiny_f32, oracle)
+    oracle = Oracle(prompts, want, two_layers_f32[0].vocab_size, 3, where)
+    engine = engine_with(two_layers_f32, oracle)
     top1 = Sampling(temperature=0.8, top_k=1)
     assert run(engine, prompts[:3], [Settings(max_new_tokens=m, sampling=top1, seed=i) for i, m in
                                      enumerate(budgets[:3])]) == want[:3]
     assert 0 < engine.stats()["accepted_draft_tokens"] < engine.stats()["draft_tokens"]
     sampled = Settings(max_new_tokens=30, sampling=Sampling(temperature=1.0), seed=7)
     lookup = PromptLookup() if where == "devices" else on_host(PromptLookup())
-    first, again = (run(engine_with(tiny_f32, lookup), prompts[-1:], [sampled])[0] for _ in range(2))
+    first, again = (run(engine_with(two_layers_f32, lookup), prompts[-1:], [sampled])[0] for _ in range(2))
     assert first == again
 
 
-def test_by_default_the_engine_drafts_on_the_host(tiny_f32):
+def test_by_default_the_engine_drafts_on_the_host(two_layers_f32):
     """A source that could propose on the devices (prompt lookup) drafts on the host unless
     speculate_steps asks otherwise."""
-    config, params = tiny_f32
+    config, params = two_layers_f32
     engine = Engine(config, params, EngineConfig(slots=2, max_len=MAX_LEN, prefill_chunk=64, page_size=16),
                     draft=PromptLookup())
     assert not engine.speculation.on_devices and engine.speculation.most == 1
-    assert engine_with(tiny_f32, PromptLookup()).speculation.on_devices  # (the tests' engine: speculate_steps 4)
+    assert engine_with(two_layers_f32, PromptLookup()).speculation.on_devices  # (the tests' engine: speculate_steps 4)
 
 
-def test_bad_settings(tiny_f32):
+def test_bad_settings(two_layers_f32):
     for kw in ({"draft_tokens": 0}, {"draft_tokens": 64}, {"speculate_rows": 0}, {"speculate_steps": -1}):
         with pytest.raises(ValueError, match=next(iter(kw))):  # the setting named
-            engine_with(tiny_f32, PromptLookup(), **kw)
+            engine_with(two_layers_f32, PromptLookup(), **kw)
 
 
 def test_checked_sizes_and_drafts_cut_to_the_budget_and_vocabulary():
@@ -478,19 +481,19 @@ def test_checked_sizes_and_drafts_cut_to_the_budget_and_vocabulary():
 
 
 @pytest.mark.slow
-def test_a_draft_source_failing_on_one_sequence_leaves_it_and_the_others_their_tokens(tiny_f32, traffic, caplog):
+def test_a_draft_source_failing_on_one_sequence_leaves_it_and_the_others_their_tokens(two_layers_f32, traffic, caplog):
     """A draft source that raises for one request's context (drafted on the host): that sequence gets no
     draft that step and decodes on; every request, that one included, gets its tokens alone. Before,
     the exception ended the step, and with it every request running."""
     prompts, budgets, want = traffic
-    known = KnownReplies(prompts, want, tiny_f32[0].vocab_size)
+    known = KnownReplies(prompts, want, two_layers_f32[0].vocab_size)
 
     def draft(context, k):
         if context[:len(prompts[2])] == prompts[2]:
             raise RuntimeError("this draft source cannot draft here")
         return known(context, k)
 
-    engine = engine_with(tiny_f32, draft)
+    engine = engine_with(two_layers_f32, draft)
     with caplog.at_level("ERROR", "gptoss_jax.serving"):
         got = run(engine, prompts, [Settings(max_new_tokens=m, sampling=GREEDY) for m in budgets])
     assert got == want

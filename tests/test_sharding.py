@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import gptoss_jax as gj
-from conftest import command_env, expected_spec, free_port
+from conftest import TWO_LAYERS, command_env, expected_spec, free_port
 from refs import exact_logits
 from gptoss_jax import sharding as sh
 from gptoss_jax.convert.cli import main as convert_main
@@ -42,9 +42,10 @@ def _mesh_id(sizes):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny):
+def checkpoint(tmp_path_factory):
+    """The tiny model with two layers (conftest.TWO_LAYERS): a layout is a weight's, whatever its layer."""
     root = tmp_path_factory.mktemp("sharded")
-    write_synthetic_checkpoint(tiny, root / "source", "original", seed=5)
+    write_synthetic_checkpoint(TWO_LAYERS, root / "source", "original", seed=5)
     assert convert_main([str(root / "source"), str(root / "ckpt"), "--quiet"]) == 0
     return root / "ckpt"
 

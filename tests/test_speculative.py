@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import gptoss_jax as gj
+from conftest import TWO_LAYERS
 from gptoss_jax.model.cache import init_cache
 from gptoss_jax.decoding.generator import Generator
 from gptoss_jax.model.transformer import extend
@@ -24,7 +24,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def gen():
-    config = gj.ModelConfig.tiny()  # a sliding window of 16: replies run far past it
+    config = TWO_LAYERS  # a sliding window of 16: replies run far past it
     return Generator(config, random_params(config, seed=5, dtype=jnp.float32), max_len=256, prefill_chunk=64)
 
 

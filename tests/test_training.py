@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import refs
 import torch
-from conftest import rel_err
+from conftest import lowest_level, rel_err
 from noise import Exact, scalar
 
 import gptoss_jax as gj
@@ -302,13 +302,18 @@ def stdlib_split():
     return [f for i, f in enumerate(files) if i % 10], [f for i, f in enumerate(files) if i % 10 == 0]
 
 
-def learning_run(steps=120, batch=8, length=128, lr=3e-3, log=None):
-    """The tiny model (trained from its init) on bytes of the standard library's sources:
-    (held-out loss before, after)."""
+def initial_params():
+    """The tiny model's init, as `learning_run` starts from it."""
+    return gj.init_params(CONFIG, jax.random.key(0), dtype=jnp.float32)
+
+
+def learning_run(steps=120, batch=8, length=128, lr=3e-3, log=None, params=None):
+    """The tiny model (trained from `params`, by default its init) on bytes of the standard library's
+    sources: (held-out loss before, after)."""
     train_files, held_files = stdlib_split()
     train = _byte_chunks(train_files, length, steps * batch, seed=0).reshape(steps, 1, batch, length)
     held = jnp.asarray(_byte_chunks(held_files, length, 64, seed=1))
-    params = gj.init_params(CONFIG, jax.random.key(0), dtype=jnp.float32)
+    params = initial_params() if params is None else params
     setup = StepConfig(CONFIG, compute_dtype="float32", kernels=gj.Kernels(attention_block=64))
     tx = optimizer(OptimizerConfig(lr=lr, steps=steps, warmup=10))
     step, evaluate = make_step(setup, tx), make_eval(setup)
@@ -331,6 +336,8 @@ def test_the_tiny_model_learns_python_source_text():
     """Held-out bytes of the standard library: from uniform guessing (ln 1024 = 6.93 nats) to below
     3.5 nats a byte in 40 steps of 1,024 bytes (measured: 3.07; 2.61 after 120 steps, as
     `python bench/learning_curve.py` draws it for docs/training.md)."""
-    before, after = learning_run(steps=40)
+    with lowest_level():  # the init's random draws, run once: 2 s to compile at the lowest level, 13 s at the default
+        params = initial_params()
+    before, after = learning_run(steps=40, params=params)
     assert before > 6.5
     assert after < 3.5, after

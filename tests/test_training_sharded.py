@@ -30,7 +30,7 @@ import numpy as np
 import optax
 import pytest
 import refs
-from conftest import VOCAB, command_env, expected_spec, free_port, needs_vocab
+from conftest import TWO_LAYERS, VOCAB, command_env, expected_spec, free_port, needs_vocab
 from noise import Exact, scalar
 from jax.sharding import NamedSharding
 
@@ -45,7 +45,7 @@ from gptoss_jax.training.step import OptimizerConfig, StepConfig, gradients, mak
 from gptoss_jax.weight import at_path, path_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = gj.ModelConfig.tiny()  # sliding window 16; the batches below are 40 positions
+CONFIG = TWO_LAYERS  # sliding window 16, then a full layer; the batches below are 40 positions
 ALL_TARGETS = LoraConfig(rank=4, targets=("attention", "router", "experts"))
 
 
