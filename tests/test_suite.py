@@ -108,8 +108,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # (the comma
 x = jnp.arange(8.0)
 made = []
 jax.monitoring.register_event_duration_secs_listener(lambda event, seconds, **_: made.append(event))
+a, b, c = (float(n) for n in sys.argv[1].split(","))  # each whole and below 2^21: exact in float32
 def shared_program(x):
-    return jnp.sin(x) * float(sys.argv[1]) + 1
+    return jnp.sin(x) * a + b + c
 jax.jit(shared_program)(x).block_until_ready()
 print("read back" if "/jax/compilation_cache/cache_retrieval_time_sec" in made else "compiled")
 """
@@ -133,7 +134,10 @@ def test_commands_share_the_tests_compilation_cache_whatever_path_reaches_it(tmp
     os.symlink(default, tmp_path / "link")
     script = tmp_path / "read_back.py"
     script.write_text(READ_BACK)
-    scale = str(float(time.time_ns()))  # a constant no earlier run compiled
+    # Constants no earlier run compiled: the clock in nanoseconds, 21 bits a constant, so that float32
+    # (the program's type) holds each exactly (the clock as one float32 repeats for two minutes).
+    now = time.time_ns()
+    scale = ",".join(str((now >> shift) & (2**21 - 1)) for shift in (0, 21, 42))
     got = [subprocess.run([sys.executable, str(script), scale, where], cwd=ROOT, env=command_env(),
                           capture_output=True, text=True, timeout=300) for where in (default, str(tmp_path / "link"))]
     assert [done.returncode for done in got] == [0, 0], got[0].stderr[-3000:] + got[1].stderr[-3000:]
