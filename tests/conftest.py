@@ -250,14 +250,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def optimisation_level(lowest: bool):
+    """What compiles inside the block does so at the tests' lowest level or at XLA's default (a level
+    given in XLA_FLAGS stands for both); the level before is put back after it. For instance, in a
+    test marked `pytest.mark.optimized`, what it runs once, such as a model's random init, whose
+    compile the default level makes several times longer: `with optimisation_level(lowest=True)`."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", lowest and not LEVEL_GIVEN)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _optimisation_level(request):
     """A file marked `pytest.mark.optimized` compiles at XLA's default level (see the top of this
     file); the others at the lowest, unless XLA_FLAGS gives a level."""
-    optimized = request.node.get_closest_marker("optimized") is not None
-    jax.config.update("jax_disable_most_optimizations", not (LEVEL_GIVEN or optimized))
-    yield
-    jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
+    with optimisation_level(lowest=request.node.get_closest_marker("optimized") is None):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -266,23 +278,8 @@ def _optimisation_level_of_a_test(request, _optimisation_level):
     itself at XLA's default level (the commands it starts stay at the lowest: command_env); what the file's
     fixtures compiled before it stays as it was."""
     lowest = jax.config.read("jax_disable_most_optimizations")
-    if lowest and request.node.get_closest_marker("optimized") is not None:
-        jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", lowest)
-
-
-@contextlib.contextmanager
-def lowest_level():
-    """What compiles inside the block does so at the tests' lowest level, in a test marked
-    `pytest.mark.optimized` too (unless XLA_FLAGS gives a level): for what such a test runs once, such
-    as a model's random init, whose compile the default level makes several times longer."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", not LEVEL_GIVEN)
-    try:
+    with optimisation_level(lowest=lowest and request.node.get_closest_marker("optimized") is None):
         yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(autouse=True)
@@ -325,11 +322,13 @@ def tiny_f32(tiny):
 
 
 # The tiny model with two layers, one of each kind (a sliding window of 16, then full attention), for
-# the tests of what runs around the layers rather than in them: the serving engine's scheduling and
-# speculative decoding's drafts, acceptance and roll-back (tests/test_serving.py,
-# tests/test_speculative.py, tests/test_serving_speculation.py). Their compile time follows the
-# layers (a checked step holds the model twice): alone, with an empty compilation cache, those files
-# took 65, 58 and 92 s with two layers against 80, 98 and 153 s with four. What only more layers of a
+# the tests of what runs around the layers rather than in them: the serving engine's scheduling,
+# speculative decoding's drafts, acceptance and roll-back, and the layouts on a mesh
+# (tests/test_serving.py, tests/test_speculative.py, tests/test_serving_speculation.py,
+# tests/test_sharding.py, tests/test_training_sharded.py). Their compile time follows the layers (a
+# checked step holds the model twice): alone, with an empty compilation cache, the first three files
+# took 65, 58 and 92 s with two layers against 80, 98 and 153 s with four, the two sharded ones 143 s
+# against 190 s over 2 workers. What only more layers of a
 # kind would show (a step that rolls back, reads or writes some layers' caches and not the others')
 # is left to the files that run four: tests/test_generate.py, tests/test_cache.py, tests/test_paged.py,
 # and for speculation tests/test_eagle3.py, tests/test_serving_eagle3.py and tests/test_run_inference.py.

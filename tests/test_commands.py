@@ -1,6 +1,9 @@
 """The installed commands (`pip install -e .`): each names itself in --help and answers --version,
 and every command line exits the same way: 2 for bad usage, 1 for a missing or unusable file."""
 
+import contextlib
+import importlib
+import io
 import os
 import shutil
 import signal
@@ -97,10 +100,6 @@ _MAINS = {"gptoss-convert": "gptoss_jax.convert.cli", "gptoss-generate": "gptoss
 
 def _in_this_process(command: str, args: list[str]) -> tuple[int, str]:
     """(exit code, standard error) of `command args` run by its main function in this process."""
-    import contextlib
-    import importlib
-    import io
-
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:

@@ -317,8 +317,9 @@ def test_two_processes_serve_as_one(client, tmp_path):
     greedy text, and SIGTERM to process 0 ends both with exit 0. The test fails if process 1 misses a
     step (its collectives would hang, then the requests time out). The pool is too small for
     everything running, so requests are preempted and resumed on both processes alike (counted: more
-    than none), beside the dropped one's cancellation (counted: one). (One pair of processes for
-    both: each start compiles every step of the demo model twice over, a minute of a 2-core machine.)"""
+    than none), beside the dropped one's cancellation (counted: one). (One pair of processes checks
+    both: each pair's start compiles every step of the demo model twice over, a minute of a 2-core
+    machine.)"""
     from conftest import command_env, free_port
 
     env = command_env(TIKTOKEN_ENCODINGS_BASE=os.path.dirname(os.path.abspath(VOCAB)), JAX_NUM_CPU_DEVICES="2")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import refs
 import torch
-from conftest import lowest_level, rel_err
+from conftest import optimisation_level, rel_err
 from noise import Exact, scalar
 
 import gptoss_jax as gj
@@ -336,7 +336,7 @@ def test_the_tiny_model_learns_python_source_text():
     """Held-out bytes of the standard library: from uniform guessing (ln 1024 = 6.93 nats) to below
     3.5 nats a byte in 40 steps of 1,024 bytes (measured: 3.07; 2.61 after 120 steps, as
     `python bench/learning_curve.py` draws it for docs/training.md)."""
-    with lowest_level():  # the init's random draws, run once: 2 s to compile at the lowest level, 13 s at the default
+    with optimisation_level(lowest=True):  # the init's random draws, run once: 2 s to compile at the lowest level, 13 s at the default
         params = initial_params()
     before, after = learning_run(steps=40, params=params)
     assert before > 6.5
