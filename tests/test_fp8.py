@@ -256,15 +256,27 @@ def test_greedy_tokens_of_200_steps_with_the_fp8_cache_beside_the_bf16_cache(tin
 
 
 @pytest.mark.slow
-def test_the_engine_over_fp8_pages_gives_generator_tokens_with_prefix_reuse_and_preemption(tiny_f32, generators):
+@pytest.mark.parametrize("mesh", [None, dict(data=2, expert=2, tensor=2)], ids=["one device", "8 devices"])
+def test_the_engine_over_fp8_pages_gives_generator_tokens_with_prefix_reuse_and_preemption(tiny_f32, generators,
+                                                                                         mesh):
     """The paged pool in FP8: a shared system prompt found in the cache, then a pool too small for
     every request (preemption): each request's greedy tokens are those the contiguous FP8 cache gives
-    it alone, and no step compiles after warm-up."""
+    it alone on one device, and no step compiles after warm-up. On a mesh of 8 CPU devices (sequences
+    over `data`, experts over `expert`, heads over `tensor`) the values and their exponents are split
+    over `tensor` by KV head alike."""
+    from gptoss_jax.params import param_shardings
+
     config, params = tiny_f32
     alone = generators["fp8"]
+    if mesh is not None:
+        mesh = gj.make_mesh(**mesh)
+        params = jax.device_put(params, param_shardings(config, mesh))
     engine = Engine(config, params, EngineConfig(slots=4, max_len=256, prefill_chunk=16, page_size=8, pages=30,
                                                  kv_dtype="fp8"))
-    assert fp8.is_fp8(engine.device.kv_dtype)
+    assert fp8.is_fp8(engine.device.kv_dtype) and engine.mesh is mesh
+    if mesh is not None:
+        stored = engine.device.pool["pages"][0]["k"]  # values [pages, page positions, KV heads, head dim]
+        assert stored.values.sharding.spec[:3] == stored.exponents.sharding.spec[:3] == (None, None, "tensor")
     engine.warm_up()
     system = np.random.default_rng(30).integers(0, config.vocab_size, 40).tolist()
     prompts = [system + np.random.default_rng(31 + i).integers(0, config.vocab_size, 5 + 6 * i).tolist()
