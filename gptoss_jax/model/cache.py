@@ -71,11 +71,6 @@ def ring_positions(lengths: jax.Array, size: int) -> jax.Array:
     return jnp.where(back >= 0, s + size * (back // size), -1)
 
 
-def max_positions(cache: dict) -> int:
-    """The max_len the cache was made for (the largest layer's slot count)."""
-    return max(int(layer["k"].shape[1]) for name, layer in cache.items() if name != "lengths")
-
-
 class Contiguous:
     """The contiguous layout's side of the cache contract (attention.py reads and writes a layer
     through `layout_of(layer_cache)`; paged_cache.Paged is the other side): row b of the cache is
