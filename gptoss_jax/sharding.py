@@ -163,7 +163,7 @@ def cache_shardings(cache_shapes: Any, mesh: Mesh) -> Any:
     """NamedShardings for a KV cache pytree (cache.py): lengths on `data`, k and v by CACHE_AXES (FP8
     storage's exponents by its leading three)."""
     def one(path, leaf):
-        axes = ("batch",) if path[-1].key == "lengths" else CACHE_AXES[:len(leaf.shape)]
+        axes = ("batch",) if path[0].key == "lengths" else CACHE_AXES[:len(leaf.shape)]  # (FP8 adds a level)
         return sharding(axes, leaf.shape, mesh, what=f"KV cache {path_name(path)}")
 
     return jax.tree_util.tree_map_with_path(one, cache_shapes)

@@ -261,9 +261,10 @@ def test_the_engine_over_fp8_pages_gives_generator_tokens_with_prefix_reuse_and_
                                                                                          mesh):
     """The paged pool in FP8: a shared system prompt found in the cache, then a pool too small for
     every request (preemption): each request's greedy tokens are those the contiguous FP8 cache gives
-    it alone on one device, and no step compiles after warm-up. On a mesh of 8 CPU devices (sequences
-    over `data`, experts over `expert`, heads over `tensor`) the values and their exponents are split
-    over `tensor` by KV head alike."""
+    it alone, and no step compiles after warm-up. On a mesh of 8 CPU devices (sequences over `data`,
+    experts over `expert`, heads over `tensor`), against the contiguous cache on the same mesh (one
+    device sums in another order, and a sum one float32 step apart can round to another e4m3 value),
+    and the values and their exponents of every layer group stay split over `tensor` by KV head."""
     from gptoss_jax.params import param_shardings
 
     config, params = tiny_f32
@@ -271,12 +272,16 @@ def test_the_engine_over_fp8_pages_gives_generator_tokens_with_prefix_reuse_and_
     if mesh is not None:
         mesh = gj.make_mesh(**mesh)
         params = jax.device_put(params, param_shardings(config, mesh))
+        alone = Generator(config, params, max_len=256, kv_dtype="fp8")
     engine = Engine(config, params, EngineConfig(slots=4, max_len=256, prefill_chunk=16, page_size=8, pages=30,
                                                  kv_dtype="fp8"))
     assert fp8.is_fp8(engine.device.kv_dtype) and engine.mesh is mesh
-    if mesh is not None:
-        stored = engine.device.pool["pages"][0]["k"]  # values [pages, page positions, KV heads, head dim]
-        assert stored.values.sharding.spec[:3] == stored.exponents.sharding.spec[:3] == (None, None, "tensor")
+
+    def split_by_kv_head():  # values [pages, page positions, KV heads, head dim], exponents [pages, positions, KV heads]
+        return all(x.values.sharding.spec[:3] == x.exponents.sharding.spec[:3] == (None, None, "tensor")
+                   for group in engine.device.pool["pages"] for x in (group["k"], group["v"]))
+
+    assert mesh is None or split_by_kv_head()
     engine.warm_up()
     system = np.random.default_rng(30).integers(0, config.vocab_size, 40).tolist()
     prompts = [system + np.random.default_rng(31 + i).integers(0, config.vocab_size, 5 + 6 * i).tolist()
@@ -293,3 +298,4 @@ def test_the_engine_over_fp8_pages_gives_generator_tokens_with_prefix_reuse_and_
         assert r.cached_tokens == 40
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["pages_in_use"] == 0
+    assert mesh is None or split_by_kv_head()  # (after the steps, which donate and return the pool)

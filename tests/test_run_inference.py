@@ -195,13 +195,16 @@ def _cache_log(stderr: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_a_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
-    """Two separate processes: the second reads back from the persistent cache every program the first
-    wrote there (each that took 0.5 s or more to compile: the prefill and decode steps), compiles only
-    the others again, and gives the same tokens; with --compile-cache none nothing is looked up. Told by
-    JAX's own log of the cache, not by the time compiling took (which a busy machine changes)."""
+    """Two separate processes: the first writes each program that took 0.5 s or more to compile into
+    the --compile-cache folder, the second reads every one of them back, compiles only the others again,
+    and gives the same tokens; with --compile-cache none nothing is looked up. Told by JAX's own log of
+    the cache, not by the time compiling took (which a busy machine changes)."""
     argv = [sys.executable, "run_inference.py", "--checkpoint", str(checkpoint / "converted"), "--prompt-ids", "5,6,7",
             "--max-new-tokens", "4", "--json", "--quiet", "--compile-cache", str(tmp_path / "xla")]
-    env = dict(os.environ, JAX_EXPLAIN_CACHE_MISSES="1", JAX_LOG_COMPILES="1")
+    mine = ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE", "JAX_LOGGING_LEVEL",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")  # a caller's, which could keep the log or the files away
+    env = {**{k: v for k, v in os.environ.items() if k not in mine}, "JAX_EXPLAIN_CACHE_MISSES": "1",
+           "JAX_LOG_COMPILES": "1"}
     runs = [subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
@@ -209,6 +212,8 @@ def test_a_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
     assert first["output_ids"] == second["output_ids"]
     first_log, second_log = (_cache_log(run.stderr) for run in runs)
     assert first_log["written"] and not first_log["read back"], runs[0].stderr[-3000:]  # the steps kept
+    kept = sorted(f.name.removesuffix("-cache") for f in (tmp_path / "xla").glob("*-cache"))  # JAX's files: KEY-cache
+    assert kept == sorted(set(first_log["written"]) | set(second_log["written"]))  # in the folder given
     assert second_log["read back"] == first_log["written"]  # each read back,
     assert set(second_log["missed"]) == set(first_log["missed"]) - set(first_log["written"])  # the rest compiled again
     off = subprocess.run(argv[:-2] + ["--compile-cache", "none"], cwd=ROOT, capture_output=True, text=True,

@@ -105,6 +105,6 @@ class Kernels:
         return experts.fused_block(self, x, norm_scale, w, config, mesh=mesh)
 
     def describe(self, packed: bool = False) -> str:
-        """For start-up messages: what "auto" means on this backend (`packed`: for MXFP4 experts)."""
+        """One line: what "auto" means on this backend (`packed`: for MXFP4 experts); benchmarks record it."""
         return (f"attention {self.attention_for(4096)} (prompts) / {self.attention_for(1)} (decode), "
                 f"experts {self.moe_for(1 << 20, packed=packed)} (prompts) / {self.moe_for(1, packed=packed)} (decode)")
