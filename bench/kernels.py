@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import time
@@ -578,11 +579,13 @@ def decode_attention():
 def decode_attention_paged():
     """The serving engine's decode attention at many sequences (one full-attention layer's paged pool,
     pages of 64, each sequence `filled` positions of a 2,048-position table): the Pallas Mosaic GPU
-    kernel over the pool in bfloat16 and in FP8 storage (fp8.py), at the bytes each must read."""
+    kernel over the pool in bfloat16 and in FP8 storage (fp8.py), at the bytes each must read, by key
+    block and ring depth (`stages`; None: the kernel's defaults)."""
     from gptoss_jax import fp8
     from gptoss_jax.kernels.attention import mosaic_cache, paged
 
     P, W = 64, 32
+    rings = "stages" in inspect.signature(mosaic_cache.cache_attention).parameters  # (an older package: 2 buffers)
     for B, filled in ((256, 1536), (1024, 1536), (1024, 512)):
         kq, kk, kv, ks, kp = jax.random.split(jax.random.key(4), 5)
         q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
@@ -594,10 +597,13 @@ def decode_attention_paged():
         ref = jax.jit(lambda q, k, v, s: combine([paged.prefix(q, k, v, table, kv_len, block=512)], s, jnp.float32))(
             q, *(fp8.read(x, jnp.bfloat16) for x in pools["fp8"]), sinks)
         for name, (pk, pv) in pools.items():
-            for bk in (None, 64, 128, 256):
-                timed(f"paged decode attention B={B} filled={filled} mosaic {name} block={bk}",
-                      lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table, block_k=bk)],
-                                                 s, q.dtype),
+            for bk, stages in ((None, None), (64, 2), (128, 2), (64, 4), (64, 6), (64, 8), (128, 3), (128, 4)):
+                if not rings and stages not in (None, 2):
+                    continue
+                ring = {} if stages is None or not rings else {"stages": stages}
+                timed(f"paged decode attention B={B} filled={filled} mosaic {name} block={bk} stages={stages}",
+                      lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table, block_k=bk,
+                                                                               **ring)], s, q.dtype),
                       q, pk, pv, sinks, ref=ref if name == "fp8" else None,
                       kv_bytes=2 * B * filled * K * fp8.vector_bytes(H, fp8.KV_DTYPES[name]), n=30)
 
