@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import os
 import time
@@ -35,6 +34,9 @@ ROWS = []
 PAIRS = None  # --pairs: the pair counts the expert parts run (all of theirs by default)
 PROFILE = None  # --profile DIR: each row's timed calls traced into DIR/<row number> (bench/profile_summary.py)
 MOSAIC_ONLY = False  # --mosaic-only: grouped-mxfp4 without the Pallas Triton and transposed variants
+PAGED = ((256, 1536), (1024, 1536), (1024, 512))  # --paged: decode-attention-paged's (sequences, filled) cases
+PAGED_BLOCKS = (None, 64, 128, 256)  # --paged-blocks: its key blocks (None: the kernel's default)
+PAGED_RUNS = 30  # --paged-runs: the timed calls of each of its rows (the median is reported)
 
 
 def pair_counts(default):
@@ -579,14 +581,12 @@ def decode_attention():
 def decode_attention_paged():
     """The serving engine's decode attention at many sequences (one full-attention layer's paged pool,
     pages of 64, each sequence `filled` positions of a 2,048-position table): the Pallas Mosaic GPU
-    kernel over the pool in bfloat16 and in FP8 storage (fp8.py), at the bytes each must read, by key
-    block and ring depth (`stages`; None: the kernel's defaults)."""
+    kernel over the pool in bfloat16 and in FP8 storage (fp8.py), at the bytes each must read."""
     from gptoss_jax import fp8
     from gptoss_jax.kernels.attention import mosaic_cache, paged
 
     P, W = 64, 32
-    rings = "stages" in inspect.signature(mosaic_cache.cache_attention).parameters  # (an older package: 2 buffers)
-    for B, filled in ((256, 1536), (1024, 1536), (1024, 512)):
+    for B, filled in PAGED:
         kq, kk, kv, ks, kp = jax.random.split(jax.random.key(4), 5)
         q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
         sinks = jax.random.normal(ks, (K, G), jnp.float32)
@@ -597,15 +597,12 @@ def decode_attention_paged():
         ref = jax.jit(lambda q, k, v, s: combine([paged.prefix(q, k, v, table, kv_len, block=512)], s, jnp.float32))(
             q, *(fp8.read(x, jnp.bfloat16) for x in pools["fp8"]), sinks)
         for name, (pk, pv) in pools.items():
-            for bk, stages in ((None, None), (64, 2), (128, 2), (64, 4), (64, 6), (64, 8), (128, 3), (128, 4)):
-                if not rings and stages not in (None, 2):
-                    continue
-                ring = {} if stages is None or not rings else {"stages": stages}
-                timed(f"paged decode attention B={B} filled={filled} mosaic {name} block={bk} stages={stages}",
-                      lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table, block_k=bk,
-                                                                               **ring)], s, q.dtype),
+            for bk in PAGED_BLOCKS:
+                timed(f"paged decode attention B={B} filled={filled} mosaic {name} block={bk}",
+                      lambda q, k, v, s: combine([mosaic_cache.cache_attention(q, k, v, kv_len, table=table, block_k=bk)],
+                                                 s, q.dtype),
                       q, pk, pv, sinks, ref=ref if name == "fp8" else None,
-                      kv_bytes=2 * B * filled * K * fp8.vector_bytes(H, fp8.KV_DTYPES[name]), n=30)
+                      kv_bytes=2 * B * filled * K * fp8.vector_bytes(H, fp8.KV_DTYPES[name]), n=PAGED_RUNS)
 
 
 def decode(rng):
@@ -646,8 +643,20 @@ def main():
                     help="comma-separated (token, expert) pair counts for the expert parts (e.g. 4,256)")
     ap.add_argument("--mosaic-only", action="store_true",
                     help="grouped-mxfp4: only the bf16 ragged dot and the Pallas Mosaic GPU kernel's variants")
+    ap.add_argument("--paged", default=None, metavar="B:FILLED,...",
+                    help="decode-attention-paged: its cases, sequences:filled positions (default "
+                         "256:1536,1024:1536,1024:512)")
+    ap.add_argument("--paged-blocks", default=None, metavar="N,...",
+                    help="decode-attention-paged: key blocks to time, 'default' for the kernel's own (default: "
+                         "default,64,128,256)")
+    ap.add_argument("--paged-runs", type=int, default=30, help="decode-attention-paged: timed calls a row")
     args = ap.parse_args()
-    global PAIRS, PROFILE, MOSAIC_ONLY
+    global PAIRS, PROFILE, MOSAIC_ONLY, PAGED, PAGED_BLOCKS, PAGED_RUNS
+    if args.paged:
+        PAGED = tuple(tuple(int(x) for x in case.split(":")) for case in args.paged.split(","))
+    if args.paged_blocks:
+        PAGED_BLOCKS = tuple(None if b == "default" else int(b) for b in args.paged_blocks.split(","))
+    PAGED_RUNS = args.paged_runs
     MOSAIC_ONLY = args.mosaic_only
     PAIRS = None if args.pairs is None else {int(p) for p in args.pairs.split(",")}
     PROFILE = args.profile

@@ -112,58 +112,6 @@ def test_cache_attention_reads_fp8_storage(layout, K, page):
     Exact.measure(np.asarray(low_o, np.float64), exact_o, precision="bfloat16").check(o[1:], f"o, {layout}, K={K}")
 
 
-@pytest.mark.parametrize("layout", [  # (the fast tier: the paged FP8 pool, two pages a block)
-    pytest.param("contiguous", marks=pytest.mark.slow), "paged fp8", pytest.param("window", marks=pytest.mark.slow)])
-def test_the_rings_depth_changes_nothing(layout):
-    """Key blocks streamed through rings of 2, 3 and 5 buffers (one range of 5 blocks a program, so
-    the ring of 3 wraps around and the ring of 5 is fetched whole before the first block is scored)
-    give the same output and lse, bit for bit: the depth moves only when a block is copied. The
-    contiguous cache; a pool in FP8 storage of pages of 32 (two pages a block, each with its own
-    copy and barrier); a sliding window over pages of 64 whose first block is partly before it."""
-    kq, kk, kv, kp = jax.random.split(jax.random.key(5), 4)
-    B, S, K, G, H = 2, 320, 4, 4, 64
-    kv_len = jnp.array([300, 200], jnp.int32)
-    q = jax.random.normal(kq, (B, 1, K, G, H), jnp.bfloat16)
-    k = jax.random.normal(kk, (B, S, K, H)).astype(jnp.bfloat16)
-    v = jax.random.normal(kv, (B, S, K, H)).astype(jnp.bfloat16)
-    args, options = (k, v), {}
-    if layout != "contiguous":
-        page = 32 if layout == "paged fp8" else 64
-        W = S // page
-        table = jnp.asarray(np.asarray(jax.random.permutation(kp, B * W)).reshape(B, W), jnp.int32)
-        pool = lambda x: fp8.apply(lambda a: jnp.zeros((B * W, page) + a.shape[2:], a.dtype).at[table].set(  # noqa: E731
-            a.reshape(B, W, page, *a.shape[2:])), x)
-        store = fp8.quantize if layout == "paged fp8" else (lambda a: a)  # noqa: E731
-        args, options = (pool(store(k)), pool(store(v))), {"table": table}
-        if layout == "window":
-            options["start"] = kv_len - 250  # a window of 251 keys: its first block partly before it
-    runs = {stages: mosaic_cache.cache_attention(q, *args, kv_len, block_k=64, splits=1, stages=stages,
-                                                 interpret=True, **options) for stages in (2, 3, 5)}
-    for stages in (3, 5):
-        for got, want, name in zip(runs[stages], runs[2], ("o", "lse")):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), f"{name}, a ring of {stages}, {layout}")
-    if layout == "window":
-        return  # (the window's values: test_cache_attention_over_a_sliding_window_of_pages)
-    k16, v16 = (fp8.read(fp8.quantize(a), jnp.bfloat16) for a in (k, v)) if layout == "paged fp8" else (k, v)
-    low_o, _ = xla.prefix(q, k16, v16, kv_len, block=64)
-    exact_o, _ = _attention64(q, k16, v16, kv_len)
-    Exact.measure(np.asarray(low_o, np.float64), exact_o, precision="bfloat16").check(runs[2][0], f"o, {layout}")
-
-
-def test_the_default_ring_leaves_room_for_two_programs_an_sm():
-    """At gpt-oss's decode shapes (8 KV heads of 64, 8 query heads each) the default ring is as deep as
-    two programs an SM of a Hopper GPU leave room for: deeper than two blocks for short key blocks,
-    never deeper than the blocks a program walks, and its shared memory within the two programs' share."""
-    for quantized in (False, True):
-        for bk in (64, 128, 256):
-            stages = mosaic_cache.default_stages(bk, 8, 64, quantized, blocks=100)
-            assert stages >= 2
-            assert stages == 2 or mosaic_cache.smem_bytes(bk, stages, 8, 64, quantized) <= mosaic_cache.SMEM_TWO_PROGRAMS
-            assert stages == 8 or mosaic_cache.smem_bytes(bk, stages + 1, 8, 64, quantized) > mosaic_cache.SMEM_TWO_PROGRAMS
-        assert mosaic_cache.default_stages(64, 8, 64, quantized, blocks=100) > 2
-        assert mosaic_cache.default_stages(64, 8, 64, quantized, blocks=3) == 3
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 3])
 def test_cache_attention_over_a_sliding_window_of_pages(T):

@@ -3,12 +3,9 @@ the readable `xla.prefix` for decode-sized queries, reading only each sequence's
 
 A program holds the T * G query rows of one sequence and one KV head (padded to 64, the rows of one
 wgmma), and walks a range of that sequence's filled key blocks: the TMA engine brings each block's
-keys and values ([block_k, H] each) into a ring of `stages` buffers in shared memory, up to
-stages - 1 blocks ahead, while the tensor cores score the block in hand (wgmma, float32 sums) and
-the warpgroup keeps a running max, sum and output in registers. The reads in flight, not the
-arithmetic, set the pace at many sequences (a block's copy takes longer than scoring it), so by
-default the ring is as deep as two programs an SM leave room for (`default_stages`); the output's
-staging buffer reuses the ring's memory once the walk is done. The ranges are the filled blocks split evenly over `splits` programs per (sequence,
+keys and values ([block_k, H] each) into shared memory, two blocks deep, while the tensor cores
+score the block before (wgmma, float32 sums) and the warpgroup keeps a running max, sum and output
+in registers. The ranges are the filled blocks split evenly over `splits` programs per (sequence,
 KV head), counted on the device from kv_len, so a batch of one still fills the GPU and no program
 reads a slot past its sequence's length (beyond the last block's tail). combine.fold_splits folds
 the ranges' partial results by their log-sum-exp.
@@ -78,28 +75,6 @@ def exponent_rows(exponents):
     return exponents.reshape(*lead, S * K // EXPONENT_ROW, EXPONENT_ROW)
 
 
-def smem_bytes(block_k: int, stages: int, K: int, H: int, quantized: bool) -> int:
-    """Shared memory a program takes (bytes) with blocks of `block_k` keys in a ring of `stages`, K KV
-    heads of dim H and 16-bit queries: the ring (in FP8 storage a byte a value, each block's
-    exponents of every KV head, and a 16-bit copy of the block in hand for the tensor cores), the
-    probabilities [R, block_k] and the queries; the output's staging reuses the ring's memory."""
-    ring = 2 * stages * block_k * (H * (1 if quantized else 2) + (K if quantized else 0))
-    if quantized:
-        ring += 2 * block_k * H * 2
-    walk = ring + ROWS * block_k * 2
-    return max(walk, ROWS * H * 4 + 2 * ROWS * 4) + ROWS * H * 2
-
-
-SMEM_TWO_PROGRAMS = 112 * 1024  # of an SM's 228 KB (Hopper), two programs' share, less the 1 KB each reserves
-
-
-def default_stages(block_k: int, K: int, H: int, quantized: bool, blocks: int) -> int:
-    """The ring's depth: the most (at most 8) that leave room for two programs an SM, and no deeper
-    than the `blocks` a program walks at most; at least 2 (one block scored while the next comes)."""
-    deepest = max(s for s in range(2, 9) if s == 2 or smem_bytes(block_k, s, K, H, quantized) <= SMEM_TWO_PROGRAMS)
-    return max(2, min(deepest, blocks))
-
-
 def default_block(programs: int) -> int:
     """Keys per block for this many (sequence, KV head) pairs: the fastest of 64, 128 and 256 on one
     NVIDIA H100 80GB at gpt-oss-20b's shapes (bench/kernels.py --part decode-attention): long blocks
@@ -107,10 +82,9 @@ def default_block(programs: int) -> int:
     return 256 if programs <= 8 else 64 if programs >= 512 else 128
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "interpret"))
 def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | None = None,
-                    splits: int | None = None, stages: int | None = None,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                    splits: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """q [B, T, K, G, H], k and v [B, S, K, H] (16-bit, or FP8 storage, fp8.Fp8), every query seeing
     keys [0, kv_len[b]) -> (o [B, T, K, G, H] float32, lse [B, T, K, G] float32, -inf for a row that
     saw no key), sink-free.
@@ -121,9 +95,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
     and every query must see at least one key of a sequence that has any.
 
     `block_k`: keys per block (a multiple of 64; by default `default_block`, at least a page); `splits`:
-    key ranges per (sequence, KV head), by default enough programs for about four per SM of a large GPU;
-    `stages`: key blocks in the ring of buffers (at least 2; by default `default_stages`). The result
-    does not depend on `stages`: the blocks are summed in the same order whatever the ring's depth."""
+    key ranges per (sequence, KV head), by default enough programs for about four per SM of a large GPU."""
     B, T, K, G, H = q.shape
     quantized = isinstance(k, fp8.Fp8)
     k_values, v_values = (k.values, v.values) if quantized else (k, v)
@@ -153,10 +125,6 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
     bk = block_k
     if splits is None:
         splits = max(1, min(-(-S // bk), -(-528 // (B * K))))
-    if stages is None:
-        stages = default_stages(bk, K, H, quantized, -(-(-(-S // bk)) // splits))
-    if stages < 2:
-        raise ValueError(f"stages={stages}: the ring needs at least 2 buffers (one block scored while the next comes)")
     c = LOG2E / math.sqrt(H)  # scores in base 2: exp2(c * q.k) = exp(q.k / sqrt(H))
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, T*G, H], row = t * G + g
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - T * G), (0, 0)))
@@ -165,7 +133,6 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
 
     per_block = bk // P if table is not None else 1  # pages a block of keys spans (paged)
     e_rows = bk * K // EXPONENT_ROW  # FP8: a block's exponents, rows of EXPONENT_ROW bytes (all KV heads)
-    ahead = stages - 1  # blocks in flight while one is scored
 
     def body(len_ref, start_ref, table_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref, m_ref, l_ref, q_smem,
              q_bar, k_bar, v_bar):
@@ -176,18 +143,18 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
         first = part * per
         count = jnp.maximum(jnp.minimum(first + per, blocks) - first, 0)  # this program's blocks
 
-        def page_ids(i):  # the pages of block first + i (paged; read an iteration before the block's
-            # copy is issued, so that the table's latency passes while a block is scored)
+        def page_ids(i):  # the pages of block first + i (paged; read a block ahead, so that the
+            # load's latency passes while the block before is scored)
             if table is None:
                 return ()
             return tuple(table_ref[b, jnp.minimum((first + i) * per_block + j, table_ref.shape[1] - 1)]
                          for j in range(per_block))
 
         def walk(k_smem, v_smem, p_smem, **fp8_smem):
-            """The program's blocks, the ring's buffers live: -> (m, l, acc) in registers."""
+            """The program's blocks, their buffers live: -> (m, l, acc) in registers."""
 
-            def fetch(i, slot, pages):  # block first + i of this KV head into a buffer slot (in FP8,
-                # with the block's exponents of every KV head, on the same barrier)
+            def fetch(i, slot, pages):  # block first + i of this KV head into a buffer slot (in FP8, with
+                # the block's exponents of every KV head, on the same barrier)
                 if table is None:
                     keys = (b, pl.ds((first + i) * bk, bk), kh)
                     plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
@@ -198,56 +165,53 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
                         plgpu.copy_gmem_to_smem(ve_ref.at[scales], fp8_smem["ve_smem"].at[slot], v_bar.at[slot])
                     return
                 for j, page in enumerate(pages):  # its pages, each a copy with a barrier of its own
-                    at = (slot, pl.ds(j * P, P))
-                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh], k_smem.at[at], k_bar.at[slot * per_block + j])
-                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh], v_smem.at[at], v_bar.at[slot * per_block + j])
+                    rows = (slot, pl.ds(j * P, P))
+                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh], k_smem.at[rows], k_bar.at[slot * per_block + j])
+                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh], v_smem.at[rows], v_bar.at[slot * per_block + j])
                     if quantized:
                         page_rows = e_rows // per_block
                         scales = (slot, pl.ds(j * page_rows, page_rows))
-                        plgpu.copy_gmem_to_smem(ke_ref.at[page], fp8_smem["ke_smem"].at[scales],
-                                                k_bar.at[slot * per_block + j])
-                        plgpu.copy_gmem_to_smem(ve_ref.at[page], fp8_smem["ve_smem"].at[scales],
-                                                v_bar.at[slot * per_block + j])
+                        bar = slot * per_block + j
+                        plgpu.copy_gmem_to_smem(ke_ref.at[page], fp8_smem["ke_smem"].at[scales], k_bar.at[bar])
+                        plgpu.copy_gmem_to_smem(ve_ref.at[page], fp8_smem["ve_smem"].at[scales], v_bar.at[bar])
 
             def wait(bars, slot):
                 for j in range(per_block):
                     plgpu.barrier_wait(bars.at[slot * per_block + j])
 
             def readable(stored, exponents, slot, out):
-                """Block `slot` of keys or values as the tensor cores read them: 16-bit as stored, or
-                FP8 written to `out` in q's dtype, each vector times its scale."""
+                """Block `slot` of keys or values as the tensor cores read them: 16-bit as stored, or FP8
+                written to `out` in q's dtype, each vector times its scale."""
                 if not quantized:
                     return stored.at[slot]
                 if interpret:  # (the interpreter reshapes values, not refs)
                     e = exponents[slot].reshape(bk, K)[:, kh]
                 else:  # column kh of the block's exponents [bk, K], row-major
-                    flat = exponents.reshape(stages * bk * K)
+                    flat = exponents.reshape(2 * bk * K)
                     e = load_rows_strided(flat.at[pl.ds(slot * bk * K + kh, (bk - 1) * K + 1)], bk, K)
-                x = load(stored, slot, plgpu.Layout.WGMMA, interpret).astype(f32)  # [bk, H]
+                x = load(stored, slot, plgpu.Layout.WGMMA, interpret).astype(jnp.float32)  # [bk, H]
                 out[...] = (x * fp8.scale(e)[:, None]).astype(out.dtype)
                 plgpu.commit_smem()
                 return out
 
-            for j in range(ahead):  # the ring's first blocks
-                @pl.when(j < count)
-                def _():
-                    fetch(j, j, page_ids(j))
+            @pl.when(count > 0)
+            def _():
+                fetch(0, 0, page_ids(0))
 
             plgpu.barrier_wait(q_bar)
-            m = plgpu.layout_cast(jnp.full((ROWS,), MASKED, f32), plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((ROWS,), f32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((ROWS, H), f32), plgpu.Layout.WGMMA)
+            m = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
 
             def visit(i, carry):
                 m, l, acc, pages = carry
-                slot = lax.rem(i, stages)
+                slot = lax.rem(i, 2)
 
-                @pl.when(i + ahead < count)
-                def _():  # a block `ahead` on streams in while this one is scored (into the slot the
-                    # block before this one left)
-                    fetch(i + ahead, lax.rem(i + ahead, stages), pages)
+                @pl.when(i + 1 < count)
+                def _():  # the next block streams in while this one is scored (its slot was read last step)
+                    fetch(i + 1, 1 - slot, pages)
 
-                pages = page_ids(i + ahead + 1)
+                pages = page_ids(i + 2)
 
                 wait(k_bar, slot)
                 keys = readable(k_smem, fp8_smem.get("ke_smem"), slot, fp8_smem.get("k16_smem"))
@@ -256,7 +220,7 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
                     plgpu.wgmma(ref, q_smem, keys.transpose((1, 0)))
                     return ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), f32))  # [R, bk]
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))  # [R, bk]
                 key = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
                 seen = key < n - (first + i) * bk
                 if start is not None:  # row t * G + g sees keys from start + t: row < (key - start + 1) G
@@ -278,17 +242,17 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
                     plgpu.wgmma(ref, p_smem, values)
                     return ref[...]
 
-                pv = pl.run_scoped(products, plgpu.ACC((ROWS, H), f32))  # [R, H]
+                pv = pl.run_scoped(products, plgpu.ACC((ROWS, H), jnp.float32))  # [R, H]
                 return m_new, l, acc + pv, pages
 
-            m, l, acc, _ = lax.fori_loop(0, count, visit, (m, l, acc, page_ids(ahead)))
+            m, l, acc, _ = lax.fori_loop(0, count, visit, (m, l, acc, page_ids(1)))
             return m, l, acc
 
-        def finish(o_smem, m_smem, l_smem):  # (in the ring's memory: every block copied was waited for)
-            l_seen = jnp.where(m > MASKED / 2, l, 0.0)  # a row that saw only masked keys saw none: lse -inf
-            o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(l_seen, 1e-30), acc.shape, [0])
+        def finish(o_smem, m_smem, l_smem):  # (in the walk's memory: every block it copied was waited for)
+            seen = jnp.where(m > MASKED / 2, l, 0.0)  # a row that saw only masked keys saw none: lse -inf
+            o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(seen, 1e-30), acc.shape, [0])
             m_smem[...] = m
-            l_smem[...] = l_seen
+            l_smem[...] = seen
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, part, kh])
             plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, part, kh])
@@ -299,12 +263,12 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
         # FP8: the values as stored (no transforms: the warpgroup reads them, not the tensor cores), their
         # exponents, and one block of each in q's dtype for the tensor cores; a barrier sees both copies
         staged = dict(transforms=()) if quantized else dict(transforms=tiles16)
-        fp8_scratch = dict(ke_smem=plgpu.SMEM((stages, e_rows, EXPONENT_ROW), jnp.uint8),
-                           ve_smem=plgpu.SMEM((stages, e_rows, EXPONENT_ROW), jnp.uint8),
+        fp8_scratch = dict(ke_smem=plgpu.SMEM((2, e_rows, EXPONENT_ROW), jnp.uint8),
+                           ve_smem=plgpu.SMEM((2, e_rows, EXPONENT_ROW), jnp.uint8),
                            k16_smem=plgpu.SMEM((bk, H), q.dtype, transforms=tiles16),
                            v16_smem=plgpu.SMEM((bk, H), q.dtype, transforms=tiles16)) if quantized else {}
-        m, l, acc = pl.run_scoped(walk, k_smem=plgpu.SMEM((stages, bk, H), k_values.dtype, **staged),
-                                  v_smem=plgpu.SMEM((stages, bk, H), v_values.dtype, **staged),
+        m, l, acc = pl.run_scoped(walk, k_smem=plgpu.SMEM((2, bk, H), k_values.dtype, **staged),
+                                  v_smem=plgpu.SMEM((2, bk, H), v_values.dtype, **staged),
                                   p_smem=plgpu.SMEM((ROWS, bk), q.dtype, transforms=tiles16), **fp8_scratch)
         pl.run_scoped(finish, plgpu.SMEM((ROWS, H), f32, transforms=tiles(f32)), plgpu.SMEM((ROWS,), f32),
                       plgpu.SMEM((ROWS,), f32))
@@ -315,8 +279,8 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
         out_type=(jax.ShapeDtypeStruct((B, splits, K, ROWS, H), f32), jax.ShapeDtypeStruct((B, splits, K, ROWS), f32),
                   jax.ShapeDtypeStruct((B, splits, K, ROWS), f32)),
         scratch_types=dict(q_smem=plgpu.SMEM((ROWS, H), q.dtype, transforms=tiles16), q_bar=plgpu.Barrier(),
-                           k_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages * per_block),
-                           v_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages * per_block)))
+                           k_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2 * per_block),
+                           v_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2 * per_block)))
     pages = jnp.zeros((1, 1), jnp.int32) if table is None else table.astype(jnp.int32)
     starts = jnp.zeros((1,), jnp.int32) if start is None else start.astype(jnp.int32)
     if quantized:
