@@ -129,13 +129,12 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
     rows = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, T*G, H], row = t * G + g
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - T * G), (0, 0)))
     tiles16 = tiles(q.dtype)
-    f32 = jnp.float32
 
     per_block = bk // P if table is not None else 1  # pages a block of keys spans (paged)
     e_rows = bk * K // EXPONENT_ROW  # FP8: a block's exponents, rows of EXPONENT_ROW bytes (all KV heads)
 
     def body(len_ref, start_ref, table_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref, m_ref, l_ref, q_smem,
-             q_bar, k_bar, v_bar):
+             k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bar, v_bar, **fp8_smem):
         b, kh, part = lax.axis_index("b"), lax.axis_index("k"), lax.axis_index("s")
         n = len_ref[b]
         blocks = (n + bk - 1) // bk  # filled key blocks of this sequence
@@ -150,137 +149,132 @@ def cache_attention(q, k, v, kv_len, *, table=None, start=None, block_k: int | N
             return tuple(table_ref[b, jnp.minimum((first + i) * per_block + j, table_ref.shape[1] - 1)]
                          for j in range(per_block))
 
-        def walk(k_smem, v_smem, p_smem, **fp8_smem):
-            """The program's blocks, their buffers live: -> (m, l, acc) in registers."""
+        def fetch(i, slot, pages):  # block first + i of this KV head into a buffer slot (in FP8, with
+            # the block's exponents of every KV head, on the same barrier)
+            if table is None:
+                keys = (b, pl.ds((first + i) * bk, bk), kh)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
+                if quantized:
+                    scales = (b, pl.ds((first + i) * e_rows, e_rows))
+                    plgpu.copy_gmem_to_smem(ke_ref.at[scales], fp8_smem["ke_smem"].at[slot], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(ve_ref.at[scales], fp8_smem["ve_smem"].at[slot], v_bar.at[slot])
+                return
+            for j, page in enumerate(pages):  # its pages, each a copy with a barrier of its own
+                rows = (slot, pl.ds(j * P, P))
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh], k_smem.at[rows], k_bar.at[slot * per_block + j])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh], v_smem.at[rows], v_bar.at[slot * per_block + j])
+                if quantized:
+                    page_rows = e_rows // per_block
+                    scales = (slot, pl.ds(j * page_rows, page_rows))
+                    plgpu.copy_gmem_to_smem(ke_ref.at[page], fp8_smem["ke_smem"].at[scales], k_bar.at[slot * per_block + j])
+                    plgpu.copy_gmem_to_smem(ve_ref.at[page], fp8_smem["ve_smem"].at[scales], v_bar.at[slot * per_block + j])
 
-            def fetch(i, slot, pages):  # block first + i of this KV head into a buffer slot (in FP8, with
-                # the block's exponents of every KV head, on the same barrier)
-                if table is None:
-                    keys = (b, pl.ds((first + i) * bk, bk), kh)
-                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_bar.at[slot])
-                    if quantized:
-                        scales = (b, pl.ds((first + i) * e_rows, e_rows))
-                        plgpu.copy_gmem_to_smem(ke_ref.at[scales], fp8_smem["ke_smem"].at[slot], k_bar.at[slot])
-                        plgpu.copy_gmem_to_smem(ve_ref.at[scales], fp8_smem["ve_smem"].at[slot], v_bar.at[slot])
-                    return
-                for j, page in enumerate(pages):  # its pages, each a copy with a barrier of its own
-                    rows = (slot, pl.ds(j * P, P))
-                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kh], k_smem.at[rows], k_bar.at[slot * per_block + j])
-                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kh], v_smem.at[rows], v_bar.at[slot * per_block + j])
-                    if quantized:
-                        page_rows = e_rows // per_block
-                        scales = (slot, pl.ds(j * page_rows, page_rows))
-                        bar = slot * per_block + j
-                        plgpu.copy_gmem_to_smem(ke_ref.at[page], fp8_smem["ke_smem"].at[scales], k_bar.at[bar])
-                        plgpu.copy_gmem_to_smem(ve_ref.at[page], fp8_smem["ve_smem"].at[scales], v_bar.at[bar])
+        def wait(bars, slot):
+            for j in range(per_block):
+                plgpu.barrier_wait(bars.at[slot * per_block + j])
 
-            def wait(bars, slot):
-                for j in range(per_block):
-                    plgpu.barrier_wait(bars.at[slot * per_block + j])
-
-            def readable(stored, exponents, slot, out):
-                """Block `slot` of keys or values as the tensor cores read them: 16-bit as stored, or FP8
-                written to `out` in q's dtype, each vector times its scale."""
-                if not quantized:
-                    return stored.at[slot]
-                if interpret:  # (the interpreter reshapes values, not refs)
-                    e = exponents[slot].reshape(bk, K)[:, kh]
-                else:  # column kh of the block's exponents [bk, K], row-major
-                    flat = exponents.reshape(2 * bk * K)
-                    e = load_rows_strided(flat.at[pl.ds(slot * bk * K + kh, (bk - 1) * K + 1)], bk, K)
-                x = load(stored, slot, plgpu.Layout.WGMMA, interpret).astype(jnp.float32)  # [bk, H]
-                out[...] = (x * fp8.scale(e)[:, None]).astype(out.dtype)
-                plgpu.commit_smem()
-                return out
-
-            @pl.when(count > 0)
-            def _():
-                fetch(0, 0, page_ids(0))
-
-            plgpu.barrier_wait(q_bar)
-            m = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
-
-            def visit(i, carry):
-                m, l, acc, pages = carry
-                slot = lax.rem(i, 2)
-
-                @pl.when(i + 1 < count)
-                def _():  # the next block streams in while this one is scored (its slot was read last step)
-                    fetch(i + 1, 1 - slot, pages)
-
-                pages = page_ids(i + 2)
-
-                wait(k_bar, slot)
-                keys = readable(k_smem, fp8_smem.get("ke_smem"), slot, fp8_smem.get("k16_smem"))
-
-                def scores(ref):
-                    plgpu.wgmma(ref, q_smem, keys.transpose((1, 0)))
-                    return ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))  # [R, bk]
-                key = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
-                seen = key < n - (first + i) * bk
-                if start is not None:  # row t * G + g sees keys from start + t: row < (key - start + 1) G
-                    row = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=plgpu.Layout.WGMMA)
-                    seen &= row < (key + ((first + i) * bk - start_ref[b] + 1)) * G
-                s = jnp.where(seen, s * c, MASKED)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                wait(v_bar, slot)
-                values = readable(v_smem, fp8_smem.get("ve_smem"), slot, fp8_smem.get("v16_smem"))
-
-                p_smem[...] = p.astype(p_smem.dtype)  # the tensor cores read both operands from shared memory
-                plgpu.commit_smem()
-
-                def products(ref):
-                    plgpu.wgmma(ref, p_smem, values)
-                    return ref[...]
-
-                pv = pl.run_scoped(products, plgpu.ACC((ROWS, H), jnp.float32))  # [R, H]
-                return m_new, l, acc + pv, pages
-
-            m, l, acc, _ = lax.fori_loop(0, count, visit, (m, l, acc, page_ids(1)))
-            return m, l, acc
-
-        def finish(o_smem, m_smem, l_smem):  # (in the walk's memory: every block it copied was waited for)
-            seen = jnp.where(m > MASKED / 2, l, 0.0)  # a row that saw only masked keys saw none: lse -inf
-            o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(seen, 1e-30), acc.shape, [0])
-            m_smem[...] = m
-            l_smem[...] = seen
+        def readable(stored, exponents, slot, out):
+            """Block `slot` of keys or values as the tensor cores read them: 16-bit as stored, or FP8
+            written to `out` in q's dtype, each vector times its scale."""
+            if not quantized:
+                return stored.at[slot]
+            if interpret:  # (the interpreter reshapes values, not refs)
+                e = exponents[slot].reshape(bk, K)[:, kh]
+            else:  # column kh of the block's exponents [bk, K], row-major
+                flat = exponents.reshape(2 * bk * K)
+                e = load_rows_strided(flat.at[pl.ds(slot * bk * K + kh, (bk - 1) * K + 1)], bk, K)
+            x = load(stored, slot, plgpu.Layout.WGMMA, interpret).astype(jnp.float32)  # [bk, H]
+            out[...] = (x * fp8.scale(e)[:, None]).astype(out.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, part, kh])
-            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, part, kh])
-            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, part, kh])
-            plgpu.wait_smem_to_gmem(0)
+            return out
 
         plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar)
-        # FP8: the values as stored (no transforms: the warpgroup reads them, not the tensor cores), their
-        # exponents, and one block of each in q's dtype for the tensor cores; a barrier sees both copies
-        staged = dict(transforms=()) if quantized else dict(transforms=tiles16)
-        fp8_scratch = dict(ke_smem=plgpu.SMEM((2, e_rows, EXPONENT_ROW), jnp.uint8),
-                           ve_smem=plgpu.SMEM((2, e_rows, EXPONENT_ROW), jnp.uint8),
-                           k16_smem=plgpu.SMEM((bk, H), q.dtype, transforms=tiles16),
-                           v16_smem=plgpu.SMEM((bk, H), q.dtype, transforms=tiles16)) if quantized else {}
-        m, l, acc = pl.run_scoped(walk, k_smem=plgpu.SMEM((2, bk, H), k_values.dtype, **staged),
-                                  v_smem=plgpu.SMEM((2, bk, H), v_values.dtype, **staged),
-                                  p_smem=plgpu.SMEM((ROWS, bk), q.dtype, transforms=tiles16), **fp8_scratch)
-        pl.run_scoped(finish, plgpu.SMEM((ROWS, H), f32, transforms=tiles(f32)), plgpu.SMEM((ROWS,), f32),
-                      plgpu.SMEM((ROWS,), f32))
 
+        @pl.when(count > 0)
+        def _():
+            fetch(0, 0, page_ids(0))
+
+        plgpu.barrier_wait(q_bar)
+        m = plgpu.layout_cast(jnp.full((ROWS,), MASKED, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.zeros((ROWS, H), jnp.float32), plgpu.Layout.WGMMA)
+
+        def visit(i, carry):
+            m, l, acc, pages = carry
+            slot = lax.rem(i, 2)
+
+            @pl.when(i + 1 < count)
+            def _():  # the next block streams in while this one is scored (its slot was read last step)
+                fetch(i + 1, 1 - slot, pages)
+
+            pages = page_ids(i + 2)
+
+            wait(k_bar, slot)
+            keys = readable(k_smem, fp8_smem.get("ke_smem"), slot, fp8_smem.get("k16_smem"))
+
+            def scores(ref):
+                plgpu.wgmma(ref, q_smem, keys.transpose((1, 0)))
+                return ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((ROWS, bk), jnp.float32))  # [R, bk]
+            key = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
+            seen = key < n - (first + i) * bk
+            if start is not None:  # row t * G + g sees keys from start + t: row < (key - start + 1) G
+                row = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 0, layout=plgpu.Layout.WGMMA)
+                seen &= row < (key + ((first + i) * bk - start_ref[b] + 1)) * G
+            s = jnp.where(seen, s * c, MASKED)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            wait(v_bar, slot)
+            values = readable(v_smem, fp8_smem.get("ve_smem"), slot, fp8_smem.get("v16_smem"))
+
+            p_smem[...] = p.astype(p_smem.dtype)  # the tensor cores read both operands from shared memory
+            plgpu.commit_smem()
+
+            def products(ref):
+                plgpu.wgmma(ref, p_smem, values)
+                return ref[...]
+
+            pv = pl.run_scoped(products, plgpu.ACC((ROWS, H), jnp.float32))  # [R, H]
+            return m_new, l, acc + pv, pages
+
+        m, l, acc, _ = lax.fori_loop(0, count, visit, (m, l, acc, page_ids(1)))
+        l = jnp.where(m > MASKED / 2, l, 0.0)  # a row that saw only masked keys saw none: lse -inf
+        o_smem[...] = acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, [0])
+        m_smem[...] = m
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, part, kh])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, part, kh])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, part, kh])
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    # FP8: the values as stored (no transforms: the warpgroup reads them, not the tensor cores), their
+    # exponents, and one block of each in q's dtype for the tensor cores; a barrier sees both copies
+    staged = dict(transforms=()) if quantized else dict(transforms=tiles16)
+    fp8_scratch = dict(ke_smem=plgpu.SMEM((2, e_rows, EXPONENT_ROW), jnp.uint8),
+                       ve_smem=plgpu.SMEM((2, e_rows, EXPONENT_ROW), jnp.uint8),
+                       k16_smem=plgpu.SMEM((bk, H), q.dtype, transforms=tiles16),
+                       v16_smem=plgpu.SMEM((bk, H), q.dtype, transforms=tiles16)) if quantized else {}
     arrivals = 2 if quantized else 1
     kernel = plgpu.kernel(
         body, grid=(B, K, splits), grid_names=("b", "k", "s"), interpret=interpret_params(interpret),
         out_type=(jax.ShapeDtypeStruct((B, splits, K, ROWS, H), f32), jax.ShapeDtypeStruct((B, splits, K, ROWS), f32),
                   jax.ShapeDtypeStruct((B, splits, K, ROWS), f32)),
-        scratch_types=dict(q_smem=plgpu.SMEM((ROWS, H), q.dtype, transforms=tiles16), q_bar=plgpu.Barrier(),
+        scratch_types=dict(q_smem=plgpu.SMEM((ROWS, H), q.dtype, transforms=tiles16),
+                           k_smem=plgpu.SMEM((2, bk, H), k_values.dtype, **staged),
+                           v_smem=plgpu.SMEM((2, bk, H), v_values.dtype, **staged),
+                           p_smem=plgpu.SMEM((ROWS, bk), q.dtype, transforms=tiles16),
+                           o_smem=plgpu.SMEM((ROWS, H), f32, transforms=tiles(f32)),
+                           m_smem=plgpu.SMEM((ROWS,), f32), l_smem=plgpu.SMEM((ROWS,), f32),
+                           q_bar=plgpu.Barrier(),
                            k_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2 * per_block),
-                           v_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2 * per_block)))
+                           v_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=2 * per_block), **fp8_scratch))
     pages = jnp.zeros((1, 1), jnp.int32) if table is None else table.astype(jnp.int32)
     starts = jnp.zeros((1,), jnp.int32) if start is None else start.astype(jnp.int32)
     if quantized:
